@@ -1,0 +1,60 @@
+# spotcr: `make demo` and `make test` install what they need (venv, pinned packages, CDK CLI, CRIU).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTHON_DIRS := functions vm-bootstrap infra rehearsal bench tests
+export PYTHONPATH := $(CURDIR)/functions:$(CURDIR)/vm-bootstrap:$(CURDIR)
+export CDK_DISABLE_CLI_TELEMETRY := 1
+export CDK_DISABLE_VERSION_CHECK := 1
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
+CDK := npx --no-install cdk --no-notices
+
+.PHONY: setup criu lint test demo bench synth deploy destroy lock clean
+
+setup: $(VENV)/.installed node_modules/.installed criu
+
+$(VENV)/.installed: requirements/dev.lock
+	@command -v $(PYTHON) >/dev/null || { apt-get update -qq && apt-get install -y -qq python3 python3-venv; }
+	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq python3-venv; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q uv==0.13.8
+	$(VENV)/bin/uv pip sync -q --python $(PY) requirements/dev.lock
+	touch $@
+
+node_modules/.installed: package-lock.json
+	@command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm; }
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+criu:
+	@bash vm-bootstrap/install-criu.sh
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check $(PYTHON_DIRS)
+	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
+	$(VENV)/bin/mypy $(PYTHON_DIRS)
+
+test: setup lint
+	$(PY) -m pytest
+
+demo: setup
+	$(PY) -m rehearsal $(ARGS)
+
+bench: setup
+	$(PY) -m bench $(ARGS)
+
+synth: $(VENV)/.installed node_modules/.installed
+	$(CDK) synth --quiet $(ARGS)
+
+deploy: $(VENV)/.installed node_modules/.installed
+	$(CDK) deploy $(ARGS)
+
+destroy: $(VENV)/.installed node_modules/.installed
+	$(CDK) destroy $(ARGS)
+
+lock: $(VENV)/.installed
+	cd requirements && ../$(VENV)/bin/uv pip compile -q --python ../$(PY) dev.in -o dev.lock
+
+clean:
+	rm -rf $(VENV) node_modules cdk.out .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,115 @@
+"""Commands the cloud side sends to a job VM through SSM Run Command.
+
+Each command is one SSM document with typed, pattern-checked parameters that reach the agent
+as environment variables (interpolationType ENV_VAR), never spliced into a shell line.
+infra/ builds the documents from here, functions/ sends them, the rehearsal runs them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+AGENT_BIN = "/opt/spotcr/bin/spotcr-agent"
+CHECKPOINT_ID_PATTERN = r"^[0-9]{13}-g[0-9]{1,10}-(periodic|final)$"
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    description: str
+    pattern: str
+    default: str | None = None
+
+
+@dataclass(frozen=True)
+class Command:
+    """An agent subcommand and the document parameters that become its flags."""
+
+    name: str  # the agent subcommand, and the document's short name
+    description: str
+    parameters: tuple[Parameter, ...]
+    flags: Mapping[str, str]  # parameter name -> agent flag
+
+    def agent_argv(self, values: Mapping[str, str]) -> list[str]:
+        """The agent's argv for these parameter values, checked as SSM checks them."""
+        argv = [AGENT_BIN, self.name]
+        for parameter in self.parameters:
+            value = values.get(parameter.name, parameter.default)
+            if value is None:
+                raise ValueError(f"{self.name}: parameter {parameter.name} is required")
+            if not re.fullmatch(parameter.pattern, value):
+                raise ValueError(f"{self.name}: parameter {parameter.name}={value[:64]!r} fails {parameter.pattern}")
+            if value:
+                argv += [self.flags[parameter.name], value]
+        return argv
+
+    def document(self) -> dict[str, object]:
+        """The SSM Command document (schema 2.2)."""
+        flags = " ".join(
+            f'${{SSM_{p.name}:+{self.flags[p.name]}}} ${{SSM_{p.name}:+"$SSM_{p.name}"}}' for p in self.parameters
+        )
+        parameters: dict[str, object] = {}
+        for p in self.parameters:
+            spec: dict[str, object] = {
+                "type": "String",
+                "description": p.description,
+                "allowedPattern": p.pattern,
+                "interpolationType": "ENV_VAR",
+            }
+            if p.default is not None:
+                spec["default"] = p.default
+            parameters[p.name] = spec
+        return {
+            "schemaVersion": "2.2",
+            "description": self.description,
+            "parameters": parameters,
+            "mainSteps": [
+                {
+                    "action": "aws:runShellScript",
+                    "name": self.name,
+                    "precondition": {"StringEquals": ["platformType", "Linux"]},
+                    "inputs": {"timeoutSeconds": "900", "runCommand": [f"exec {AGENT_BIN} {self.name} {flags}"]},
+                }
+            ],
+        }
+
+
+_JOB = Parameter("JobId", "The job's name (spotcr:job).", r"^[a-z0-9][a-z0-9-]{0,62}$")
+_GENERATION = Parameter("Generation", "Fencing token: the agent refuses a stale generation.", r"^[0-9]{1,10}$")
+
+CHECKPOINT = Command(
+    name="checkpoint",
+    description="spotcr: take a periodic (job keeps running) or final (job stops) checkpoint.",
+    parameters=(
+        _JOB,
+        _GENERATION,
+        Parameter("Kind", "periodic or final.", r"^(periodic|final)$"),
+    ),
+    flags={"JobId": "--job", "Generation": "--generation", "Kind": "--kind"},
+)
+RESTORE = Command(
+    name="restore",
+    description="spotcr: restore the job from a committed checkpoint (empty: the newest).",
+    parameters=(
+        _JOB,
+        _GENERATION,
+        Parameter("CheckpointId", "Checkpoint to restore; empty for the newest.", f"^$|{CHECKPOINT_ID_PATTERN}", ""),
+    ),
+    flags={"JobId": "--job", "Generation": "--generation", "CheckpointId": "--checkpoint"},
+)
+RELEASE = Command(
+    name="release",
+    description="spotcr: stop using the job's storage (unmount an EBS volume) so it can move.",
+    parameters=(_JOB, _GENERATION),
+    flags={"JobId": "--job", "Generation": "--generation"},
+)
+STATUS = Command(
+    name="status",
+    description="spotcr: print the agent's view of the job as JSON.",
+    parameters=(_JOB,),
+    flags={"JobId": "--job"},
+)
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (CHECKPOINT, RESTORE, RELEASE, STATUS)}

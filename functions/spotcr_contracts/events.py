@@ -1,0 +1,144 @@
+"""Lifecycle events the agent publishes to the project's EventBridge bus.
+
+One definition for both sides: the agent builds them with `to_entry`, the functions parse
+them with `parse_detail`. `tests/events/agent/*.json` holds the shared test vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+SOURCE = "spotcr.agent"
+VERSION = 1
+
+
+class InvalidEvent(ValueError):
+    """An agent event that does not match its definition; the message says which field."""
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """Fields every agent event carries. `generation` is the fencing token the VM serves."""
+
+    DETAIL_TYPE: ClassVar[str] = ""
+
+    job_id: str
+    instance_id: str
+    generation: int
+    at: str  # ISO 8601 UTC time on the VM
+
+    def detail(self) -> dict[str, Any]:
+        return {"version": VERSION, **dataclasses.asdict(self)}
+
+    def to_entry(self, bus_name: str) -> dict[str, Any]:
+        """A PutEvents entry for this event."""
+        return {
+            "Source": SOURCE,
+            "DetailType": self.DETAIL_TYPE,
+            "Detail": json.dumps(self.detail(), separators=(",", ":")),
+            "EventBusName": bus_name,
+            "Resources": [],
+        }
+
+
+@dataclass(frozen=True)
+class AgentReady(AgentEvent):
+    """The agent is up, storage is mounted, and it accepts commands (mode: run | restore)."""
+
+    DETAIL_TYPE: ClassVar[str] = "AgentReady"
+    mode: str = "run"
+
+
+@dataclass(frozen=True)
+class BootstrapFailed(AgentEvent):
+    DETAIL_TYPE: ClassVar[str] = "BootstrapFailed"
+    step: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class JobStarted(AgentEvent):
+    DETAIL_TYPE: ClassVar[str] = "JobStarted"
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointCompleted(AgentEvent):
+    """A checkpoint is committed (its manifest is written) and may be restored."""
+
+    DETAIL_TYPE: ClassVar[str] = "CheckpointCompleted"
+    checkpoint_id: str = ""
+    kind: str = "periodic"  # periodic | final
+    seconds: float = 0.0  # dump start to durable
+    frozen_seconds: float = 0.0
+    bytes_total: int = 0  # image bytes described by the manifest
+    bytes_uploaded: int = 0  # bytes actually sent to the store (after dedup and compression)
+
+
+@dataclass(frozen=True)
+class CheckpointFailed(AgentEvent):
+    DETAIL_TYPE: ClassVar[str] = "CheckpointFailed"
+    kind: str = "periodic"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RestoreCompleted(AgentEvent):
+    DETAIL_TYPE: ClassVar[str] = "RestoreCompleted"
+    checkpoint_id: str = ""
+    seconds: float = 0.0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class RestoreFailed(AgentEvent):
+    DETAIL_TYPE: ClassVar[str] = "RestoreFailed"
+    checkpoint_id: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class JobExited(AgentEvent):
+    DETAIL_TYPE: ClassVar[str] = "JobExited"
+    exit_code: int = 0
+
+
+EVENT_TYPES: dict[str, type[AgentEvent]] = {
+    cls.DETAIL_TYPE: cls
+    for cls in (
+        AgentReady,
+        BootstrapFailed,
+        JobStarted,
+        CheckpointCompleted,
+        CheckpointFailed,
+        RestoreCompleted,
+        RestoreFailed,
+        JobExited,
+    )
+}
+
+
+def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
+    """Build the typed event from an EventBridge detail-type and detail."""
+    cls = EVENT_TYPES.get(detail_type)
+    if cls is None:
+        raise InvalidEvent(f"unknown agent event {detail_type!r}")
+    version = detail.get("version")
+    if version != VERSION:
+        raise InvalidEvent(f"{detail_type}: version {version!r} is not {VERSION}")
+    values: dict[str, Any] = {}
+    for spec in dataclasses.fields(cls):
+        if spec.name not in detail:
+            if spec.default is dataclasses.MISSING:
+                raise InvalidEvent(f"{detail_type}: missing field {spec.name!r}")
+            continue
+        value = detail[spec.name]
+        expected = {"int": int, "float": (int, float), "str": str}[str(spec.type)]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise InvalidEvent(f"{detail_type}: field {spec.name!r} has type {type(value).__name__}")
+        values[spec.name] = float(value) if str(spec.type) == "float" else value
+    return cls(**values)

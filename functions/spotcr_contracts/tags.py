@@ -1,0 +1,179 @@
+"""Instance tags: how a user submits a job, and how spotcr reads it back on both sides.
+
+Every value is validated strictly here; a value that fails names the tag and the reason.
+Values never reach a shell: commands become argv lists, everything else typed fields.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+PREFIX = "spotcr:"
+JOB = "spotcr:job"
+STORAGE = "spotcr:storage"
+INTERVAL = "spotcr:interval"
+FALLBACK_TYPES = "spotcr:fallback-types"
+COMMAND = "spotcr:command"
+SPEC = "spotcr:spec"
+WORKDIR = "spotcr:workdir"
+ERROR = "spotcr:error"
+# Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
+MODE = "spotcr:mode"
+GENERATION = "spotcr:generation"
+
+STORAGES = ("s3", "ebs", "efs", "fsx")
+MODES = ("run", "restore")
+DEFAULT_STORAGE = "s3"
+DEFAULT_INTERVAL_S = 300
+MIN_INTERVAL_S = 10
+MAX_INTERVAL_S = 86_400
+MAX_FALLBACK_TYPES = 8
+MAX_TAG_VALUE = 256
+
+_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
+_S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
+_WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")
+_SHELL_SYNTAX = re.compile(r"[;&|<>`$\\]|\$\(")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class InvalidJobTags(ValueError):
+    """A job's tags cannot be used; the message names the tag and what is wrong."""
+
+    def __init__(self, tag: str, reason: str) -> None:
+        super().__init__(f"{tag}: {reason}")
+        self.tag = tag
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user asked for, read from the instance's tags."""
+
+    job_id: str
+    storage: str = DEFAULT_STORAGE
+    interval_s: int = DEFAULT_INTERVAL_S
+    fallback_types: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    spec_uri: str | None = None
+    workdir: str | None = None
+    mode: str = "run"
+    generation: int = 0
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def to_tags(self) -> dict[str, str]:
+        """The tags that describe this job, as a backup VM must carry them."""
+        tags = {
+            JOB: self.job_id,
+            STORAGE: self.storage,
+            INTERVAL: str(self.interval_s),
+            MODE: self.mode,
+            GENERATION: str(self.generation),
+        }
+        if self.fallback_types:
+            tags[FALLBACK_TYPES] = ",".join(self.fallback_types)
+        if self.command:
+            tags[COMMAND] = shlex.join(self.command)
+        if self.spec_uri:
+            tags[SPEC] = self.spec_uri
+        if self.workdir:
+            tags[WORKDIR] = self.workdir
+        return tags
+
+
+def is_job(tags: Mapping[str, str]) -> bool:
+    return JOB in tags
+
+
+def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
+    """Read a job from instance tags; raises InvalidJobTags naming the first bad tag."""
+    for key, value in tags.items():
+        if key.startswith(PREFIX):
+            if len(value) > MAX_TAG_VALUE:
+                raise InvalidJobTags(key, f"value is {len(value)} characters, at most {MAX_TAG_VALUE}")
+            if _CONTROL.search(value):
+                raise InvalidJobTags(key, "value contains control characters")
+    if JOB not in tags:
+        raise InvalidJobTags(JOB, "missing")
+    job_id = tags[JOB]
+    if not _JOB_NAME.match(job_id):
+        raise InvalidJobTags(JOB, "must be 1-63 of a-z, 0-9 and '-', starting with a letter or digit")
+    storage = tags.get(STORAGE, DEFAULT_STORAGE)
+    if storage not in STORAGES:
+        raise InvalidJobTags(STORAGE, f"unknown storage {storage[:32]!r}; one of {', '.join(STORAGES)}")
+    interval_s = _parse_int(tags, INTERVAL, DEFAULT_INTERVAL_S, MIN_INTERVAL_S, MAX_INTERVAL_S)
+    generation = _parse_int(tags, GENERATION, 0, 0, 10**9)
+    mode = tags.get(MODE, "run")
+    if mode not in MODES:
+        raise InvalidJobTags(MODE, f"unknown mode {mode[:32]!r}; one of {', '.join(MODES)}")
+    fallback_types = _parse_fallback_types(tags.get(FALLBACK_TYPES, ""))
+    command = parse_command(tags[COMMAND]) if COMMAND in tags else ()
+    spec_uri = tags.get(SPEC)
+    if spec_uri is not None and not _S3_URI.match(spec_uri):
+        raise InvalidJobTags(SPEC, "must be s3://bucket/key with a DNS-style bucket name")
+    if not command and spec_uri is None:
+        raise InvalidJobTags(COMMAND, f"a job needs {COMMAND} or {SPEC}")
+    workdir = tags.get(WORKDIR)
+    if workdir is not None and (not _WORKDIR.match(workdir) or "/../" in workdir + "/"):
+        raise InvalidJobTags(WORKDIR, "must be an absolute path of letters, digits, '.', '_', '-' and '/'")
+    extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
+    return JobSpec(
+        job_id=job_id,
+        storage=storage,
+        interval_s=interval_s,
+        fallback_types=fallback_types,
+        command=command,
+        spec_uri=spec_uri,
+        workdir=workdir,
+        mode=mode,
+        generation=generation,
+        extra=extra,
+    )
+
+
+def parse_command(value: str, tag: str = COMMAND) -> tuple[str, ...]:
+    """Split a command into argv; shell syntax is refused because no shell will ever see it."""
+    if _CONTROL.search(value):
+        raise InvalidJobTags(tag, "command contains control characters")
+    match = _SHELL_SYNTAX.search(value)
+    if match:
+        raise InvalidJobTags(
+            tag,
+            f"command uses shell syntax {match.group(0)!r}; spotcr runs argv without a shell: "
+            "put a script in the job's work dir or a job spec",
+        )
+    try:
+        argv = tuple(shlex.split(value))
+    except ValueError as error:
+        raise InvalidJobTags(tag, f"command does not parse: {error}") from error
+    if not argv:
+        raise InvalidJobTags(tag, "command is empty")
+    return argv
+
+
+def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: int) -> int:
+    raw = tags.get(tag)
+    if raw is None:
+        return default
+    if not raw.isdigit() or len(raw) > 10:
+        raise InvalidJobTags(tag, f"must be a whole number, got {raw[:32]!r}")
+    value = int(raw)
+    if not low <= value <= high:
+        raise InvalidJobTags(tag, f"must be between {low} and {high}, got {value}")
+    return value
+
+
+def _parse_fallback_types(raw: str) -> tuple[str, ...]:
+    if not raw:
+        return ()
+    types = tuple(part.strip() for part in raw.split(","))
+    if len(types) > MAX_FALLBACK_TYPES:
+        raise InvalidJobTags(FALLBACK_TYPES, f"at most {MAX_FALLBACK_TYPES} instance types")
+    for instance_type in types:
+        if not _INSTANCE_TYPE.match(instance_type):
+            raise InvalidJobTags(FALLBACK_TYPES, f"{instance_type[:32]!r} is not an instance type like m5.large")
+    return types
