@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -110,10 +111,8 @@ def test_tcp_listener_survives_dump_and_restore(criu_bin: str, tmp_path: Path) -
     finally:
         for victim in (pid, restored_pid):
             if victim:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(victim, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 def test_installer_is_idempotent() -> None:
