@@ -122,6 +122,10 @@ EVENT_TYPES: dict[str, type[AgentEvent]] = {
 }
 
 
+# Field annotations are strings here (postponed evaluation); these are the ones events use.
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
+
+
 def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
     """Build the typed event from an EventBridge detail-type and detail."""
     cls = EVENT_TYPES.get(detail_type)
@@ -137,8 +141,10 @@ def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
                 raise InvalidEvent(f"{detail_type}: missing field {spec.name!r}")
             continue
         value = detail[spec.name]
-        expected = {"int": int, "float": (int, float), "str": str}[str(spec.type)]
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if isinstance(value, bool) or not isinstance(value, _FIELD_TYPES[str(spec.type)]):
             raise InvalidEvent(f"{detail_type}: field {spec.name!r} has type {type(value).__name__}")
-        values[spec.name] = float(value) if str(spec.type) == "float" else value
+        values[spec.name] = value
+    for spec in dataclasses.fields(cls):
+        if str(spec.type) == "float" and spec.name in values:
+            values[spec.name] = float(values[spec.name])
     return cls(**values)
