@@ -143,8 +143,5 @@ def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
         value = detail[spec.name]
         if isinstance(value, bool) or not isinstance(value, _FIELD_TYPES[str(spec.type)]):
             raise InvalidEvent(f"{detail_type}: field {spec.name!r} has type {type(value).__name__}")
-        values[spec.name] = value
-    for spec in dataclasses.fields(cls):
-        if str(spec.type) == "float" and spec.name in values:
-            values[spec.name] = float(values[spec.name])
+        values[spec.name] = float(value) if isinstance(value, int) and str(spec.type) == "float" else value
     return cls(**values)
