@@ -92,6 +92,7 @@ class RestoreCompleted(AgentEvent):
     checkpoint_id: str = ""
     seconds: float = 0.0
     pid: int = 0
+    skipped: str = ""  # why newer checkpoints were not restored (corrupt, incompatible); empty if none were
 
 
 @dataclass(frozen=True)
