@@ -1,0 +1,326 @@
+"""The checkpoint store against both backends: round trip, dedup, streaming, commit rules and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from spotcr_agent.store import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CheckpointStore,
+    CorruptCheckpoint,
+    StoreUnavailable,
+    UnsupportedManifest,
+)
+
+from .support import MiB, checkpoint_id, meta, random_bytes, tree_bytes
+
+
+def write_images(image_dir: Path, pages: bytes) -> None:
+    """A CRIU-like image set: one big pages file and a handful of tiny protobuf-sized files."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+    (image_dir / "pages-1.img").write_bytes(pages)
+    (image_dir / "core-1.img").write_bytes(random_bytes(900, seed=11))
+    (image_dir / "mm-1.img").write_bytes(random_bytes(5000, seed=12) + bytes(3000))
+    (image_dir / "pagemap-1.img").write_bytes(random_bytes(200 * 1024, seed=13))
+    (image_dir / "inventory.img").write_bytes(b"")
+    (image_dir / "sub").mkdir(exist_ok=True)
+    (image_dir / "sub" / "tty.img").write_bytes(b"\x01\x02")
+
+
+def mixed_pages() -> bytes:
+    """Random, zero and repeated content, so compression and in-checkpoint dedup both get exercised."""
+    return random_bytes(3 * MiB, seed=1) + bytes(2 * MiB) + random_bytes(64 * 1024, seed=2) * 32 + b"tail"
+
+
+def test_round_trip_is_byte_identical(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given an image directory and a work dir file
+    images = tmp_path / "img"
+    write_images(images, mixed_pages())
+    os.chmod(images / "core-1.img", 0o640)
+    log = tmp_path / "out.log"
+    log.write_bytes(b"step 1\nstep 2\n")
+
+    # When it is committed and fetched elsewhere
+    result = store.commit(images, meta(1), extra_files={"workdir/out.log": log})
+    manifest = store.fetch(result.checkpoint_id, tmp_path / "restore")
+
+    # Then every file comes back byte for byte, with its mode, under images/ and workdir/
+    fetched = tree_bytes(tmp_path / "restore")
+    expected = {f"images/{k}": v for k, v in tree_bytes(images).items()} | {"workdir/out.log": log.read_bytes()}
+    assert fetched == expected
+    assert (tmp_path / "restore/images/core-1.img").stat().st_mode & 0o777 == 0o640
+    assert manifest.checkpoint_id == result.checkpoint_id
+    assert result.bytes_total == sum(len(v) for v in expected.values())
+    # Half-zero, partly repeated content: compression and dedup send far less than the images hold
+    assert result.bytes_uploaded < 0.6 * result.bytes_total
+    # Tiny files ride inside the manifest rather than costing a PUT each
+    by_path = {f.path: f for f in manifest.files}
+    assert all(c.inline is not None for f in ("images/core-1.img", "images/sub/tty.img") for c in by_path[f].chunks)
+    assert by_path["images/inventory.img"].chunks == ()
+    chunk_objects = list(store.backend.scan(f"jobs/{store.job_id}/chunks/"))
+    assert len(chunk_objects) == result.chunks_uploaded == len(manifest.chunk_hashes())
+
+
+def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: CheckpointStore, tmp_path: Path) -> None:
+    images = tmp_path / "img"
+    write_images(images, random_bytes(MiB, seed=3))
+    store.commit(images, meta(1))
+    store.commit(images, meta(2, parent=1, kind="final"))
+
+    listed = store.checkpoints()
+
+    assert [m.checkpoint_id for m in listed] == [checkpoint_id(2, kind="final"), checkpoint_id(1)]
+    newest = listed[0]
+    assert (newest.format, newest.job_id, newest.generation, newest.kind) == (1, store.job_id, 1, "final")
+    assert newest.parent == checkpoint_id(1)
+    assert (newest.criu_version, newest.kernel, newest.arch) == ("4.1.1", "6.18.0", "x86_64")
+    assert newest.cpu_flags == ("sse4_2", "avx2")
+    assert [(f.path, f.size) for f in newest.open_files] == [("/work/out.log", 12)]
+    assert newest.compression == "zstd-1"
+    assert newest.created_at.endswith("+00:00")
+    raw = json.loads(store.backend.get(f"jobs/{store.job_id}/checkpoints/{newest.checkpoint_id}.json"))
+    assert raw["format"] == 1
+    assert {"path", "size", "mode", "digest", "chunks"} <= set(raw["files"][0])
+
+
+def test_second_checkpoint_sends_only_the_changed_region(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given a committed checkpoint of 64 MiB of memory
+    images = tmp_path / "img"
+    pages = bytearray(random_bytes(64 * MiB, seed=4))
+    write_images(images, bytes(pages))
+    first = store.commit(images, meta(1))
+
+    # When 5% of it changes in one region and the job is checkpointed again
+    start = 30 * MiB
+    pages[start : start + len(pages) // 20] = random_bytes(len(pages) // 20, seed=5)
+    (images / "pages-1.img").write_bytes(bytes(pages))
+    second = store.commit(images, meta(2, parent=1))
+
+    # Then only about that region is sent, by the store's own count, and the result is exact
+    assert second.bytes_uploaded <= 0.10 * first.bytes_uploaded
+    assert second.chunks_uploaded < 0.15 * second.chunks_total
+    store.fetch(second.checkpoint_id, tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
+
+
+def test_pages_inserted_early_do_not_resend_everything_after(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given a committed checkpoint
+    images = tmp_path / "img"
+    pages = random_bytes(32 * MiB, seed=6)
+    write_images(images, pages)
+    first = store.commit(images, meta(1))
+
+    # When the job touches 16 new pages early in its address space, shifting every later page
+    shifted = pages[: 5 * MiB] + random_bytes(16 * 4096, seed=7) + pages[5 * MiB :]
+    (images / "pages-1.img").write_bytes(shifted)
+    second = store.commit(images, meta(2, parent=1))
+
+    # Then content-defined boundaries resynchronise: only chunks around the insertion are sent
+    assert second.bytes_uploaded <= 0.15 * first.bytes_uploaded
+    store.fetch(second.checkpoint_id, tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == shifted
+
+
+def test_commit_streams_files_while_they_are_written(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given CRIU still writing: a pages file growing in blocks, and a file that appears late
+    images = tmp_path / "img"
+    images.mkdir()
+    blocks = [random_bytes(700 * 1024, seed=20 + i) for i in range(12)]
+
+    def criu_writing() -> None:
+        with open(images / "pages-1.img", "ab") as pages:
+            for i, block in enumerate(blocks):
+                pages.write(block)
+                pages.flush()
+                if i == 6:
+                    (images / "core-1.img").write_bytes(b"late")
+                time.sleep(0.03)
+
+    writer = threading.Thread(target=criu_writing)
+    writer.start()
+
+    # When the store commits while the writer is alive
+    result = store.commit(images, meta(1), still_writing=writer.is_alive)
+    writer.join()
+
+    # Then the checkpoint holds the final files exactly
+    store.fetch(result.checkpoint_id, tmp_path / "restore")
+    assert tree_bytes(tmp_path / "restore") == {"images/pages-1.img": b"".join(blocks), "images/core-1.img": b"late"}
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "truncate", "delete"])
+def test_damaged_chunk_is_named_by_corrupt_checkpoint(store: CheckpointStore, tmp_path: Path, damage: str) -> None:
+    # Given a committed checkpoint
+    images = tmp_path / "img"
+    write_images(images, random_bytes(4 * MiB, seed=8))
+    result = store.commit(images, meta(1))
+    victim = sorted(result.manifest.chunk_hashes())[1]
+    key = f"jobs/{store.job_id}/chunks/{victim[:2]}/{victim}"
+
+    # When one stored chunk is damaged
+    stored = bytearray(store.backend.get(key))
+    if damage == "bit-flip":
+        stored[len(stored) // 2] ^= 0x10
+        store.backend.put(key, bytes(stored))
+    elif damage == "truncate":
+        store.backend.put(key, bytes(stored[: len(stored) // 2]))
+    else:
+        store.backend.delete([key])
+
+    # Then fetching it fails, naming the chunk, and leaves no half-restored images behind
+    with pytest.raises(CorruptCheckpoint, match=victim) as raised:
+        store.fetch(result.checkpoint_id, tmp_path / "restore")
+    assert raised.value.checkpoint_id == result.checkpoint_id
+    assert tree_bytes(tmp_path / "restore") == {}
+
+
+def test_a_committed_checkpoint_is_never_overwritten(store: CheckpointStore, tmp_path: Path) -> None:
+    images = tmp_path / "img"
+    write_images(images, random_bytes(MiB, seed=9))
+    store.commit(images, meta(1))
+    (images / "pages-1.img").write_bytes(b"a zombie's different memory")
+
+    with pytest.raises(CheckpointExists, match=checkpoint_id(1)):
+        store.commit(images, meta(1))
+
+    store.fetch(checkpoint_id(1), tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == random_bytes(MiB, seed=9)
+
+
+def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp_path: Path) -> None:
+    images = tmp_path / "img"
+    write_images(images, b"x" * 10)
+    result = store.commit(images, meta(1))
+    doc = json.loads(result.manifest.to_json())
+    doc |= {"format": 2, "checkpoint_id": checkpoint_id(2)}
+    store.backend.put_new(f"jobs/{store.job_id}/checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
+
+    with pytest.raises(UnsupportedManifest, match="format 2"):
+        store.fetch(checkpoint_id(2), tmp_path / "restore")
+    with pytest.raises(UnsupportedManifest):
+        store.checkpoints()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"files": [{"path": "../../etc/cron.d/x", "size": 0, "mode": 420, "digest": "", "chunks": []}]}, "path"),
+        ({"job_id": "someone-else"}, "job"),
+        ({"format": "1"}, "format"),
+    ],
+)
+def test_hostile_or_malformed_manifest_is_corrupt(
+    store: CheckpointStore, tmp_path: Path, change: dict, reason: str
+) -> None:
+    images = tmp_path / "img"
+    write_images(images, b"x" * 10)
+    doc = json.loads(store.commit(images, meta(1)).manifest.to_json()) | change | {"checkpoint_id": checkpoint_id(2)}
+    store.backend.put_new(f"jobs/{store.job_id}/checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
+
+    with pytest.raises(CorruptCheckpoint, match=reason):
+        store.fetch(checkpoint_id(2), tmp_path / "restore")
+    assert not (tmp_path / "etc").exists()
+
+
+def test_unknown_checkpoint_is_not_found(store: CheckpointStore, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFound, match=checkpoint_id(7)):
+        store.fetch(checkpoint_id(7), tmp_path / "restore")
+
+
+def test_prune_keeps_newest_and_deletes_only_unreferenced_chunks(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given three checkpoints sharing most of their chunks
+    images = tmp_path / "img"
+    base = random_bytes(8 * MiB, seed=10)
+    for n in (1, 2, 3):
+        write_images(images, base + random_bytes(2 * MiB, seed=100 + n))
+        store.commit(images, meta(n, parent=n - 1 if n > 1 else None))
+    only_first = store.checkpoints()[2].chunk_hashes() - store.checkpoints()[0].chunk_hashes()
+    only_first -= store.checkpoints()[1].chunk_hashes()
+    assert only_first
+
+    # When pruned to the newest two with the default grace period
+    first = store.prune(keep=2)
+
+    # Then the oldest manifest goes (its successor is old) but its chunks are too young to collect
+    assert (first.deleted_checkpoints, first.deleted_chunks) == ([checkpoint_id(1)], 0)
+
+    # When pruned again once the chunks are past the grace period (here: none)
+    second = store.prune(keep=2, grace_seconds=0)
+
+    # Then exactly the chunks only the oldest used are deleted, and the others still restore
+    assert second.deleted_chunks == len(only_first)
+    assert [m.checkpoint_id for m in store.checkpoints()] == [checkpoint_id(3), checkpoint_id(2)]
+    stored = {o.key.rsplit("/", 1)[-1] for o in store.backend.scan(f"jobs/{store.job_id}/chunks/")}
+    assert stored == store.checkpoints()[0].chunk_hashes() | store.checkpoints()[1].chunk_hashes()
+    for n in (2, 3):
+        store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
+        assert (tmp_path / f"restore{n}/images/pages-1.img").read_bytes() == base + random_bytes(2 * MiB, seed=100 + n)
+
+
+def test_jobs_sharing_a_store_do_not_see_each_other(make_store, tmp_path: Path) -> None:
+    images = tmp_path / "img"
+    write_images(images, b"x" * 10)
+    mine, theirs = make_store("job-a"), make_store("job-b")
+    mine.commit(images, meta(1, job="job-a"))
+
+    assert theirs.checkpoints() == []
+    with pytest.raises(ValueError, match="job-a"):
+        theirs.commit(images, meta(2, job="job-a"))
+
+
+def test_missing_mount_is_named(tmp_path: Path) -> None:
+    store = CheckpointStore.for_directory(tmp_path / "not-mounted", "job-x")
+    write_images(tmp_path / "img", b"x")
+
+    with pytest.raises(StoreUnavailable, match=str(tmp_path / "not-mounted")):
+        store.commit(tmp_path / "img", meta(1, job="job-x"))
+
+
+def test_unwritable_directory_is_named(tmp_path: Path) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o500)
+    write_images(tmp_path / "img", b"x")
+    try:
+        store = CheckpointStore.for_directory(root, "job-x")
+        if os.geteuid() == 0:
+            # root ignores mode bits: make the chunk directory a file so the write really fails
+            (root / "jobs").write_bytes(b"")
+            with pytest.raises(StoreUnavailable, match="jobs"):
+                store.commit(tmp_path / "img", meta(1, job="job-x"))
+        else:
+            with pytest.raises(StoreUnavailable, match=str(root)):
+                store.commit(tmp_path / "img", meta(1, job="job-x"))
+    finally:
+        root.chmod(0o700)
+
+
+def test_missing_bucket_is_named(aws: str, tmp_path: Path) -> None:
+    store = CheckpointStore.for_s3("spotcr-no-such-bucket", "job-x")
+    write_images(tmp_path / "img", b"x")
+
+    with pytest.raises(StoreUnavailable, match="spotcr-no-such-bucket"):
+        store.commit(tmp_path / "img", meta(1, job="job-x"))
+
+
+def test_prune_keeps_a_manifest_a_running_commit_may_dedup_against(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given two checkpoints, the newer one taken just now
+    images = tmp_path / "img"
+    write_images(images, random_bytes(MiB, seed=14))
+    now_ms = int(time.time() * 1000)
+    older, newer = f"{now_ms - 60_000}-g1-periodic", f"{now_ms}-g1-periodic"
+    for cid in (older, newer):
+        store.commit(images, replace(meta(1), checkpoint_id=cid))
+
+    # When pruned to one within the grace period of the newer one
+    pruned = store.prune(keep=1)
+
+    # Then the older manifest stays: a commit started before the newer one may still reference its chunks
+    assert (pruned.kept, pruned.deleted_checkpoints) == ([newer, older], [])

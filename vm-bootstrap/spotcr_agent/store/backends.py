@@ -1,0 +1,253 @@
+"""Where checkpoint objects live: an S3 bucket, or a mounted file system (EBS, EFS, FSx for Lustre).
+
+Both hold the same keys under the same layout; the store above them never knows which one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import CheckpointExists, StoreError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+else:
+    S3Client = Any
+
+
+class ObjectNotFound(StoreError):
+    def __init__(self, location: str) -> None:
+        super().__init__(f"{location} does not exist")
+        self.location = location
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    size: int
+    modified: float  # unix seconds
+
+
+class Backend(Protocol):
+    def describe(self, key: str = "") -> str:
+        """A human-readable location of a key, for error messages."""
+        ...
+
+    def check(self) -> None:
+        """Raise StoreUnavailable, naming the path or bucket, if objects cannot be written."""
+        ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def put_new(self, key: str, data: bytes) -> None:
+        """Write only if the key does not exist yet (manifests are never overwritten)."""
+        ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def scan(self, prefix: str) -> Iterator[StoredObject]: ...
+
+    def delete(self, keys: list[str]) -> None: ...
+
+    def flush(self) -> None:
+        """Make every put so far durable before a manifest refers to it."""
+        ...
+
+
+class DirectoryBackend:
+    """Objects as files under a mount point; each write is temp file, fsync, atomic rename."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._dirty_dirs: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def describe(self, key: str = "") -> str:
+        return str(self.root / key) if key else str(self.root)
+
+    def check(self) -> None:
+        if not self.root.is_dir():
+            raise StoreUnavailable(f"storage directory {self.root} does not exist (is the volume mounted?)")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreUnavailable(f"storage directory {self.root} is not writable")
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        tmp = self._write_temp(path, data)
+        os.replace(tmp, path)
+        with self._lock:
+            self._dirty_dirs.add(path.parent)
+
+    def put_new(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)  # link() fails if the name exists: an atomic create-if-absent
+        except FileExistsError:
+            raise CheckpointExists(Path(key).stem) from None
+        finally:
+            tmp.unlink()
+        _fsync_dir(path.parent)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(self.describe(key)) from None
+
+    def scan(self, prefix: str) -> Iterator[StoredObject]:
+        base = self.root / prefix
+        if not base.is_dir():
+            return
+        for dirpath, _, names in os.walk(base):
+            for name in names:
+                path = Path(dirpath) / name
+                with contextlib.suppress(FileNotFoundError):
+                    st = path.stat()
+                    yield StoredObject(path.relative_to(self.root).as_posix(), st.st_size, st.st_mtime)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / key).unlink()
+
+    def flush(self) -> None:
+        with self._lock:
+            dirs, self._dirty_dirs = self._dirty_dirs, set()
+        for directory in dirs:
+            _fsync_dir(directory)
+
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            raise StoreUnavailable(f"storage directory {self.root} does not exist (is the volume mounted?)") from None
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write under storage directory {path.parent}: {e.strerror or e}") from e
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreUnavailable(f"cannot write {tmp}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        return tmp
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class S3Backend:
+    """Objects in an S3 bucket: one shared, lazily made client; SHA-256 checksums on put, checked on get."""
+
+    def __init__(self, bucket: str, max_connections: int = 32, client: S3Client | None = None) -> None:
+        self.bucket = bucket
+        self._max_connections = max_connections
+        self._client = client
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> S3Client:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    import boto3
+                    from botocore.config import Config
+
+                    config = Config(
+                        max_pool_connections=self._max_connections,
+                        retries={"mode": "standard", "max_attempts": 6},
+                        connect_timeout=5,
+                        read_timeout=60,
+                    )
+                    # AWS_ENDPOINT_URL and the region come from the environment, as boto3 reads them.
+                    self._client = boto3.session.Session().client("s3", config=config)
+        return self._client
+
+    def describe(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    def check(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            raise StoreUnavailable(f"S3 bucket {self.bucket} cannot be used: {_error_text(e)}") from e
+
+    def put(self, key: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256")
+        except Exception as e:
+            raise self._translate(e, key) from e
+
+    def put_new(self, key: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256", IfNoneMatch="*")
+        except Exception as e:
+            if _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise CheckpointExists(Path(key).stem) from e
+            raise self._translate(e, key) from e
+
+    def get(self, key: str) -> bytes:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
+            return response["Body"].read()
+        except Exception as e:
+            if _error_code(e) in ("NoSuchKey", "404"):
+                raise ObjectNotFound(self.describe(key)) from e
+            raise self._translate(e, key) from e
+
+    def scan(self, prefix: str) -> Iterator[StoredObject]:
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    yield StoredObject(obj["Key"], obj["Size"], obj["LastModified"].timestamp())
+        except Exception as e:
+            raise self._translate(e, prefix) from e
+
+    def delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[start : start + 1000]]
+            try:
+                response = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            except Exception as e:
+                raise self._translate(e, batch[0]["Key"]) from e
+            if errors := response.get("Errors"):
+                raise StoreError(f"could not delete {len(errors)} objects, first {errors[0]}")
+
+    def flush(self) -> None:
+        """S3 puts are durable when they return."""
+
+    def _translate(self, error: Exception, key: str) -> Exception:
+        code = _error_code(error)
+        if code in ("NoSuchBucket", "AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return StoreUnavailable(f"S3 bucket {self.bucket} cannot be used ({code}) at {self.describe(key)}")
+        return StoreError(f"S3 request for {self.describe(key)} failed: {_error_text(error)}")
+
+
+def _error_code(error: Exception) -> str:
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"

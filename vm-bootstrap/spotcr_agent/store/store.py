@@ -1,0 +1,422 @@
+"""The deduplicating checkpoint store: chunk, hash, compress and ship images; commit with a manifest, last.
+
+Layout under the bucket or mount root:
+  jobs/<job_id>/chunks/<h[:2]>/<h>                    zstd-compressed chunk whose raw bytes hash to h (sha256)
+  jobs/<job_id>/checkpoints/<checkpoint_id>.json      manifest; a checkpoint without one does not exist
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+
+import zstandard
+
+from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
+from .chunking import Chunker, Chunking
+from .errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
+from .manifest import (
+    CheckpointMeta,
+    ChunkRef,
+    FileEntry,
+    Manifest,
+    check_checkpoint_id,
+    check_job_id,
+    check_manifest_path,
+    file_digest,
+)
+
+INLINE_MAX = 64 * 1024  # files up to this size travel inside the manifest instead of costing a PUT each
+READ_BLOCK = 4 * 1024 * 1024
+POLL_SECONDS = 0.02  # how often a file CRIU is still writing is checked for new bytes
+GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (started within this) may use
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    checkpoint_id: str
+    manifest: Manifest
+    bytes_total: int  # bytes of the files the checkpoint describes
+    bytes_uploaded: int  # bytes actually sent to the store (compressed new chunks plus the manifest)
+    chunks_total: int
+    chunks_uploaded: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    kept: list[str]
+    deleted_checkpoints: list[str]
+    deleted_chunks: int
+    bytes_freed: int
+
+
+class CheckpointStore:
+    """One job's checkpoints in one store (S3 bucket or mounted file system)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        job_id: str,
+        *,
+        workers: int = 16,
+        compression_level: int = 1,
+        chunking: Chunking | None = None,
+    ) -> None:
+        self.backend = backend
+        self.job_id = check_job_id(job_id)
+        self.workers = workers
+        self.compression_level = compression_level
+        self.chunking = chunking or Chunking()
+        self._prefix = f"jobs/{job_id}/"
+
+    @classmethod
+    def for_s3(cls, bucket: str, job_id: str, *, workers: int = 16, **options: object) -> CheckpointStore:
+        return cls(S3Backend(bucket, max_connections=workers + 4), job_id, workers=workers, **options)  # type: ignore[arg-type]
+
+    @classmethod
+    def for_directory(cls, root: Path, job_id: str, *, workers: int = 8, **options: object) -> CheckpointStore:
+        return cls(DirectoryBackend(Path(root)), job_id, workers=workers, **options)  # type: ignore[arg-type]
+
+    @property
+    def location(self) -> str:
+        return self.backend.describe(self._prefix)
+
+    def commit(
+        self,
+        image_dir: Path,
+        meta: CheckpointMeta,
+        extra_files: Mapping[str, Path] | None = None,
+        still_writing: Callable[[], bool] | None = None,
+    ) -> CommitResult:
+        """Store every regular file under image_dir (as images/<name>) and extra_files, then commit.
+
+        With still_writing, files are read as CRIU writes them, until it returns False; then they are finished.
+        """
+        started = time.monotonic()
+        if meta.job_id != self.job_id:
+            raise ValueError(f"checkpoint {meta.checkpoint_id} is for job {meta.job_id}, this store is {self.job_id}")
+        image_dir = Path(image_dir)
+        if not image_dir.is_dir():
+            raise StoreError(f"image directory {image_dir} does not exist")
+        self.backend.check()
+        known = self._known_chunks(meta.parent)
+        tails: dict[str, _FileTail] = {}
+        try:
+            with _Uploader(self.backend, self._prefix, known, self.workers, self.compression_level) as uploader:
+                if still_writing is not None:
+                    while still_writing():
+                        if not self._pump_images(image_dir, tails, uploader):
+                            time.sleep(POLL_SECONDS)
+                self._pump_images(image_dir, tails, uploader)
+                for name, source in sorted((extra_files or {}).items()):
+                    if name in tails:
+                        raise ValueError(f"extra file {name} would replace an image file of the same name")
+                    tail = _FileTail(check_manifest_path(name), Path(source), self.chunking, self.compression_level)
+                    tails[name] = tail
+                    tail.pump(uploader)
+                for tail in tails.values():
+                    tail.finish(uploader)
+                files = tuple(tail.entry() for tail in sorted(tails.values(), key=lambda t: t.path))
+        finally:
+            for tail in tails.values():
+                tail.close()
+        manifest = Manifest(
+            job_id=meta.job_id,
+            checkpoint_id=meta.checkpoint_id,
+            generation=meta.generation,
+            kind=meta.kind,
+            parent=meta.parent,
+            created_at=datetime.now(UTC).isoformat(timespec="milliseconds"),
+            criu_version=meta.criu_version,
+            kernel=meta.kernel,
+            arch=meta.arch,
+            cpu_flags=tuple(meta.cpu_flags),
+            open_files=tuple(meta.open_files),  # type: ignore[arg-type]
+            files=files,
+            compression=f"zstd-{self.compression_level}",
+            chunking=self.chunking.describe(),
+        )
+        document = manifest.to_json()
+        self.backend.flush()
+        self.backend.put_new(self._manifest_key(meta.checkpoint_id), document)
+        return CommitResult(
+            checkpoint_id=meta.checkpoint_id,
+            manifest=manifest,
+            bytes_total=manifest.bytes_total,
+            bytes_uploaded=uploader.bytes_uploaded + len(document),
+            chunks_total=sum(len(f.chunks) for f in files),
+            chunks_uploaded=uploader.chunks_uploaded,
+            seconds=time.monotonic() - started,
+        )
+
+    def checkpoints(self) -> list[Manifest]:
+        """Committed checkpoints, newest first."""
+        return [self.load(checkpoint_id) for checkpoint_id in self._checkpoint_ids()]
+
+    def load(self, checkpoint_id: str) -> Manifest:
+        check_checkpoint_id(checkpoint_id)
+        try:
+            raw = self.backend.get(self._manifest_key(checkpoint_id))
+        except ObjectNotFound:
+            raise CheckpointNotFound(checkpoint_id, self.location) from None
+        manifest = Manifest.from_json(raw, checkpoint_id)
+        if manifest.job_id != self.job_id:
+            raise CorruptCheckpoint(checkpoint_id, f"manifest is for job {manifest.job_id}, stored under {self.job_id}")
+        return manifest
+
+    def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest:
+        """Download and verify a checkpoint into dest_dir (images/..., workdir/...); return its manifest."""
+        manifest = self.load(checkpoint_id)
+        dest_dir = Path(dest_dir)
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        fds: dict[str, int] = {}
+        spots: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)  # hash -> (fd, offset, size, path)
+        try:
+            for entry in manifest.files:
+                target = dest_dir / entry.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd = fds[entry.path] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.ftruncate(fd, entry.size)
+                offset = 0
+                for chunk in entry.chunks:
+                    if chunk.inline is not None:
+                        data = _verified(checkpoint_id, chunk, chunk.inline, entry.path, _decompressor())
+                        os.pwrite(fd, data, offset)
+                    else:
+                        spots[chunk.hash].append((fd, offset, chunk.size, entry.path))
+                    offset += chunk.size
+            self._download(checkpoint_id, spots)
+            for entry in manifest.files:
+                os.fchmod(fds[entry.path], entry.mode & 0o7777)
+        except BaseException:
+            for path in fds:
+                with contextlib.suppress(OSError):
+                    (dest_dir / path).unlink()
+            raise
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return manifest
+
+    def prune(self, keep: int, grace_seconds: float = GRACE_SECONDS) -> PruneResult:
+        """Keep the newest `keep` checkpoints; delete older ones and the chunks no remaining checkpoint uses.
+
+        A running commit dedups against the newest manifest it saw and uploads chunks before its manifest
+        exists, so a manifest stays until its successor is grace_seconds old and a chunk until it is.
+        """
+        if keep < 1:
+            raise ValueError("prune keeps at least the newest checkpoint")
+        now = time.time()
+        ids = self._checkpoint_ids()
+        kept, doomed = list(ids[:keep]), []
+        for newer, checkpoint_id in zip(ids[keep - 1 :], ids[keep:], strict=False):
+            if now - _id_seconds(newer) >= grace_seconds:
+                doomed.append(checkpoint_id)
+            else:
+                kept.append(checkpoint_id)
+        referenced: set[str] = set()
+        for checkpoint_id in kept:
+            referenced |= self.load(checkpoint_id).chunk_hashes()
+        self.backend.delete([self._manifest_key(c) for c in doomed])
+        garbage, freed = [], 0
+        for obj in self.backend.scan(self._prefix + "chunks/"):
+            name = obj.key.rsplit("/", 1)[-1]
+            if name not in referenced and now - obj.modified >= grace_seconds:
+                garbage.append(obj.key)
+                freed += obj.size
+        self.backend.delete(garbage)
+        return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
+
+    def _download(self, checkpoint_id: str, spots: Mapping[str, list[tuple[int, int, int, str]]]) -> None:
+        def fetch_chunk(digest: str, places: list[tuple[int, int, int, str]]) -> None:
+            _, _, size, path = places[0]
+            try:
+                raw = self.backend.get(self._chunk_key(digest))
+            except ObjectNotFound:
+                raise CorruptCheckpoint(checkpoint_id, f"chunk {digest} of {path} is missing from the store") from None
+            data = _verified(checkpoint_id, ChunkRef(digest, size), raw, path, _decompressor())
+            for fd, offset, _, _ in places:
+                os.pwrite(fd, data, offset)
+
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="spotcr-fetch") as pool:
+            futures = [pool.submit(fetch_chunk, digest, places) for digest, places in spots.items()]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in pending:
+                future.cancel()
+            for future in done:
+                future.result()
+
+    def _pump_images(self, image_dir: Path, tails: dict[str, _FileTail], uploader: _Uploader) -> int:
+        """Open image files that appeared and read what was added to each; return the bytes read."""
+        for directory, _, names in os.walk(image_dir):
+            for name in names:
+                source = Path(directory) / name
+                path = "images/" + source.relative_to(image_dir).as_posix()
+                if path not in tails:
+                    with contextlib.suppress(FileNotFoundError):
+                        if stat.S_ISREG(source.lstat().st_mode):
+                            tails[path] = _FileTail(path, source, self.chunking, self.compression_level)
+        return sum(tail.pump(uploader) for tail in tails.values())
+
+    def _known_chunks(self, parent: str | None) -> set[str]:
+        """Chunks committed by the newest checkpoint (and the named parent): sent once, never again."""
+        ids = self._checkpoint_ids()
+        sources = {ids[0]} if ids else set()
+        if parent and parent in ids:
+            sources.add(parent)
+        known: set[str] = set()
+        for checkpoint_id in sources:
+            # A manifest this agent cannot read only costs dedup, never correctness.
+            with contextlib.suppress(CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
+                known |= self.load(checkpoint_id).chunk_hashes()
+        return known
+
+    def _checkpoint_ids(self) -> list[str]:
+        ids = []
+        for obj in self.backend.scan(self._prefix + "checkpoints/"):
+            name = obj.key.rsplit("/", 1)[-1]
+            if name.endswith(".json"):
+                with contextlib.suppress(ValueError):
+                    ids.append(check_checkpoint_id(name.removesuffix(".json")))
+        return sorted(ids, reverse=True)
+
+    def _manifest_key(self, checkpoint_id: str) -> str:
+        return f"{self._prefix}checkpoints/{checkpoint_id}.json"
+
+    def _chunk_key(self, digest: str) -> str:
+        return f"{self._prefix}chunks/{digest[:2]}/{digest}"
+
+
+class _Uploader:
+    """Hashes, compresses and stores chunks on a thread pool; skips chunks the store already holds."""
+
+    def __init__(self, backend: Backend, prefix: str, known: set[str], workers: int, level: int) -> None:
+        self._backend = backend
+        self._prefix = prefix
+        self._level = level
+        self._claimed = set(known)
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(workers * 2)  # bounds memory: at most 2 chunks per worker
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="spotcr-store")
+        self._local = threading.local()
+        self._failure: BaseException | None = None
+        self.bytes_uploaded = 0
+        self.chunks_uploaded = 0
+
+    def __enter__(self) -> _Uploader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=error is not None)
+
+    def submit(self, data: bytes) -> Future[ChunkRef]:
+        if self._failure is not None:
+            raise self._failure
+        self._slots.acquire()
+        future = self._pool.submit(self._store, data)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future[ChunkRef]) -> None:
+        self._slots.release()
+        if not future.cancelled() and (error := future.exception()) is not None:
+            self._failure = error
+
+    def _store(self, data: bytes) -> ChunkRef:
+        digest = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            new = digest not in self._claimed
+            self._claimed.add(digest)
+        if new:
+            compressor = getattr(self._local, "compressor", None)
+            if compressor is None:
+                compressor = self._local.compressor = zstandard.ZstdCompressor(level=self._level)
+            compressed = compressor.compress(data)
+            self._backend.put(f"{self._prefix}chunks/{digest[:2]}/{digest}", compressed)
+            with self._lock:
+                self.bytes_uploaded += len(compressed)
+                self.chunks_uploaded += 1
+        return ChunkRef(digest, len(data))
+
+
+class _FileTail:
+    """One file being read into chunks, possibly while it is still being written."""
+
+    def __init__(self, path: str, source: Path, chunking: Chunking, level: int) -> None:
+        self.path = path
+        self.source = source
+        try:
+            self._fd = os.open(source, os.O_RDONLY)
+        except FileNotFoundError:
+            raise StoreError(f"file {source} to checkpoint as {path} does not exist") from None
+        self._level = level
+        self._chunker = Chunker(chunking)
+        self._chunks: list[Future[ChunkRef] | ChunkRef] = []
+        self.size = 0
+
+    def pump(self, uploader: _Uploader) -> int:
+        """Read everything written so far; hand complete chunks to the uploader."""
+        read = 0
+        while block := os.read(self._fd, READ_BLOCK):
+            read += len(block)
+            self._chunks.extend(uploader.submit(chunk) for chunk in self._chunker.feed(block))
+        self.size += read
+        return read
+
+    def finish(self, uploader: _Uploader) -> None:
+        self.pump(uploader)
+        if self._chunker.emitted == 0 and self._chunker.pending <= INLINE_MAX:
+            for data in self._chunker.finish():
+                compressed = zstandard.ZstdCompressor(level=self._level).compress(data)
+                self._chunks.append(ChunkRef(hashlib.sha256(data).hexdigest(), len(data), compressed))
+        else:
+            self._chunks.extend(uploader.submit(chunk) for chunk in self._chunker.finish())
+        self.mode = os.fstat(self._fd).st_mode & 0o7777
+
+    def entry(self) -> FileEntry:
+        chunks = tuple(c.result() if isinstance(c, Future) else c for c in self._chunks)
+        size = sum(c.size for c in chunks)
+        if size != self.size:
+            raise StoreError(f"file {self.source} changed while it was stored")
+        return FileEntry(self.path, size, self.mode, file_digest(chunks), chunks)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    local = _THREAD
+    if not hasattr(local, "decompressor"):
+        local.decompressor = zstandard.ZstdDecompressor()
+    return local.decompressor
+
+
+_THREAD = threading.local()
+
+
+def _verified(checkpoint_id: str, chunk: ChunkRef, stored: bytes, path: str, dctx: zstandard.ZstdDecompressor) -> bytes:
+    """Decompress a stored chunk and check it is exactly the bytes the manifest names."""
+    try:
+        data = dctx.decompress(stored, max_output_size=chunk.size)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} is damaged or truncated ({e})") from e
+    if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.hash:
+        raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} does not match its hash")
+    return data
+
+
+def _id_seconds(checkpoint_id: str) -> float:
+    return int(checkpoint_id.split("-", 1)[0]) / 1000
