@@ -1,0 +1,5 @@
+import sys
+
+from spotcr_agent.cli import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,215 @@
+"""The agent's operations, shared by the daemon and the commands SSM runs: each one fenced, logged, evented."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotcr_contracts.events import (
+    AgentEvent,
+    AgentReady,
+    CheckpointCompleted,
+    CheckpointFailed,
+    JobExited,
+    JobStarted,
+    RestoreCompleted,
+    RestoreFailed,
+)
+
+from . import storage
+from .checkpoint import Checkpointer, CheckpointOutcome, Store
+from .config import AgentConfig
+from .criu import Criu
+from .events import Publisher, now_iso
+from .host import HostInfo, read_host
+from .restore import RestoreOutcome, Restorer
+from .runner import JobFiles, job_alive, start_job
+from .state import StaleGeneration, StateFile, admit, exclusive
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_EXIT_CODE = -1  # the job's PID 1 was killed, so no exit code was recorded
+
+
+class WrongJob(ValueError):
+    """A command for a job this VM does not run."""
+
+
+@dataclass
+class Agent:
+    config: AgentConfig
+    publisher: Publisher
+    job_env: dict[str, str]
+    criu: Criu = field(default_factory=Criu)
+    store_factory: Callable[[AgentConfig], Store] = storage.open_store
+    _store: Store | None = None
+    _launchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def state(self) -> StateFile:
+        return StateFile(self.config.state_dir)
+
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = self.store_factory(self.config)
+        return self._store
+
+    def host(self) -> HostInfo:
+        return read_host(self.criu.version())
+
+    def check_job(self, job_id: str) -> None:
+        if job_id != self.config.job_id:
+            raise WrongJob(f"this VM runs job {self.config.job_id!r}, not {job_id!r}")
+
+    def served_generation(self) -> int:
+        with self.state.locked() as state:
+            return max(state.generation, self.config.generation)
+
+    def emit(self, cls: type[AgentEvent], generation: int, **fields: Any) -> None:
+        config = self.config
+        event = cls(job_id=config.job_id, instance_id=config.instance_id, generation=generation, at=now_iso(), **fields)
+        self.publisher.publish(event)
+
+    def ready(self) -> None:
+        with self.state.locked() as state:
+            admit(state, self.config.generation)
+            state.job_id = self.config.job_id
+        self.emit(AgentReady, self.config.generation, mode=self.config.mode)
+
+    def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
+        checkpointer = Checkpointer(
+            job_id=self.config.job_id,
+            workdir=self.config.workdir,
+            scratch_dir=self.config.scratch_dir,
+            state=self.state,
+            store=self.store(),
+            criu=self.criu,
+            host=self.host,
+            final_mode=self.config.final_dump,
+            keep_checkpoints=self.config.keep_checkpoints,
+        )
+        try:
+            outcome = checkpointer.checkpoint(kind, generation)
+        except Exception as error:
+            log.error("%s checkpoint failed: %s", kind, error)
+            if not _is_fencing(error):
+                self.emit(CheckpointFailed, generation, kind=kind, reason=str(error)[:1000])
+            raise
+        if not outcome.already_taken:
+            log.info("checkpoint %s committed in %.2f s", outcome.checkpoint_id, outcome.seconds)
+            self.emit(
+                CheckpointCompleted,
+                generation,
+                checkpoint_id=outcome.checkpoint_id,
+                kind=outcome.kind,
+                seconds=outcome.seconds,
+                frozen_seconds=outcome.frozen_seconds,
+                bytes_total=outcome.bytes_total,
+                bytes_uploaded=outcome.bytes_uploaded,
+            )
+        return outcome
+
+    def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
+        restorer = Restorer(
+            job_id=self.config.job_id,
+            workdir=self.config.workdir,
+            scratch_dir=self.config.scratch_dir,
+            state=self.state,
+            store=self.store(),
+            criu=self.criu,
+            host=self.host,
+        )
+        try:
+            outcome = restorer.restore(generation, checkpoint_id)
+        except Exception as error:
+            log.error("restore failed: %s", error)
+            if not _is_fencing(error):
+                failed = getattr(error, "checkpoint_id", None) or checkpoint_id or ""
+                self.emit(RestoreFailed, generation, checkpoint_id=failed, reason=str(error)[:1000])
+            raise
+        self.emit(
+            RestoreCompleted,
+            generation,
+            checkpoint_id=outcome.checkpoint_id,
+            seconds=outcome.seconds,
+            pid=outcome.pid,
+            skipped=outcome.skipped[:1000],
+        )
+        return outcome
+
+    def release(self, generation: int) -> str:
+        with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
+            admit(state, generation)
+            if state.job_status == "running" and job_alive(state.job_pid, state.job_start_time):
+                raise RuntimeError("the job still runs here: take a final dump before releasing its storage")
+            return storage.release(self.config)
+
+    def status(self) -> dict[str, Any]:
+        with self.state.locked() as state:
+            alive = state.job_status == "running" and job_alive(state.job_pid, state.job_start_time)
+            return {
+                "job_id": self.config.job_id,
+                "instance_id": self.config.instance_id,
+                "storage": self.config.storage,
+                "mode": self.config.mode,
+                "generation": max(state.generation, self.config.generation),
+                "job_status": state.job_status,
+                "job_pid": state.job_pid,
+                "job_alive": alive,
+                "exit_code": state.exit_code,
+                "last_checkpoint": state.last_checkpoint,
+                "final_dumps": {k: v.status for k, v in state.final_dumps.items()},
+            }
+
+    def start_job(self) -> int | None:
+        """Start the job unless this VM already started it (a job never runs twice); returns its PID."""
+        generation = self.config.generation
+        with self.state.locked() as state:
+            admit(state, generation)
+            if state.job_status != "none":
+                log.info("the job was already started here (%s); not starting it again", state.job_status)
+                return None
+            env = {**self.job_env, **self.config.env}
+            job = start_job(self.config.command, self.config.workdir, env)
+            if job.launcher is not None:
+                self._launchers.append(job.launcher)
+            state.job_id = self.config.job_id
+            state.job_pid, state.job_start_time, state.job_status = job.pid, job.start_time, "running"
+        log.info("job %s started as pid %d", self.config.job_id, job.pid)
+        self.emit(JobStarted, generation, pid=job.pid)
+        return job.pid
+
+    def watch_job(self) -> int | None:
+        """If the job has ended, record it and report JobExited (not after a final dump); returns its exit code."""
+        self._launchers = [launcher for launcher in self._launchers if launcher.poll() is None]
+        with self.state.locked() as state:
+            if state.job_status != "running" or job_alive(state.job_pid, state.job_start_time):
+                return None
+            final = state.final_dump(state.generation)
+            if final is not None and final.status in ("running", "done"):
+                return None  # CRIU stopped the job for its final dump: it continues on another VM
+            code = JobFiles(self.config.workdir).read_exit_code()
+            state.exit_code = UNKNOWN_EXIT_CODE if code is None else code
+            state.job_status = "exited"
+            generation = state.generation
+            exit_code = state.exit_code
+        log.info("job %s exited with code %d", self.config.job_id, exit_code)
+        self.emit(JobExited, generation, exit_code=exit_code)
+        return exit_code
+
+
+def _is_fencing(error: Exception) -> bool:
+    return isinstance(error, StaleGeneration)
+
+
+def base_job_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """What a job inherits from the agent's environment: enough to find programs and speak a locale."""
+    keep = ("PATH", "LANG", "LC_ALL", "TZ", "HOME", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
+    env = {key: environ[key] for key in keep if key in environ}
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env.setdefault("HOME", "/root")
+    return env

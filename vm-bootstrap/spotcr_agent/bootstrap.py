@@ -1,0 +1,157 @@
+"""`spotcr-agent bootstrap`: read the job from IMDS, fetch its spec, prepare its storage, write agent.json.
+
+A failure names its step, goes to the console, and is published as BootstrapFailed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from spotcr_contracts.events import BootstrapFailed
+from spotcr_contracts.tags import JobSpec, parse_job_tags
+
+from . import config as agent_config
+from . import storage
+from .config import AgentConfig
+from .events import EventBridgePublisher, Publisher, now_iso
+from .imds import Imds, Metadata, instance_tags, require
+from .runner import JobDefinition, parse_job_spec
+
+log = logging.getLogger(__name__)
+
+
+class BootstrapError(RuntimeError):
+    def __init__(self, step: str, reason: str) -> None:
+        super().__init__(f"bootstrap step {step!r} failed: {reason}")
+        self.step = step
+        self.reason = reason
+
+
+def fetch_spec(uri: str) -> bytes:
+    """The job spec object from S3 (s3://bucket/key, already validated by the tag parser)."""
+    import boto3
+
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    body: bytes = boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read(64 * 1024 + 1)
+    return body
+
+
+def build_config(
+    metadata: Metadata,
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    spec_reader: Callable[[str], bytes] = fetch_spec,
+) -> AgentConfig:
+    """Everything the agent needs to know, from IMDS, the instance's tags and the bootstrap flags."""
+    step = "imds"
+    context: dict[str, str] = {}
+    try:
+        context["instance_id"] = require(metadata, "meta-data/instance-id")
+        context["availability_zone"] = require(metadata, "meta-data/placement/availability-zone")
+        context["region"] = metadata.get("meta-data/placement/region") or context["availability_zone"][:-1]
+        step = "tags"
+        job = parse_job_tags(instance_tags(metadata))
+        step = "spec"
+        definition = JobDefinition(command=job.command, workdir=job.workdir)
+        if job.spec_uri:
+            definition = parse_job_spec(spec_reader(job.spec_uri))
+        step = "config"
+        return _config(job, definition, context, args, environ)
+    except Exception as error:
+        raise BootstrapError(step, str(error)) from error
+
+
+def _config(
+    job: JobSpec,
+    definition: JobDefinition,
+    context: Mapping[str, str],
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+) -> AgentConfig:
+    state_dir = Path(environ.get(agent_config.STATE_DIR_ENV, str(agent_config.DEFAULT_STATE_DIR)))
+    workdir = job.workdir or definition.workdir
+    values: dict[str, Any] = {
+        "job_id": job.job_id,
+        "instance_id": context["instance_id"],
+        "availability_zone": context["availability_zone"],
+        "region": context["region"],
+        "storage": job.storage,
+        "generation": job.generation,
+        "mode": job.mode,
+        "event_bus": args.event_bus,
+        "bucket": args.bucket,
+        "ebs_volume_id": args.ebs_volume_id,
+        "efs_id": args.efs_id,
+        "fsx_dns": args.fsx_dns,
+        "fsx_mount_name": args.fsx_mount_name,
+        "command": definition.command,
+        "env": dict(definition.env),
+        "interval_s": job.interval_s,
+        "state_dir": state_dir,
+        "imds_endpoint": environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT),
+    }
+    if workdir:
+        values["workdir"] = Path(workdir)
+    if args.scratch_dir:
+        values["scratch_dir"] = Path(args.scratch_dir)
+    return AgentConfig(**values)
+
+
+def bootstrap(
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    print_result: Callable[[Mapping[str, Any]], None],
+    *,
+    metadata: Metadata | None = None,
+    publisher: Publisher | None = None,
+    spec_reader: Callable[[str], bytes] = fetch_spec,
+    devices_dir: Path = Path("/dev/disk/by-id"),
+) -> int:
+    metadata = metadata or Imds(environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT))
+    config: AgentConfig | None = None
+    try:
+        config = build_config(metadata, args, environ, spec_reader)
+        try:
+            storage.prepare(config, devices_dir)
+        except Exception as error:
+            raise BootstrapError("storage", str(error)) from error
+        path = agent_config.config_path(environ)
+        try:
+            config.write(path)
+        except OSError as error:
+            raise BootstrapError("config", f"cannot write {path}: {error}") from error
+    except BootstrapError as error:
+        log.error("%s", error)
+        publisher = publisher or EventBridgePublisher(args.event_bus, config.region if config else "")
+        publisher.publish(
+            BootstrapFailed(
+                job_id=config.job_id if config else _best_effort_job(metadata),
+                instance_id=config.instance_id if config else _best_effort(metadata, "meta-data/instance-id"),
+                generation=config.generation if config else 0,
+                at=now_iso(),
+                step=error.step,
+                reason=error.reason[:1000],
+            )
+        )
+        print_result({"ok": False, "step": error.step, "error": error.reason})
+        return 2 if error.step in ("tags", "spec") else 1
+    print_result({"ok": True, "config": str(path), "job_id": config.job_id, "mode": config.mode})
+    return 0
+
+
+def _best_effort(metadata: Metadata, path: str) -> str:
+    try:
+        return (metadata.get(path) or "unknown").strip()
+    except Exception:
+        return "unknown"
+
+
+def _best_effort_job(metadata: Metadata) -> str:
+    try:
+        return instance_tags(metadata).get("spotcr:job", "unknown")
+    except Exception:
+        return "unknown"

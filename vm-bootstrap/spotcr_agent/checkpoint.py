@@ -1,0 +1,295 @@
+"""Taking checkpoints: periodic (the job keeps running) and final (the job stops).
+
+Periodic: CRIU dumps with --leave-running to local scratch, the work dir is copied while the job is
+still frozen (a CRIU post-dump action script), then the job runs on while the images cross the network.
+Final: the job stops and what counts is time until durable, so the store reads CRIU's images while
+CRIU writes them. Either way a checkpoint exists only once the store has written its manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from .criu import Criu, CriuError
+from .host import HostInfo
+from .runner import checkpointable_problem, job_alive, open_files
+from .state import FinalDump, StateFile, admit, exclusive, pid_alive
+from .store import CheckpointMeta, CommitResult, Manifest
+
+log = logging.getLogger(__name__)
+
+KINDS = ("periodic", "final")
+FINAL_MODES = ("stream", "dump-then-ship")
+WAIT_POLL_S = 0.2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint was not taken; the message says why."""
+
+
+class Backend(Protocol):
+    def check(self) -> None: ...
+
+
+class Store(Protocol):
+    """The part of spotcr_agent.store.CheckpointStore that checkpoints and restores use."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    def commit(
+        self,
+        image_dir: Path,
+        meta: CheckpointMeta,
+        extra_files: dict[str, Path] | None = None,
+        still_writing: Callable[[], bool] | None = None,
+    ) -> CommitResult: ...
+
+    def checkpoints(self) -> list[Manifest]: ...
+
+    def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest: ...
+
+    def prune(self, keep: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CheckpointOutcome:
+    checkpoint_id: str
+    kind: str
+    generation: int
+    seconds: float  # dump start to durable
+    frozen_seconds: float
+    bytes_total: int
+    bytes_uploaded: int
+    already_taken: bool = False  # another trigger took this final dump; this one reports it
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def checkpoint_id(unix_ms: int, generation: int, kind: str) -> str:
+    return f"{unix_ms:013d}-g{generation}-{kind}"
+
+
+def workdir_files(workdir: Path, root: Path | None = None) -> dict[str, Path]:
+    """Every regular file of the job's work dir, named as the manifest names them (workdir/<relative>)."""
+    source = root or workdir
+    files: dict[str, Path] = {}
+    for directory, _, names in os.walk(source):
+        for name in names:
+            path = Path(directory, name)
+            if path.is_file() and not path.is_symlink():
+                files[f"workdir/{path.relative_to(source).as_posix()}"] = path
+    return files
+
+
+@dataclass
+class Checkpointer:
+    job_id: str
+    workdir: Path
+    scratch_dir: Path
+    state: StateFile
+    store: Store
+    criu: Criu
+    host: Callable[[], HostInfo]
+    final_mode: str = "stream"
+    keep_checkpoints: int = 3
+    clock: Callable[[], float] = time.time
+
+    def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        return self._final(generation) if kind == "final" else self._periodic(generation)
+
+    def _running_job(self, generation: int) -> tuple[int, str | None]:
+        """Under the state lock: fence, then the job's PID and the parent checkpoint."""
+        with self.state.locked() as state:
+            admit(state, generation)
+            final = state.final_dump(generation)
+            if final is not None and final.status in ("running", "done"):
+                raise CheckpointError(f"the final dump of generation {generation} is taken; the job is stopped")
+            if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
+                raise CheckpointError(_not_running(state.job_status, state.exit_code))
+            return state.job_pid, state.last_checkpoint
+
+    def _periodic(self, generation: int) -> CheckpointOutcome:
+        started = time.monotonic()
+        with exclusive(self.state.dir / "dump.lock"):
+            pid, parent = self._running_job(generation)
+            self._check_checkpointable(pid)
+            meta = self._meta(generation, "periodic", parent, pid)
+            scratch = self.scratch_dir / meta.checkpoint_id
+            snapshot = scratch / "workdir"
+            script = _snapshot_script(scratch / "post-dump.sh", self.workdir, snapshot)
+            try:
+                frozen = self.criu.dump(
+                    pid, scratch / "images", scratch / "logs", leave_running=True, action_script=script
+                )
+            except CriuError as error:
+                raise CheckpointError(f"{error.reason}; CRIU log: {scratch / 'logs' / 'dump.log'}") from error
+        # The job runs again: from here on only the network waits.
+        result = self.store.commit(scratch / "images", meta, extra_files=workdir_files(self.workdir, snapshot))
+        outcome = self._committed(meta, result, time.monotonic() - started, frozen)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return outcome
+
+    def _final(self, generation: int) -> CheckpointOutcome:
+        with self.state.locked() as state:
+            admit(state, generation)
+            final = state.final_dump(generation)
+            take = final is None or final.status == "failed" or not pid_alive(final.owner_pid)
+            if take:
+                state.final_dumps[str(generation)] = FinalDump(status="running", owner_pid=os.getpid())
+        if not take:
+            return self._wait_for_final(generation)
+        try:
+            outcome = self._take_final(generation)
+        except Exception as error:
+            with self.state.locked() as state:
+                state.final_dumps[str(generation)] = FinalDump("failed", os.getpid(), {"reason": str(error)})
+            raise
+        with self.state.locked() as state:
+            state.final_dumps[str(generation)] = FinalDump("done", os.getpid(), outcome.to_json())
+            state.job_status = "checkpointed"
+        return outcome
+
+    def _wait_for_final(self, generation: int) -> CheckpointOutcome:
+        log.info("the final dump of generation %d is already being taken; waiting for it", generation)
+        while True:
+            with self.state.locked() as state:
+                final = state.final_dump(generation)
+            if final is None or final.status == "failed":
+                reason = final.result.get("reason", "it was abandoned") if final else "it was abandoned"
+                raise CheckpointError(f"the final dump taken by another trigger failed: {reason}")
+            if final.status == "done":
+                return CheckpointOutcome(**{**final.result, "already_taken": True})
+            if not pid_alive(final.owner_pid):
+                raise CheckpointError(f"the process taking the final dump ({final.owner_pid}) died")
+            time.sleep(WAIT_POLL_S)
+
+    def _take_final(self, generation: int) -> CheckpointOutcome:
+        started = time.monotonic()
+        with exclusive(self.state.dir / "dump.lock"):
+            with self.state.locked() as state:
+                if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
+                    raise CheckpointError(_not_running(state.job_status, state.exit_code))
+                pid, parent = state.job_pid, state.last_checkpoint
+            self._check_checkpointable(pid)
+            meta = self._meta(generation, "final", parent, pid)
+            scratch = self.scratch_dir / meta.checkpoint_id
+            images, logs = scratch / "images", scratch / "logs"
+            images.mkdir(parents=True, exist_ok=True)
+            logs.mkdir(parents=True, exist_ok=True)
+            # The job is frozen from here and killed when CRIU is done; its work dir no longer changes.
+            extra = workdir_files(self.workdir)
+            dump = self.criu.start_dump(self.criu.dump_argv(pid, images, logs, leave_running=False))
+            if self.final_mode == "stream":
+                try:
+                    result = self.store.commit(
+                        images, meta, extra_files=extra, still_writing=_criu_running(self.criu, dump, logs)
+                    )
+                except CriuError as error:
+                    raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
+                except Exception as error:
+                    log.warning("streaming the final dump failed (%s); shipping it from local scratch", error)
+                    self._finish(dump, logs)
+                    result = self.store.commit(images, meta, extra_files=extra)
+                self._finish(dump, logs)
+                frozen = time.monotonic() - started
+            else:
+                self._finish(dump, logs)
+                frozen = time.monotonic() - started
+                result = self.store.commit(images, meta, extra_files=extra)
+        outcome = self._committed(meta, result, time.monotonic() - started, frozen)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return outcome
+
+    def _finish(self, dump: subprocess.Popen[bytes], logs: Path) -> None:
+        try:
+            self.criu.finish_dump(dump, logs)
+        except CriuError as error:
+            raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
+
+    def _check_checkpointable(self, pid: int) -> None:
+        """Before freezing the job: CRIU would refuse it, or the images would have nowhere to go."""
+        problem = checkpointable_problem(pid)
+        if problem:
+            raise CheckpointError(problem)
+        self.store.backend.check()
+
+    def _meta(self, generation: int, kind: str, parent: str | None, pid: int) -> CheckpointMeta:
+        host = self.host()
+        return CheckpointMeta(
+            job_id=self.job_id,
+            checkpoint_id=checkpoint_id(int(self.clock() * 1000), generation, kind),
+            generation=generation,
+            kind=kind,
+            parent=parent,
+            criu_version=host.criu_version,
+            kernel=host.kernel,
+            arch=host.arch,
+            cpu_flags=host.cpu_flags,
+            open_files=[{"path": path, "size": size} for path, size in open_files(pid)],
+        )
+
+    def _committed(
+        self, meta: CheckpointMeta, result: CommitResult, seconds: float, frozen: float
+    ) -> CheckpointOutcome:
+        with self.state.locked() as state:
+            state.last_checkpoint = meta.checkpoint_id
+        try:
+            self.store.prune(keep=self.keep_checkpoints)
+        except Exception as error:
+            log.warning("pruning old checkpoints failed: %s", error)
+        return CheckpointOutcome(
+            checkpoint_id=meta.checkpoint_id,
+            kind=meta.kind,
+            generation=meta.generation,
+            seconds=round(seconds, 3),
+            frozen_seconds=round(frozen, 3),
+            bytes_total=result.bytes_total,
+            bytes_uploaded=result.bytes_uploaded,
+        )
+
+
+def _not_running(status: str, exit_code: int | None) -> str:
+    if status == "exited":
+        return f"the job is not running: it exited with code {exit_code}"
+    if status == "checkpointed":
+        return "the job is not running: its final dump was taken"
+    return "the job is not running on this VM"
+
+
+def _criu_running(criu: Criu, dump: subprocess.Popen[bytes], logs: Path) -> Callable[[], bool]:
+    """`still_writing` for the store: True while CRIU writes; raises if CRIU failed, so nothing is committed."""
+
+    def still_writing() -> bool:
+        if dump.poll() is None:
+            return True
+        if dump.returncode != 0:
+            criu.finish_dump(dump, logs)
+        return False
+
+    return still_writing
+
+
+def _snapshot_script(path: Path, workdir: Path, snapshot: Path) -> Path:
+    """A CRIU action script that copies the work dir after the dump, while the job is still frozen."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "#!/bin/sh\n"
+        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"mkdir -p {shlex.quote(str(snapshot))}\n"
+        f"exec cp -a --reflink=auto {shlex.quote(str(workdir))}/. {shlex.quote(str(snapshot))}/\n"
+    )
+    path.chmod(0o755)
+    return path

@@ -1,0 +1,142 @@
+"""`spotcr-agent`: the commands SSM runs on a job VM, the bootstrap, and the daemon.
+
+Every command prints one JSON line with its result. Exit codes: 0 ok, 1 failure, 2 bad input,
+3 stale generation (a newer generation of the job has taken over).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
+from spotcr_contracts.tags import InvalidJobTags
+
+from . import config as agent_config
+from .agent import Agent, WrongJob, base_job_env
+from .events import EventBridgePublisher
+from .imds import Imds
+from .runner import InvalidJobSpec
+from .state import StaleGeneration
+
+log = logging.getLogger("spotcr_agent")
+
+OK, FAILED, BAD_INPUT, STALE = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _generation(value: str) -> int:
+    if not value.isdigit() or len(value) > 10:
+        raise argparse.ArgumentTypeError(f"generation must be a whole number, got {value[:32]!r}")
+    return int(value)
+
+
+def _checkpoint_id(value: str) -> str:
+    if not re.fullmatch(CHECKPOINT_ID_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"checkpoint id {value[:64]!r} does not match {CHECKPOINT_ID_PATTERN}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    root = _Parser(prog="spotcr-agent", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    bootstrap = commands.add_parser("bootstrap", help="read the job from IMDS, prepare storage, write agent.json")
+    bootstrap.add_argument("--bucket", default="", help="S3 bucket of the job's checkpoints (s3 storage)")
+    bootstrap.add_argument("--event-bus", default="", help="EventBridge bus for the agent's events")
+    bootstrap.add_argument("--ebs-volume-id", default="", help="EBS volume to mount (default: the one data volume)")
+    bootstrap.add_argument("--efs-id", default="", help="EFS file system id (efs storage)")
+    bootstrap.add_argument("--fsx-dns", default="", help="FSx for Lustre DNS name (fsx storage)")
+    bootstrap.add_argument("--fsx-mount-name", default="", help="FSx for Lustre mount name (fsx storage)")
+    bootstrap.add_argument("--scratch-dir", default="", help="local dir for periodic dumps (default <state>/scratch)")
+
+    commands.add_parser("daemon", help="the service: run or await the job, watch it, final dump on interruption")
+
+    checkpoint = commands.add_parser("checkpoint", help="take a periodic or final checkpoint")
+    checkpoint.add_argument("--job", required=True)
+    checkpoint.add_argument("--generation", required=True, type=_generation)
+    checkpoint.add_argument("--kind", required=True, choices=("periodic", "final"))
+
+    restore = commands.add_parser("restore", help="restore the job from a committed checkpoint")
+    restore.add_argument("--job", required=True)
+    restore.add_argument("--generation", required=True, type=_generation)
+    restore.add_argument("--checkpoint", type=_checkpoint_id, default=None)
+
+    release = commands.add_parser("release", help="release the job's storage (unmount EBS) so it can move")
+    release.add_argument("--job", required=True)
+    release.add_argument("--generation", required=True, type=_generation)
+
+    status = commands.add_parser("status", help="print the agent's view of the job")
+    status.add_argument("--job", required=True)
+    return root
+
+
+def _print(result: Mapping[str, Any]) -> None:
+    sys.stdout.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s spotcr-agent %(levelname)s %(message)s"
+    )
+    try:
+        args = parser().parse_args(list(argv))
+        if args.command == "bootstrap":
+            from .bootstrap import bootstrap
+
+            return bootstrap(args, environ, _print)
+        config = agent_config.load(environ)
+        agent = Agent(
+            config=config,
+            publisher=EventBridgePublisher(config.event_bus, config.region),
+            job_env=base_job_env(dict(environ)),
+        )
+        return _run(agent, args)
+    except StaleGeneration as error:
+        _print({"ok": False, "error": str(error), "stale": True})
+        return STALE
+    except (UsageError, agent_config.ConfigError, WrongJob, InvalidJobSpec, InvalidJobTags) as error:
+        _print({"ok": False, "error": str(error)})
+        return BAD_INPUT
+    except Exception as error:
+        _print({"ok": False, "error": str(error)})
+        return FAILED
+
+
+def _run(agent: Agent, args: argparse.Namespace) -> int:
+    if args.command == "daemon":
+        from . import daemon
+
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        daemon.run(agent, Imds(agent.config.imds_endpoint), stop)
+        return OK
+    agent.check_job(args.job)
+    if args.command == "checkpoint":
+        _print({"ok": True, **agent.checkpoint(args.kind, args.generation).to_json()})
+    elif args.command == "restore":
+        _print({"ok": True, **agent.restore(args.generation, args.checkpoint).to_json()})
+    elif args.command == "release":
+        _print({"ok": True, "released": agent.release(args.generation)})
+    else:
+        _print({"ok": True, **agent.status()})
+    return OK

@@ -1,0 +1,156 @@
+"""The agent's configuration: `/etc/spotcr/agent.json`, written by `spotcr-agent bootstrap`.
+
+Built once at the edge (the CLI); logic modules receive the typed object and never read the
+environment. Only paths and endpoints may be overridden from the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotcr_contracts.tags import MODES, STORAGES
+
+DEFAULT_CONFIG_PATH = Path("/etc/spotcr/agent.json")
+DEFAULT_STATE_DIR = Path("/var/lib/spotcr")
+DEFAULT_MOUNT_POINT = Path("/mnt/spotcr")
+DEFAULT_IMDS_ENDPOINT = "http://169.254.169.254"
+CONFIG_ENV = "SPOTCR_AGENT_CONFIG"
+IMDS_ENV = "SPOTCR_IMDS_ENDPOINT"
+STATE_DIR_ENV = "SPOTCR_STATE_DIR"
+
+
+class ConfigError(ValueError):
+    """The agent's configuration file is missing or wrong; the message says which field."""
+
+
+def default_workdir(job_id: str) -> Path:
+    # Not under the state dir: the job's open files must sit at the same path on every VM.
+    return Path("/var/lib/spotcr/work") / job_id
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    job_id: str
+    instance_id: str
+    storage: str
+    generation: int
+    mode: str = "run"
+    region: str = ""
+    availability_zone: str = ""
+    event_bus: str = ""
+    bucket: str = ""  # s3 storage
+    mount_point: Path = DEFAULT_MOUNT_POINT  # ebs, efs, fsx storage
+    ebs_volume_id: str = ""  # ebs: the volume to find as an NVMe device; empty: the one non-root EBS volume
+    efs_id: str = ""  # efs: file system id (fs-...)
+    fsx_dns: str = ""  # fsx: file system DNS name
+    fsx_mount_name: str = ""  # fsx: Lustre mount name
+    final_dump: str = "stream"  # stream (store reads images as CRIU writes them) | dump-then-ship
+    command: tuple[str, ...] = ()
+    workdir: Path = Path()
+    env: Mapping[str, str] = field(default_factory=dict)
+    interval_s: int = 300
+    state_dir: Path = DEFAULT_STATE_DIR
+    scratch_dir: Path = Path()  # local dir (ideally tmpfs) for periodic dumps; default <state_dir>/scratch
+    imds_endpoint: str = DEFAULT_IMDS_ENDPOINT
+    criu_bin: str = "criu"
+    keep_checkpoints: int = 3
+
+    def __post_init__(self) -> None:
+        if self.storage not in STORAGES:
+            raise ConfigError(f"storage: unknown storage {self.storage!r}; one of {', '.join(STORAGES)}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode: unknown mode {self.mode!r}; one of {', '.join(MODES)}")
+        if self.storage == "s3" and not self.bucket:
+            raise ConfigError("bucket: s3 storage needs a bucket")
+        if self.workdir == Path():
+            object.__setattr__(self, "workdir", default_workdir(self.job_id))
+        if self.scratch_dir == Path():
+            object.__setattr__(self, "scratch_dir", self.state_dir / "scratch")
+
+    def to_json(self) -> dict[str, Any]:
+        values = dataclasses.asdict(self)
+        for key, value in values.items():
+            if isinstance(value, Path):
+                values[key] = str(value)
+        values["command"] = list(self.command)
+        values["env"] = dict(self.env)
+        return values
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AgentConfig:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown fields {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        for name, value in data.items():
+            kind = str(known[name].type)
+            if kind == "Path":
+                _expect(name, value, str)
+                values[name] = Path(value)
+            elif kind == "int":
+                _expect(name, value, int)
+                values[name] = value
+            elif kind == "str":
+                _expect(name, value, str)
+                values[name] = value
+            elif kind == "tuple[str, ...]":
+                if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                    raise ConfigError(f"{name}: must be a list of strings")
+                values[name] = tuple(value)
+            else:
+                if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                    raise ConfigError(f"{name}: must be an object of strings")
+                values[name] = dict(value)
+        for name, spec in known.items():
+            required = spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
+            if name not in values and required:
+                raise ConfigError(f"{name}: missing")
+        return cls(**values)
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(path)
+
+
+def _expect(name: str, value: object, kind: type) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"{name}: must be {kind.__name__}, got {type(value).__name__}")
+
+
+def config_path(environ: Mapping[str, str]) -> Path:
+    return Path(environ.get(CONFIG_ENV, str(DEFAULT_CONFIG_PATH)))
+
+
+def load(environ: Mapping[str, str]) -> AgentConfig:
+    """Read agent.json and apply the environment's path and endpoint overrides."""
+    path = config_path(environ)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ConfigError(f"{path} does not exist: run `spotcr-agent bootstrap` first") from error
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path} cannot be read: {error}") from error
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    config = AgentConfig.from_json(data)
+    return with_overrides(config, environ)
+
+
+def with_overrides(config: AgentConfig, environ: Mapping[str, str]) -> AgentConfig:
+    changes: dict[str, Any] = {}
+    if IMDS_ENV in environ:
+        changes["imds_endpoint"] = environ[IMDS_ENV]
+    if STATE_DIR_ENV in environ:
+        state_dir = Path(environ[STATE_DIR_ENV])
+        changes["state_dir"] = state_dir
+        if config.scratch_dir == config.state_dir / "scratch":
+            changes["scratch_dir"] = state_dir / "scratch"
+    return dataclasses.replace(config, **changes) if changes else config

@@ -1,0 +1,141 @@
+"""Running CRIU: dump (periodic or final), restore, feature and version detection, clear failures."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Options every dump and restore takes: jobs may hold TCP connections, file locks and sockets to
+# services outside the job (journald, nscd); none runs on a terminal, so never --shell-job.
+COMMON_OPTIONS = ("--tcp-established", "--file-locks", "--ext-unix-sk", "-v4")
+LOG_TAIL_LINES = 15
+
+# What CRIU's log says, and what it means for the user (first match wins).
+_EXPLANATIONS: tuple[tuple[str, str], ...] = (
+    (r"is not a session leader|A session leader .* is outside", "root process is not a session leader"),
+    (r"tty|Can't dump controlling terminal|--shell-job", "job has a controlling terminal"),
+    (r"No such process|Can't attach to \d+|Unable to seize|seize .* failed", "job is not running"),
+    (r"has bad size|File .* has bad (size|mode)", "a file the job has open changed size since the dump"),
+    (r"Can't open file .*|No such file or directory", "a file the job needs is missing"),
+    (r"cpuinfo|CPU feature|cpu .* mismatch", "this CPU lacks features the job's CPU had"),
+    (r"Connected TCP socket|TCP connection", "job holds TCP connections CRIU cannot dump"),
+    (r"(?:unix|Unix) socket", "job holds a unix socket to something outside it"),
+    (r"Can't write|No space left", "no space left for the checkpoint images"),
+    (r"Address already in use", "a port the job listens on is already taken here"),
+    (r"Pid \d+ is (already )?busy|pid .* is busy|Can't fork for \d+", "the job's PID is taken here"),
+)
+
+
+class CriuError(RuntimeError):
+    """CRIU failed; `reason` is a one-line explanation, `log_tail` the end of CRIU's log."""
+
+    def __init__(self, action: str, reason: str, log_tail: str = "") -> None:
+        super().__init__(f"criu {action} failed: {reason}" + (f"\n{log_tail}" if log_tail else ""))
+        self.action = action
+        self.reason = reason
+        self.log_tail = log_tail
+
+
+def explain(log_text: str) -> str:
+    errors = [line for line in log_text.splitlines() if "Error" in line or "error" in line]
+    for pattern, meaning in _EXPLANATIONS:
+        for line in errors:
+            if re.search(pattern, line):
+                return f"{meaning} ({_strip_prefix(line)})"
+    return _strip_prefix(errors[-1]) if errors else "no error in CRIU's log"
+
+
+def _strip_prefix(line: str) -> str:
+    # "(00.012345) Error (criu/tty.c:123): message" -> "message"
+    return re.sub(r"^\(\s*[\d.]+\)\s*(?:\d+:\s*)?Error\s*\([^)]*\):\s*", "", line.strip())[:300]
+
+
+def failure(action: str, log_path: Path, stderr: str) -> CriuError:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        text = stderr
+    tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
+    return CriuError(action, explain(text), tail)
+
+
+@dataclass
+class Criu:
+    binary: str = "criu"
+    _features: dict[str, bool] = field(default_factory=dict)
+    _version: str = ""
+
+    def version(self) -> str:
+        """CRIU's version, e.g. '4.1.1'."""
+        if not self._version:
+            try:
+                result = subprocess.run([self.binary, "--version"], capture_output=True, text=True, check=False)
+            except FileNotFoundError as error:
+                raise CriuError("--version", f"CRIU is not installed ({self.binary} not found)") from error
+            match = re.search(r"Version:\s*([0-9][0-9.]*)", result.stdout)
+            if result.returncode != 0 or not match:
+                output = f"{result.stdout.strip()} {result.stderr.strip()}"
+                raise CriuError("--version", f"cannot read CRIU's version: {output}")
+            self._version = match.group(1)
+        return self._version
+
+    def supports(self, feature: str) -> bool:
+        """`criu check --feature`: e.g. mem_dirty_track, which incremental dumps need."""
+        if feature not in self._features:
+            result = subprocess.run(
+                [self.binary, "check", "--feature", feature], capture_output=True, text=True, check=False
+            )
+            self._features[feature] = result.returncode == 0
+        return self._features[feature]
+
+    def dump_argv(
+        self,
+        pid: int,
+        images_dir: Path,
+        log_dir: Path,
+        *,
+        leave_running: bool,
+        prev_images_dir: Path | None = None,
+        action_script: Path | None = None,
+    ) -> list[str]:
+        argv = [self.binary, "dump", "-t", str(pid), "-D", str(images_dir), "-W", str(log_dir), "-o", "dump.log"]
+        argv += COMMON_OPTIONS
+        if leave_running:
+            argv.append("--leave-running")
+        if prev_images_dir is not None:
+            argv += ["--track-mem", "--prev-images-dir", str(prev_images_dir)]
+        if action_script is not None:
+            argv += ["--action-script", str(action_script)]
+        return argv
+
+    def start_dump(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def finish_dump(self, process: subprocess.Popen[bytes], log_dir: Path) -> None:
+        _, stderr = process.communicate()
+        if process.returncode != 0:
+            raise failure("dump", log_dir / "dump.log", stderr.decode(errors="replace"))
+
+    def dump(self, pid: int, images_dir: Path, log_dir: Path, *, leave_running: bool, **options: Path | None) -> float:
+        """Dump the job's process tree; returns the seconds CRIU ran (the job is frozen about that long)."""
+        images_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        process = self.start_dump(self.dump_argv(pid, images_dir, log_dir, leave_running=leave_running, **options))
+        self.finish_dump(process, log_dir)
+        return time.monotonic() - started
+
+    def restore(self, images_dir: Path, log_dir: Path) -> int:
+        """Restore detached (-d) into a fresh PID namespace; returns the host PID of the job's PID 1."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        pidfile = log_dir / "restore.pid"
+        pidfile.unlink(missing_ok=True)
+        argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
+        argv += [*COMMON_OPTIONS, "--pidfile", str(pidfile)]
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise failure("restore", log_dir / "restore.log", result.stderr)
+        return int(pidfile.read_text().strip())

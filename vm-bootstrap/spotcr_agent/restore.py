@@ -1,0 +1,148 @@
+"""Restoring the job from a committed checkpoint, newest first, falling back to older ones."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Store
+from .criu import Criu, CriuError
+from .host import HostInfo
+from .runner import job_alive, process_start_time
+from .state import StateFile, admit, exclusive
+from .store import Manifest
+from .store.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+
+
+class RestoreError(RuntimeError):
+    """No checkpoint could be restored; the message gives each attempt's reason."""
+
+    def __init__(self, message: str, checkpoint_id: str = "") -> None:
+        super().__init__(message)
+        self.checkpoint_id = checkpoint_id
+
+
+class Incompatible(RuntimeError):
+    """This machine cannot restore the checkpoint; the message says what differs."""
+
+
+@dataclass(frozen=True)
+class RestoreOutcome:
+    checkpoint_id: str
+    generation: int
+    seconds: float
+    pid: int
+    skipped: str = ""  # why newer checkpoints were not restored; empty when the first choice was
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".") if part.isdigit())
+
+
+def check_compatible(manifest: Manifest, host: HostInfo) -> None:
+    """Raise Incompatible naming the first difference that would make CRIU fail here."""
+    dumped, here = _version(manifest.criu_version), _version(host.criu_version)
+    if not dumped or not here or dumped[0] != here[0] or here < dumped:
+        raise Incompatible(
+            f"CRIU {host.criu_version} here cannot restore images of CRIU {manifest.criu_version} "
+            f"(needs the same major version, at least as new)"
+        )
+    if manifest.arch != host.arch:
+        raise Incompatible(f"checkpoint is for {manifest.arch}, this machine is {host.arch}")
+    missing = sorted(set(manifest.cpu_flags) - set(host.cpu_flags))
+    if missing:
+        raise Incompatible(f"this CPU lacks features the job's CPU had: {', '.join(missing[:12])}")
+
+
+def check_open_files(manifest: Manifest) -> None:
+    missing = [f.path for f in manifest.open_files if not Path(f.path).exists()]
+    if missing:
+        raise Incompatible(f"files the job had open are missing here: {', '.join(missing[:5])}")
+
+
+@dataclass
+class Restorer:
+    job_id: str
+    workdir: Path
+    scratch_dir: Path
+    state: StateFile
+    store: Store
+    criu: Criu
+    host: Callable[[], HostInfo]
+
+    def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
+        started = time.monotonic()
+        with exclusive(self.state.dir / "dump.lock"):
+            with self.state.locked() as state:
+                admit(state, generation)
+                if state.job_status == "running" and job_alive(state.job_pid, state.job_start_time):
+                    raise RestoreError(f"the job already runs on this VM (pid {state.job_pid}); it never runs twice")
+            candidates = self._candidates(checkpoint_id)
+            host = self.host()
+            failures: list[str] = []
+            for candidate in candidates[:MAX_ATTEMPTS]:
+                try:
+                    pid = self._restore_one(candidate, host)
+                except (StoreError, Incompatible, CriuError, OSError) as error:
+                    reason = error.reason if isinstance(error, CriuError) else str(error)
+                    log.warning("restoring checkpoint %s failed: %s", candidate, reason)
+                    failures.append(f"{candidate}: {reason}")
+                    continue
+                start_time = process_start_time(pid) or 0
+                with self.state.locked() as state:
+                    admit(state, generation)
+                    state.job_id = self.job_id
+                    state.job_pid, state.job_start_time = pid, start_time
+                    state.job_status, state.exit_code = "running", None
+                    state.last_checkpoint = candidate
+                if failures:
+                    log.warning("restored the older checkpoint %s because %s", candidate, "; ".join(failures))
+                return RestoreOutcome(
+                    checkpoint_id=candidate,
+                    generation=generation,
+                    seconds=round(time.monotonic() - started, 3),
+                    pid=pid,
+                    skipped="; ".join(failures),
+                )
+        raise RestoreError("no checkpoint could be restored: " + "; ".join(failures), candidates[0])
+
+    def _candidates(self, checkpoint_id: str | None) -> list[str]:
+        if checkpoint_id:
+            return [checkpoint_id]
+        candidates = [m.checkpoint_id for m in self.store.checkpoints()]
+        if not candidates:
+            raise RestoreError(f"job {self.job_id} has no committed checkpoint to restore")
+        return candidates
+
+    def _restore_one(self, checkpoint_id: str, host: HostInfo) -> int:
+        dest = self.scratch_dir / f"restore-{checkpoint_id}"
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            manifest = self.store.fetch(checkpoint_id, dest)
+            check_compatible(manifest, host)
+            self._place_workdir(dest / "workdir")
+            check_open_files(manifest)
+            return self.criu.restore(dest / "images", self.scratch_dir / f"restore-{checkpoint_id}.logs")
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+
+    def _place_workdir(self, fetched: Path) -> None:
+        """The work dir becomes exactly the checkpoint's: the job's files at the paths and sizes it had."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.parent.mkdir(parents=True, exist_ok=True)
+        if fetched.is_dir():
+            shutil.move(fetched, self.workdir)
+        else:
+            self.workdir.mkdir()

@@ -1,0 +1,124 @@
+"""The agent's state on the VM, shared by the daemon and the commands SSM runs as separate processes.
+
+One JSON file guarded by `fcntl.flock`: every read-modify-write happens under the lock, so two
+triggers for one interruption (an SSM command and the IMDS poll) agree on who takes the final dump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class StaleGeneration(RuntimeError):
+    """A command for an older generation than this VM serves: fenced off."""
+
+    def __init__(self, requested: int, served: int) -> None:
+        super().__init__(
+            f"generation {requested} is stale: this VM serves generation {served}; "
+            "a newer generation of the job has taken over"
+        )
+        self.requested = requested
+        self.served = served
+
+
+@dataclass
+class FinalDump:
+    """The one final dump of a generation: who takes it and what it produced."""
+
+    status: str  # running | done | failed
+    owner_pid: int
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentState:
+    job_id: str = ""
+    generation: int = 0  # the generation this VM serves (fencing token)
+    job_pid: int = 0  # host PID of the job's PID 1; 0 when no job runs here
+    job_start_time: int = 0
+    job_status: str = "none"  # none | running | exited | checkpointed
+    exit_code: int | None = None
+    last_checkpoint: str | None = None
+    final_dumps: dict[str, FinalDump] = field(default_factory=dict)  # by generation (JSON keys are strings)
+
+    def final_dump(self, generation: int) -> FinalDump | None:
+        return self.final_dumps.get(str(generation))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AgentState:
+        finals = {k: FinalDump(**v) for k, v in data.pop("final_dumps", {}).items()}
+        return cls(final_dumps=finals, **data)
+
+
+class StateFile:
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir
+        self.path = state_dir / "state.json"
+        self._lock_path = state_dir / "state.lock"
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[AgentState]:
+        """The state under an exclusive lock; changes made to it are saved when the block ends cleanly."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self._lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = self._read()
+            before = state.to_json()
+            yield state
+            if state.to_json() != before:
+                self._write(state)
+
+    def read(self) -> AgentState:
+        with self.locked() as state:
+            return state
+
+    def _read(self) -> AgentState:
+        try:
+            return AgentState.from_json(json.loads(self.path.read_text()))
+        except FileNotFoundError:
+            return AgentState()
+
+    def _write(self, state: AgentState) -> None:
+        tmp = self.path.with_name(f".state.{os.getpid()}.tmp")
+        with open(tmp, "w") as out:
+            json.dump(state.to_json(), out, indent=2)
+            out.flush()
+            os.fsync(out.fileno())
+        tmp.replace(self.path)
+
+
+def admit(state: AgentState, generation: int) -> None:
+    """Fencing: refuse an older generation, adopt a newer one."""
+    if generation < state.generation:
+        raise StaleGeneration(generation, state.generation)
+    state.generation = generation
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Held while CRIU dumps or restores: two CRIU runs on one job never overlap."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

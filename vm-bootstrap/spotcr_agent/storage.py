@@ -1,0 +1,129 @@
+"""The job's storage on the VM: mounting it at bootstrap, releasing it for a move, opening the store."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import AgentConfig
+from .store import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+EBS_LINK_PREFIX = "nvme-Amazon_Elastic_Block_Store_vol"
+DEVICE_WAIT_S = 300.0
+
+
+class StorageError(RuntimeError):
+    """The job's storage cannot be used; the message says which storage and why."""
+
+
+Run = Callable[[list[str]], None]
+
+
+def run(argv: list[str]) -> None:
+    result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        output = (result.stderr or result.stdout).strip().splitlines()
+        raise StorageError(f"`{' '.join(argv)}` failed ({result.returncode}): {output[-1] if output else ''}")
+
+
+def open_store(config: AgentConfig) -> CheckpointStore:
+    """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
+    if config.storage == "s3":
+        return CheckpointStore.for_s3(config.bucket, config.job_id)
+    if not os.path.ismount(config.mount_point):
+        raise StorageError(
+            f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
+        )
+    return CheckpointStore.for_directory(config.mount_point, config.job_id)
+
+
+def find_ebs_device(volume_id: str, devices_dir: Path, wait_s: float = DEVICE_WAIT_S) -> Path:
+    """The NVMe device of an attached EBS volume, by its /dev/disk/by-id link; waits for the attachment."""
+    wanted = f"{EBS_LINK_PREFIX}{volume_id.replace('-', '').removeprefix('vol')}" if volume_id else ""
+    deadline = time.monotonic() + wait_s
+    while True:
+        links = sorted(p for p in devices_dir.glob(f"{EBS_LINK_PREFIX}*") if "-part" not in p.name)
+        if wanted:
+            if (devices_dir / wanted).exists():
+                return (devices_dir / wanted).resolve()
+        else:
+            root = _root_disk()
+            candidates = [p.resolve() for p in links if p.resolve().name != root]
+            if len(candidates) == 1:
+                return candidates[0]
+            if len(candidates) > 1:
+                raise StorageError(f"storage ebs: {len(candidates)} EBS volumes attached; set ebs_volume_id")
+        if time.monotonic() >= deadline:
+            what = f"volume {volume_id}" if volume_id else "a data volume"
+            raise StorageError(f"storage ebs: {what} did not appear under {devices_dir} within {wait_s:.0f} s")
+        time.sleep(1.0)
+
+
+def _root_disk() -> str:
+    """Name of the disk holding / (e.g. nvme0n1), so it is never taken for the job's volume."""
+    device = os.stat("/").st_dev
+    try:
+        block = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve()
+    except OSError:
+        return ""
+    return block.parent.name if (block / "partition").exists() else block.name
+
+
+def has_filesystem(device: Path) -> bool:
+    result = subprocess.run(
+        ["blkid", "-o", "value", "-s", "TYPE", str(device)], capture_output=True, text=True, check=False
+    )
+    return result.returncode == 0 and bool(result.stdout.strip())
+
+
+def prepare(config: AgentConfig, devices_dir: Path = Path("/dev/disk/by-id"), runner: Run = run) -> None:
+    """Make the job's storage usable at config.mount_point; a mount point already mounted is used as is."""
+    if config.storage == "s3":
+        return
+    mount_point = config.mount_point
+    if os.path.ismount(mount_point):
+        log.info("%s is already mounted; using it as is", mount_point)
+    else:
+        mount_point.mkdir(parents=True, exist_ok=True)
+        if config.storage == "ebs":
+            device = find_ebs_device(config.ebs_volume_id, devices_dir)
+            if not has_filesystem(device):
+                log.info("formatting %s (first use of the volume)", device)
+                runner(["mkfs.ext4", "-q", "-L", "spotcr", str(device)])
+            runner(["mount", "-o", "noatime", str(device), str(mount_point)])
+        elif config.storage == "efs":
+            if not config.efs_id:
+                raise StorageError("storage efs: no file system id configured")
+            runner(["mount", "-t", "efs", "-o", "tls", f"{config.efs_id}:/", str(mount_point)])
+        elif config.storage == "fsx":
+            if not config.fsx_dns or not config.fsx_mount_name:
+                raise StorageError("storage fsx: file system DNS name and mount name must be configured")
+            source = f"{config.fsx_dns}@tcp:/{config.fsx_mount_name}"
+            runner(["mount", "-t", "lustre", "-o", "relatime,flock", source, str(mount_point)])
+    check_writable(mount_point, config.storage)
+
+
+def check_writable(mount_point: Path, storage: str) -> None:
+    probe = mount_point / f".spotcr-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as error:
+        raise StorageError(f"storage {storage}: {mount_point} is not writable: {error.strerror}") from error
+
+
+def release(config: AgentConfig, runner: Run = run) -> str:
+    """Let the storage move to another VM: for EBS, flush and unmount so the volume can be detached."""
+    if config.storage != "ebs":
+        return f"storage {config.storage} needs no release"
+    os.sync()
+    if not os.path.ismount(config.mount_point):
+        return f"{config.mount_point} is not mounted"
+    runner(["umount", str(config.mount_point)])
+    return f"unmounted {config.mount_point}"
