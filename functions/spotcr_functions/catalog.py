@@ -20,7 +20,7 @@ SEND_COMMAND = "ssm:send-command"  # only spotcr's documents, only to instances 
 COMMAND_RESULTS = "ssm:command-results"
 EC2_DESCRIBE = "ec2:describe"
 EC2_TAG = "ec2:tag"  # spotcr:error on job instances
-EC2_LAUNCH = "ec2:launch"  # RunInstances from the launch template, PassRole for the job profile
+EC2_LAUNCH = "ec2:launch"  # RunInstances from the launch template, PassRole for the job profile, terminate backups
 EC2_VOLUMES = "ec2:volumes"  # attach, detach, snapshot, create volume
 START_RECOVERY = "states:start-recovery"
 TASK_CALLBACK = "states:callback"
@@ -90,7 +90,9 @@ FUNCTIONS: tuple[Function, ...] = (
             IDEMPOTENCY,
             EC2_DESCRIBE,
             EC2_TAG,
+            EC2_VOLUMES,
             START_RECOVERY,
+            SEND_COMMAND,
             READ_JOB_SPECS,
         ),
         rules=(
@@ -104,7 +106,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="tag-change",
         handler="spotcr_functions.handlers.tag_change.handler",
         description="spotcr:job added to a running instance: register the job.",
-        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, EC2_DESCRIBE, EC2_TAG, READ_JOB_SPECS),
+        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, READ_JOB_SPECS),
         rules=(
             Rule(
                 "job-tag-added",
@@ -135,7 +137,71 @@ FUNCTIONS: tuple[Function, ...] = (
         capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, TASK_CALLBACK),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
     ),
+    Function(
+        name="plan-recovery",
+        handler="spotcr_functions.handlers.workflow.plan",
+        description="Recovery step: the backup candidates (same type spot per subnet, fallback types, on-demand).",
+        capabilities=(JOBS_READ, EC2_DESCRIBE),
+        workflow_step=True,
+    ),
+    Function(
+        name="launch-backup",
+        handler="spotcr_functions.handlers.workflow.launch_backup",
+        description="Recovery step: launch one backup candidate; CapacityUnavailable moves down the list.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH),
+        workflow_step=True,
+    ),
+    Function(
+        name="await-agent-event",
+        handler="spotcr_functions.handlers.workflow.await_agent_event",
+        description="Recovery step: store the task token that an agent event (final dump, backup ready) resumes.",
+        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK),
+        workflow_step=True,
+    ),
+    Function(
+        name="move-volume",
+        handler="spotcr_functions.handlers.workflow.move_volume",
+        description="Recovery step: one move of the job's EBS volume to the backup (detach, snapshot, create, attach).",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_VOLUMES),
+        workflow_step=True,
+    ),
+    Function(
+        name="restore-job",
+        handler="spotcr_functions.handlers.workflow.restore",
+        description="Recovery step: order the restore on the backup and wait for the agent's answer.",
+        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND),
+        workflow_step=True,
+    ),
+    Function(
+        name="finish-recovery",
+        handler="spotcr_functions.handlers.workflow.finish",
+        description="Recovery step: the backup is the job's current instance, the job RUNNING again.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE),
+        workflow_step=True,
+    ),
+    Function(
+        name="fail-recovery",
+        handler="spotcr_functions.handlers.workflow.fail",
+        description="Recovery step: mark the job FAILED and terminate its backup.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH),
+        workflow_step=True,
+    ),
 )
+
+# Every ${Name} in statemachines/recovery.asl.json and what infra/ substitutes for it.
+WORKFLOW_SUBSTITUTIONS: dict[str, str] = {
+    "PlanRecoveryFunctionArn": "function:plan-recovery",
+    "LaunchBackupFunctionArn": "function:launch-backup",
+    "AwaitAgentEventFunctionArn": "function:await-agent-event",
+    "MoveVolumeFunctionArn": "function:move-volume",
+    "RestoreJobFunctionArn": "function:restore-job",
+    "FinishRecoveryFunctionArn": "function:finish-recovery",
+    "FailRecoveryFunctionArn": "function:fail-recovery",
+    "ReleaseDocumentName": "document:release",
+    "FailureTopicArn": "topic:failure",
+}
+# The state machine's own SDK calls (besides invoking the functions above): release command and its result, SNS.
+WORKFLOW_CAPABILITIES: tuple[str, ...] = (SEND_COMMAND, COMMAND_RESULTS, PUBLISH_FAILURE)
 
 
 def by_name(name: str) -> Function:

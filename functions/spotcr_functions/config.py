@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 ENV = {
     "jobs_table": "SPOTCR_JOBS_TABLE",
@@ -21,6 +21,14 @@ ENV = {
     "restore_document": "SPOTCR_RESTORE_DOCUMENT",
     "release_document": "SPOTCR_RELEASE_DOCUMENT",
     "status_document": "SPOTCR_STATUS_DOCUMENT",
+}
+# Optional tuning with defaults; the rehearsal and tests shorten the recovery workflow's waits with them.
+OPTIONAL_ENV = {
+    "final_dump_wait_s": "SPOTCR_FINAL_DUMP_WAIT_SECONDS",
+    "backup_ready_wait_s": "SPOTCR_BACKUP_READY_WAIT_SECONDS",
+    "restore_wait_s": "SPOTCR_RESTORE_WAIT_SECONDS",
+    "poll_s": "SPOTCR_POLL_SECONDS",
+    "ebs_volume_gib": "SPOTCR_EBS_VOLUME_GIB",
 }
 
 
@@ -37,11 +45,23 @@ class Settings:
     restore_document: str
     release_document: str
     status_document: str
+    final_dump_wait_s: int = 110  # the 2-minute notice, less the time to launch the final dump
+    backup_ready_wait_s: int = 900
+    restore_wait_s: int = 900
+    poll_s: int = 5
+    ebs_volume_gib: int = 100
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         environ = os.environ if environ is None else environ
-        missing = [ENV[f.name] for f in fields(cls) if ENV[f.name] not in environ]
+        missing = [name for name in ENV.values() if name not in environ]
         if missing:
             raise RuntimeError(f"missing settings: {', '.join(missing)}")
-        return cls(**{f.name: environ[ENV[f.name]] for f in fields(cls)})
+        values: dict[str, str | int] = {key: environ[name] for key, name in ENV.items()}
+        for key, name in OPTIONAL_ENV.items():
+            if name in environ:
+                raw = environ[name]
+                if not raw.isdigit() or int(raw) < 1:
+                    raise RuntimeError(f"{name} must be a positive whole number, got {raw[:32]!r}")
+                values[key] = int(raw)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,220 @@
+"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions. Clients are lazy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from botocore.exceptions import ClientError
+from spotcr_contracts.commands import Command
+
+# RunInstances errors that mean "no capacity here": try the next candidate.
+CAPACITY_ERRORS = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "SpotMaxPriceTooLow",
+        "MaxSpotInstanceCountExceeded",
+        "Unsupported",
+        "InsufficientCapacity",
+        "InsufficientHostCapacity",
+    }
+)
+# SendTaskSuccess/Failure on a token that is finished already: the other side of the rendezvous won.
+FINISHED_TOKEN_ERRORS = frozenset({"TaskTimedOut", "InvalidToken", "TaskDoesNotExist"})
+
+
+@dataclass(frozen=True)
+class Instance:
+    instance_id: str
+    state: str
+    instance_type: str
+    az: str
+    subnet_id: str
+    vpc_id: str
+    tags: Mapping[str, str]
+
+
+def error_code(error: ClientError) -> str:
+    return str(error.response.get("Error", {}).get("Code", ""))
+
+
+class Cloud:
+    def __init__(self, session: Any = None) -> None:
+        self._session = session
+
+    def _client(self, service: str) -> Any:
+        import boto3
+
+        return (self._session or boto3).client(service)
+
+    @cached_property
+    def ec2(self) -> Any:
+        return self._client("ec2")
+
+    @cached_property
+    def ssm(self) -> Any:
+        return self._client("ssm")
+
+    @cached_property
+    def sfn(self) -> Any:
+        return self._client("stepfunctions")
+
+    def describe_instance(self, instance_id: str) -> Instance | None:
+        try:
+            reservations = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+        except ClientError as error:
+            if error_code(error).startswith("InvalidInstanceID"):
+                return None
+            raise
+        for reservation in reservations:
+            for raw in reservation["Instances"]:
+                return Instance(
+                    instance_id=raw["InstanceId"],
+                    state=raw["State"]["Name"],
+                    instance_type=raw["InstanceType"],
+                    az=raw["Placement"]["AvailabilityZone"],
+                    subnet_id=raw.get("SubnetId", ""),
+                    vpc_id=raw.get("VpcId", ""),
+                    tags={t["Key"]: t["Value"] for t in raw.get("Tags", [])},
+                )
+        return None
+
+    def tag_instance(self, instance_id: str, tags: Mapping[str, str]) -> None:
+        self.ec2.create_tags(Resources=[instance_id], Tags=[{"Key": k, "Value": v} for k, v in tags.items()])
+
+    def subnets(self, vpc_id: str) -> list[tuple[str, str]]:
+        """(subnet id, AZ) of every subnet in the VPC."""
+        response = self.ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc_id]}])
+        return sorted((s["SubnetId"], s["AvailabilityZone"]) for s in response["Subnets"])
+
+    def run_instance(
+        self,
+        *,
+        launch_template_id: str,
+        instance_type: str,
+        subnet_id: str,
+        spot: bool,
+        tags: Mapping[str, str],
+        client_token: str,
+    ) -> Instance:
+        arguments: dict[str, Any] = {
+            "LaunchTemplate": {"LaunchTemplateId": launch_template_id, "Version": "$Default"},
+            "InstanceType": instance_type,
+            "SubnetId": subnet_id,
+            "MinCount": 1,
+            "MaxCount": 1,
+            "ClientToken": client_token,
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+            ],
+        }
+        if spot:
+            arguments["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+            }
+        raw = self.ec2.run_instances(**arguments)["Instances"][0]
+        return Instance(
+            instance_id=raw["InstanceId"],
+            state=raw["State"]["Name"],
+            instance_type=raw["InstanceType"],
+            az=raw["Placement"]["AvailabilityZone"],
+            subnet_id=raw.get("SubnetId", subnet_id),
+            vpc_id=raw.get("VpcId", ""),
+            tags=dict(tags),
+        )
+
+    def terminate_instance(self, instance_id: str) -> None:
+        try:
+            self.ec2.terminate_instances(InstanceIds=[instance_id])
+        except ClientError as error:
+            if not error_code(error).startswith("InvalidInstanceID"):
+                raise
+
+    def volume(self, volume_id: str) -> dict[str, Any] | None:
+        try:
+            volumes = self.ec2.describe_volumes(VolumeIds=[volume_id])["Volumes"]
+        except ClientError as error:
+            if error_code(error).startswith("InvalidVolume.NotFound"):
+                return None
+            raise
+        return volumes[0] if volumes else None
+
+    def create_volume(
+        self, az: str, size_gib: int, tags: Mapping[str, str], client_token: str, snapshot_id: str = ""
+    ) -> str:
+        arguments: dict[str, Any] = {
+            "AvailabilityZone": az,
+            "VolumeType": "gp3",
+            "Encrypted": True,
+            "ClientToken": client_token,
+            "TagSpecifications": [
+                {"ResourceType": "volume", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+            ],
+        }
+        if snapshot_id:
+            arguments["SnapshotId"] = snapshot_id
+        else:
+            arguments["Size"] = size_gib
+        return str(self.ec2.create_volume(**arguments)["VolumeId"])
+
+    def wait_volume_available(self, volume_id: str) -> None:
+        self.ec2.get_waiter("volume_available").wait(
+            VolumeIds=[volume_id], WaiterConfig={"Delay": 2, "MaxAttempts": 30}
+        )
+
+    def attach_volume(self, volume_id: str, instance_id: str) -> None:
+        self.ec2.attach_volume(VolumeId=volume_id, InstanceId=instance_id, Device="/dev/sdf")
+
+    def detach_volume(self, volume_id: str) -> None:
+        self.ec2.detach_volume(VolumeId=volume_id)
+
+    def create_snapshot(self, volume_id: str, tags: Mapping[str, str]) -> str:
+        response = self.ec2.create_snapshot(
+            VolumeId=volume_id,
+            Description="spotcr: move the job's volume to the backup's AZ",
+            TagSpecifications=[{"ResourceType": "snapshot", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}],
+        )
+        return str(response["SnapshotId"])
+
+    def snapshot_state(self, snapshot_id: str) -> str:
+        return str(self.ec2.describe_snapshots(SnapshotIds=[snapshot_id])["Snapshots"][0]["State"])
+
+    def send_command(self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str]) -> str:
+        """SSM Run Command with typed parameters, checked against the contract before sending."""
+        command.agent_argv(values)
+        response = self.ssm.send_command(
+            InstanceIds=[instance_id],
+            DocumentName=document_name,
+            Parameters={k: [v] for k, v in values.items()},
+            Comment=f"spotcr {command.name}"[:100],
+        )
+        return str(response["Command"]["CommandId"])
+
+    def start_recovery(self, state_machine_arn: str, name: str, payload: Mapping[str, Any]) -> bool:
+        """Start the recovery workflow under a deterministic name; False when it already runs or ran."""
+        try:
+            self.sfn.start_execution(
+                stateMachineArn=state_machine_arn, name=name, input=json.dumps(payload, sort_keys=True)
+            )
+        except ClientError as error:
+            if error_code(error) == "ExecutionAlreadyExists":
+                return False
+            raise
+        return True
+
+    def complete_task(self, token: str, output: Mapping[str, Any] | None, error: str = "", cause: str = "") -> bool:
+        """Resume a waiting workflow step; False when the token was completed or timed out already."""
+        try:
+            if error:
+                self.sfn.send_task_failure(taskToken=token, error=error, cause=cause[:32768])
+            else:
+                self.sfn.send_task_success(taskToken=token, output=json.dumps(output or {}))
+        except ClientError as error_:
+            if error_code(error_) in FINISHED_TOKEN_ERRORS:
+                return False
+            raise
+        return True

@@ -1,0 +1,59 @@
+"""What every handler does at the edge: settings once, adapters cached for warm starts, idempotency, parsing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any, TypeVar
+
+from aws_lambda_powertools.utilities.idempotency import DynamoDBPersistenceLayer, IdempotencyConfig, idempotent_function
+from aws_lambda_powertools.utilities.parser import parse
+from pydantic import BaseModel, ValidationError
+
+from spotcr_functions.config import Settings
+from spotcr_functions.deps import Deps
+from spotcr_functions.observability import emit_metric, logger
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+@cache
+def _deps(settings: Settings) -> Deps:
+    return Deps.from_settings(settings, metric=emit_metric)
+
+
+def deps() -> Deps:
+    return _deps(Settings.from_env())
+
+
+@cache
+def _persistence(table_name: str) -> DynamoDBPersistenceLayer:
+    return DynamoDBPersistenceLayer(table_name=table_name)
+
+
+def once(
+    deps: Deps, event: dict[str, Any], context: Any, process: Callable[[dict[str, Any]], dict[str, Any]]
+) -> dict[str, Any]:
+    """Run `process` once per EC2 event: its detail-type and detail are the key, so redelivered copies match."""
+    config = IdempotencyConfig(event_key_jmespath='["detail-type", detail]', raise_on_no_idempotency_key=True)
+    if context is not None and hasattr(context, "get_remaining_time_in_millis"):
+        config.register_lambda_context(context)
+
+    def run(event: dict[str, Any]) -> dict[str, Any]:
+        return process(event)
+
+    guarded = idempotent_function(
+        data_keyword_argument="event",
+        persistence_store=_persistence(deps.settings.idempotency_table),
+        config=config,
+    )(run)
+    return guarded(event=event)
+
+
+def parse_or_none(event: Any, model: type[Model]) -> Model | None:
+    """NTH style: an event that is not the expected kind is ignored with a log line, never retried."""
+    try:
+        return parse(event=event, model=model)
+    except (ValidationError, ValueError, TypeError) as error:
+        logger.warning("event ignored: does not match", model=model.__name__, error=str(error)[:500])
+        return None

@@ -1,0 +1,62 @@
+"""The recovery workflow's steps. Each raises a named error (class name) that the state machine catches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools.utilities.typing import LambdaContext
+
+from spotcr_functions import recovery, rendezvous
+from spotcr_functions.handlers import _edge
+from spotcr_functions.observability import logger, metrics, tracer
+
+
+def _job(event: dict[str, Any]) -> tuple[str, int]:
+    return str(event["job_id"]), int(event["generation"])
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+def plan(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return recovery.plan(_edge.deps(), *_job(event))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+def launch_backup(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return recovery.launch_backup(_edge.deps(), *_job(event), int(event["index"]), dict(event["candidate"]))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+def await_agent_event(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    job_id, generation = _job(event)
+    rendezvous.wait_for(_edge.deps(), job_id, str(event["event"]), generation, str(event["token"]))
+    return {"waiting": event["event"]}
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+def move_volume(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return recovery.move_volume(_edge.deps(), *_job(event))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+def restore(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return recovery.restore(_edge.deps(), *_job(event), str(event["attempt"]), str(event["token"]))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+def finish(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return recovery.finish(_edge.deps(), *_job(event))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
+def fail(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    error = event.get("error") or {}
+    return recovery.fail(_edge.deps(), *_job(event), str(error.get("Error", "")), str(error.get("Cause", ""))[:500])

@@ -1,0 +1,82 @@
+"""Submit by tagging: register a job from a running instance's tags, or tag the instance with why it cannot run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from spotcr_contracts import tags
+
+from spotcr_functions.deps import Deps
+from spotcr_functions.models import JobRecord, Status
+from spotcr_functions.observability import SERVICE
+
+logger = Logger(service=SERVICE, child=True)
+
+
+def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: PLR0911 (guard clauses)
+    instance = deps.cloud.describe_instance(instance_id)
+    if instance is None:
+        logger.info("instance not found; nothing to register", instance_id=instance_id)
+        return {"registered": False, "reason": "instance not found"}
+    if not tags.is_job(instance.tags):
+        logger.debug("not a spotcr job", instance_id=instance_id)
+        return {"registered": False, "reason": "not a job"}
+    if instance.state != "running":
+        logger.info("job instance is not running yet", instance_id=instance_id, state=instance.state)
+        return {"registered": False, "reason": f"instance is {instance.state}"}
+    if instance.tags.get(tags.MODE) == "restore":
+        # A backup launched by the recovery workflow: the job is registered already and the workflow owns it.
+        return {"registered": False, "reason": "backup launched by spotcr"}
+    try:
+        spec = tags.parse_job_tags(instance.tags)
+    except tags.InvalidJobTags as error:
+        return _reject(deps, instance_id, str(error))
+
+    record = JobRecord(
+        job_id=spec.job_id,
+        status=Status.PENDING,
+        generation=spec.generation,
+        instance_id=instance_id,
+        az=instance.az,
+        subnet_id=instance.subnet_id,
+        vpc_id=instance.vpc_id,
+        instance_type=instance.instance_type,
+        storage=spec.storage,
+        interval_s=spec.interval_s,
+        tags=spec.to_tags(),
+        fallback_types=spec.fallback_types,
+        updated_at=deps.iso_now(),
+    )
+    registered = deps.registry.register(record)
+    if registered.instance_id != instance_id:
+        return _reject(deps, instance_id, f"{tags.JOB}: job {spec.job_id} already runs on {registered.instance_id}")
+    if spec.storage == "ebs" and registered.volume_id is None:
+        registered = _create_job_volume(deps, registered)
+    logger.info("job registered", job_id=spec.job_id, instance_id=instance_id, storage=spec.storage)
+    return {"registered": True, "job_id": spec.job_id, "volume_id": registered.volume_id}
+
+
+def _reject(deps: Deps, instance_id: str, reason: str) -> dict[str, Any]:
+    logger.warning("job rejected", instance_id=instance_id, reason=reason)
+    deps.cloud.tag_instance(instance_id, {tags.ERROR: reason[: tags.MAX_TAG_VALUE]})
+    return {"registered": False, "error": reason}
+
+
+def _create_job_volume(deps: Deps, record: JobRecord) -> JobRecord:
+    """The job's encrypted EBS volume, in the instance's AZ; the agent waits for the device to appear."""
+    volume_id = deps.cloud.create_volume(
+        az=record.az,
+        size_gib=deps.settings.ebs_volume_gib,
+        tags={tags.JOB: record.job_id},
+        client_token=f"spotcr-{record.job_id}-{record.instance_id}",
+    )
+    deps.cloud.wait_volume_available(volume_id)
+    deps.cloud.attach_volume(volume_id, record.instance_id)
+    updated = deps.registry.update(
+        record.job_id,
+        {"volume_id": volume_id},
+        condition="#instance = :i",
+        condition_values={":i": record.instance_id},
+    )
+    return updated or record

@@ -1,0 +1,147 @@
+"""The job record (one item of the registry) and the EC2 events the handlers accept."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any
+
+from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
+from pydantic import BaseModel, ConfigDict, Field
+
+INSTANCE_ID_PATTERN = r"^i-[0-9a-f]{8,17}$"
+
+
+class Status(StrEnum):
+    PENDING = "PENDING"  # registered, the job has not started yet
+    RUNNING = "RUNNING"
+    CHECKPOINTING = "CHECKPOINTING"  # a periodic dump was ordered and has not completed yet
+    RECOVERING = "RECOVERING"  # the generation was bumped; the recovery workflow owns the job
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+ACTIVE = (Status.PENDING, Status.RUNNING, Status.CHECKPOINTING)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job in the registry. `generation` is the fencing token, bumped once per interruption."""
+
+    job_id: str
+    status: Status
+    generation: int
+    instance_id: str
+    az: str
+    subnet_id: str
+    vpc_id: str
+    instance_type: str
+    storage: str
+    interval_s: int
+    tags: Mapping[str, str]  # the job's spotcr tags, as a backup VM carries them
+    fallback_types: tuple[str, ...] = ()
+    volume_id: str | None = None
+    checkpoint_id: str | None = None  # newest committed
+    previous_checkpoint_id: str | None = None
+    next_checkpoint_at: int | None = None  # unix seconds; only while RUNNING/CHECKPOINTING
+    recovering_from: str | None = None  # the instance whose interruption bumped the generation
+    interrupted_at: str | None = None  # ISO time of the warning (or of the missed-warning state change)
+    backup_instance_id: str | None = None
+    backup_az: str | None = None
+    handover_snapshot_id: str | None = None
+    handover_volume_id: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    updated_at: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)  # token_* and event_* attributes
+
+    @classmethod
+    def from_item(cls, item: Mapping[str, Any]) -> JobRecord:
+        names = {f.name for f in fields(cls)} - {"extra"}
+        values: dict[str, Any] = {k: _plain(v) for k, v in item.items() if k in names}
+        values["status"] = Status(values["status"])
+        values["fallback_types"] = tuple(values.get("fallback_types", ()))
+        values["extra"] = {k: _plain(v) for k, v in item.items() if k not in names}
+        return cls(**values)
+
+    def to_item(self) -> dict[str, Any]:
+        item = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
+        item["status"] = str(self.status)
+        item["fallback_types"] = list(self.fallback_types)
+        item["tags"] = dict(self.tags)
+        return item
+
+    def token(self, key: str) -> dict[str, Any] | None:
+        value = self.extra.get(token_attribute(key))
+        return value if isinstance(value, dict) else None
+
+    def arrival(self, key: str) -> dict[str, Any] | None:
+        value = self.extra.get(event_attribute(key))
+        return value if isinstance(value, dict) else None
+
+
+def token_attribute(key: str) -> str:
+    return "token_" + key.replace("-", "_")
+
+
+def event_attribute(key: str) -> str:
+    return "event_" + key.replace("-", "_")
+
+
+def _plain(value: Any) -> Any:
+    """DynamoDB numbers come back as Decimal; the record holds ints and floats."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class _Detail(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+class InstanceDetail(_Detail):
+    instance_id: str = Field(alias="instance-id", pattern=INSTANCE_ID_PATTERN)
+
+
+class InterruptionDetail(InstanceDetail):
+    instance_action: str = Field(alias="instance-action")
+
+
+class StateChangeDetail(InstanceDetail):
+    state: str
+
+
+class TagChangeDetail(_Detail):
+    service: str
+    resource_type: str = Field(alias="resource-type")
+    changed_tag_keys: list[str] = Field(alias="changed-tag-keys")
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+class InterruptionWarning(EventBridgeModel):
+    detail: InterruptionDetail
+
+
+class RebalanceRecommendation(EventBridgeModel):
+    detail: InstanceDetail
+
+
+class StateChange(EventBridgeModel):
+    detail: StateChangeDetail
+
+
+class TagChange(EventBridgeModel):
+    detail: TagChangeDetail
+
+    def instance_id(self) -> str | None:
+        for arn in self.resources:
+            candidate = arn.rsplit("/", 1)[-1]
+            if arn.startswith("arn:aws") and ":instance/" in arn and candidate.startswith("i-"):
+                return candidate
+        return None

@@ -1,0 +1,308 @@
+"""Interruptions and the recovery workflow's steps: fence, order the final dump, launch, hand over, restore."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from aws_lambda_powertools import Logger
+from botocore.exceptions import ClientError
+from spotcr_contracts import commands, tags
+
+from spotcr_functions import rendezvous
+from spotcr_functions.cloud import CAPACITY_ERRORS, error_code
+from spotcr_functions.deps import Deps, parse_time
+from spotcr_functions.models import ACTIVE, JobRecord, Status
+from spotcr_functions.observability import SERVICE
+from spotcr_functions.registry import StaleGeneration
+
+logger = Logger(service=SERVICE, child=True)
+
+MAX_CANDIDATES = 40
+
+
+class CapacityUnavailable(Exception):
+    """RunInstances found no capacity for this candidate; the workflow moves down the list."""
+
+
+class NoCheckpoint(Exception):
+    """There is no committed checkpoint to restore for this attempt."""
+
+
+def execution_name(job_id: str, generation: int) -> str:
+    return f"{job_id}-g{generation}"
+
+
+def on_interruption_warning(deps: Deps, instance_id: str, warned_at: str) -> dict[str, Any]:
+    """Fence the generation, order the final dump, start the recovery workflow. Duplicates do nothing more."""
+    record = deps.registry.by_instance(instance_id)
+    if record is None:
+        logger.info("interruption warning for an instance that runs no job", instance_id=instance_id)
+        return {"action": "ignored", "reason": "no job on this instance"}
+    bumped = _bump(deps, record, instance_id, warned_at)
+    if bumped is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    final_dump = _order_final_dump(deps, bumped, instance_id, warned_at)
+    _start(deps, bumped, instance_id, reason="interruption-warning", final_dump=final_dump)
+    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": final_dump}
+
+
+def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[str, Any]:
+    """The missed-warning case: the job's current instance went away and no warning started recovery."""
+    record = deps.registry.by_instance(instance_id)
+    if record is None:
+        logger.info(
+            "instance went down but runs no job (or was replaced already)", instance_id=instance_id, state=state
+        )
+        return {"action": "ignored", "reason": "no job on this instance"}
+    if record.status not in ACTIVE:
+        return _already_recovering(deps, record.job_id, instance_id)
+    bumped = _bump(deps, record, instance_id, at)
+    if bumped is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    logger.warning("instance went down without a warning; recovering from the newest checkpoint", job_id=record.job_id)
+    _start(deps, bumped, instance_id, reason=f"missed-warning:{state}", final_dump=False)
+    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": False}
+
+
+def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord | None:
+    if record.status not in ACTIVE:
+        return None
+    return deps.registry.bump_generation(record.job_id, instance_id, record.generation, at)
+
+
+def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, Any]:
+    current = deps.registry.get(job_id)
+    if current and current.status == Status.RECOVERING and current.recovering_from == instance_id:
+        # A retry after a crash between the fencing write and StartExecution still starts the workflow, once.
+        started = _start(deps, current, instance_id, reason="retry", final_dump=False)
+        logger.info("duplicate event: recovery already under way", job_id=job_id, started_now=started)
+        return {"action": "duplicate", "job_id": job_id, "generation": current.generation}
+    logger.info("event for an instance the job no longer depends on", job_id=job_id, instance_id=instance_id)
+    return {"action": "ignored", "reason": "job is not active on this instance", "job_id": job_id}
+
+
+def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at: str) -> bool:
+    values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final"}
+    try:
+        deps.cloud.send_command(deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values)
+    except ClientError as error:
+        logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
+        return False
+    latency = (deps.now() - parse_time(warned_at)).total_seconds()
+    deps.metric("InterruptionToDumpCommandSeconds", "Seconds", max(latency, 0.0))
+    return True
+
+
+def _start(deps: Deps, record: JobRecord, instance_id: str, reason: str, final_dump: bool) -> bool:
+    settings = deps.settings
+    payload = {
+        "job_id": record.job_id,
+        "generation": record.generation,
+        "interrupted_instance_id": instance_id,
+        "interrupted_at": record.interrupted_at,
+        "reason": reason,
+        "final_dump": final_dump,
+        "timing": {
+            "final_dump_seconds": settings.final_dump_wait_s,
+            "backup_ready_seconds": settings.backup_ready_wait_s,
+            "restore_seconds": settings.restore_wait_s,
+            "poll_seconds": settings.poll_s,
+        },
+    }
+    name = execution_name(record.job_id, record.generation)
+    started = deps.cloud.start_recovery(settings.recovery_state_machine_arn, name, payload)
+    logger.info("recovery workflow", execution=name, started=started, reason=reason)
+    return started
+
+
+def _current(deps: Deps, job_id: str, generation: int) -> JobRecord:
+    record = deps.registry.get(job_id)
+    if record is None or record.generation != generation or record.status != Status.RECOVERING:
+        raise StaleGeneration(f"job {job_id} is no longer recovering generation {generation}")
+    return record
+
+
+def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
+    """Backup candidates: the job's type as spot in each subnet (its own first), then fallback types, then on-demand."""
+    record = _current(deps, job_id, generation)
+    subnets = [(record.subnet_id, record.az)]
+    if record.vpc_id:
+        subnets += [s for s in deps.cloud.subnets(record.vpc_id) if s[0] != record.subnet_id]
+    candidates = [
+        {"instance_type": instance_type, "subnet_id": subnet_id, "az": az, "spot": True}
+        for instance_type in (record.instance_type, *record.fallback_types)
+        for subnet_id, az in subnets
+    ][: MAX_CANDIDATES - 1]
+    candidates.append(
+        {"instance_type": record.instance_type, "subnet_id": record.subnet_id, "az": record.az, "spot": False}
+    )
+    return {"storage": record.storage, "candidates": candidates, "candidate_count": len(candidates)}
+
+
+def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidate: dict[str, Any]) -> dict[str, Any]:
+    record = _current(deps, job_id, generation)
+    backup_tags = {**record.tags, tags.MODE: "restore", tags.GENERATION: str(generation)}
+    try:
+        instance = deps.cloud.run_instance(
+            launch_template_id=deps.settings.launch_template_id,
+            instance_type=candidate["instance_type"],
+            subnet_id=candidate["subnet_id"],
+            spot=bool(candidate["spot"]),
+            tags=backup_tags,
+            client_token=f"{execution_name(job_id, generation)}-{index}",
+        )
+    except ClientError as error:
+        code = error_code(error)
+        if code in CAPACITY_ERRORS:
+            logger.info("no capacity for this candidate", job_id=job_id, candidate=candidate, error=code)
+            raise CapacityUnavailable(f"{code}: {candidate['instance_type']} in {candidate['az']}") from error
+        raise
+    updated = deps.registry.update(
+        job_id,
+        {"backup_instance_id": instance.instance_id, "backup_az": instance.az, "updated_at": deps.iso_now()},
+        condition="#generation = :g AND #status = :recovering",
+        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+    )
+    if updated is None:
+        deps.cloud.terminate_instance(instance.instance_id)
+        raise StaleGeneration(f"job {job_id} moved on while its backup launched")
+    market = "spot" if candidate["spot"] else "on-demand"
+    logger.info("backup launched", job_id=job_id, instance_id=instance.instance_id, az=instance.az, market=market)
+    return {
+        "instance_id": instance.instance_id,
+        "az": instance.az,
+        "instance_type": instance.instance_type,
+        "market": market,
+    }
+
+
+def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # noqa: PLR0911 (one step per state)
+    """One step of the EBS hand-over; the workflow calls it again after a wait until it says done."""
+    record = _current(deps, job_id, generation)
+    if record.storage != "ebs" or record.volume_id is None or record.backup_instance_id is None or not record.backup_az:
+        raise ValueError(f"job {job_id} has no EBS volume or backup to hand over")
+    cloud = deps.cloud
+    volume_id = record.handover_volume_id or record.volume_id
+    volume = cloud.volume(volume_id)
+    if volume is None:
+        raise ValueError(f"job {job_id}: volume {volume_id} does not exist")
+    attachments = [a for a in volume.get("Attachments", []) if a.get("State") in ("attaching", "attached")]
+    if any(a["InstanceId"] == record.backup_instance_id for a in attachments):
+        return {"done": True, "volume_id": volume_id}
+    if volume["State"] == "in-use" and attachments:
+        cloud.detach_volume(volume_id)
+        return {"done": False, "step": "detaching"}
+    if volume["State"] != "available":
+        return {"done": False, "step": f"volume {volume['State']}"}
+    if volume["AvailabilityZone"] == record.backup_az:
+        cloud.attach_volume(volume_id, record.backup_instance_id)
+        return {"done": False, "step": "attaching"}
+    # EBS is zonal: the backup moved to another AZ, so the volume moves through a snapshot.
+    if record.handover_snapshot_id is None:
+        snapshot_id = cloud.create_snapshot(volume_id, {tags.JOB: job_id, tags.GENERATION: str(generation)})
+        deps.registry.update(
+            job_id,
+            {"handover_snapshot_id": snapshot_id},
+            condition="#generation = :g",
+            condition_values={":g": generation},
+        )
+        return {"done": False, "step": "snapshotting"}
+    state = cloud.snapshot_state(record.handover_snapshot_id)
+    if state == "error":
+        raise RuntimeError(f"job {job_id}: snapshot {record.handover_snapshot_id} failed")
+    if state != "completed":
+        return {"done": False, "step": f"snapshot {state}"}
+    new_volume_id = cloud.create_volume(
+        az=record.backup_az,
+        size_gib=deps.settings.ebs_volume_gib,
+        tags={tags.JOB: job_id, tags.GENERATION: str(generation)},
+        client_token=f"{execution_name(job_id, generation)}-volume",
+        snapshot_id=record.handover_snapshot_id,
+    )
+    deps.registry.update(
+        job_id, {"handover_volume_id": new_volume_id}, condition="#generation = :g", condition_values={":g": generation}
+    )
+    return {"done": False, "step": "creating volume"}
+
+
+def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) -> dict[str, Any]:
+    """Order the restore on the backup and wait (task token) for RestoreCompleted or RestoreFailed."""
+    record = _current(deps, job_id, generation)
+    if record.backup_instance_id is None:
+        raise ValueError(f"job {job_id} has no backup instance to restore on")
+    checkpoint_id = record.checkpoint_id if attempt == "newest" else record.previous_checkpoint_id
+    if attempt != "newest" and not checkpoint_id:
+        raise NoCheckpoint(f"job {job_id} has no earlier checkpoint to restore")
+    # Token first, then the command: the agent's answer always finds the token (or the token finds the answer).
+    rendezvous.wait_for(deps, job_id, "restore", generation, token, reset=True)
+    values = {"JobId": job_id, "Generation": str(generation), "CheckpointId": checkpoint_id or ""}
+    deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, record.backup_instance_id, values)
+    logger.info("restore ordered", job_id=job_id, instance_id=record.backup_instance_id, checkpoint_id=checkpoint_id)
+    return {"checkpoint_id": checkpoint_id}
+
+
+def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
+    """The backup is the job's current instance now; the job runs again at the new generation."""
+    record = _current(deps, job_id, generation)
+    if record.backup_instance_id is None or record.backup_az is None:
+        raise ValueError(f"job {job_id} has no backup to finish on")
+    backup = deps.cloud.describe_instance(record.backup_instance_id)
+    restored = record.arrival("restore") or {}
+    values: dict[str, Any] = {
+        "status": Status.RUNNING.value,
+        "instance_id": record.backup_instance_id,
+        "az": record.backup_az,
+        "next_checkpoint_at": deps.unix_now() + record.interval_s,
+        "updated_at": deps.iso_now(),
+    }
+    if backup is not None:
+        values |= {"subnet_id": backup.subnet_id, "instance_type": backup.instance_type}
+    if record.handover_volume_id:
+        values["volume_id"] = record.handover_volume_id
+    updated = deps.registry.update(
+        job_id,
+        values,
+        remove=("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id"),
+        condition="#generation = :g AND #status = :recovering",
+        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+    )
+    if updated is None:
+        raise StaleGeneration(f"job {job_id} moved on before its recovery finished")
+    now = deps.now()
+    if record.interrupted_at:
+        warned = parse_time(record.interrupted_at)
+        deps.metric("RecoverySeconds", "Seconds", (now - warned).total_seconds())
+        checkpoint_id = str(restored.get("checkpoint_id") or "")
+        if checkpoint_id.endswith("-periodic"):
+            taken = checkpoint_time(checkpoint_id)
+            deps.metric("LostWorkSeconds", "Seconds", max((warned - taken).total_seconds(), 0.0))
+    deps.metric("RecoveriesSucceeded", "Count", 1)
+    logger.info("job recovered", job_id=job_id, generation=generation, instance_id=record.backup_instance_id)
+    return {"job_id": job_id, "generation": generation, "instance_id": record.backup_instance_id}
+
+
+def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> dict[str, Any]:
+    """Recovery gave up: the job is FAILED, its backup (if any) terminated; the workflow then notifies."""
+    record = deps.registry.get(job_id)
+    reason = f"recovery of generation {generation} failed: {error}: {cause}"[:1024]
+    updated = deps.registry.update(
+        job_id,
+        {"status": Status.FAILED.value, "reason": reason, "updated_at": deps.iso_now()},
+        remove=("next_checkpoint_at",),
+        condition="#generation = :g",
+        condition_values={":g": generation},
+    )
+    if updated is None:
+        logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
+        return {"job_id": job_id, "marked_failed": False, "message": reason}
+    if record and record.backup_instance_id:
+        deps.cloud.terminate_instance(record.backup_instance_id)
+    deps.metric("RecoveriesFailed", "Count", 1)
+    logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
+    return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
+
+
+def checkpoint_time(checkpoint_id: str) -> datetime:
+    """Checkpoint ids start with the unix milliseconds they were taken at."""
+    return datetime.fromtimestamp(int(checkpoint_id.split("-", 1)[0]) / 1000, UTC)

@@ -1,0 +1,294 @@
+"""Test-only: one moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
+
+moto's Step Functions engine runs the real ASL; its Lambda invocations land in `invoke_function`, EC2 events
+are routed to handlers by the catalog's own patterns, and the test plays the agent's events.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+from moto.awslambda_simple.models import LambdaSimpleBackend
+from moto.events.models import EventPattern
+from moto.ssm.models import Command as MotoCommand
+from spotcr_contracts import commands, events
+from spotcr_contracts import tags as tag_names
+from spotcr_functions import catalog, registry_schema
+from spotcr_functions.config import ENV, OPTIONAL_ENV
+from spotcr_functions.handlers import _edge
+from spotcr_functions.models import JobRecord
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS = ROOT / "tests" / "events"
+ASL = ROOT / "statemachines" / "recovery.asl.json"
+REGION = "us-east-1"
+ACCOUNT = "123456789012"
+FUNCTION_PREFIX = "spotcr-"
+MOTO_CONFIG: Any = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
+
+
+@dataclass
+class FakeContext:
+    function_name: str = "spotcr-test"
+    function_version: str = "$LATEST"
+    memory_limit_in_mb: int = 256
+    invoked_function_arn: str = f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:spotcr-test"
+    aws_request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    def get_remaining_time_in_millis(self) -> int:
+        return 30_000
+
+
+def handler_for(function: catalog.Function) -> Callable[[Any, Any], Any]:
+    module, name = function.handler.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def invoke_function(name: str, payload: Any) -> Any:
+    function = catalog.by_name(name)
+    return handler_for(function)(payload, FakeContext(function_name=FUNCTION_PREFIX + name))
+
+
+def _moto_lambda_invoke(
+    self: Any, function_name: str, qualifier: Any, body: Any, headers: Any, response_headers: Any
+) -> bytes:
+    """Stands in for Lambda: run the catalog handler the state machine asked for, errors named as Lambda names them."""
+    name = function_name.rsplit(":", 1)[-1].removeprefix(FUNCTION_PREFIX)
+    payload = json.loads(body) if body else {}
+    try:
+        result = invoke_function(name, payload)
+    except Exception as error:
+        response_headers["x-amz-function-error"] = "Unhandled"
+        return json.dumps({"errorType": type(error).__name__, "errorMessage": str(error)}).encode()
+    return json.dumps(result).encode()
+
+
+def _targets_only(self: Any) -> list[str]:
+    """moto 5.2 adds every instance to a command sent without Targets; a command goes to its InstanceIds only."""
+    return _moto_targets(self) if self.targets else []
+
+
+_moto_targets = MotoCommand._get_instance_ids_from_targets
+
+
+def function_arn(name: str) -> str:
+    return f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{FUNCTION_PREFIX}{name}"
+
+
+def load_event(name: str) -> dict[str, Any]:
+    return json.loads((EVENTS / f"{name}.json").read_text())
+
+
+def ec2_event(name: str, instance_id: str, **detail: Any) -> dict[str, Any]:
+    """A sample EC2 event from tests/events for this instance, with a fresh id and the current time."""
+    event = load_event(name)
+    event["id"] = str(uuid.uuid4())
+    event["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    event["resources"] = [f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"]
+    if "instance-id" in event["detail"]:
+        event["detail"]["instance-id"] = instance_id
+    event["detail"].update(detail)
+    return event
+
+
+def agent_event(event: events.AgentEvent) -> dict[str, Any]:
+    entry = event.to_entry("spotcr-agent")
+    return {
+        "version": "0",
+        "id": str(uuid.uuid4()),
+        "detail-type": entry["DetailType"],
+        "source": entry["Source"],
+        "account": ACCOUNT,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "region": REGION,
+        "resources": [],
+        "detail": json.loads(entry["Detail"]),
+    }
+
+
+def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Deliver an event as EventBridge would: to every catalog function whose rule pattern matches it."""
+    delivered = []
+    on_agent_bus = event.get("source") == events.SOURCE
+    for function in catalog.FUNCTIONS:
+        for rule in function.rules:
+            if rule.pattern is None or rule.agent_bus != on_agent_bus:
+                continue
+            if EventPattern.load(json.dumps(rule.pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
+                result = handler_for(function)(json.loads(json.dumps(event)), FakeContext(function_name=function.name))
+                delivered.append((function.name, result))
+    return delivered
+
+
+def substitutions(resolve: Mapping[str, str]) -> dict[str, str]:
+    values = {}
+    for variable, kind in catalog.WORKFLOW_SUBSTITUTIONS.items():
+        if kind.startswith("function:"):
+            values[variable] = function_arn(kind.removeprefix("function:"))
+        else:
+            values[variable] = resolve[kind]
+    return values
+
+
+class ControlPlane:
+    """The deployed control plane, in moto. Build it inside mock_aws(config=MOTO_CONFIG)."""
+
+    def __init__(self, monkeypatch: Any, final_dump_wait_s: int = 30, restore_wait_s: int = 30) -> None:
+        monkeypatch.setattr(LambdaSimpleBackend, "invoke", _moto_lambda_invoke)
+        monkeypatch.setattr(MotoCommand, "_get_instance_ids_from_targets", _targets_only)
+        _edge._deps.cache_clear()
+        _edge._persistence.cache_clear()
+        self.ec2 = boto3.client("ec2", region_name=REGION)
+        self.ssm = boto3.client("ssm", region_name=REGION)
+        self.sfn = boto3.client("stepfunctions", region_name=REGION)
+        self.sns = boto3.client("sns", region_name=REGION)
+        dynamodb = boto3.client("dynamodb", region_name=REGION)
+        dynamodb.create_table(**registry_schema.create_table_arguments("spotcr-jobs"))
+        dynamodb.create_table(**registry_schema.create_idempotency_table_arguments("spotcr-idempotency"))
+        self.topic_arn = self.sns.create_topic(Name="spotcr-failures")["TopicArn"]
+        self.documents = {}
+        for name, command in commands.COMMANDS.items():
+            document_name = f"spotcr-{name}"
+            self.ssm.create_document(
+                Content=json.dumps(command.document()),
+                Name=document_name,
+                DocumentType="Command",
+                DocumentFormat="JSON",
+            )
+            self.documents[name] = document_name
+        vpc_id = self.ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+        self.subnets = {
+            az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=az)["Subnet"][
+                "SubnetId"
+            ]
+            for i, az in enumerate((f"{REGION}a", f"{REGION}b"))
+        }
+        image_id = self.ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        self.launch_template_id = self.ec2.create_launch_template(
+            LaunchTemplateName="spotcr-job", LaunchTemplateData={"ImageId": image_id, "InstanceType": "m5.large"}
+        )["LaunchTemplate"]["LaunchTemplateId"]
+        self.image_id = image_id
+        resolve = {
+            "topic:failure": self.topic_arn,
+            **{f"document:{name}": document for name, document in self.documents.items()},
+        }
+        definition = ASL.read_text()
+        for variable, value in substitutions(resolve).items():
+            definition = definition.replace("${" + variable + "}", value)
+        self.state_machine_arn = self.sfn.create_state_machine(
+            name="spotcr-recovery", definition=definition, roleArn=f"arn:aws:iam::{ACCOUNT}:role/spotcr-recovery"
+        )["stateMachineArn"]
+        settings = {
+            "jobs_table": "spotcr-jobs",
+            "idempotency_table": "spotcr-idempotency",
+            "recovery_state_machine_arn": self.state_machine_arn,
+            "event_bus_name": "spotcr-agent",
+            "failure_topic_arn": self.topic_arn,
+            "checkpoint_bucket": "spotcr-checkpoints",
+            "launch_template_id": self.launch_template_id,
+            "checkpoint_document": self.documents["checkpoint"],
+            "restore_document": self.documents["restore"],
+            "release_document": self.documents["release"],
+            "status_document": self.documents["status"],
+        }
+        for key, name in ENV.items():
+            monkeypatch.setenv(name, settings[key])
+        timing: dict[str, int] = {
+            "final_dump_wait_s": final_dump_wait_s,
+            "restore_wait_s": restore_wait_s,
+            "poll_s": 1,
+            "backup_ready_wait_s": 30,
+        }
+        for key, seconds in timing.items():
+            monkeypatch.setenv(OPTIONAL_ENV[key], str(seconds))
+
+    def launch_job_instance(
+        self, job_tags: Mapping[str, str], az: str = f"{REGION}a", instance_type: str = "m5.large"
+    ) -> str:
+        """A job VM as the user starts it: tagged, running."""
+        tag_list = [{"Key": k, "Value": v} for k, v in job_tags.items()]
+        return str(
+            self.ec2.run_instances(
+                ImageId=self.image_id,
+                InstanceType=instance_type,
+                MinCount=1,
+                MaxCount=1,
+                SubnetId=self.subnets[az],
+                TagSpecifications=[{"ResourceType": "instance", "Tags": tag_list}] if tag_list else [],
+            )["Instances"][0]["InstanceId"]
+        )
+
+    def start_job(self, job_id: str, **extra_tags: str) -> str:
+        """Launch, register (state change running) and start (JobStarted) a job; returns its instance id."""
+        az = extra_tags.pop("az", f"{REGION}a")
+        instance_id = self.launch_job_instance(
+            {tag_names.JOB: job_id, tag_names.COMMAND: "/opt/job/run", **extra_tags}, az
+        )
+        route(ec2_event("state-change-running", instance_id))
+        route(agent_event(events.JobStarted(job_id, instance_id, 0, now_iso(), pid=4242)))
+        return instance_id
+
+    def job(self, job_id: str) -> JobRecord:
+        item = (
+            boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs").get_item(Key={"job_id": job_id})["Item"]
+        )
+        return JobRecord.from_item(item)
+
+    def instance_tags(self, instance_id: str) -> dict[str, str]:
+        reservations = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+        return {t["Key"]: t["Value"] for t in reservations[0]["Instances"][0].get("Tags", [])}
+
+    def sent_commands(self, command: str | None = None) -> list[dict[str, Any]]:
+        sent = [
+            {
+                "document": c["DocumentName"],
+                "instances": c["InstanceIds"],
+                "parameters": {k: v[0] for k, v in c["Parameters"].items()},
+            }
+            for c in self.ssm.list_commands()["Commands"]
+        ]
+        return [c for c in sent if command is None or c["document"] == self.documents[command]]
+
+    def executions(self) -> list[dict[str, Any]]:
+        return list(self.sfn.list_executions(stateMachineArn=self.state_machine_arn)["executions"])
+
+    def backups(self) -> list[dict[str, Any]]:
+        reservations = self.ec2.describe_instances(Filters=[{"Name": f"tag:{tag_names.MODE}", "Values": ["restore"]}])
+        return [i for r in reservations["Reservations"] for i in r["Instances"]]
+
+    def wait_until(self, predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def wait_for_execution(self, timeout: float = 30.0) -> dict[str, Any]:
+        def finished() -> dict[str, Any] | None:
+            executions = self.executions()
+            if executions and executions[0]["status"] != "RUNNING":
+                return dict(self.sfn.describe_execution(executionArn=executions[0]["executionArn"]))
+            return None
+
+        return self.wait_until(finished, "the recovery workflow to finish", timeout)
+
+    def wait_for_token(self, job_id: str, key: str) -> JobRecord:
+        return self.wait_until(lambda: (r := self.job(job_id)).token(key) and r, f"the {key} token")
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def checkpoint_id(kind: str, generation: int, at_ms: int | None = None) -> str:
+    return f"{at_ms or int(time.time() * 1000)}-g{generation}-{kind}"
