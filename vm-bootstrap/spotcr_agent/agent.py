@@ -80,19 +80,25 @@ class Agent:
             state.job_id = self.config.job_id
         self.emit(AgentReady, self.config.generation, mode=self.config.mode)
 
+    def fence(self, generation: int) -> None:
+        """Refuse a stale generation before touching the job or its storage."""
+        with self.state.locked() as state:
+            admit(state, generation)
+
     def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
-        checkpointer = Checkpointer(
-            job_id=self.config.job_id,
-            workdir=self.config.workdir,
-            scratch_dir=self.config.scratch_dir,
-            state=self.state,
-            store=self.store(),
-            criu=self.criu,
-            host=self.host,
-            final_mode=self.config.final_dump,
-            keep_checkpoints=self.config.keep_checkpoints,
-        )
+        self.fence(generation)
         try:
+            checkpointer = Checkpointer(
+                job_id=self.config.job_id,
+                workdir=self.config.workdir,
+                scratch_dir=self.config.scratch_dir,
+                state=self.state,
+                store=self.store(),
+                criu=self.criu,
+                host=self.host,
+                final_mode=self.config.final_dump,
+                keep_checkpoints=self.config.keep_checkpoints,
+            )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:
             log.error("%s checkpoint failed: %s", kind, error)
@@ -114,16 +120,17 @@ class Agent:
         return outcome
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
-        restorer = Restorer(
-            job_id=self.config.job_id,
-            workdir=self.config.workdir,
-            scratch_dir=self.config.scratch_dir,
-            state=self.state,
-            store=self.store(),
-            criu=self.criu,
-            host=self.host,
-        )
+        self.fence(generation)
         try:
+            restorer = Restorer(
+                job_id=self.config.job_id,
+                workdir=self.config.workdir,
+                scratch_dir=self.config.scratch_dir,
+                state=self.state,
+                store=self.store(),
+                criu=self.criu,
+                host=self.host,
+            )
             outcome = restorer.restore(generation, checkpoint_id)
         except Exception as error:
             log.error("restore failed: %s", error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -32,11 +33,21 @@ def run(argv: list[str]) -> None:
         raise StorageError(f"`{' '.join(argv)}` failed ({result.returncode}): {output[-1] if output else ''}")
 
 
+def is_mount(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool:
+    """Whether something is mounted at path; unlike os.path.ismount, this also sees bind mounts."""
+    target = os.path.realpath(path)
+    for line in mountinfo.read_text().splitlines():
+        mount_point = line.split()[4]
+        if re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), mount_point) == target:
+            return True
+    return False
+
+
 def open_store(config: AgentConfig) -> CheckpointStore:
     """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
     if config.storage == "s3":
         return CheckpointStore.for_s3(config.bucket, config.job_id)
-    if not os.path.ismount(config.mount_point):
+    if not is_mount(config.mount_point):
         raise StorageError(
             f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
         )
@@ -87,7 +98,7 @@ def prepare(config: AgentConfig, devices_dir: Path = Path("/dev/disk/by-id"), ru
     if config.storage == "s3":
         return
     mount_point = config.mount_point
-    if os.path.ismount(mount_point):
+    if is_mount(mount_point):
         log.info("%s is already mounted; using it as is", mount_point)
     else:
         mount_point.mkdir(parents=True, exist_ok=True)
@@ -123,7 +134,7 @@ def release(config: AgentConfig, runner: Run = run) -> str:
     if config.storage != "ebs":
         return f"storage {config.storage} needs no release"
     os.sync()
-    if not os.path.ismount(config.mount_point):
+    if not is_mount(config.mount_point):
         return f"{config.mount_point} is not mounted"
     runner(["umount", str(config.mount_point)])
     return f"unmounted {config.mount_point}"

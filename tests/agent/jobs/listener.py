@@ -1,0 +1,21 @@
+"""A job holding a listening TCP socket: answers every connection with its step count."""
+
+import socket
+import sys
+import time
+
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", int(sys.argv[1])))
+server.listen()
+server.settimeout(0.05)
+with open("progress.log", "a") as progress:
+    for step in range(400):
+        progress.write(f"step {step}\n")
+        progress.flush()
+        try:
+            connection, _ = server.accept()
+        except TimeoutError:
+            continue
+        with connection:
+            connection.sendall(b"alive at step %d\n" % step)
