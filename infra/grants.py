@@ -1,0 +1,326 @@
+"""Capabilities (declared in spotcr_functions.catalog) turned into the narrowest IAM statements.
+
+Functions and the recovery workflow declare what they call; this module is the only place that
+knows which IAM actions, resources and conditions a capability means. No statement has a `*`
+action; every statement whose resource holds a wildcard carries the reason, and that reason
+becomes the cdk-nag acknowledgment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import aws_cdk as cdk
+from aws_cdk import aws_iam as iam
+from spotcr_contracts import tags
+from spotcr_functions import catalog
+
+from infra.nag import acknowledge_wildcard_resource
+
+
+@dataclass(frozen=True)
+class Grant:
+    statement: iam.PolicyStatement
+    wildcard_reason: str | None = None  # why a resource ends in `*`, where IAM allows nothing narrower
+
+
+@dataclass(frozen=True)
+class GrantTargets:
+    """ARNs and names the capabilities refer to."""
+
+    jobs_table_arn: str
+    jobs_index_names: tuple[str, ...]
+    idempotency_table_arn: str
+    document_names: Mapping[str, str]  # command name -> SSM document name
+    launch_template_id: str
+    job_role_arn: str
+    state_machine_arn: str
+    failure_topic_arn: str
+    failure_topic_key_arn: str
+    checkpoint_bucket_name: str
+    job_spec_buckets: tuple[str, ...]
+    stack: cdk.Stack
+
+
+def _arn(t: GrantTargets, service: str, resource: str, name: str, *, account: str | None = None) -> str:
+    return t.stack.format_arn(
+        service=service,
+        resource=resource,
+        resource_name=name,
+        account=account,
+        arn_format=cdk.ArnFormat.SLASH_RESOURCE_NAME,
+    )
+
+
+_JOB_INSTANCE_CONDITION = {"StringLike": {f"ssm:resourceTag/{tags.JOB}": "?*"}}
+_EC2_JOB_CONDITION = {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}
+
+
+def _jobs_read(t: GrantTargets) -> list[Grant]:
+    indexes = [f"{t.jobs_table_arn}/index/{name}" for name in t.jobs_index_names]
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:Query"],
+                resources=[t.jobs_table_arn, *indexes],
+            )
+        )
+    ]
+
+
+def _jobs_write(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=[
+                    "dynamodb:PutItem",
+                    "dynamodb:UpdateItem",
+                    "dynamodb:DeleteItem",
+                    "dynamodb:ConditionCheckItem",
+                ],
+                resources=[t.jobs_table_arn],
+            )
+        )
+    ]
+
+
+def _idempotency(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem"],
+                resources=[t.idempotency_table_arn],
+            )
+        )
+    ]
+
+
+def _send_command(t: GrantTargets) -> list[Grant]:
+    documents = [_arn(t, "ssm", "document", name) for name in t.document_names.values()]
+    return [
+        Grant(iam.PolicyStatement(actions=["ssm:SendCommand"], resources=documents)),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ssm:SendCommand"],
+                resources=[_arn(t, "ec2", "instance", "*")],
+                conditions=_JOB_INSTANCE_CONDITION,
+            ),
+            "SendCommand targets job instances whose ids are only known at run time; "
+            "the ssm:resourceTag/spotcr:job condition limits it to instances carrying the job tag.",
+        ),
+    ]
+
+
+def _command_results(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"],
+                resources=["*"],
+            ),
+            "GetCommandInvocation and ListCommandInvocations support no resource-level permissions; "
+            "both are read-only.",
+        )
+    ]
+
+
+def _ec2_describe(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=[
+                    "ec2:DescribeInstances",
+                    "ec2:DescribeTags",
+                    "ec2:DescribeInstanceTypes",
+                    "ec2:DescribeSubnets",
+                    "ec2:DescribeVolumes",
+                    "ec2:DescribeSnapshots",
+                ],
+                resources=["*"],
+            ),
+            "EC2 Describe actions support no resource-level permissions; they are read-only.",
+        )
+    ]
+
+
+def _ec2_tag(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CreateTags"],
+                resources=[_arn(t, "ec2", "instance", "*")],
+                conditions={
+                    **_EC2_JOB_CONDITION,
+                    "ForAllValues:StringEquals": {"aws:TagKeys": [tags.ERROR]},
+                },
+            ),
+            "CreateTags writes only the spotcr:error key (aws:TagKeys) on instances carrying spotcr:job, "
+            "whose ids are known only at run time.",
+        )
+    ]
+
+
+def _ec2_launch(t: GrantTargets) -> list[Grant]:
+    template_arn = _arn(t, "ec2", "launch-template", t.launch_template_id)
+    launched = [
+        _arn(t, "ec2", kind, "*")
+        for kind in ("instance", "volume", "network-interface", "subnet", "security-group", "spot-instances-request")
+    ]
+    image = _arn(t, "ec2", "image", "*", account="")
+    reason = (
+        "RunInstances creates instances, volumes and interfaces with ids unknown in advance; "
+        "the ec2:LaunchTemplate condition allows it only from spotcr's launch template."
+    )
+    grants = [
+        Grant(iam.PolicyStatement(actions=["ec2:RunInstances"], resources=[template_arn])),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:RunInstances"],
+                resources=[*launched, image],
+                conditions={"ArnLike": {"ec2:LaunchTemplate": template_arn}},
+            ),
+            reason,
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CreateTags"],
+                resources=[_arn(t, "ec2", kind, "*") for kind in ("instance", "volume", "spot-instances-request")]
+                + [_arn(t, "ec2", "network-interface", "*")],
+                conditions={"StringEquals": {"ec2:CreateAction": "RunInstances"}},
+            ),
+            "Tags can only be written while launching (ec2:CreateAction = RunInstances) on resources "
+            "whose ids do not exist before the call.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["iam:PassRole"],
+                resources=[t.job_role_arn],
+                conditions={"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
+            )
+        ),
+    ]
+    return grants
+
+
+def _ec2_volumes(t: GrantTargets) -> list[Grant]:
+    volume = _arn(t, "ec2", "volume", "*")
+    instance = _arn(t, "ec2", "instance", "*")
+    snapshot = _arn(t, "ec2", "snapshot", "*", account="")
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CreateVolume"],
+                resources=[volume],
+                conditions={
+                    "StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"},
+                    "Bool": {"ec2:Encrypted": "true"},
+                },
+            ),
+            "CreateVolume makes a volume whose id is unknown in advance; it must be encrypted and tagged spotcr:job.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:AttachVolume", "ec2:DetachVolume", "ec2:DeleteVolume", "ec2:CreateSnapshot"],
+                resources=[volume, instance],
+                conditions=_EC2_JOB_CONDITION,
+            ),
+            "Job volumes and instances are created at run time; aws:ResourceTag/spotcr:job limits these "
+            "calls to resources carrying the job tag.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CreateSnapshot", "ec2:DeleteSnapshot"],
+                resources=[snapshot],
+                conditions={"StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"}},
+            ),
+            "Snapshots that move a job volume across zones get ids at run time; they must carry spotcr:job.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CreateTags"],
+                resources=[volume, snapshot],
+                conditions={"StringEquals": {"ec2:CreateAction": ["CreateVolume", "CreateSnapshot"]}},
+            ),
+            "Tags can only be written while creating a job volume or snapshot (ec2:CreateAction).",
+        ),
+    ]
+
+
+def _start_recovery(t: GrantTargets) -> list[Grant]:
+    return [Grant(iam.PolicyStatement(actions=["states:StartExecution"], resources=[t.state_machine_arn]))]
+
+
+def _task_callback(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["states:SendTaskSuccess", "states:SendTaskFailure", "states:SendTaskHeartbeat"],
+                resources=[t.state_machine_arn],
+            )
+        )
+    ]
+
+
+def _publish_failure(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(iam.PolicyStatement(actions=["sns:Publish"], resources=[t.failure_topic_arn])),
+        Grant(
+            iam.PolicyStatement(
+                actions=["kms:GenerateDataKey", "kms:Decrypt"],
+                resources=[t.failure_topic_key_arn],
+            )
+        ),
+    ]
+
+
+def _read_job_specs(t: GrantTargets) -> list[Grant]:
+    resources = [f"arn:{cdk.Aws.PARTITION}:s3:::{t.checkpoint_bucket_name}/specs/*"]
+    resources += [f"arn:{cdk.Aws.PARTITION}:s3:::{bucket}/*" for bucket in t.job_spec_buckets]
+    return [
+        Grant(
+            iam.PolicyStatement(actions=["s3:GetObject"], resources=resources),
+            "Job specs are objects named by users in their spotcr:spec tag, read only under specs/ of the "
+            "checkpoint bucket or in buckets the deployer listed in job_spec_buckets.",
+        )
+    ]
+
+
+CAPABILITIES: dict[str, Callable[[GrantTargets], list[Grant]]] = {
+    catalog.JOBS_READ: _jobs_read,
+    catalog.JOBS_WRITE: _jobs_write,
+    catalog.IDEMPOTENCY: _idempotency,
+    catalog.SEND_COMMAND: _send_command,
+    catalog.COMMAND_RESULTS: _command_results,
+    catalog.EC2_DESCRIBE: _ec2_describe,
+    catalog.EC2_TAG: _ec2_tag,
+    catalog.EC2_LAUNCH: _ec2_launch,
+    catalog.EC2_VOLUMES: _ec2_volumes,
+    catalog.START_RECOVERY: _start_recovery,
+    catalog.TASK_CALLBACK: _task_callback,
+    catalog.PUBLISH_FAILURE: _publish_failure,
+    catalog.READ_JOB_SPECS: _read_job_specs,
+}
+
+
+def grants_for(capabilities: Iterable[str], targets: GrantTargets) -> list[Grant]:
+    """The statements for these capabilities; an unknown capability is an error naming it."""
+    result: list[Grant] = []
+    for capability in capabilities:
+        build = CAPABILITIES.get(capability)
+        if build is None:
+            raise KeyError(f"capability {capability!r} has no IAM mapping in infra/grants.py")
+        result += build(targets)
+    return result
+
+
+def apply(role: iam.IRole, grants: Iterable[Grant]) -> None:
+    """Add the statements to the role and acknowledge each wildcard resource with its reason."""
+    for grant in grants:
+        role.add_to_principal_policy(grant.statement)
+        for resource in grant.statement.resources:
+            if "*" not in resource:
+                continue
+            if grant.wildcard_reason is None:
+                raise ValueError(f"wildcard resource {resource} granted without a reason")
+            acknowledge_wildcard_resource(role, resource, grant.wildcard_reason)

@@ -1,0 +1,130 @@
+"""Where checkpoints live: the S3 bucket (always), EFS and FSx for Lustre (opt-in; they bill while idle)."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_efs as efs
+from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from infra.nag import acknowledge
+from infra.network import Network
+from infra.settings import Settings
+
+# Prefix of everything a job writes: jobs/<job_id>/chunks/... and jobs/<job_id>/checkpoints/...
+JOBS_PREFIX = "jobs/"
+SPECS_PREFIX = "specs/"
+NFS_PORT = 2049
+LUSTRE_PORT = 988
+LUSTRE_PORTS = (1018, 1023)
+
+
+class Storage(Construct):
+    def __init__(self, scope: Construct, construct_id: str, *, settings: Settings, network: Network) -> None:
+        super().__init__(scope, construct_id)
+        self.access_logs = s3.Bucket(
+            self,
+            "AccessLogs",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            lifecycle_rules=[
+                s3.LifecycleRule(id="expire-access-logs", expiration=Duration.days(settings.access_log_days))
+            ],
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        acknowledge(
+            self.access_logs,
+            "AwsSolutions-S1",
+            "This bucket is the access-log destination of the checkpoint bucket; logging it to itself would loop.",
+        )
+
+        lifecycle = [
+            s3.LifecycleRule(id="abort-incomplete-uploads", abort_incomplete_multipart_upload_after=Duration.days(1)),
+            s3.LifecycleRule(
+                id="expire-replaced-versions",
+                noncurrent_version_expiration=Duration.days(settings.noncurrent_version_days),
+                expired_object_delete_marker=True,
+            ),
+        ]
+        if settings.checkpoint_expiry_days:
+            # Chunks are shared between checkpoints, so this is only safe for jobs shorter than the expiry.
+            lifecycle.append(
+                s3.LifecycleRule(
+                    id="expire-old-checkpoints",
+                    prefix=JOBS_PREFIX,
+                    expiration=Duration.days(settings.checkpoint_expiry_days),
+                )
+            )
+        self.bucket = s3.Bucket(
+            self,
+            "Checkpoints",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            server_access_logs_bucket=self.access_logs,
+            server_access_logs_prefix="checkpoints/",
+            lifecycle_rules=lifecycle,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+
+        self.file_system: efs.FileSystem | None = None
+        if settings.efs:
+            efs_security_group = ec2.SecurityGroup(
+                self,
+                "EfsSecurityGroup",
+                vpc=network.vpc,
+                description="spotcr EFS: NFS from job VMs only",
+                allow_all_outbound=False,
+            )
+            efs_security_group.add_ingress_rule(
+                network.job_security_group, ec2.Port.tcp(NFS_PORT), "NFS from spotcr job VMs"
+            )
+            self.file_system = efs.FileSystem(
+                self,
+                "Efs",
+                vpc=network.vpc,
+                vpc_subnets=network.subnet_selection,
+                security_group=efs_security_group,
+                encrypted=True,
+                throughput_mode=efs.ThroughputMode.ELASTIC,
+                performance_mode=efs.PerformanceMode.GENERAL_PURPOSE,
+                removal_policy=RemovalPolicy.RETAIN,
+            )
+
+        self.lustre: fsx.LustreFileSystem | None = None
+        if settings.fsx is not None:
+            lustre_security_group = ec2.SecurityGroup(
+                self,
+                "FsxSecurityGroup",
+                vpc=network.vpc,
+                description="spotcr FSx for Lustre: Lustre from job VMs and between the file servers",
+                allow_all_outbound=False,
+            )
+            for peer in (network.job_security_group, lustre_security_group):
+                lustre_security_group.add_ingress_rule(peer, ec2.Port.tcp(LUSTRE_PORT), "Lustre")
+                lustre_security_group.add_ingress_rule(peer, ec2.Port.tcp_range(*LUSTRE_PORTS), "Lustre")
+            lustre_security_group.add_egress_rule(lustre_security_group, ec2.Port.tcp(LUSTRE_PORT), "Lustre")
+            lustre_security_group.add_egress_rule(lustre_security_group, ec2.Port.tcp_range(*LUSTRE_PORTS), "Lustre")
+            persistent = settings.fsx == "PERSISTENT_2"
+            self.lustre = fsx.LustreFileSystem(
+                self,
+                "Fsx",
+                vpc=network.vpc,
+                # Lustre lives in one subnet; VMs in other zones mount it across zones.
+                vpc_subnet=network.subnets[0],
+                security_group=lustre_security_group,
+                storage_capacity_gib=settings.fsx_storage_gib,
+                file_system_type_version=fsx.FileSystemTypeVersion.V_2_15,
+                lustre_configuration=fsx.LustreConfiguration(
+                    deployment_type=fsx.LustreDeploymentType.PERSISTENT_2
+                    if persistent
+                    else fsx.LustreDeploymentType.SCRATCH_2,
+                    per_unit_storage_throughput=125 if persistent else None,
+                    data_compression_type=fsx.LustreDataCompressionType.LZ4,
+                ),
+                removal_policy=RemovalPolicy.RETAIN if persistent else RemovalPolicy.DESTROY,
+            )

@@ -1,0 +1,197 @@
+"""What a job VM is launched with: its role and profile, the agent asset, the SSM documents, the launch template."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import jsii
+from aws_cdk import Aws, Stack
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_events as events
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3_assets as s3_assets
+from aws_cdk import aws_ssm as ssm
+from constructs import Construct
+from spotcr_contracts import commands
+
+from infra.nag import acknowledge, acknowledge_wildcard_resource
+from infra.network import Network
+from infra.settings import Settings
+from infra.storage import JOBS_PREFIX, SPECS_PREFIX, Storage
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VM_BOOTSTRAP_DIR = REPO_ROOT / "vm-bootstrap"
+CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
+BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"
+PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
+ROOT_DEVICE = "/dev/xvda"  # Debian 12 AMIs boot from xvda
+_STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
+
+
+def stage_agent_bundle(destination: Path) -> Path:
+    """Lay out the agent bundle as in the repo: vm-bootstrap/ plus functions/spotcr_contracts/ (imported by it)."""
+    shutil.copytree(VM_BOOTSTRAP_DIR, destination / "vm-bootstrap", ignore=_STAGE_IGNORE)
+    shutil.copytree(CONTRACTS_DIR, destination / "functions" / "spotcr_contracts", ignore=_STAGE_IGNORE)
+    return destination
+
+
+def render_user_data(script: str, values: Mapping[str, str]) -> str:
+    """Put deployment values into the bootstrap's `__SPOTCR_*__` placeholders; an unknown one is an error."""
+    unknown = sorted(set(PLACEHOLDER.findall(script)) - set(values))
+    if unknown:
+        raise ValueError(f"{BOOTSTRAP_SCRIPT.name} uses placeholders infra does not provide: {', '.join(unknown)}")
+    return PLACEHOLDER.sub(lambda match: values[match.group(0)], script)
+
+
+@jsii.implements(ec2.IMachineImage)
+class _FixedImage:
+    """An AMI id from context, used as is in every region the template is deployed to."""
+
+    def __init__(self, image_id: str) -> None:
+        self.image_id = image_id
+
+    def get_image(self, scope: Construct) -> ec2.MachineImageConfig:
+        return ec2.MachineImageConfig(
+            image_id=self.image_id, os_type=ec2.OperatingSystemType.LINUX, user_data=ec2.UserData.for_linux()
+        )
+
+
+def job_image(settings: Settings) -> ec2.IMachineImage:
+    if settings.ami_id is not None:
+        return _FixedImage(settings.ami_id)
+    # Debian publishes this public parameter; CloudFormation resolves it at deploy time, never at synth.
+    return ec2.MachineImage.from_ssm_parameter(
+        f"/aws/service/debian/release/12/latest/{settings.vm_architecture}", os=ec2.OperatingSystemType.LINUX
+    )
+
+
+class VmLaunch(Construct):
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        settings: Settings,
+        network: Network,
+        storage: Storage,
+        agent_bus: events.IEventBus,
+        bootstrap_script: Path = BOOTSTRAP_SCRIPT,
+    ) -> None:
+        super().__init__(scope, construct_id)
+        stack = Stack.of(self)
+
+        self.agent_asset = s3_assets.Asset(
+            self, "AgentBundle", path=str(stage_agent_bundle(Path(tempfile.mkdtemp(prefix="spotcr-agent-"))))
+        )
+
+        self.job_role = iam.Role(
+            self,
+            "JobRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description="spotcr job VMs: SSM commands, the job's checkpoints, agent events",
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
+        )
+        acknowledge(
+            self.job_role,
+            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonSSMManagedInstanceCore]",
+            "The AWS-maintained SSM core policy is what SSM Agent needs to receive spotcr's Run Command documents; "
+            "AWS keeps it in step with the agent.",
+        )
+        self._grant_job_storage(storage)
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                actions=["s3:GetObject"],
+                resources=[self.agent_asset.bucket.arn_for_objects(self.agent_asset.s3_object_key)],
+            )
+        )
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(actions=["events:PutEvents"], resources=[agent_bus.event_bus_arn])
+        )
+        self.instance_profile = iam.InstanceProfile(self, "JobInstanceProfile", role=self.job_role)
+
+        self.documents: dict[str, ssm.CfnDocument] = {}
+        for command in commands.COMMANDS.values():
+            self.documents[command.name] = ssm.CfnDocument(
+                self,
+                f"Document-{command.name}",
+                name=f"{settings.stack_name}-{command.name}",
+                document_type="Command",
+                document_format="JSON",
+                content=command.document(),
+                update_method="NewVersion",
+            )
+
+        placeholders = {
+            "__SPOTCR_AGENT_ASSET_URL__": self.agent_asset.s3_object_url,
+            "__SPOTCR_BUCKET__": storage.bucket.bucket_name,
+            "__SPOTCR_EVENT_BUS__": agent_bus.event_bus_name,
+            "__SPOTCR_REGION__": Aws.REGION,
+            "__SPOTCR_STACK__": stack.stack_name,
+            "__SPOTCR_EFS_ID__": storage.file_system.file_system_id if storage.file_system else "",
+            "__SPOTCR_FSX_DNS_NAME__": storage.lustre.dns_name if storage.lustre else "",
+            "__SPOTCR_FSX_MOUNT_NAME__": storage.lustre.mount_name if storage.lustre else "",
+        }
+        user_data = ec2.UserData.custom(render_user_data(bootstrap_script.read_text(), placeholders))
+        self.launch_template = ec2.LaunchTemplate(
+            self,
+            "JobLaunchTemplate",
+            launch_template_name=f"{settings.stack_name}-job",
+            machine_image=job_image(settings),
+            user_data=user_data,
+            instance_profile=self.instance_profile,
+            security_group=network.job_security_group,
+            require_imdsv2=True,
+            http_tokens=ec2.LaunchTemplateHttpTokens.REQUIRED,
+            http_put_response_hop_limit=settings.metadata_hop_limit,
+            instance_metadata_tags=True,
+            block_devices=[
+                ec2.BlockDevice(
+                    device_name=ROOT_DEVICE,
+                    volume=ec2.BlockDeviceVolume.ebs(
+                        settings.root_volume_gib,
+                        volume_type=ec2.EbsDeviceVolumeType.GP3,
+                        encrypted=True,
+                        delete_on_termination=True,
+                    ),
+                )
+            ],
+        )
+
+    def _grant_job_storage(self, storage: Storage) -> None:
+        # An instance role cannot be narrowed per job (instance tags do not reach the role session), so every
+        # job VM may use jobs/*; the agent itself only ever touches jobs/<its job>/.
+        objects = storage.bucket.arn_for_objects(f"{JOBS_PREFIX}*")
+        specs = storage.bucket.arn_for_objects(f"{SPECS_PREFIX}*")
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                resources=[objects],
+            )
+        )
+        self.job_role.add_to_principal_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[specs]))
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                actions=["s3:ListBucket"],
+                resources=[storage.bucket.bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{JOBS_PREFIX}*", SPECS_PREFIX + "*"]}},
+            )
+        )
+        acknowledge_wildcard_resource(
+            self.job_role,
+            objects,
+            "Job VMs write checkpoints under jobs/ (jobs/<job_id>/...); an instance role cannot be scoped to one job.",
+        )
+        acknowledge_wildcard_resource(
+            self.job_role, specs, "Job VMs read the job spec their spotcr:spec tag names under specs/."
+        )
+        if storage.file_system is not None:
+            self.job_role.add_to_principal_policy(
+                iam.PolicyStatement(
+                    actions=["elasticfilesystem:ClientMount", "elasticfilesystem:ClientWrite"],
+                    resources=[storage.file_system.file_system_arn],
+                )
+            )
