@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import socket
@@ -7,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from spotcr_agent.agent import Agent, base_job_env
 from spotcr_agent.config import AgentConfig
 from spotcr_agent.store import CheckpointStore
@@ -25,7 +25,7 @@ class FakePublisher:
         return True
 
     def of(self, detail_type):
-        return [e for e in self.events if e.DETAIL_TYPE == detail_type]
+        return [e for e in self.events if detail_type == e.DETAIL_TYPE]
 
 
 class FakeMetadata:
@@ -80,6 +80,17 @@ def wait_for(predicate, timeout=30.0, interval=0.05, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def wait_for_exit(agent, timeout=60.0):
+    """Watch the job as the daemon does until it ends; its exit code."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = agent.watch_job()
+        if code is not None:
+            return code
+        time.sleep(0.05)
+    raise AssertionError(f"the job did not end within {timeout} s")
+
+
 def progress_lines(workdir):
     path = Path(workdir) / "progress.log"
     return path.read_text().splitlines() if path.exists() else []
@@ -87,10 +98,8 @@ def progress_lines(workdir):
 
 def kill_tree(pid):
     """SIGKILL the job's PID 1: the kernel then kills its whole PID namespace."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, 9)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.fixture(scope="session")

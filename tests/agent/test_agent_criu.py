@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from spotcr_agent import daemon
 from spotcr_agent.checkpoint import CheckpointError
 from spotcr_agent.runner import JobError, checkpointable_problem
@@ -26,15 +25,10 @@ from .conftest import (
     make_config,
     progress_lines,
     wait_for,
+    wait_for_exit,
 )
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
-
-
-def _finished(agent):
-    codes = []
-    wait_for(lambda: codes.append(agent.watch_job()) or codes[-1] is not None, timeout=60, what="the job to end")
-    return codes[-1]
 
 
 def test_a_job_that_exits_at_once_is_reported_and_cannot_be_checkpointed(tmp_path, publisher):
@@ -42,7 +36,7 @@ def test_a_job_that_exits_at_once_is_reported_and_cannot_be_checkpointed(tmp_pat
     agent = make_agent(make_config(tmp_path, command=("sh", "-c", "echo no input file >&2; exit 4")), publisher)
     agent.start_job()
     # When the agent watches it, then it reports the exit code and keeps the job's stderr
-    assert _finished(agent) == 4
+    assert wait_for_exit(agent) == 4
     assert [e.exit_code for e in publisher.of("JobExited")] == [4]
     assert "no input file" in (agent.config.workdir / ".spotcr" / "stderr.log").read_text()
     # And a checkpoint says why there is nothing to dump
@@ -61,7 +55,8 @@ def test_a_job_with_a_terminal_is_refused_with_the_reason(tmp_path, publisher):
     agent = make_agent(make_config(tmp_path, command=(sys.executable, str(JOBS / "terminal.py"))), publisher)
     pid = agent.start_job()
     try:
-        wait_for(lambda: (agent.config.workdir / "ready").exists(), what="the job to take a terminal")
+        ready = agent.config.workdir / "ready"
+        wait_for(ready.exists, what="the job to take a terminal")
         with pytest.raises(CheckpointError, match="job has a controlling terminal"):
             agent.checkpoint("final", 1)
         assert "controlling terminal" in publisher.of("CheckpointFailed")[0].reason
@@ -72,7 +67,7 @@ def test_a_job_with_a_terminal_is_refused_with_the_reason(tmp_path, publisher):
 def test_a_process_outside_its_own_session_is_named():
     process = subprocess.Popen(["sleep", "30"])
     try:
-        assert "root process is not a session leader" in checkpointable_problem(process.pid)
+        assert "root process is not a session leader" in (checkpointable_problem(process.pid) or "")
     finally:
         process.kill()
         process.wait()
@@ -154,7 +149,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, pu
     assert restored.checkpoint_id == older.checkpoint_id
     assert newer.checkpoint_id in restored.skipped and "corrupt" in restored.skipped
     assert publisher.of("RestoreCompleted")[0].skipped == restored.skipped
-    assert _finished(backup) == 0
+    assert wait_for_exit(backup) == 0
     assert (config.workdir / "progress.log").read_text() == reference_output(32, 40)[0]
 
 

@@ -4,19 +4,12 @@ import os
 import signal
 
 import pytest
-
 from spotcr_agent.runner import job_alive
 from spotcr_agent.store import CheckpointStore
 
-from .conftest import compute_command, kill_tree, make_agent, make_config, progress_lines, wait_for
+from .conftest import compute_command, kill_tree, make_agent, make_config, progress_lines, wait_for, wait_for_exit
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
-
-
-def _run_to_completion(agent):
-    codes = []
-    wait_for(lambda: codes.append(agent.watch_job()) or codes[-1] is not None, timeout=60, what="the job to end")
-    return codes[-1]
 
 
 def _interrupt_and_restore(tmp_path, publisher, store, reference_output, kind, megabytes=200, steps=30):
@@ -41,7 +34,7 @@ def _interrupt_and_restore(tmp_path, publisher, store, reference_output, kind, m
     assert restored.checkpoint_id == outcome.checkpoint_id
     assert restored.pid != pid
     kill_tree(pid)
-    assert _run_to_completion(backup) == 0
+    assert wait_for_exit(backup) == 0
     progress, stdout = reference_output(megabytes, steps)
     assert (workdir / "progress.log").read_text() == progress
     assert (workdir / ".spotcr" / "stdout.log").read_text() == stdout

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from spotcr_agent import cli
 from spotcr_agent.config import AgentConfig, ConfigError
 from spotcr_agent.state import StateFile

@@ -7,7 +7,6 @@ from pathlib import Path
 import boto3
 import pytest
 from moto import mock_aws
-
 from spotcr_agent.events import EventBridgePublisher, now_iso
 from spotcr_contracts.events import EVENT_TYPES, SOURCE, JobExited, parse_detail
 

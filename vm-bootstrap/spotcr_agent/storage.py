@@ -93,28 +93,33 @@ def has_filesystem(device: Path) -> bool:
     return result.returncode == 0 and bool(result.stdout.strip())
 
 
-def prepare(config: AgentConfig, devices_dir: Path = Path("/dev/disk/by-id"), runner: Run = run) -> None:
+def prepare(
+    config: AgentConfig,
+    devices_dir: Path = Path("/dev/disk/by-id"),
+    runner: Run = run,
+    device_wait_s: float = DEVICE_WAIT_S,
+) -> None:
     """Make the job's storage usable at config.mount_point; a mount point already mounted is used as is."""
     if config.storage == "s3":
         return
+    if config.storage == "efs" and not config.efs_id:
+        raise StorageError("storage efs: no file system id configured")
+    if config.storage == "fsx" and not (config.fsx_dns and config.fsx_mount_name):
+        raise StorageError("storage fsx: file system DNS name and mount name must be configured")
     mount_point = config.mount_point
     if is_mount(mount_point):
         log.info("%s is already mounted; using it as is", mount_point)
     else:
         mount_point.mkdir(parents=True, exist_ok=True)
         if config.storage == "ebs":
-            device = find_ebs_device(config.ebs_volume_id, devices_dir)
+            device = find_ebs_device(config.ebs_volume_id, devices_dir, device_wait_s)
             if not has_filesystem(device):
                 log.info("formatting %s (first use of the volume)", device)
                 runner(["mkfs.ext4", "-q", "-L", "spotcr", str(device)])
             runner(["mount", "-o", "noatime", str(device), str(mount_point)])
         elif config.storage == "efs":
-            if not config.efs_id:
-                raise StorageError("storage efs: no file system id configured")
             runner(["mount", "-t", "efs", "-o", "tls", f"{config.efs_id}:/", str(mount_point)])
         elif config.storage == "fsx":
-            if not config.fsx_dns or not config.fsx_mount_name:
-                raise StorageError("storage fsx: file system DNS name and mount name must be configured")
             source = f"{config.fsx_dns}@tcp:/{config.fsx_mount_name}"
             runner(["mount", "-t", "lustre", "-o", "relatime,flock", source, str(mount_point)])
     check_writable(mount_point, config.storage)

@@ -2,7 +2,6 @@
 
 import socket
 import sys
-import time
 
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,176 @@
+"""`spotcr-agent bootstrap`: job from IMDS tags, spec from S3, storage prepared, failures named by step."""
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from spotcr_agent import storage
+from spotcr_agent.bootstrap import bootstrap
+from spotcr_agent.config import load
+from spotcr_agent.runner import InvalidJobSpec, parse_job_spec
+
+from .conftest import FakeMetadata, FakePublisher, make_config
+
+
+def _metadata(tags):
+    values = {
+        "meta-data/instance-id": "i-0abc",
+        "meta-data/placement/availability-zone": "eu-west-1b",
+        "meta-data/placement/region": "eu-west-1",
+        "meta-data/tags/instance": "\n".join(tags),
+    }
+    values.update({f"meta-data/tags/instance/{k}": v for k, v in tags.items()})
+    return FakeMetadata(values)
+
+
+def _args(**overrides):
+    values = {
+        "bucket": "spotcr-checkpoints",
+        "event_bus": "spotcr",
+        "ebs_volume_id": "",
+        "efs_id": "",
+        "fsx_dns": "",
+        "fsx_mount_name": "",
+        "scratch_dir": "",
+    }
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def _bootstrap(tmp_path, tags, spec=b"", **args):
+    results, publisher = [], FakePublisher()
+    environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "etc" / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
+    code = bootstrap(
+        _args(**args),
+        environ,
+        results.append,
+        metadata=_metadata(tags),
+        publisher=publisher,
+        spec_reader=lambda uri: spec,
+    )
+    return code, results[0], publisher, environ
+
+
+def test_bootstrap_writes_the_agent_config_from_tags(tmp_path):
+    tags = {"spotcr:job": "nightly-sim", "spotcr:command": "python3 sim.py --steps 100", "Name": "x"}
+    code, result, publisher, environ = _bootstrap(tmp_path, tags)
+    assert code == 0, result
+    config = load(environ)
+    assert (config.job_id, config.instance_id, config.region) == ("nightly-sim", "i-0abc", "eu-west-1")
+    assert config.command == ("python3", "sim.py", "--steps", "100")
+    assert (config.storage, config.bucket, config.event_bus, config.mode) == (
+        "s3",
+        "spotcr-checkpoints",
+        "spotcr",
+        "run",
+    )
+    assert config.workdir == Path("/var/lib/spotcr/work/nightly-sim")
+    assert publisher.events == []
+
+
+def test_bootstrap_reads_the_job_spec_from_s3(tmp_path):
+    tags = {"spotcr:job": "j", "spotcr:spec": "s3://specs-bucket/jobs/j.json", "spotcr:mode": "restore"}
+    spec = json.dumps({"command": ["/opt/app/run", "a b"], "workdir": "/data/j", "env": {"OMP_NUM_THREADS": "4"}})
+    code, result, _, environ = _bootstrap(tmp_path, tags, spec.encode())
+    assert code == 0, result
+    config = load(environ)
+    assert config.command == ("/opt/app/run", "a b")
+    assert config.workdir == Path("/data/j")
+    assert config.env == {"OMP_NUM_THREADS": "4"}
+    assert config.mode == "restore"
+
+
+@pytest.mark.parametrize(
+    ("tags", "spec", "step", "message"),
+    [
+        ({"spotcr:job": "j", "spotcr:storage": "gcs", "spotcr:command": "x"}, b"", "tags", "unknown storage 'gcs'"),
+        ({"spotcr:job": "j", "spotcr:command": "run; rm -rf /"}, b"", "tags", "shell syntax"),
+        ({"spotcr:job": "j", "spotcr:spec": "s3://specs-bucket/j.json"}, b"{not json", "spec", "not JSON"),
+    ],
+)
+def test_bootstrap_failures_name_the_step_and_are_published(tmp_path, tags, spec, step, message):
+    code, result, publisher, _ = _bootstrap(tmp_path, tags, spec)
+    assert code == 2
+    assert result["step"] == step and message in result["error"]
+    [event] = publisher.events
+    assert event.DETAIL_TYPE == "BootstrapFailed" and event.step == step and message in event.reason
+    assert event.instance_id == "i-0abc"
+
+
+def test_bootstrap_storage_failure_names_the_step(tmp_path):
+    tags = {"spotcr:job": "j", "spotcr:storage": "efs", "spotcr:command": "x"}
+    code, result, publisher, _ = _bootstrap(tmp_path, tags, bucket="", efs_id="")
+    assert code == 1
+    assert result["step"] == "storage"
+    assert "storage efs: no file system id configured" in result["error"]
+    assert publisher.events[0].step == "storage"
+
+
+def test_an_ebs_volume_that_never_appears_is_named(tmp_path):
+    config = make_config(tmp_path, storage="ebs", mount_point=tmp_path / "mnt", ebs_volume_id="vol-0123")
+    with pytest.raises(storage.StorageError, match="storage ebs: volume vol-0123 did not appear under"):
+        storage.prepare(config, devices_dir=tmp_path, device_wait_s=0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ('{"command": "python3 x.py"}', "command: must be a non-empty list"),
+        ('{"command": []}', "command: must be a non-empty list"),
+        ('{"command": ["x"], "workdir": "relative"}', "workdir: must be an absolute path"),
+        ('{"command": ["x"], "workdir": "/a/../etc"}', "workdir: must be an absolute path"),
+        ('{"command": ["x"], "env": {"A=B": "1"}}', "env: 'A=B'"),
+        ('{"command": ["x"], "user": "root"}', "unknown fields: user"),
+        ("[1]", "must be a JSON object"),
+    ],
+)
+def test_job_specs_are_validated_strictly(spec, message):
+    with pytest.raises(InvalidJobSpec, match=message):
+        parse_job_spec(spec)
+
+
+@pytest.fixture
+def loop_volume(tmp_path):
+    """A real block device standing in for an attached EBS volume, linked as Nitro names it."""
+    image = tmp_path / "volume.img"
+    image.write_bytes(b"")
+    subprocess.run(["truncate", "-s", "64M", str(image)], check=True)
+    device = subprocess.run(["losetup", "-f", "--show", str(image)], check=True, capture_output=True, text=True)
+    device_path = device.stdout.strip()
+    by_id = tmp_path / "by-id"
+    by_id.mkdir()
+    (by_id / "nvme-Amazon_Elastic_Block_Store_vol0123456789abcdef0").symlink_to(device_path)
+    yield by_id
+    subprocess.run(["umount", str(tmp_path / "mnt")], check=False, capture_output=True)
+    subprocess.run(["losetup", "-d", device_path], check=True)
+
+
+def test_ebs_storage_is_formatted_on_first_use_mounted_and_released(tmp_path, loop_volume):
+    # Given an attached volume with no file system
+    config = make_config(tmp_path, storage="ebs", mount_point=tmp_path / "mnt", ebs_volume_id="vol-0123456789abcdef0")
+    # When the storage is prepared, then it is formatted and mounted, and the store can use it
+    storage.prepare(config, devices_dir=loop_volume)
+    assert storage.is_mount(config.mount_point)
+    (config.mount_point / "marker").write_text("kept")
+    storage.open_store(config)
+    # When it is released, then it is unmounted; prepared again, it is mounted, not formatted again
+    assert storage.release(config) == f"unmounted {config.mount_point}"
+    assert not storage.is_mount(config.mount_point)
+    storage.prepare(config, devices_dir=loop_volume)
+    assert (config.mount_point / "marker").read_text() == "kept"
+
+
+def test_an_unwritable_store_is_refused(tmp_path):
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    subprocess.run(["mount", "--bind", str(mount_point), str(mount_point)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(mount_point)], check=True)
+        config = make_config(tmp_path, storage="efs", mount_point=mount_point, efs_id="fs-0123")
+        with pytest.raises(storage.StorageError, match=f"storage efs: {mount_point} is not writable"):
+            storage.prepare(config)
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
