@@ -2,7 +2,7 @@
 
 CRIU's pages-*.img is a sequence of 4 KiB pages in VMA order. When the job maps or first touches
 memory in the middle of its address space, everything after shifts by whole pages, so fixed-size
-chunks would all change. Here a chunk may end only after a page whose CRC32 has its low bits zero
+chunks would all change. Here a chunk may end only after a page whose CRC32 (of its first bytes) has its low bits zero
 (between a minimum and a maximum size): boundaries follow content, a page-sized shift resynchronises
 at the next boundary, and cutting costs one C-speed CRC per page instead of a rolling hash per byte.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PAGE = 4096
+SAMPLE = 256
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Chunking:
     def describe(self) -> dict[str, Any]:
         return {
             "method": "page-cdc-crc32",
+            "sample": SAMPLE,
             "page": PAGE,
             "min": self.min_size,
             "max": self.max_size,
@@ -37,54 +39,57 @@ class Chunking:
 
 
 class Chunker:
-    """Cuts one file's byte stream into chunks as it arrives; feed() may be called as the file grows."""
+    """Cuts one file's byte stream into chunks as it arrives; feed() may be called as the file grows.
+
+    Bytes are kept as views of the blocks fed in and joined once per chunk: one copy per byte.
+    """
 
     def __init__(self, chunking: Chunking) -> None:
         self._chunking = chunking
         self._mask = (1 << chunking.boundary_bits) - 1
-        self._buf = bytearray()
-        self._scanned = 0  # bytes of _buf already ruled out as a cut point
+        self._pieces: list[memoryview] = []  # the current chunk so far: whole pages
+        self._pending = 0  # bytes in _pieces
+        self._carry = b""  # a partial page at the end of the last block, waiting for the rest
         self.emitted = 0  # chunks returned so far
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add bytes; return the chunks whose end is now known."""
-        self._buf += data
+        if self._carry:
+            data, self._carry = self._carry + data, b""
+        whole = len(data) - len(data) % PAGE
+        if whole < len(data):
+            self._carry = data[whole:]
+        view = memoryview(data)[:whole]
+        chunking, mask = self._chunking, self._mask
         chunks = []
-        while (cut := self._find_cut()) is not None:
-            chunks.append(bytes(self._buf[:cut]))
-            del self._buf[:cut]
-            self._scanned = 0
+        start = 0  # first byte of the block not yet in a chunk
+        page = max(0, chunking.min_size - PAGE - self._pending)
+        while page < whole:
+            length = self._pending + page + PAGE - start  # chunk length if cut after this page
+            # A page's first SAMPLE bytes decide: 16 times less CRC work than the whole page, same resync.
+            if length >= chunking.max_size or zlib.crc32(view[page : page + SAMPLE]) & mask == 0:
+                self._pieces.append(view[start : page + PAGE])
+                chunks.append(b"".join(self._pieces))
+                self._pieces, self._pending = [], 0
+                start = page + PAGE
+                page = start + chunking.min_size - PAGE
+            else:
+                page += PAGE
+        if start < whole:
+            self._pieces.append(view[start:whole])
+            self._pending += whole - start
         self.emitted += len(chunks)
         return chunks
 
     def finish(self) -> list[bytes]:
         """The file is complete: return what is left as the last chunk."""
-        if not self._buf:
+        last = b"".join([*self._pieces, self._carry])
+        self._pieces, self._pending, self._carry = [], 0, b""
+        if not last:
             return []
-        last = bytes(self._buf)
-        self._buf.clear()
-        self._scanned = 0
         self.emitted += 1
         return [last]
 
     @property
     def pending(self) -> int:
-        return len(self._buf)
-
-    def _find_cut(self) -> int | None:
-        size = len(self._buf)
-        pos = max(self._scanned, self._chunking.min_size - PAGE)
-        max_size, mask = self._chunking.max_size, self._mask
-        view = memoryview(self._buf)
-        try:
-            while pos + PAGE <= size:
-                end = pos + PAGE
-                if end >= max_size:
-                    return max_size
-                if zlib.crc32(view[pos:end]) & mask == 0:
-                    return end
-                pos = end
-        finally:
-            view.release()
-        self._scanned = pos
-        return None
+        return self._pending + len(self._carry)
