@@ -1,0 +1,650 @@
+"""A local AWS in one process: moto on loopback, plus what moto does not do, done as AWS does it.
+
+moto serves EC2, S3, DynamoDB, SSM, EventBridge, SNS, Lambda and Step Functions (executing the
+real ASL). The rehearsal adds, in-process and only here:
+- Lambda: invoking a function calls its real handler from the catalog, with the stack's settings;
+- EventBridge: rules built from the catalog deliver matching events to their Lambda targets, and
+  the scheduled rule fires on a compressed interval;
+- SSM Run Command: the document's agent command runs inside the target local VM;
+- EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
+  instance state-change events are emitted as AWS emits them.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib
+import io
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+import urllib.request
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import boto3
+from spotcr_contracts.commands import COMMANDS, Command
+from spotcr_functions import catalog, registry_schema
+from spotcr_functions.config import ENV, OPTIONAL_ENV
+
+from rehearsal.storage import LoopVolumes
+from rehearsal.timeline import Timeline
+from rehearsal.vm import REPO, LocalVM, VmError, prepare_host
+
+REGION = "us-east-1"
+ACCOUNT = "123456789012"
+PREFIX = "spotcr-rehearsal"
+ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
+SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
+EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
+
+
+@dataclass(frozen=True)
+class LambdaContext:
+    """The attributes of the Lambda context object that handlers and Powertools read."""
+
+    function_name: str
+    invoked_function_arn: str
+    memory_limit_in_mb: int
+    timeout_s: int
+    aws_request_id: str
+    started: float
+    function_version: str = "$LATEST"
+    log_group_name: str = "/aws/lambda/rehearsal"
+    log_stream_name: str = "rehearsal"
+
+    def get_remaining_time_in_millis(self) -> int:
+        return max(0, int((self.started + self.timeout_s - time.monotonic()) * 1000))
+
+
+class LocalCloud:
+    """Start with `start()` (or as a context manager); every boto3 client in this process then uses it."""
+
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        timeline: Timeline,
+        schedule_every_s: float = 5.0,
+        shared_storage: Path | None = None,
+        workflow_waits: dict[str, int] | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        boot_commands: list[list[str]] | None = None,
+        agent_command: list[str] | None = None,
+        with_workflow: bool = True,
+    ) -> None:
+        self.run_dir = run_dir
+        self.timeline = timeline
+        self.schedule_every_s = schedule_every_s
+        self.shared_storage = shared_storage
+        self.workflow_waits = workflow_waits or {}
+        self.on_event = on_event
+        self.boot_commands = boot_commands
+        self.agent_command = agent_command
+        self.with_workflow = with_workflow
+        self.endpoint = ""
+        self.vms: dict[str, LocalVM] = {}
+        self.volumes = LoopVolumes(run_dir / "volumes")
+        self.names = {
+            "jobs_table": f"{PREFIX}-jobs",
+            "idempotency_table": f"{PREFIX}-idempotency",
+            "event_bus_name": f"{PREFIX}-agent",
+            "checkpoint_bucket": f"{PREFIX}-checkpoints",
+            "state_machine": f"{PREFIX}-recovery",
+            "topic": f"{PREFIX}-failures",
+            "launch_template": f"{PREFIX}-job-vm",
+        }
+        self.settings_env: dict[str, str] = {}
+        self._functions: dict[str, catalog.Function] = {}
+        self._documents: dict[str, Command] = {}
+        self._server: Any = None
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._saved_env: dict[str, str | None] = {}
+        self._delivery = ThreadPoolExecutor(max_workers=8, thread_name_prefix="eventbridge")
+        self._commands = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ssm")
+        self._stop = threading.Event()
+        self._scheduler: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> LocalCloud:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def client(self, service: str) -> Any:
+        return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint)
+
+    def start(self) -> None:
+        from moto.core.config import default_user_config
+        from moto.server import ThreadedMotoServer
+
+        prepare_host()
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        default_user_config["stepfunctions"] = {"execute_state_machine": True}
+        default_user_config["lambda"] = {"use_docker": False}
+        self._set_env({"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"})  # loading moto's public images takes seconds
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        # moto's backends live in the process: start from an empty account, as after a fresh deploy.
+        reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
+        urllib.request.urlopen(reset).close()  # noqa: S310 (http to the server just started)
+        self._set_env(
+            {
+                "MOTO_PORT": str(port),  # moto's Step Functions calls Lambda at localhost:$MOTO_PORT
+                "AWS_ENDPOINT_URL": self.endpoint,
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_SESSION_TOKEN": "testing",
+                "AWS_DEFAULT_REGION": REGION,
+                "AWS_REGION": REGION,
+                "POWERTOOLS_TRACE_DISABLED": "true",
+                "POWERTOOLS_SERVICE_NAME": "spotcr",
+                "POWERTOOLS_LOG_LEVEL": os.environ.get("POWERTOOLS_LOG_LEVEL", "WARNING"),
+            }
+        )
+        self._install_hooks()
+        self._create_stack()
+        self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
+        self._scheduler.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for vm in list(self.vms.values()):
+            vm.terminate()
+        self._commands.shutdown(wait=False, cancel_futures=True)
+        self._delivery.shutdown(wait=False, cancel_futures=True)
+        self.volumes.release_all()
+        if self._server is not None:
+            self._server.stop()
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches.clear()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def _set_env(self, values: dict[str, str]) -> None:
+        for key, value in values.items():
+            self._saved_env.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
+
+    @property
+    def vm_env(self) -> dict[str, str]:
+        """What a job VM's processes see: the cloud's endpoint and (dummy) credentials."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+        }
+
+    def _create_stack(self) -> None:
+        """The resources `cdk deploy` creates, built from the same definitions infra/ uses."""
+        names = self.names
+        s3 = self.client("s3")
+        s3.create_bucket(Bucket=names["checkpoint_bucket"])
+        dynamodb = self.client("dynamodb")
+        dynamodb.create_table(**registry_schema.create_table_arguments(names["jobs_table"]))
+        dynamodb.create_table(**registry_schema.create_idempotency_table_arguments(names["idempotency_table"]))
+        self.client("events").create_event_bus(Name=names["event_bus_name"])
+        topic_arn = self.client("sns").create_topic(Name=names["topic"])["TopicArn"]
+        ssm = self.client("ssm")
+        document_names = {}
+        for command in COMMANDS.values():
+            name = f"{PREFIX}-{command.name}"
+            ssm.create_document(
+                Name=name, Content=json.dumps(command.document()), DocumentType="Command", DocumentFormat="JSON"
+            )
+            self._documents[name] = command
+            document_names[command.name] = name
+        ec2 = self.client("ec2")
+        image_id = ec2.register_image(Name=f"{PREFIX}-job-vm", Architecture="x86_64")["ImageId"]
+        template_id = ec2.create_launch_template(
+            LaunchTemplateName=names["launch_template"],
+            LaunchTemplateData={
+                "ImageId": image_id,
+                "InstanceType": "c5.large",
+                "MetadataOptions": {"HttpTokens": "required", "InstanceMetadataTags": "enabled"},
+                "UserData": base64.b64encode((REPO / "vm-bootstrap" / "bootstrap.sh").read_bytes()).decode()
+                if (REPO / "vm-bootstrap" / "bootstrap.sh").exists()
+                else "",
+            },
+        )["LaunchTemplate"]["LaunchTemplateId"]
+        self.image_id = image_id
+        role_arn = self.client("iam").create_role(
+            RoleName=f"{PREFIX}-role", AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
+        )["Role"]["Arn"]
+        state_machine_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{names['state_machine']}"
+        settings = {
+            "jobs_table": names["jobs_table"],
+            "idempotency_table": names["idempotency_table"],
+            "recovery_state_machine_arn": state_machine_arn,
+            "event_bus_name": names["event_bus_name"],
+            "failure_topic_arn": topic_arn,
+            "checkpoint_bucket": names["checkpoint_bucket"],
+            "launch_template_id": template_id,
+            "checkpoint_document": document_names["checkpoint"],
+            "restore_document": document_names["restore"],
+            "release_document": document_names["release"],
+            "status_document": document_names["status"],
+        }
+        self.settings_env = {ENV[key]: value for key, value in settings.items()}
+        self.settings_env.update({OPTIONAL_ENV[key]: str(value) for key, value in self.workflow_waits.items()})
+        self._set_env(self.settings_env)
+        lambda_client = self.client("lambda")
+        function_arns: dict[str, str] = {}
+        for function in catalog.FUNCTIONS:
+            name = f"{PREFIX}-{function.name}"
+            arn = lambda_client.create_function(
+                FunctionName=name,
+                Runtime="python3.12",
+                Role=role_arn,
+                Handler=function.handler,
+                Code={"ZipFile": _placeholder_zip()},
+                Timeout=function.timeout_s,
+                MemorySize=function.memory_mb,
+                Environment={"Variables": self.settings_env},
+            )["FunctionArn"]
+            self._functions[name] = function
+            function_arns[function.name] = arn
+        if self.with_workflow:
+            self._create_state_machine(role_arn, function_arns)
+        events = self.client("events")
+        for function in catalog.FUNCTIONS:
+            for rule in function.rules:
+                rule_name = f"{PREFIX}-{rule.name}"
+                bus = names["event_bus_name"] if rule.agent_bus else "default"
+                if rule.schedule_minutes is not None:
+                    events.put_rule(
+                        Name=rule_name, ScheduleExpression=f"rate({rule.schedule_minutes} minute)", EventBusName=bus
+                    )
+                else:
+                    events.put_rule(Name=rule_name, EventPattern=json.dumps(rule.pattern), EventBusName=bus)
+                events.put_targets(
+                    Rule=rule_name,
+                    EventBusName=bus,
+                    Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
+                )
+
+    def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
+        definition = ASL_PATH.read_text()
+        substitutions: dict[str, str] = {}
+        for placeholder, value in catalog.WORKFLOW_SUBSTITUTIONS.items():
+            substitutions[placeholder] = self._substitution(value, function_arns)
+        for placeholder, value in substitutions.items():
+            definition = definition.replace("${" + placeholder + "}", value)
+        self.client("stepfunctions").create_state_machine(
+            name=self.names["state_machine"], definition=definition, roleArn=role_arn
+        )
+
+    def _substitution(self, value: str, function_arns: dict[str, str]) -> str:
+        """Resolve one catalog substitution: `function:<name>`, `document:<command>` or `topic:failure`."""
+        kind, _, name = value.partition(":")
+        if kind == "function":
+            return function_arns[name]
+        if kind == "document":
+            return self.settings_env[ENV[f"{name}_document"]]
+        if kind == "topic" and name == "failure":
+            return self.settings_env[ENV["failure_topic_arn"]]
+        raise KeyError(f"workflow substitution {value!r}: unknown kind {kind!r}")
+
+    def _install_hooks(self) -> None:
+        from moto.awslambda_simple.models import LambdaSimpleBackend
+        from moto.events.models import EventsBackend, Rule
+        from moto.ssm.models import SimpleSystemManagerBackend
+
+        cloud = self
+        patch = self._patch
+        patch(
+            LambdaSimpleBackend,
+            "invoke",
+            lambda original: (
+                lambda backend, function_name, qualifier, body, headers, response_headers: cloud._invoke(
+                    function_name, body, response_headers
+                )
+            ),
+        )
+
+        def send_to_targets(original: Any) -> Any:
+            def hooked(rule: Any, event: dict[str, Any], transform_input: bool = True) -> None:
+                lambda_targets = [t["Arn"] for t in rule.targets if ":lambda:" in t["Arn"]]
+                if not lambda_targets:
+                    original(rule, event, transform_input)
+                elif rule.event_pattern.matches_event(event) and rule.state == "ENABLED":
+                    for arn in lambda_targets:
+                        cloud._delivery.submit(cloud._deliver, arn, event)
+
+            return hooked
+
+        patch(Rule, "send_to_targets", send_to_targets)
+
+        def put_events(original: Any) -> Any:
+            def hooked(backend: Any, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                result = original(backend, entries)
+                for entry, outcome in zip(entries, result, strict=False):
+                    if "EventId" in outcome and cloud.on_event is not None:
+                        cloud.on_event(entry)
+                return result
+
+            return hooked
+
+        patch(EventsBackend, "put_events", put_events)
+
+        def send_command(original: Any) -> Any:
+            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
+                return cloud._send_command(original, backend, *args, **kwargs)
+
+            return hooked
+
+        patch(SimpleSystemManagerBackend, "send_command", send_command)
+        self._install_ec2_hooks()
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        self._patches.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def _install_ec2_hooks(self) -> None:
+        from moto.ec2.models import EC2Backend
+
+        cloud = self
+        patch = self._patch
+
+        def run_instances(original: Any) -> Any:
+            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
+                reservation = original(backend, *args, **kwargs)
+                for instance in reservation.instances:
+                    cloud._launch(backend, instance)
+                return reservation
+
+            return hooked
+
+        patch(EC2Backend, "run_instances", run_instances)
+
+        def terminate_instances(original: Any) -> Any:
+            def hooked(backend: Any, instance_ids: list[str]) -> Any:
+                result = original(backend, instance_ids)
+                for instance, _previous in result:
+                    threading.Thread(target=cloud._terminated, args=(backend, instance.id), daemon=True).start()
+                return result
+
+            return hooked
+
+        patch(EC2Backend, "terminate_instances", terminate_instances)
+
+        def create_volume(original: Any) -> Any:
+            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
+                volume = original(backend, *args, **kwargs)
+                cloud.volumes.create(volume.id, volume.size)
+                return volume
+
+            return hooked
+
+        patch(EC2Backend, "create_volume", create_volume)
+
+        def attach_volume(original: Any) -> Any:
+            def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
+                attachment = original(backend, volume_id, instance_id, *args, **kwargs)
+                vm = cloud.vms.get(instance_id)
+                if attachment is not None and vm is not None:
+                    vm.attach_device(volume_id, cloud.volumes.device(volume_id))
+                    cloud.timeline.point(instance_id, "attach", f"volume {volume_id} attached to {instance_id}")
+                return attachment
+
+            return hooked
+
+        patch(EC2Backend, "attach_volume", attach_volume)
+
+        def detach_volume(original: Any) -> Any:
+            def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
+                volume = backend.get_volume(volume_id)
+                owner = volume.attachment.instance.id if volume.attachment else instance_id
+                attachment = original(backend, volume_id, instance_id, *args, **kwargs)
+                vm = cloud.vms.get(owner)
+                if vm is not None:
+                    vm.detach_device(volume_id)
+                return attachment
+
+            return hooked
+
+        patch(EC2Backend, "detach_volume", detach_volume)
+
+    def _invoke(self, function_name: str, body: Any, response_headers: dict[str, str]) -> bytes:
+        """Lambda Invoke: run the catalog handler in this process, as the Lambda runtime would."""
+        name = function_name.rsplit(":function:", maxsplit=1)[-1].split(":", maxsplit=1)[0]
+        payload = json.loads(body or "{}") if not isinstance(body, bytes) else json.loads(body.decode() or "{}")
+        try:
+            return json.dumps(self.call_handler(name, payload)).encode()
+        except Exception as error:
+            response_headers["x-amz-function-error"] = "Unhandled"
+            return json.dumps(
+                {
+                    "errorMessage": str(error),
+                    "errorType": type(error).__name__,
+                    "stackTrace": traceback.format_tb(error.__traceback__),
+                }
+            ).encode()
+
+    def call_handler(self, name: str, payload: Any) -> Any:
+        function = self._functions.get(name)
+        if function is None:
+            raise KeyError(f"no local function {name!r}")
+        module_name, attribute = function.handler.rsplit(".", 1)
+        handler = getattr(importlib.import_module(module_name), attribute)
+        context = LambdaContext(
+            function_name=name,
+            invoked_function_arn=f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{name}",
+            memory_limit_in_mb=function.memory_mb,
+            timeout_s=function.timeout_s,
+            aws_request_id=str(uuid.uuid4()),
+            started=time.monotonic(),
+        )
+        return handler(payload, context)
+
+    def _deliver(self, function_arn: str, event: dict[str, Any]) -> None:
+        """EventBridge's asynchronous invocation of a rule's Lambda target, with its retries."""
+        name = function_arn.rsplit(":function:", maxsplit=1)[-1]
+        for attempt in range(EVENT_RETRIES + 1):
+            if self._stop.is_set():
+                return
+            try:
+                self.call_handler(name, event)
+                return
+            except Exception as error:
+                self.timeline.say(
+                    f"! {name} failed on {event.get('detail-type')} (attempt {attempt + 1}): "
+                    f"{type(error).__name__}: {error}"
+                )
+                with (self.run_dir / "handler-errors.log").open("a") as log:
+                    log.write(f"{name} {json.dumps(event)}\n{traceback.format_exc()}\n")
+                time.sleep(1 + attempt)
+
+    def _run_schedule(self) -> None:
+        """Fire the scheduled rules on a compressed interval (a minute becomes `schedule_every_s`)."""
+        from moto.events.models import events_backends
+
+        while not self._stop.wait(self.schedule_every_s):
+            backend = events_backends[ACCOUNT][REGION]
+            for bus in list(backend.event_buses.values()):
+                for rule in list(bus.rules.values()):
+                    if not rule.scheduled_expression or rule.state != "ENABLED":
+                        continue
+                    event = {
+                        "version": "0",
+                        "id": str(uuid.uuid4()),
+                        "detail-type": "Scheduled Event",
+                        "source": "aws.events",
+                        "account": ACCOUNT,
+                        "time": _now(),
+                        "region": REGION,
+                        "resources": [rule.arn],
+                        "detail": {},
+                    }
+                    for target in rule.targets:
+                        if ":lambda:" in target["Arn"]:
+                            self._delivery.submit(self._deliver, target["Arn"], event)
+
+    def emit_ec2(self, detail_type: str, instance_id: str, detail: dict[str, Any]) -> None:
+        """An AWS service event on the default bus, as EC2 sends it."""
+        self.client("events").put_events(
+            Entries=[
+                {
+                    "Source": "aws.ec2",
+                    "DetailType": detail_type,
+                    "Detail": json.dumps({"instance-id": instance_id, **detail}),
+                    "Resources": [f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"],
+                }
+            ]
+        )
+
+    def _launch(self, backend: Any, instance: Any) -> None:
+        instance_id = instance.id
+        tags = _tags_of(backend, instance_id)
+        role = "backup" if tags.get("spotcr:mode") == "restore" else "primary"
+        generation = tags.get("spotcr:generation", "0")
+        self.timeline.label(instance_id, f"{role} g{generation}\n{instance_id[:12]}")
+        user_data = base64.b64decode(str(instance.user_data)) if instance.user_data else b""
+        vm = LocalVM(
+            instance_id=instance_id,
+            instance_type=instance.instance_type,
+            availability_zone=instance.placement.zone or f"{REGION}a",
+            user_data=user_data,
+            tags=lambda: _tags_of(backend, instance_id),
+            root=self.run_dir / "vms",
+            cloud_env=self.vm_env,
+            shared_storage=self.shared_storage,
+            boot_commands=self.boot_commands,
+            agent_command=self.agent_command,
+        )
+        with self._lock:
+            self.vms[instance_id] = vm
+        self.timeline.point(
+            instance_id,
+            "launch",
+            f"{role} VM {instance_id} launched ({instance.instance_type}, generation {generation})",
+        )
+        threading.Thread(target=self._boot, args=(vm,), name=f"boot-{instance_id}", daemon=True).start()
+
+    def _boot(self, vm: LocalVM) -> None:
+        started = self.timeline.now()
+        self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "pending"})
+        try:
+            vm.boot()
+        except VmError as error:
+            self.timeline.say(f"! {error}")
+            return
+        self.timeline.span(vm.instance_id, "allocation", started)
+        vm.running_at = self.timeline.now()
+        self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "running"})
+
+    def _terminated(self, backend: Any, instance_id: str) -> None:
+        vm = self.vms.get(instance_id)
+        self.emit_ec2(catalog.STATE_CHANGE, instance_id, {"state": "shutting-down"})
+        if vm is not None:
+            vm.terminate()
+        for volume in list(backend.volumes.values()):
+            attachment = volume.attachment
+            if attachment is not None and attachment.instance.id == instance_id:
+                # Terminating an instance detaches its data volumes.
+                volume.attachment = None
+                attachment.instance.block_device_mapping.pop(attachment.device, None)
+        self.timeline.point(instance_id, "terminated", f"{instance_id} terminated")
+        self.emit_ec2(catalog.STATE_CHANGE, instance_id, {"state": "terminated"})
+
+    def _send_command(self, original: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:
+        """SendCommand: checked as SSM checks it, then run in each target VM while the caller polls."""
+        from moto.core.exceptions import JsonRESTError
+
+        document_name = kwargs.get("document_name") or (args[1] if len(args) > 1 else None)
+        parameters = kwargs.get("parameters") or {}
+        command_definition = self._documents.get(document_name or "")
+        argv: list[str] = []
+        if command_definition is not None:
+            try:
+                argv = command_definition.agent_argv({k: v[0] for k, v in parameters.items() if v})
+            except ValueError as error:
+                raise JsonRESTError("InvalidParameters", str(error)) from error
+        command = original(backend, *args, **kwargs)
+        if command_definition is None:
+            return command
+        command.status = "InProgress"
+        command.status_details = "InProgress"
+        for invocation in command.invocations:
+            invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
+            self._commands.submit(self._run_command, command, invocation, argv)
+        return command
+
+    def _run_command(self, command: Any, invocation: dict[str, Any], argv: list[str]) -> None:
+        instance_id = invocation["InstanceId"]
+        vm = self.vms.get(instance_id)
+        try:
+            if vm is None or vm.terminated:
+                raise VmError(f"{instance_id} is not running")
+            result = vm.run(argv, timeout_s=float(command.timeout_seconds))
+            status = "Success" if result.returncode == 0 else "Failed"
+            invocation.update(
+                {
+                    "ResponseCode": result.returncode,
+                    "StandardOutputContent": result.stdout[:SSM_OUTPUT_LIMIT],
+                    "StandardErrorContent": result.stderr[:SSM_OUTPUT_LIMIT],
+                }
+            )
+        except VmError:
+            status = "Undeliverable"
+        except Exception as error:
+            status = "Failed"
+            invocation["StandardErrorContent"] = f"{type(error).__name__}: {error}"
+        invocation.update({"Status": status, "StatusDetails": status, "ExecutionEndDateTime": _now()})
+        with (self.run_dir / "commands.log").open("a") as log:
+            log.write(
+                f"{_now()} {instance_id} {' '.join(argv[1:])} -> {status} {invocation.get('ResponseCode')}\n"
+                f"{invocation.get('StandardOutputContent', '')}{invocation.get('StandardErrorContent', '')}\n"
+            )
+        statuses = {i["Status"] for i in command.invocations}
+        if "InProgress" not in statuses:
+            command.status = "Success" if statuses == {"Success"} else "Failed"
+            command.status_details = command.status
+
+
+def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:
+    return {tag["key"]: tag["value"] for tag in backend.describe_tags(filters={"resource-id": [resource_id]})}
+
+
+def _placeholder_zip() -> bytes:
+    """Lambda wants a code package; the rehearsal runs the handlers from the checkout instead."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("README.txt", "spotcr rehearsal: handlers run in-process from functions/\n")
+    return buffer.getvalue()
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@contextlib.contextmanager
+def local_cloud(**kwargs: Any) -> Iterator[LocalCloud]:
+    cloud = LocalCloud(**kwargs)
+    cloud.start()
+    try:
+        yield cloud
+    finally:
+        cloud.stop()

@@ -1,0 +1,130 @@
+"""The local cloud on its own: VMs boot in their own namespaces, SSM runs documents there, events route."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rehearsal.cloud import PREFIX, LocalCloud
+from rehearsal.timeline import Timeline
+
+FAKE_AGENT = Path(__file__).with_name("fake_agent.py")
+
+
+def wait_for(predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def cloud(tmp_path):
+    events = []
+    local = LocalCloud(
+        run_dir=tmp_path,
+        timeline=Timeline(echo=None),
+        schedule_every_s=0.5,
+        on_event=events.append,
+        boot_commands=[["sleep", "infinity"]],
+        agent_command=[sys.executable, str(FAKE_AGENT)],
+        with_workflow=False,
+    )
+    local.start()
+    local.events = events
+    yield local
+    local.stop()
+
+
+def launch(cloud, tags):
+    reservation = cloud.client("ec2").run_instances(
+        ImageId=cloud.image_id,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="c5.large",
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}],
+    )
+    instance_id = reservation["Instances"][0]["InstanceId"]
+    vm = wait_for(lambda: cloud.vms.get(instance_id))
+    wait_for(lambda: vm.running_at is not None)
+    return instance_id, vm
+
+
+@pytest.mark.criu
+def test_each_vm_has_its_own_private_paths_and_pid_namespace(cloud):
+    # Given two running VMs
+    _first_id, first = launch(cloud, {"Name": "a"})
+    _second_id, second = launch(cloud, {"Name": "b"})
+    # When each writes the same path
+    first.run(["sh", "-c", "echo first > /var/lib/spotcr/who"])
+    second.run(["sh", "-c", "echo second > /var/lib/spotcr/who"])
+    # Then each reads its own, and sees only its own processes
+    assert first.run(["cat", "/var/lib/spotcr/who"]).stdout == "first\n"
+    assert second.run(["cat", "/var/lib/spotcr/who"]).stdout == "second\n"
+    assert first.host_path("/var/lib/spotcr/who").read_text() == "first\n"
+    pids = first.run(["ls", "/proc"]).stdout.split()
+    assert "1" in pids and len([p for p in pids if p.isdigit()]) < 10
+
+
+@pytest.mark.criu
+def test_imds_serves_the_instance_tags_and_the_spot_notice(cloud):
+    instance_id, vm = launch(cloud, {"spotcr:job": "demo"})
+    read = vm.run(["/opt/spotcr/bin/spotcr-agent", "imds", "meta-data/tags/instance/spotcr:job"])
+    assert read.stdout.strip() == "demo", read.stderr
+    assert vm.run(["/opt/spotcr/bin/spotcr-agent", "imds", "meta-data/instance-id"]).stdout.strip() == instance_id
+    assert vm.run(["/opt/spotcr/bin/spotcr-agent", "imds", "meta-data/spot/instance-action"]).returncode == 4
+
+
+@pytest.mark.criu
+def test_send_command_runs_the_document_in_the_target_vm(cloud):
+    instance_id, _vm = launch(cloud, {"Name": "a"})
+    ssm = cloud.client("ssm")
+    command_id = ssm.send_command(
+        InstanceIds=[instance_id],
+        DocumentName=f"{PREFIX}-checkpoint",
+        Parameters={"JobId": ["demo"], "Generation": ["3"], "Kind": ["final"]},
+    )["Command"]["CommandId"]
+
+    def finished():
+        invocation = ssm.get_command_invocation(CommandId=command_id, InstanceId=instance_id)
+        return invocation if invocation["Status"] != "InProgress" else None
+
+    invocation = wait_for(finished)
+    assert invocation["Status"] == "Success"
+    assert json.loads(invocation["StandardOutputContent"]) == {
+        "argv": ["checkpoint", "--job", "demo", "--generation", "3", "--kind", "final"],
+        "instance": instance_id,
+    }
+
+
+def test_send_command_refuses_parameters_that_fail_the_document_pattern(cloud):
+    with pytest.raises(Exception, match="InvalidParameters"):
+        cloud.client("ssm").send_command(
+            InstanceIds=["i-0123456789abcdef0"],
+            DocumentName=f"{PREFIX}-checkpoint",
+            Parameters={"JobId": ["demo; rm -rf /"], "Generation": ["3"], "Kind": ["final"]},
+        )
+
+
+@pytest.mark.criu
+def test_running_and_terminated_state_changes_are_emitted(cloud):
+    instance_id, vm = launch(cloud, {"Name": "a"})
+    cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    wait_for(lambda: vm.terminated)
+
+    def states():
+        return [
+            json.loads(e["Detail"])["state"]
+            for e in cloud.events
+            if e.get("DetailType") == "EC2 Instance State-change Notification"
+            and json.loads(e["Detail"])["instance-id"] == instance_id
+        ]
+
+    wait_for(lambda: "terminated" in states())
+    assert states() == ["pending", "running", "shutting-down", "terminated"]
+    assert vm.run.__self__.terminated
