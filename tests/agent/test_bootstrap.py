@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from spotcr_agent import storage
 from spotcr_agent.bootstrap import bootstrap
 from spotcr_agent.config import load
@@ -35,6 +34,7 @@ def _args(**overrides):
         "fsx_dns": "",
         "fsx_mount_name": "",
         "scratch_dir": "",
+        "report_failure": "",
     }
     values.update(overrides)
     return argparse.Namespace(**values)

@@ -114,6 +114,8 @@ def bootstrap(
     metadata = metadata or Imds(environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT))
     config: AgentConfig | None = None
     try:
+        if args.report_failure:
+            raise BootstrapError(args.report_failure, "the bootstrap script failed at this step; see the console log")
         config = build_config(metadata, args, environ, spec_reader)
         try:
             storage.prepare(config, devices_dir)
@@ -126,7 +128,8 @@ def bootstrap(
             raise BootstrapError("config", f"cannot write {path}: {error}") from error
     except BootstrapError as error:
         log.error("%s", error)
-        publisher = publisher or EventBridgePublisher(args.event_bus, config.region if config else "")
+        region = config.region if config else _best_effort(metadata, "meta-data/placement/region")
+        publisher = publisher or EventBridgePublisher(args.event_bus, "" if region == "unknown" else region)
         publisher.publish(
             BootstrapFailed(
                 job_id=config.job_id if config else _best_effort_job(metadata),

@@ -65,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     bootstrap.add_argument("--fsx-dns", default="", help="FSx for Lustre DNS name (fsx storage)")
     bootstrap.add_argument("--fsx-mount-name", default="", help="FSx for Lustre mount name (fsx storage)")
     bootstrap.add_argument("--scratch-dir", default="", help="local dir for periodic dumps (default <state>/scratch)")
+    bootstrap.add_argument("--report-failure", metavar="STEP", default="", help="only publish that STEP failed")
 
     commands.add_parser("daemon", help="the service: run or await the job, watch it, final dump on interruption")
 

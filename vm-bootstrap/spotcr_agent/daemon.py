@@ -19,11 +19,12 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
     if agent.config.mode == "run":
         agent.start_job()
     interrupted = False
-    while not stop.is_set():
+    while True:
         if not interrupted:
             interrupted = _check_interruption(agent, metadata)
         agent.watch_job()
-        stop.wait(poll_s)
+        if stop.wait(poll_s):
+            return
 
 
 def _check_interruption(agent: Agent, metadata: Metadata) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 
 EBS_LINK_PREFIX = "nvme-Amazon_Elastic_Block_Store_vol"
 DEVICE_WAIT_S = 300.0
+NFS_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
 
 
 class StorageError(RuntimeError):
@@ -117,8 +119,12 @@ def prepare(
                 log.info("formatting %s (first use of the volume)", device)
                 runner(["mkfs.ext4", "-q", "-L", "spotcr", str(device)])
             runner(["mount", "-o", "noatime", str(device), str(mount_point)])
-        elif config.storage == "efs":
+        elif config.storage == "efs" and shutil.which("mount.efs"):
             runner(["mount", "-t", "efs", "-o", "tls", f"{config.efs_id}:/", str(mount_point)])
+        elif config.storage == "efs":
+            # Without amazon-efs-utils: plain NFS 4.1 with the options AWS recommends for EFS.
+            source = f"{config.efs_id}.efs.{config.region}.amazonaws.com:/"
+            runner(["mount", "-t", "nfs4", "-o", NFS_OPTIONS, source, str(mount_point)])
         elif config.storage == "fsx":
             source = f"{config.fsx_dns}@tcp:/{config.fsx_mount_name}"
             runner(["mount", "-t", "lustre", "-o", "relatime,flock", source, str(mount_point)])

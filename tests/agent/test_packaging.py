@@ -1,0 +1,47 @@
+"""What ships to the VM agrees with itself: user data, launcher, unit, and the contracts' agent path."""
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from spotcr_agent import cli
+from spotcr_contracts.commands import AGENT_BIN
+
+VM = Path(__file__).parents[2] / "vm-bootstrap"
+PLACEHOLDERS = {
+    "__SPOTCR_AGENT_ASSET_URL__",
+    "__SPOTCR_BUCKET__",
+    "__SPOTCR_EVENT_BUS__",
+    "__SPOTCR_EFS_ID__",
+    "__SPOTCR_FSX_DNS__",
+    "__SPOTCR_FSX_MOUNT_NAME__",
+}
+
+
+def test_bootstrap_script_is_valid_bash_and_documents_every_placeholder():
+    script = (VM / "bootstrap.sh").read_text()
+    subprocess.run(["bash", "-n", str(VM / "bootstrap.sh")], check=True)
+    assert "set -euo pipefail" in script
+    used = set(re.findall(r'"(__SPOTCR_[A-Z_]+__)"', script))
+    assert used == PLACEHOLDERS
+    header = script.split("set -euo pipefail")[0]
+    assert all(p in header for p in PLACEHOLDERS)
+
+
+def test_bootstrap_script_calls_the_agent_with_flags_it_accepts():
+    script = (VM / "bootstrap.sh").read_text().replace("\\\n", " ")
+    line = next(line for line in script.splitlines() if '/bin/spotcr-agent" bootstrap --bucket' in line)
+    argv = shlex.split(line.replace('"$PREFIX/bin/spotcr-agent"', "agent"))[1:]
+    args = cli.parser().parse_args([a if not a.startswith("$") else "x" for a in argv])
+    assert args.command == "bootstrap" and args.bucket == "x"
+
+
+def test_launcher_and_unit_run_the_agent_where_the_ssm_documents_expect_it():
+    assert AGENT_BIN == "/opt/spotcr/bin/spotcr-agent"
+    launcher = (VM / "bin" / "spotcr-agent").read_text()
+    assert "exec /opt/spotcr/venv/bin/python -m spotcr_agent" in launcher
+    assert "PYTHONPATH=/opt/spotcr/lib" in launcher
+    unit = (VM / "spotcr-agent.service").read_text()
+    assert f"ExecStart={AGENT_BIN} daemon" in unit
+    assert "KillMode=process" in unit  # restarting the agent must never kill the job
