@@ -1,0 +1,46 @@
+"""`make bench` / `python -m bench [checkpoint|interruption|all] [options]`: spotcr's benchmarks.
+
+Benchmarks print figures and write them under bench/results/; they are not tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHMARKS = {
+    "checkpoint": "bench.checkpoint",  # checkpoint speed: s3fs baseline vs spotcr's store, final and after a periodic
+    "interruption": "bench.interruption",  # interruption to restored job, through the control plane
+}
+
+
+def run(name: str, argv: list[str]) -> int:
+    try:
+        module = importlib.import_module(BENCHMARKS[name])
+    except ModuleNotFoundError as error:
+        if error.name != BENCHMARKS[name]:
+            raise
+        print(f"bench {name}: {BENCHMARKS[name].replace('.', '/')}.py is not there yet", file=sys.stderr)
+        return 2
+    return int(module.main(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="spotcr benchmarks: print figures and write bench/results/<name>.json and .md.",
+        epilog="Options after the benchmark name go to it: python -m bench checkpoint --help",
+    )
+    parser.add_argument("benchmark", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="options for the chosen benchmark")
+    args = parser.parse_args(argv)
+    if args.benchmark != "all":
+        return run(args.benchmark, args.options)
+    if args.options:
+        parser.error("options go to one benchmark: python -m bench checkpoint --sizes 1")
+    return max(run(name, []) for name in BENCHMARKS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
