@@ -41,7 +41,8 @@ def _args(**overrides):
 
 
 def _bootstrap(tmp_path, tags, spec=b"", **args):
-    results, publisher = [], FakePublisher()
+    results: list = []
+    publisher = FakePublisher()
     environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "etc" / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
     code = bootstrap(
         _args(**args),

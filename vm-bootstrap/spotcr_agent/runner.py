@@ -101,7 +101,7 @@ class JobFiles:
 
 @dataclass(frozen=True)
 class RunningJob:
-    pid: int  # host PID of the job's PID 1 (the wrapper): what `criu dump -t` takes
+    pid: int  # host PID of the job's PID 1 (the wrapper): what `criu dump -t` takes; 0 if it already ended
     start_time: int  # from /proc/<pid>/stat, so a reused PID is not mistaken for the job
     launcher: subprocess.Popen[bytes] | None = None  # the `unshare` parent, reaped by whoever started it
 
@@ -146,6 +146,8 @@ def start_job(command: tuple[str, ...], workdir: Path, env: Mapping[str, str]) -
             if start_time is not None:
                 return RunningJob(pid=pid, start_time=start_time, launcher=launcher)
         if launcher.poll() is not None:
+            if files.read_exit_code() is not None:
+                return RunningJob(pid=0, start_time=0, launcher=launcher)  # it ran and ended already
             raise JobError(f"the job's PID namespace could not be created (unshare exited {launcher.returncode})")
         time.sleep(0.005)
     launcher.kill()
