@@ -8,13 +8,14 @@ CRIU writes them. Either way a checkpoint exists only once the store has written
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -122,12 +123,16 @@ class Checkpointer:
             return state.job_pid, state.last_checkpoint
 
     def _periodic(self, generation: int) -> CheckpointOutcome:
+        checkpoint = self._new_id(generation, "periodic")
+        with _scratch(self.scratch_dir / checkpoint) as scratch:
+            return self._periodic_into(scratch, checkpoint, generation)
+
+    def _periodic_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
         started = time.monotonic()
         with exclusive(self.state.dir / "dump.lock"):
             pid, parent = self._running_job(generation)
             self._check_checkpointable(pid)
-            meta = self._meta(generation, "periodic", parent, pid)
-            scratch = self.scratch_dir / meta.checkpoint_id
+            meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
             script = _snapshot_script(scratch / "post-dump.sh", self.workdir, snapshot)
             try:
@@ -138,9 +143,7 @@ class Checkpointer:
                 raise CheckpointError(f"{error.reason}; CRIU log: {scratch / 'logs' / 'dump.log'}") from error
         # The job runs again: from here on only the network waits.
         result = self.store.commit(scratch / "images", meta, extra_files=workdir_files(self.workdir, snapshot))
-        outcome = self._committed(meta, result, time.monotonic() - started, frozen)
-        shutil.rmtree(scratch, ignore_errors=True)
-        return outcome
+        return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:
         with self.state.locked() as state:
@@ -177,6 +180,11 @@ class Checkpointer:
             time.sleep(WAIT_POLL_S)
 
     def _take_final(self, generation: int) -> CheckpointOutcome:
+        checkpoint = self._new_id(generation, "final")
+        with _scratch(self.scratch_dir / checkpoint) as scratch:
+            return self._take_final_into(scratch, checkpoint, generation)
+
+    def _take_final_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
         started = time.monotonic()
         with exclusive(self.state.dir / "dump.lock"):
             with self.state.locked() as state:
@@ -184,8 +192,7 @@ class Checkpointer:
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent = state.job_pid, state.last_checkpoint
             self._check_checkpointable(pid)
-            meta = self._meta(generation, "final", parent, pid)
-            scratch = self.scratch_dir / meta.checkpoint_id
+            meta = self._meta(checkpoint, generation, "final", parent, pid)
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)
             logs.mkdir(parents=True, exist_ok=True)
@@ -209,9 +216,7 @@ class Checkpointer:
                 self._finish(dump, logs)
                 frozen = time.monotonic() - started
                 result = self.store.commit(images, meta, extra_files=extra)
-        outcome = self._committed(meta, result, time.monotonic() - started, frozen)
-        shutil.rmtree(scratch, ignore_errors=True)
-        return outcome
+        return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _finish(self, dump: subprocess.Popen[bytes], logs: Path) -> None:
         try:
@@ -226,11 +231,14 @@ class Checkpointer:
             raise CheckpointError(problem)
         self.store.backend.check()
 
-    def _meta(self, generation: int, kind: str, parent: str | None, pid: int) -> CheckpointMeta:
+    def _new_id(self, generation: int, kind: str) -> str:
+        return checkpoint_id(int(self.clock() * 1000), generation, kind)
+
+    def _meta(self, checkpoint: str, generation: int, kind: str, parent: str | None, pid: int) -> CheckpointMeta:
         host = self.host()
         return CheckpointMeta(
             job_id=self.job_id,
-            checkpoint_id=checkpoint_id(int(self.clock() * 1000), generation, kind),
+            checkpoint_id=checkpoint,
             generation=generation,
             kind=kind,
             parent=parent,
@@ -259,6 +267,18 @@ class Checkpointer:
             bytes_total=result.bytes_total,
             bytes_uploaded=result.bytes_uploaded,
         )
+
+
+@contextlib.contextmanager
+def _scratch(path: Path) -> Iterator[Path]:
+    """A checkpoint's local scratch: removed once committed; after a failure only CRIU's logs stay, for diagnosis."""
+    try:
+        yield path
+    except BaseException:
+        shutil.rmtree(path / "images", ignore_errors=True)
+        shutil.rmtree(path / "workdir", ignore_errors=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _not_running(status: str, exit_code: int | None) -> str:
