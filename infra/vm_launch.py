@@ -33,9 +33,9 @@ _STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".
 
 
 def stage_agent_bundle(destination: Path) -> Path:
-    """Lay out the agent bundle as in the repo: vm-bootstrap/ plus functions/spotcr_contracts/ (imported by it)."""
-    shutil.copytree(VM_BOOTSTRAP_DIR, destination / "vm-bootstrap", ignore=_STAGE_IGNORE)
-    shutil.copytree(CONTRACTS_DIR, destination / "functions" / "spotcr_contracts", ignore=_STAGE_IGNORE)
+    """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, plus spotcr_contracts/."""
+    shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_STAGE_IGNORE, dirs_exist_ok=True)
+    shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)
     return destination
 
 
@@ -132,7 +132,7 @@ class VmLaunch(Construct):
             "__SPOTCR_REGION__": Aws.REGION,
             "__SPOTCR_STACK__": stack.stack_name,
             "__SPOTCR_EFS_ID__": storage.file_system.file_system_id if storage.file_system else "",
-            "__SPOTCR_FSX_DNS_NAME__": storage.lustre.dns_name if storage.lustre else "",
+            "__SPOTCR_FSX_DNS__": storage.lustre.dns_name if storage.lustre else "",
             "__SPOTCR_FSX_MOUNT_NAME__": storage.lustre.mount_name if storage.lustre else "",
         }
         user_data = ec2.UserData.custom(render_user_data(bootstrap_script.read_text(), placeholders))

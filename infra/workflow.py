@@ -6,9 +6,11 @@ WORKFLOW_CAPABILITIES and the functions marked workflow_step), so the ASL and th
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from aws_cdk import ArnFormat, RemovalPolicy, Stack
 from aws_cdk import aws_iam as iam
@@ -37,6 +39,29 @@ def state_machine_arn(stack: Stack, name: str) -> str:
     )
 
 
+def dangling_transitions(definition: Mapping[str, Any], where: str = "") -> list[str]:
+    """Every StartAt/Next/Default/Choices/Catch target that names no state in its scope (Parallel and Map nest)."""
+    states = definition.get("States", {})
+    problems: list[str] = []
+    start = definition.get("StartAt")
+    if start not in states:
+        problems.append(f"{where or '/'}: StartAt {start!r} is not a state")
+    for name, state in states.items():
+        path = f"{where}/{name}"
+        targets = [("Next", state.get("Next")), ("Default", state.get("Default"))]
+        targets += [(f"Choices[{i}].Next", choice.get("Next")) for i, choice in enumerate(state.get("Choices", []))]
+        targets += [(f"Catch[{i}].Next", catch.get("Next")) for i, catch in enumerate(state.get("Catch", []))]
+        for field, target in targets:
+            if target is not None and target not in states:
+                problems.append(f"{path}: {field} {target!r} is not a state")
+        for i, branch in enumerate(state.get("Branches", [])):
+            problems += dangling_transitions(branch, f"{path}/Branches[{i}]")
+        for key in ("Iterator", "ItemProcessor"):
+            if key in state:
+                problems += dangling_transitions(state[key], f"{path}/{key}")
+    return problems
+
+
 def asl_variables(path: Path) -> set[str]:
     return set(VARIABLE.findall(path.read_text()))
 
@@ -49,6 +74,9 @@ def resolve_substitutions(declared: Mapping[str, str], values: Callable[[str], s
             f"{asl_path.name} uses ${{...}} variables missing from catalog.WORKFLOW_SUBSTITUTIONS: "
             f"{', '.join(sorted(undeclared))}"
         )
+    problems = dangling_transitions(json.loads(asl_path.read_text()))
+    if problems:
+        raise ValueError(f"{asl_path.name}: {'; '.join(problems)}")
     return {variable: values(kind) for variable, kind in declared.items()}
 
 

@@ -1,0 +1,52 @@
+"""Context options: defaults that deploy, values from `-c key=value` strings, and errors that name the option."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.settings import InvalidSetting, Settings
+
+
+def test_defaults_create_a_vpc_and_no_file_systems() -> None:
+    settings = Settings.from_mapping({})
+    assert settings.vpc_id is None and not settings.efs and settings.fsx is None
+    assert settings.vm_architecture == "amd64" and settings.checkpoint_expiry_days == 0
+
+
+def test_command_line_strings_are_parsed() -> None:
+    settings = Settings.from_mapping(
+        {
+            "vpc_id": "vpc-0123456789abcdef0",
+            "subnet_ids": "subnet-0aaaaaaaaaaaaaaa1, subnet-0bbbbbbbbbbbbbbb2",
+            "availability_zones": '["us-east-1a", "us-east-1b"]',
+            "efs": "true",
+            "fsx": "SCRATCH_2",
+            "root_volume_gib": "40",
+        }
+    )
+    assert settings.subnet_ids == ("subnet-0aaaaaaaaaaaaaaa1", "subnet-0bbbbbbbbbbbbbbb2")
+    assert settings.availability_zones == ("us-east-1a", "us-east-1b")
+    assert settings.efs is True and settings.fsx == "SCRATCH_2" and settings.root_volume_gib == 40
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"vpc_id": "vpc-0123456789abcdef0"}, "subnet_ids"),
+        ({"vpc_id": "vpc-0123456789abcdef0", "subnet_ids": "subnet-0aaaaaaaaaaaaaaa1"}, "availability_zones"),
+        ({"subnet_ids": "subnet-0aaaaaaaaaaaaaaa1"}, "subnet_ids"),
+        ({"vpc_id": "my-vpc"}, "vpc_id"),
+        ({"efs": "yes"}, "efs"),
+        ({"fsx": "SCRATCH_1"}, "fsx"),
+        ({"fsx_storage_gib": "2000"}, "fsx_storage_gib"),
+        ({"vm_architecture": "x86"}, "vm_architecture"),
+        ({"log_retention_days": "31"}, "log_retention_days"),
+        ({"metadata_hop_limit": "3"}, "metadata_hop_limit"),
+        ({"alarm_email": "nobody"}, "alarm_email"),
+        ({"ami_id": "debian"}, "ami_id"),
+        ({"vpcid": "vpc-0123456789abcdef0"}, "vpcid"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_option(values: dict, named: str) -> None:
+    with pytest.raises(InvalidSetting, match=named):
+        Settings.from_mapping(values)

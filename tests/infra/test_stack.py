@@ -1,0 +1,417 @@
+"""The synthesized template: what the catalog, the contracts and the issue ask for, resource by resource."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, cast
+
+import aws_cdk as cdk
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk.assertions import Match
+from cdk_nag import AwsSolutionsChecks
+from constructs import IConstruct
+from spotcr_contracts import commands, tags
+from spotcr_functions import catalog, config, registry_schema
+
+from infra.settings import POWERTOOLS_LAYER_NAME
+from infra.workflow import RECOVERY_ASL, asl_variables
+from tests.infra.conftest import Synth
+
+# Actions allowed on Resource "*": their services offer no resource-level permissions.
+STAR_RESOURCE_ACTIONS = {
+    "xray:PutTraceSegments",
+    "xray:PutTelemetryRecords",
+    "ssm:GetCommandInvocation",
+    "ssm:ListCommandInvocations",
+    "ec2:DescribeInstances",
+    "ec2:DescribeTags",
+    "ec2:DescribeInstanceTypes",
+    "ec2:DescribeSubnets",
+    "ec2:DescribeVolumes",
+    "ec2:DescribeSnapshots",
+    "logs:CreateLogDelivery",
+    "logs:GetLogDelivery",
+    "logs:UpdateLogDelivery",
+    "logs:DeleteLogDelivery",
+    "logs:ListLogDeliveries",
+    "logs:PutResourcePolicy",
+    "logs:DescribeResourcePolicies",
+    "logs:DescribeLogGroups",
+    "xray:GetSamplingRules",
+    "xray:GetSamplingTargets",
+}
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _flat(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def statements_by_role(synth: Synth) -> dict[str, list[dict[str, Any]]]:
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for policy in synth.of_type("AWS::IAM::Policy").values():
+        for role in policy["Properties"]["Roles"]:
+            by_role.setdefault(role["Ref"], []).extend(policy["Properties"]["PolicyDocument"]["Statement"])
+    for logical_id, role in synth.of_type("AWS::IAM::Role").items():
+        for inline in role["Properties"].get("Policies", []):
+            by_role.setdefault(logical_id, []).extend(inline["PolicyDocument"]["Statement"])
+    return by_role
+
+
+def logical_id(synth: Synth, construct: IConstruct) -> str:
+    element = construct if isinstance(construct, cdk.CfnElement) else construct.node.default_child
+    return synth.stack.get_logical_id(cast(cdk.CfnElement, element))
+
+
+def child(synth: Synth, *path: str) -> IConstruct:
+    construct: IConstruct = synth.stack
+    for name in path:
+        construct = construct.node.find_child(name)
+    return construct
+
+
+def function_role(synth: Synth, name: str) -> str:
+    function = cast(lambda_.Function, child(synth, "Functions", name, "Function"))
+    assert function.role is not None
+    return logical_id(synth, function.role)
+
+
+def statements_with(statements: list[dict[str, Any]], action: str) -> list[dict[str, Any]]:
+    return [s for s in statements if action in _as_list(s["Action"])]
+
+
+def test_nag_reports_no_unacknowledged_finding(default_synth: Synth, custom_synth: Synth) -> None:
+    # Given both configurations synthesized (synth itself fails on a finding)
+    for synth in (default_synth, custom_synth):
+        # When AwsSolutions checks the whole app again
+        report = AwsSolutionsChecks().validate_scope(synth.app)
+        # Then nothing is left unacknowledged
+        assert report.success, [v.rule_name for v in report.violations]
+        assert list(report.violations) == []
+
+
+def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -> None:
+    functions = default_synth.of_type("AWS::Lambda::Function")
+    by_handler = {f["Properties"]["Handler"]: f["Properties"] for f in functions.values()}
+    assert set(by_handler) == {f.handler for f in catalog.FUNCTIONS}
+    for spec in catalog.FUNCTIONS:
+        props = by_handler[spec.handler]
+        assert props["Runtime"] == "python3.12"
+        assert props["Architectures"] == ["arm64"]
+        assert props["Timeout"] == spec.timeout_s
+        assert props["MemorySize"] == spec.memory_mb
+        assert props["TracingConfig"] == {"Mode": "Active"}
+        assert props["LoggingConfig"]["LogFormat"] == "JSON"
+        assert "LogGroup" in props["LoggingConfig"]
+        layer = _flat(props["Layers"])
+        assert f"{POWERTOOLS_LAYER_NAME}:" in layer and "017000801446" in layer
+        variables = props["Environment"]["Variables"]
+        assert set(config.ENV.values()) <= set(variables)
+        assert variables["POWERTOOLS_SERVICE_NAME"] == "spotcr"
+        assert variables["POWERTOOLS_METRICS_NAMESPACE"] == "spotcr"
+
+
+def test_function_log_groups_have_retention(default_synth: Synth) -> None:
+    groups = default_synth.of_type("AWS::Logs::LogGroup")
+    assert groups
+    assert all(group["Properties"].get("RetentionInDays") for group in groups.values())
+
+
+def test_each_rule_pattern_equals_the_catalog(default_synth: Synth) -> None:
+    rules = default_synth.of_type("AWS::Events::Rule")
+    patterns = [r["Properties"].get("EventPattern") for r in rules.values()]
+    schedules = [r["Properties"].get("ScheduleExpression") for r in rules.values()]
+    bus_id = logical_id(default_synth, child(default_synth, "Registry", "AgentBus"))
+    for spec in catalog.FUNCTIONS:
+        for rule in spec.rules:
+            if rule.schedule_minutes is not None:
+                unit = "minute" if rule.schedule_minutes == 1 else "minutes"
+                assert f"rate({rule.schedule_minutes} {unit})" in schedules
+                continue
+            matching = [r for r in rules.values() if r["Properties"].get("EventPattern") == dict(rule.pattern or {})]
+            assert matching, f"no rule with the pattern of {rule.name}: {patterns}"
+            on_agent_bus = [r for r in matching if r["Properties"].get("EventBusName") == {"Ref": bus_id}]
+            assert bool(on_agent_bus) == rule.agent_bus, rule.name
+    assert len(rules) == sum(len(f.rules) for f in catalog.FUNCTIONS)
+
+
+def test_rule_targets_retry_into_a_dead_letter_queue(default_synth: Synth) -> None:
+    for rule in default_synth.of_type("AWS::Events::Rule").values():
+        for target in rule["Properties"]["Targets"]:
+            assert "DeadLetterConfig" in target
+            assert target["RetryPolicy"]["MaximumRetryAttempts"] >= 1
+
+
+def test_no_policy_grants_a_wildcard_action(default_synth: Synth, custom_synth: Synth) -> None:
+    for synth in (default_synth, custom_synth):
+        for role, statements in statements_by_role(synth).items():
+            for statement in statements:
+                for action in _as_list(statement["Action"]):
+                    assert "*" not in action, f"{role}: {action}"
+
+
+def test_star_resources_only_for_actions_without_resource_permissions(default_synth: Synth) -> None:
+    for role, statements in statements_by_role(default_synth).items():
+        for statement in statements:
+            if "*" in _as_list(statement["Resource"]):
+                extra = set(_as_list(statement["Action"])) - STAR_RESOURCE_ACTIONS
+                assert not extra, f"{role} gets {extra} on every resource"
+
+
+def test_send_command_only_spotcr_documents_and_job_instances(default_synth: Synth) -> None:
+    document_ids = {logical_id(default_synth, d) for d in default_synth.stack.node.find_all() if _is_document(d)}
+    assert len(document_ids) == len(commands.COMMANDS)
+    senders = [f for f in catalog.FUNCTIONS if catalog.SEND_COMMAND in f.capabilities]
+    assert senders
+    by_role = statements_by_role(default_synth)
+    for spec in senders:
+        statements = statements_with(by_role[function_role(default_synth, spec.name)], "ssm:SendCommand")
+        for statement in statements:
+            resources = _as_list(statement["Resource"])
+            if any(":instance/*" in _flat(r) for r in resources):
+                assert statement["Condition"] == {"StringLike": {f"ssm:resourceTag/{tags.JOB}": "?*"}}
+            else:
+                refs = {"".join(re.findall(r'"Ref": "(VmLaunchDocument[^"]+)"', _flat(r))) for r in resources}
+                assert refs == document_ids
+
+
+def _is_document(construct: Any) -> bool:
+    return getattr(construct, "cfn_resource_type", None) == "AWS::SSM::Document"
+
+
+def test_run_instances_only_from_the_launch_template(default_synth: Synth) -> None:
+    launchers = [f for f in catalog.FUNCTIONS if catalog.EC2_LAUNCH in f.capabilities]
+    assert launchers
+    job_role = logical_id(default_synth, child(default_synth, "VmLaunch", "JobRole"))
+    by_role = statements_by_role(default_synth)
+    for spec in launchers:
+        statements = by_role[function_role(default_synth, spec.name)]
+        for statement in statements_with(statements, "ec2:RunInstances"):
+            resources = _flat(statement["Resource"])
+            if ":launch-template/" in resources and "*" not in resources:
+                continue
+            assert "ec2:LaunchTemplate" in statement["Condition"]["ArnLike"]
+        for statement in statements_with(statements, "ec2:CreateTags"):
+            assert statement["Condition"] == {"StringEquals": {"ec2:CreateAction": "RunInstances"}}
+        for statement in statements_with(statements, "iam:PassRole"):
+            assert statement["Resource"] == {"Fn::GetAtt": [job_role, "Arn"]}
+            assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}
+
+
+def test_tagging_instances_is_limited_to_the_error_tag(default_synth: Synth) -> None:
+    taggers = [f for f in catalog.FUNCTIONS if catalog.EC2_TAG in f.capabilities]
+    by_role = statements_by_role(default_synth)
+    for spec in taggers:
+        statements = statements_with(by_role[function_role(default_synth, spec.name)], "ec2:CreateTags")
+        tag_statements = [s for s in statements if "aws:TagKeys" in _flat(s.get("Condition", {}))]
+        assert tag_statements
+        for statement in tag_statements:
+            assert statement["Condition"]["ForAllValues:StringEquals"] == {"aws:TagKeys": [tags.ERROR]}
+
+
+def test_workflow_starters_and_callbacks_target_the_recovery_state_machine(default_synth: Synth) -> None:
+    by_role = statements_by_role(default_synth)
+    for capability, action in (
+        (catalog.START_RECOVERY, "states:StartExecution"),
+        (catalog.TASK_CALLBACK, "states:SendTaskSuccess"),
+    ):
+        for spec in (f for f in catalog.FUNCTIONS if capability in f.capabilities):
+            statements = statements_with(by_role[function_role(default_synth, spec.name)], action)
+            assert statements, spec.name
+            for statement in statements:
+                assert _flat(statement["Resource"]).endswith(':stateMachine:spotcr-recovery"]]}')
+
+
+def test_state_machine_substitutions_cover_the_asl(default_synth: Synth) -> None:
+    machines = default_synth.of_type("AWS::StepFunctions::StateMachine")
+    assert len(machines) == 1
+    props = next(iter(machines.values()))["Properties"]
+    assert set(props["DefinitionSubstitutions"]) >= asl_variables(RECOVERY_ASL)
+    assert set(props["DefinitionSubstitutions"]) == set(catalog.WORKFLOW_SUBSTITUTIONS)
+    assert props["StateMachineType"] == "STANDARD"
+    assert props["LoggingConfiguration"]["Level"] == "ALL"
+    assert props["TracingConfiguration"] == {"Enabled": True}
+    assert "DefinitionS3Location" in props
+
+
+def test_workflow_role_invokes_only_workflow_steps(default_synth: Synth) -> None:
+    machine = next(iter(default_synth.of_type("AWS::StepFunctions::StateMachine").values()))
+    role = machine["Properties"]["RoleArn"]["Fn::GetAtt"][0]
+    invoke = statements_with(statements_by_role(default_synth)[role], "lambda:InvokeFunction")
+    invoked = {r["Fn::GetAtt"][0] for s in invoke for r in _as_list(s["Resource"])}
+    steps = [f for f in catalog.FUNCTIONS if f.workflow_step]
+    assert len(invoked) == len(steps)
+    assert all(name.startswith("Functions") for name in invoked)
+
+
+def test_launch_template_requires_imdsv2_with_tags_and_bootstrap(default_synth: Synth) -> None:
+    templates = default_synth.of_type("AWS::EC2::LaunchTemplate")
+    assert len(templates) == 1
+    data = next(iter(templates.values()))["Properties"]["LaunchTemplateData"]
+    assert data["MetadataOptions"]["HttpTokens"] == "required"
+    assert data["MetadataOptions"]["InstanceMetadataTags"] == "enabled"
+    assert data["MetadataOptions"]["HttpPutResponseHopLimit"] in (1, 2)
+    user_data = _flat(data["UserData"])
+    assert user_data.startswith('{"Fn::Base64"')
+    assert "__SPOTCR_" not in user_data
+    root = data["BlockDeviceMappings"][0]["Ebs"]
+    assert root["Encrypted"] is True and root["VolumeType"] == "gp3"
+    assert "IamInstanceProfile" in data and data["SecurityGroupIds"]
+    # Debian's public parameter, resolved by CloudFormation at deploy time
+    parameters = default_synth.template.to_json()["Parameters"]
+    assert any(p.get("Default", "").startswith("/aws/service/debian/release/12/") for p in parameters.values())
+
+
+def test_one_ssm_document_per_command(default_synth: Synth) -> None:
+    documents = default_synth.of_type("AWS::SSM::Document")
+    contents = {d["Properties"]["Content"]["mainSteps"][0]["name"]: d["Properties"] for d in documents.values()}
+    assert set(contents) == set(commands.COMMANDS)
+    for name, command in commands.COMMANDS.items():
+        assert contents[name]["DocumentType"] == "Command"
+        assert contents[name]["Content"] == command.document()
+
+
+def test_checkpoint_bucket_is_encrypted_private_tls_only_and_logged(default_synth: Synth) -> None:
+    default_synth.template.has_resource_properties(
+        "AWS::S3::Bucket",
+        {
+            "BucketEncryption": {
+                "ServerSideEncryptionConfiguration": [{"ServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}}]
+            },
+            "PublicAccessBlockConfiguration": {
+                "BlockPublicAcls": True,
+                "BlockPublicPolicy": True,
+                "IgnorePublicAcls": True,
+                "RestrictPublicBuckets": True,
+            },
+            "LoggingConfiguration": Match.object_like({"LogFilePrefix": "checkpoints/"}),
+            "LifecycleConfiguration": {
+                "Rules": Match.array_with(
+                    [Match.object_like({"AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}})]
+                )
+            },
+            "VersioningConfiguration": {"Status": "Enabled"},
+        },
+    )
+    policies = default_synth.of_type("AWS::S3::BucketPolicy")
+    assert len(policies) == 2
+    for policy in policies.values():
+        denies = [
+            s
+            for s in policy["Properties"]["PolicyDocument"]["Statement"]
+            if s["Effect"] == "Deny" and s["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+        ]
+        assert denies
+
+
+def test_job_table_matches_the_registry_schema(default_synth: Synth) -> None:
+    default_synth.template.has_resource_properties(
+        "AWS::DynamoDB::Table",
+        {
+            "KeySchema": [{"AttributeName": registry_schema.PARTITION_KEY, "KeyType": "HASH"}],
+            "BillingMode": "PAY_PER_REQUEST",
+            "PointInTimeRecoverySpecification": {"PointInTimeRecoveryEnabled": True},
+            "GlobalSecondaryIndexes": [
+                Match.object_like({"IndexName": index.name}) for index in registry_schema.INDEXES
+            ],
+        },
+    )
+    default_synth.template.has_resource_properties(
+        "AWS::DynamoDB::Table",
+        {
+            "KeySchema": [{"AttributeName": registry_schema.IDEMPOTENCY_PARTITION_KEY, "KeyType": "HASH"}],
+            "TimeToLiveSpecification": {
+                "AttributeName": registry_schema.IDEMPOTENCY_TTL_ATTRIBUTE,
+                "Enabled": True,
+            },
+        },
+    )
+
+
+def test_failure_topic_is_encrypted_tls_only_and_alarms_publish_to_it(default_synth: Synth) -> None:
+    topic_id, topic = next(iter(default_synth.of_type("AWS::SNS::Topic").items()))
+    assert "KmsMasterKeyId" in topic["Properties"]
+    policy = next(iter(default_synth.of_type("AWS::SNS::TopicPolicy").values()))
+    assert any(
+        s["Effect"] == "Deny" and s["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+        for s in policy["Properties"]["PolicyDocument"]["Statement"]
+    )
+    alarms = default_synth.of_type("AWS::CloudWatch::Alarm")
+    names = {a["Properties"].get("MetricName") for a in alarms.values()}
+    assert {"RecoveriesFailed", "CheckpointsOverdue", "ExecutionsFailed"} <= names
+    assert all(a["Properties"]["AlarmActions"] == [{"Ref": topic_id}] for a in alarms.values())
+
+
+def test_outputs_name_everything_a_user_needs(default_synth: Synth) -> None:
+    outputs = default_synth.template.to_json()["Outputs"]
+    assert {
+        "CheckpointBucket",
+        "JobTable",
+        "AgentEventBus",
+        "LaunchTemplateId",
+        "RecoveryStateMachineArn",
+        "JobInstanceProfile",
+        "JobSubnets",
+        "JobSecurityGroup",
+    } <= set(outputs)
+
+
+def test_default_network_is_two_public_subnets_without_nat(default_synth: Synth) -> None:
+    assert len(default_synth.of_type("AWS::EC2::VPC")) == 1
+    assert len(default_synth.of_type("AWS::EC2::Subnet")) == 2
+    assert not default_synth.of_type("AWS::EC2::NatGateway")
+    assert len(default_synth.of_type("AWS::EC2::FlowLog")) == 1
+    assert not default_synth.of_type("AWS::EFS::FileSystem")
+    assert not default_synth.of_type("AWS::FSx::FileSystem")
+    group = next(iter(default_synth.of_type("AWS::EC2::SecurityGroup").values()))
+    assert "SecurityGroupIngress" not in group["Properties"]
+
+
+def test_existing_vpc_is_used_by_id_without_lookup(custom_synth: Synth) -> None:
+    assert not custom_synth.of_type("AWS::EC2::VPC")
+    assert not custom_synth.of_type("AWS::EC2::Subnet")
+    outputs = custom_synth.template.to_json()["Outputs"]
+    assert outputs["JobSubnets"]["Value"] == "subnet-0aaaaaaaaaaaaaaa1,subnet-0bbbbbbbbbbbbbbb2"
+    data = next(iter(custom_synth.of_type("AWS::EC2::LaunchTemplate").values()))["Properties"]["LaunchTemplateData"]
+    assert data["ImageId"] == "ami-0123456789abcdef0"
+
+
+def test_efs_is_encrypted_elastic_and_open_to_job_vms_only(custom_synth: Synth) -> None:
+    custom_synth.template.has_resource_properties(
+        "AWS::EFS::FileSystem", {"Encrypted": True, "ThroughputMode": "elastic"}
+    )
+    assert len(custom_synth.of_type("AWS::EFS::MountTarget")) == 2
+    ingress = custom_synth.of_type("AWS::EC2::SecurityGroupIngress")
+    nfs = [i["Properties"] for i in ingress.values() if i["Properties"]["FromPort"] == 2049]
+    assert len(nfs) == 1 and "SourceSecurityGroupId" in nfs[0]
+    job_statements = [s for ss in statements_by_role(custom_synth).values() for s in ss]
+    assert statements_with(job_statements, "elasticfilesystem:ClientMount")
+
+
+def test_fsx_lustre_allows_lustre_ports_from_job_vms(custom_synth: Synth) -> None:
+    custom_synth.template.has_resource_properties(
+        "AWS::FSx::FileSystem",
+        {"FileSystemType": "LUSTRE", "LustreConfiguration": Match.object_like({"DeploymentType": "PERSISTENT_2"})},
+    )
+    ports = {
+        (i["Properties"]["FromPort"], i["Properties"]["ToPort"])
+        for i in custom_synth.of_type("AWS::EC2::SecurityGroupIngress").values()
+    }
+    assert {(988, 988), (1018, 1023)} <= ports
+
+
+def test_checkpoint_expiry_applies_to_job_objects_only(custom_synth: Synth) -> None:
+    custom_synth.template.has_resource_properties(
+        "AWS::S3::Bucket",
+        {
+            "LifecycleConfiguration": {
+                "Rules": Match.array_with(
+                    [Match.object_like({"Prefix": "jobs/", "ExpirationInDays": 60, "Status": "Enabled"})]
+                )
+            }
+        },
+    )
