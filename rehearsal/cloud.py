@@ -19,11 +19,13 @@ import io
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
 import urllib.request
 import uuid
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -115,6 +117,7 @@ class LocalCloud:
         self._stop = threading.Event()
         self._scheduler: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._saved_stdout: Any = None
 
     def __enter__(self) -> LocalCloud:
         self.start()
@@ -132,6 +135,8 @@ class LocalCloud:
 
         prepare_host()
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        # Powertools warns on every invocation that publishes no metric; the rehearsal's output is its progress lines.
+        warnings.filterwarnings("ignore", message="No application metrics to publish")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         default_user_config["stepfunctions"] = {"execute_state_machine": True}
         default_user_config["lambda"] = {"use_docker": False}
@@ -157,6 +162,9 @@ class LocalCloud:
                 "POWERTOOLS_LOG_LEVEL": os.environ.get("POWERTOOLS_LOG_LEVEL", "WARNING"),
             }
         )
+        # Handlers log and publish metrics on stdout, as in Lambda; here that is the run's functions.log.
+        self._saved_stdout = sys.stdout
+        sys.stdout = (self.run_dir / "functions.log").open("a", buffering=1)
         self._install_hooks()
         self._create_stack()
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
@@ -174,6 +182,10 @@ class LocalCloud:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches.clear()
+        if self._saved_stdout is not None:
+            sys.stdout.close()
+            sys.stdout = self._saved_stdout
+            self._saved_stdout = None
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -309,6 +321,7 @@ class LocalCloud:
     def _install_hooks(self) -> None:
         from moto.awslambda_simple.models import LambdaSimpleBackend
         from moto.events.models import EventsBackend, Rule
+        from moto.ssm.models import Command as MotoCommand
         from moto.ssm.models import SimpleSystemManagerBackend
 
         cloud = self
@@ -355,6 +368,12 @@ class LocalCloud:
             return hooked
 
         patch(SimpleSystemManagerBackend, "send_command", send_command)
+        # moto 5.2 adds every instance to a command sent without Targets; SSM sends to the InstanceIds only.
+        patch(
+            MotoCommand,
+            "_get_instance_ids_from_targets",
+            lambda original: lambda command: original(command) if command.targets else [],
+        )
         self._install_ec2_hooks()
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -544,14 +563,12 @@ class LocalCloud:
         threading.Thread(target=self._boot, args=(vm,), name=f"boot-{instance_id}", daemon=True).start()
 
     def _boot(self, vm: LocalVM) -> None:
-        started = self.timeline.now()
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "pending"})
         try:
             vm.boot()
         except VmError as error:
             self.timeline.say(f"! {error}")
             return
-        self.timeline.span(vm.instance_id, "allocation", started)
         vm.running_at = self.timeline.now()
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "running"})
 

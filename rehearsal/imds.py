@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -95,7 +96,7 @@ class Imds:
                 if self.headers.get(TOKEN_HEADER) != imds._token:
                     self._reply(401)
                     return
-                value = imds._resolve(self.path.split("?", 1)[0])
+                value = imds._resolve(urllib.parse.unquote(self.path.split("?", 1)[0]))
                 if value is None:
                     self._reply(404)
                 else:

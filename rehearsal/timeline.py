@@ -43,12 +43,16 @@ class Mark:
 class Timeline:
     """Thread-safe record of the run; `say` also prints a progress line."""
 
-    def __init__(self, echo: Callable[[str], None] | None = print) -> None:
+    def __init__(self, echo: Callable[[str], None] | None = None) -> None:
         self.started = time.time()
         self.marks: list[Mark] = []
         self.vm_labels: dict[str, str] = {}
         self._echo = echo
         self._lock = threading.Lock()
+
+    def restart(self) -> None:
+        """Count from now on (the job's submission), whatever the set-up took."""
+        self.started = time.time()
 
     def now(self) -> float:
         return round(time.time() - self.started, 3)

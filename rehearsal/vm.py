@@ -33,6 +33,11 @@ STORAGE_MOUNT = "/mnt/spotcr"
 EBS_LINK_PREFIX = "nvme-Amazon_Elastic_Block_Store_vol"
 
 
+def ebs_link_name(volume_id: str) -> str:
+    """The link a Nitro instance has for an EBS volume: vol-0abc... is nvme-Amazon_Elastic_Block_Store_vol0abc..."""
+    return EBS_LINK_PREFIX + volume_id.removeprefix("vol-")
+
+
 def prepare_host() -> None:
     """Create the empty mount points the VMs bind their private directories over."""
     for path in [*PRIVATE_PATHS.values(), STORAGE_MOUNT]:
@@ -98,14 +103,14 @@ class LocalVM:
         (self.root / "ready").unlink(missing_ok=True)
         for name in PRIVATE_PATHS:
             self.dir(name).mkdir(parents=True, exist_ok=True)
-        (self.root / "mnt").mkdir(exist_ok=True)
         agent = self.dir("opt") / "bin" / "spotcr-agent"
         agent.parent.mkdir(parents=True, exist_ok=True)
         # bootstrap.sh installs the agent under /opt/spotcr; here it runs from the checkout.
         agent.write_text(f'#!/bin/sh\nexec {shlex.join(self.agent_command)} "$@"\n')
         agent.chmod(0o755)
         binds = [f"{self.dir(name)}={path}" for name, path in PRIVATE_PATHS.items()]
-        binds.append(f"{self.shared_storage or self.root / 'mnt'}={STORAGE_MOUNT}")
+        if self.shared_storage is not None:
+            binds.append(f"{self.shared_storage}={STORAGE_MOUNT}")
         argv = [
             "unshare",
             "--mount",
@@ -169,12 +174,12 @@ class LocalVM:
         )
 
     def attach_device(self, volume_id: str, device: str) -> None:
-        link = self.dir("by-id") / f"{EBS_LINK_PREFIX}{volume_id.replace('-', '')}"
+        link = self.dir("by-id") / ebs_link_name(volume_id)
         link.unlink(missing_ok=True)
         link.symlink_to(device)
 
     def detach_device(self, volume_id: str) -> None:
-        (self.dir("by-id") / f"{EBS_LINK_PREFIX}{volume_id.replace('-', '')}").unlink(missing_ok=True)
+        (self.dir("by-id") / ebs_link_name(volume_id)).unlink(missing_ok=True)
 
     def terminate(self) -> None:
         if self.terminated:

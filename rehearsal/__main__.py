@@ -1,0 +1,69 @@
+"""`python -m rehearsal`: a spot interruption and its recovery, on this machine, through the shipped code.
+
+Exit code 0 when the interrupted job's result equals the uninterrupted run's, 1 when it differs,
+2 when the rehearsal itself could not complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from spotcr_contracts.tags import STORAGES
+
+from rehearsal.scenario import Options, Rehearsal, RehearsalFailed
+
+
+def parse(argv: list[str]) -> Options:
+    parser = argparse.ArgumentParser(prog="python -m rehearsal", description=__doc__.splitlines()[0])
+    parser.add_argument("--storage", choices=STORAGES, default="s3", help="where checkpoints go (default s3)")
+    parser.add_argument("--size-mb", type=int, default=256, help="the job's memory state in MiB (default 256)")
+    parser.add_argument("--steps", type=int, default=3000, help="the job's length in steps (default 3000)")
+    parser.add_argument("--pace", type=float, default=0.02, help="seconds the job sleeps per step (default 0.02)")
+    parser.add_argument("--interruptions", type=int, default=1, help="successive interruptions (default 1)")
+    parser.add_argument("--interval", type=int, default=10, help="spotcr:interval, seconds between periodic dumps")
+    parser.add_argument("--notice", type=float, default=120.0, help="seconds from warning to termination (AWS: 120)")
+    parser.add_argument("--quick", action="store_true", help="a 15 s notice instead of 120 s")
+    parser.add_argument("--schedule-every", type=float, default=5.0, help="seconds standing in for the 1-min schedule")
+    parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
+    args = parser.parse_args(argv)
+    return Options(
+        storage=args.storage,
+        size_mb=args.size_mb,
+        steps=args.steps,
+        pace_s=args.pace,
+        interruptions=args.interruptions,
+        notice_s=15.0 if args.quick else args.notice,
+        interval_s=args.interval,
+        schedule_every_s=args.schedule_every,
+        keep_vms=args.keep_vms,
+    )
+
+
+def main(argv: list[str]) -> int:
+    options = parse(argv)
+    if os.geteuid() != 0:
+        print("the rehearsal needs root: local VMs are Linux namespaces and CRIU needs CAP_SYS_ADMIN", file=sys.stderr)
+        return 2
+    if shutil.which("criu") is None:
+        print("criu is not installed: run `make criu` (or `make setup`)", file=sys.stderr)
+        return 2
+    try:
+        terminal = sys.stdout  # the local cloud sends the functions' own output to the run's functions.log
+        outcome = Rehearsal(options, echo=lambda line: print(line, file=terminal, flush=True)).run()
+    except RehearsalFailed as error:
+        print(f"rehearsal failed: {error}", file=sys.stderr)
+        return 2
+    recoveries = ", ".join(f"{s:.1f} s" for s in outcome.recoveries_s)
+    print(f"warning to running again: {recoveries}")
+    if outcome.identical:
+        print("OK: the interrupted job's result equals the uninterrupted run's")
+        return 0
+    print(f"MISMATCH: {outcome.result} != {outcome.expected}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

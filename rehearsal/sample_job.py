@@ -1,0 +1,61 @@
+"""The rehearsal's sample job: a long, deterministic computation over a large in-memory state.
+
+It hashes blocks of its state and writes each digest back, so every step depends on all the
+earlier ones: any lost, repeated or corrupted step changes the final checksum. `--pace` sleeps
+between steps to stretch the run (it does not change the result); the uninterrupted reference
+run uses `--pace 0`.
+
+Usage: sample_job.py --mb 256 --steps 3000 [--pace 0.02] [--result result.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+
+BLOCK = 1 << 20
+DIGEST = 32
+
+
+def run(mb: int, steps: int, pace: float) -> str:
+    size = mb * (1 << 20)
+    state = bytearray(hashlib.shake_256(b"spotcr sample job").digest(size))
+    view = memoryview(state)
+    blocks = size // BLOCK
+    chain = hashlib.blake2b(digest_size=DIGEST)
+    report_every = max(1, steps // 20)
+    for step in range(steps):
+        block = (step * 2_654_435_761) % blocks
+        offset = block * BLOCK
+        digest = hashlib.blake2b(view[offset : offset + BLOCK], digest_size=DIGEST, salt=step.to_bytes(16, "big"))
+        value = digest.digest()
+        target = ((block + 1) % blocks) * BLOCK + (step * DIGEST) % (BLOCK - DIGEST)
+        state[target : target + DIGEST] = value
+        chain.update(value)
+        if (step + 1) % report_every == 0:
+            print(f"step {step + 1}/{steps}", flush=True)
+        if pace:
+            time.sleep(pace)
+    whole = hashlib.blake2b(view, digest_size=DIGEST).hexdigest()
+    return f"{whole}-{chain.hexdigest()[:16]}"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=256, help="size of the state in MiB")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
+    parser.add_argument("--result", default="", help="also write the result to this file")
+    args = parser.parse_args(argv)
+    result = run(args.mb, args.steps, args.pace)
+    print(f"result {result}", flush=True)
+    if args.result:
+        with open(args.result, "a") as out:
+            out.write(result + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,347 @@
+"""The rehearsal itself: submit a job by tagging an instance, interrupt it, watch it come back, check its result."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from spotcr_contracts import events as agent_events
+from spotcr_contracts import tags
+from spotcr_functions import catalog
+
+from rehearsal.cloud import LocalCloud
+from rehearsal.timeline import Timeline
+from rehearsal.vm import REPO
+
+SAMPLE_JOB = REPO / "rehearsal" / "sample_job.py"
+RESULT_FILE = "result.txt"
+MIB = 1 << 20
+
+
+class RehearsalFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Options:
+    storage: str = "s3"
+    size_mb: int = 256
+    steps: int = 3000
+    pace_s: float = 0.02
+    interruptions: int = 1
+    notice_s: float = 120.0  # AWS gives two minutes
+    interval_s: int = 10  # spotcr:interval of the job (periodic checkpoints)
+    schedule_every_s: float = 5.0  # the scheduled rule's "every minute", compressed
+    checkpoints_before_interruption: int = 1
+    timeout_s: float = 900.0
+    runs_dir: Path = REPO / "rehearsal-runs"
+    keep_vms: bool = False
+
+
+@dataclass
+class Outcome:
+    result: str
+    expected: str
+    recoveries_s: list[float]
+    run_dir: Path
+    timeline_png: Path
+    final_dumps: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return self.result == self.expected
+
+
+class Watcher:
+    """Turns the events on the buses into progress lines, timeline marks and waitable facts."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.seen: list[tuple[str, agent_events.AgentEvent]] = []
+        self.final_dumps: list[dict[str, Any]] = []
+        self._running_since: dict[str, float] = {}
+        self._changed = threading.Condition()
+
+    def __call__(self, entry: dict[str, Any]) -> None:
+        if entry.get("Source") != agent_events.SOURCE:
+            return
+        try:
+            event = agent_events.parse_detail(entry["DetailType"], json.loads(entry["Detail"]))
+        except (agent_events.InvalidEvent, ValueError) as error:
+            self.timeline.say(f"! malformed agent event: {error}")
+            return
+        self._show(event)
+        with self._changed:
+            self.seen.append((event.DETAIL_TYPE, event))
+            self._changed.notify_all()
+
+    def _show(self, event: agent_events.AgentEvent) -> None:
+        vm, now, say = event.instance_id, self.timeline.now(), self.timeline
+        if isinstance(event, agent_events.AgentReady):
+            launched = [m.at for m in say.find("launch", vm)]
+            say.span(vm, "allocation", launched[0] if launched else now, now)
+            say.point(vm, "ready", f"agent ready on {vm} (mode {event.mode}, generation {event.generation})")
+        elif isinstance(event, agent_events.JobStarted):
+            self._running_since[vm] = now
+            say.say(f"job {event.job_id} started on {vm}")
+        elif isinstance(event, agent_events.CheckpointCompleted):
+            kind = "final-dump" if event.kind == "final" else "periodic-dump"
+            text = (
+                f"{event.kind} checkpoint {event.checkpoint_id} on {vm}: {event.bytes_total / MIB:.0f} MiB "
+                f"({event.bytes_uploaded / MIB:.0f} MiB uploaded) in {event.seconds:.2f} s, "
+                f"job frozen {event.frozen_seconds:.2f} s"
+            )
+            say.span(vm, kind, max(0.0, now - event.seconds), now, text, checkpoint_id=event.checkpoint_id)
+            say.point(vm, "checkpoint")
+            if event.kind == "final":
+                self._end_execution(vm, now - event.frozen_seconds)
+                self.final_dumps.append(
+                    {"checkpoint_id": event.checkpoint_id, "seconds": event.seconds, "bytes": event.bytes_total}
+                )
+        elif isinstance(event, agent_events.RestoreCompleted):
+            say.span(vm, "restore", max(0.0, now - event.seconds), now, f"job restored on {vm} from "
+                     f"{event.checkpoint_id} in {event.seconds:.2f} s")
+            self._running_since[vm] = now
+        elif isinstance(event, agent_events.JobExited):
+            self._end_execution(vm, now)
+            say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code}")
+        elif isinstance(event, (agent_events.CheckpointFailed, agent_events.RestoreFailed, agent_events.BootstrapFailed)):
+            say.point(vm, "failure", f"! {event.DETAIL_TYPE} on {vm}: {json.dumps(event.detail())}")
+
+    def _end_execution(self, vm: str, end: float) -> None:
+        start = self._running_since.pop(vm, None)
+        if start is not None:
+            self.timeline.span(vm, "execution", start, max(start, end))
+
+    def vm_stopped(self, vm: str) -> None:
+        self._end_execution(vm, self.timeline.now())
+
+    def wait(self, predicate: Callable[[str, agent_events.AgentEvent], bool], timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                for detail_type, event in self.seen:
+                    if predicate(detail_type, event):
+                        return event
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RehearsalFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
+                self._changed.wait(min(remaining, 1.0))
+
+    def count(self, predicate: Callable[[str, agent_events.AgentEvent], bool]) -> int:
+        with self._changed:
+            return sum(1 for detail_type, event in self.seen if predicate(detail_type, event))
+
+
+def job_command(options: Options, pace: float | None = None) -> list[str]:
+    return [
+        sys.executable,
+        str(SAMPLE_JOB),
+        "--mb",
+        str(options.size_mb),
+        "--steps",
+        str(options.steps),
+        "--pace",
+        str(options.pace_s if pace is None else pace),
+        "--result",
+        RESULT_FILE,
+    ]
+
+
+def reference_result(options: Options) -> str:
+    """The same job, uninterrupted and unpaced, outside the local cloud."""
+    output = subprocess.run(
+        job_command(options, pace=0.0)[:-2], capture_output=True, text=True, check=True, timeout=options.timeout_s
+    ).stdout
+    return output.strip().splitlines()[-1].removeprefix("result ")
+
+
+class Rehearsal:
+    def __init__(self, options: Options, echo: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        self.job_id = f"demo-{options.storage}-{stamp[-6:]}"
+        self.run_dir = options.runs_dir / f"{stamp}-{options.storage}"
+        self.timeline = Timeline(echo=echo)
+        self.watcher = Watcher(self.timeline)
+        shared = self.run_dir / "shared-storage" if options.storage in ("efs", "fsx") else None
+        if shared is not None:
+            shared.mkdir(parents=True, exist_ok=True)
+        notice = options.notice_s
+        self.cloud = LocalCloud(
+            run_dir=self.run_dir,
+            timeline=self.timeline,
+            schedule_every_s=options.schedule_every_s,
+            shared_storage=shared,
+            workflow_waits={
+                # The workflow waits for the final dump until shortly before the instance goes away.
+                "final_dump_wait_s": max(5, int(notice * 110 / 120)),
+                "backup_ready_wait_s": 300,
+                "restore_wait_s": 300,
+                "poll_s": 1,
+                "ebs_volume_gib": 2,
+            },
+            on_event=self.watcher,
+            boot_commands=None,
+        )
+
+    def run(self) -> Outcome:
+        options = self.options
+        say = self.timeline.say
+        expected_box: dict[str, str] = {}
+        reference = threading.Thread(target=lambda: expected_box.update(r=reference_result(options)), daemon=True)
+        self.cloud.start()
+        try:
+            self.cloud.boot_commands = self._boot_commands()
+            say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
+            instance_id = self._submit()
+            self.watcher.wait(
+                lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start"
+            )
+            reference.start()
+            recoveries: list[float] = []
+            current, generation = instance_id, 0
+            for number in range(1, options.interruptions + 1):
+                self._await_periodic(current, generation)
+                warned = self._interrupt(current, number)
+                restored = self.watcher.wait(
+                    lambda t, e, g=generation: t == "RestoreCompleted" and e.generation > g,
+                    options.timeout_s,
+                    f"the job to be restored after interruption {number}",
+                )
+                recovery = self.timeline.now() - warned
+                recoveries.append(round(recovery, 2))
+                say(f"interruption {number}: warning to running again in {recovery:.1f} s")
+                current, generation = restored.instance_id, restored.generation
+            exited = self.watcher.wait(lambda t, e: t == "JobExited", options.timeout_s, "the job to finish")
+            if exited.exit_code != 0:
+                raise RehearsalFailed(f"the job exited with {exited.exit_code} on {exited.instance_id}")
+            result = self._result(exited.instance_id)
+            reference.join(options.timeout_s)
+            expected = expected_box.get("r", "")
+            say(f"result after {options.interruptions} interruption(s): {result}")
+            say(f"uninterrupted reference:             {expected}")
+            outcome = Outcome(result, expected, recoveries, self.run_dir, self.run_dir / "timeline.png",
+                              self.watcher.final_dumps)
+        finally:
+            for vm in self.cloud.vms.values():
+                self.watcher.vm_stopped(vm.instance_id)
+            self.cloud.stop()
+            if not options.keep_vms:
+                for vm in self.cloud.vms.values():
+                    vm.remove()
+        self._write_timeline(outcome)
+        return outcome
+
+    def _boot_commands(self) -> list[list[str]]:
+        """What bootstrap.sh runs once packages are installed: `spotcr-agent bootstrap ...`, then the daemon."""
+        agent = "/opt/spotcr/bin/spotcr-agent"
+        names = self.cloud.names
+        bootstrap = [agent, "bootstrap", "--bucket", names["checkpoint_bucket"], "--event-bus", names["event_bus_name"]]
+        if self.options.storage == "efs":
+            bootstrap += ["--efs-id", "fs-0rehearsal"]
+        if self.options.storage == "fsx":
+            bootstrap += ["--fsx-dns", "fs-0rehearsal.fsx.local", "--fsx-mount-name", "rehearsal"]
+        return [bootstrap, [agent, "daemon"]]
+
+    def _submit(self) -> str:
+        """Submit the job the way a user does: launch an instance carrying the spotcr tags."""
+        options = self.options
+        job_tags = {
+            tags.JOB: self.job_id,
+            tags.STORAGE: options.storage,
+            tags.INTERVAL: str(options.interval_s),
+            tags.COMMAND: shlex.join(job_command(options)),
+            tags.FALLBACK_TYPES: "m5.large",
+        }
+        self.timeline.restart()
+        self.timeline.say(f"submitting job {self.job_id}: {job_tags[tags.COMMAND]}")
+        ec2 = self.cloud.client("ec2")
+        reservation = ec2.run_instances(
+            ImageId=self.cloud.image_id,
+            InstanceType="c5.large",
+            MinCount=1,
+            MaxCount=1,
+            InstanceMarketOptions={"MarketType": "spot"},
+            MetadataOptions={"HttpTokens": "required", "InstanceMetadataTags": "enabled"},
+            TagSpecifications=[
+                {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in job_tags.items()]}
+            ],
+        )
+        return str(reservation["Instances"][0]["InstanceId"])
+
+    def _await_periodic(self, instance_id: str, generation: int) -> None:
+        wanted = self.options.checkpoints_before_interruption
+
+        def periodic(detail_type: str, event: Any) -> bool:
+            return (
+                detail_type == "CheckpointCompleted"
+                and event.kind == "periodic"
+                and event.instance_id == instance_id
+                and event.generation == generation
+            )
+
+        deadline = time.monotonic() + self.options.timeout_s
+        while self.watcher.count(periodic) < wanted:
+            if time.monotonic() > deadline:
+                raise RehearsalFailed(f"no periodic checkpoint on {instance_id} within {self.options.timeout_s} s")
+            time.sleep(0.2)
+
+    def _interrupt(self, instance_id: str, number: int) -> float:
+        """As AWS (and FIS) does: the notice on IMDS and the warning event, then the instance goes away."""
+        notice = self.options.notice_s
+        vm = self.cloud.vms[instance_id]
+        action_time = datetime.now(UTC) + timedelta(seconds=notice)
+        vm.imds.instance_action = {"action": "terminate", "time": action_time.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        warned = self.timeline.now()
+        self.timeline.point(
+            instance_id, "warning", f"interruption {number}: spot interruption warning for {instance_id} "
+            f"(terminated in {notice:.0f} s)"
+        )
+        self.cloud.emit_ec2(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
+
+        def terminate() -> None:
+            time.sleep(notice)
+            self.watcher.vm_stopped(instance_id)
+            self.cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+
+        threading.Thread(target=terminate, name=f"terminate-{instance_id}", daemon=True).start()
+        return warned
+
+    def _result(self, instance_id: str) -> str:
+        vm = self.cloud.vms[instance_id]
+        path = vm.host_path(f"/var/lib/spotcr/work/{self.job_id}/{RESULT_FILE}")
+        deadline = time.monotonic() + 10
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise RehearsalFailed(f"the job left no {RESULT_FILE} in its work dir on {instance_id}")
+            time.sleep(0.1)
+        return path.read_text().strip().splitlines()[-1]
+
+    def _write_timeline(self, outcome: Outcome) -> None:
+        summary = {
+            "storage": self.options.storage,
+            "size_mb": self.options.size_mb,
+            "interruptions": self.options.interruptions,
+            "notice_s": self.options.notice_s,
+            "warning_to_running_s": outcome.recoveries_s,
+            "final_dumps": outcome.final_dumps,
+            "result": outcome.result,
+            "expected": outcome.expected,
+            "identical": outcome.identical,
+        }
+        title = (
+            f"spotcr rehearsal: {self.options.storage}, {self.options.size_mb} MiB job, "
+            f"{self.options.interruptions} interruption(s)"
+        )
+        json_path, png_path = self.timeline.write(self.run_dir, summary, title)
+        self.timeline.say(f"timeline: {png_path} and {json_path}")
