@@ -194,6 +194,15 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
         ),
         Grant(
             iam.PolicyStatement(
+                actions=["ec2:TerminateInstances"],
+                resources=[_arn(t, "ec2", "instance", "*")],
+                conditions={"StringEquals": {"aws:ResourceTag/aws:ec2launchtemplate:id": t.launch_template_id}},
+            ),
+            "A backup that failed to restore is terminated; EC2 tags every instance launched from a template "
+            "with aws:ec2launchtemplate:id, so only instances from spotcr's template qualify.",
+        ),
+        Grant(
+            iam.PolicyStatement(
                 actions=["iam:PassRole"],
                 resources=[t.job_role_arn],
                 conditions={"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
@@ -211,13 +220,14 @@ def _ec2_volumes(t: GrantTargets) -> list[Grant]:
         Grant(
             iam.PolicyStatement(
                 actions=["ec2:CreateVolume"],
-                resources=[volume],
+                resources=[volume, snapshot],
                 conditions={
                     "StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"},
                     "Bool": {"ec2:Encrypted": "true"},
                 },
             ),
-            "CreateVolume makes a volume whose id is unknown in advance; it must be encrypted and tagged spotcr:job.",
+            "CreateVolume makes a volume (possibly from a job snapshot) whose id is unknown in advance; it must be "
+            "encrypted and tagged spotcr:job.",
         ),
         Grant(
             iam.PolicyStatement(

@@ -18,7 +18,10 @@ RECOVERY_SECONDS = "RecoverySeconds"
 LOST_WORK_SECONDS = "LostWorkSeconds"
 INTERRUPTION_TO_DUMP_SECONDS = "InterruptionToDumpCommandSeconds"
 CHECKPOINT_SECONDS = "CheckpointSeconds"
-CHECKPOINT_BYTES_UPLOADED = "CheckpointBytesUploaded"
+FINAL_DUMP_SECONDS = "FinalDumpSeconds"
+FINAL_DUMP_BYTES = "FinalDumpBytes"
+RESTORE_SECONDS = "RestoreSeconds"
+# Not emitted yet: asked of the control plane (scheduler: jobs past their interval; agent events: CheckpointFailed).
 CHECKPOINTS_FAILED = "CheckpointsFailed"
 CHECKPOINTS_OVERDUE = "CheckpointsOverdue"
 PERIOD = Duration.minutes(5)
@@ -102,15 +105,16 @@ class Monitoring(Construct):
                 title="Recovery and lost work (seconds)",
                 left=[
                     spotcr_metric(RECOVERY_SECONDS, "Average"),
+                    spotcr_metric(RESTORE_SECONDS, "Average"),
                     spotcr_metric(LOST_WORK_SECONDS, "Average"),
                     spotcr_metric(INTERRUPTION_TO_DUMP_SECONDS, "Average"),
                 ],
                 width=8,
             ),
             cloudwatch.GraphWidget(
-                title="Checkpoints: dump seconds and bytes uploaded",
-                left=[spotcr_metric(CHECKPOINT_SECONDS, "Average")],
-                right=[spotcr_metric(CHECKPOINT_BYTES_UPLOADED)],
+                title="Dumps: seconds (periodic and final) and final dump bytes",
+                left=[spotcr_metric(CHECKPOINT_SECONDS, "Average"), spotcr_metric(FINAL_DUMP_SECONDS, "Average")],
+                right=[spotcr_metric(FINAL_DUMP_BYTES)],
                 width=8,
             ),
         )

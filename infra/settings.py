@@ -14,8 +14,10 @@ from typing import Any
 from aws_cdk import aws_logs as logs
 from constructs import Node
 
-# The public Powertools layer (pydantic and the X-Ray SDK included) matching aws-lambda-powertools 3.37.0.
-POWERTOOLS_LAYER_VERSION = 27
+# The public Powertools layer (pydantic and the X-Ray SDK included). 41 is the layer published for
+# aws-lambda-powertools 3.37.0 counting one layer per release from 3.23.0 = 27; check with
+# `aws lambda get-layer-version-by-arn` and override with `-c powertools_layer_version=N`.
+POWERTOOLS_LAYER_VERSION = 41
 POWERTOOLS_LAYER_ACCOUNT = "017000801446"
 POWERTOOLS_LAYER_NAME = "AWSLambdaPowertoolsPythonV3-python312-arm64"
 

@@ -168,16 +168,17 @@ class VmLaunch(Construct):
         specs = storage.bucket.arn_for_objects(f"{SPECS_PREFIX}*")
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
-                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
                 resources=[objects],
             )
         )
         self.job_role.add_to_principal_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[specs]))
+        # IfExists: the store's HeadBucket is authorized as ListBucket and carries no prefix.
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
                 actions=["s3:ListBucket"],
                 resources=[storage.bucket.bucket_arn],
-                conditions={"StringLike": {"s3:prefix": [f"{JOBS_PREFIX}*", SPECS_PREFIX + "*"]}},
+                conditions={"StringLikeIfExists": {"s3:prefix": [f"{JOBS_PREFIX}*", SPECS_PREFIX + "*"]}},
             )
         )
         acknowledge_wildcard_resource(

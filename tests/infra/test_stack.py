@@ -16,7 +16,7 @@ from spotcr_functions import catalog, config, registry_schema
 
 from infra.settings import POWERTOOLS_LAYER_NAME
 from infra.workflow import RECOVERY_ASL, asl_variables
-from tests.infra.conftest import Synth
+from tests.infra.conftest import REPO_ROOT, Synth
 
 # Actions allowed on Resource "*": their services offer no resource-level permissions.
 STAR_RESOURCE_ACTIONS = {
@@ -415,3 +415,14 @@ def test_checkpoint_expiry_applies_to_job_objects_only(custom_synth: Synth) -> N
             }
         },
     )
+
+
+def test_dashboard_shows_every_metric_the_functions_emit(default_synth: Synth) -> None:
+    emitted = set()
+    for source in (REPO_ROOT / "functions" / "spotcr_functions").rglob("*.py"):
+        emitted |= set(re.findall(r'metric\(\s*"([A-Za-z]+)"', source.read_text()))
+    assert emitted
+    dashboard = next(iter(default_synth.of_type("AWS::CloudWatch::Dashboard").values()))
+    body = "".join(part for part in dashboard["Properties"]["DashboardBody"]["Fn::Join"][1] if isinstance(part, str))
+    missing = {name for name in emitted if f'["spotcr","{name}","service","spotcr"' not in body}
+    assert not missing, f"metrics not on the dashboard: {missing}"
