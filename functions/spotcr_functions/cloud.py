@@ -169,8 +169,8 @@ class Cloud:
     def attach_volume(self, volume_id: str, instance_id: str) -> None:
         self.ec2.attach_volume(VolumeId=volume_id, InstanceId=instance_id, Device="/dev/sdf")
 
-    def detach_volume(self, volume_id: str) -> None:
-        self.ec2.detach_volume(VolumeId=volume_id)
+    def detach_volume(self, volume_id: str, instance_id: str) -> None:
+        self.ec2.detach_volume(VolumeId=volume_id, InstanceId=instance_id)
 
     def create_snapshot(self, volume_id: str, tags: Mapping[str, str]) -> str:
         response = self.ec2.create_snapshot(

@@ -191,7 +191,7 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
     if any(a["InstanceId"] == record.backup_instance_id for a in attachments):
         return {"done": True, "volume_id": volume_id}
     if volume["State"] == "in-use" and attachments:
-        cloud.detach_volume(volume_id)
+        cloud.detach_volume(volume_id, attachments[0]["InstanceId"])
         return {"done": False, "step": "detaching"}
     if volume["State"] != "available":
         return {"done": False, "step": f"volume {volume['State']}"}

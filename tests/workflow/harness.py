@@ -171,7 +171,7 @@ class ControlPlane:
             ]
             for i, az in enumerate((f"{REGION}a", f"{REGION}b"))
         }
-        image_id = self.ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+        image_id = "ami-760aaa0f"  # one of moto's built-in Amazon Linux images (listing them all takes seconds)
         self.launch_template_id = self.ec2.create_launch_template(
             LaunchTemplateName="spotcr-job", LaunchTemplateData={"ImageId": image_id, "InstanceType": "m5.large"}
         )["LaunchTemplate"]["LaunchTemplateId"]
@@ -281,6 +281,12 @@ class ControlPlane:
             return None
 
         return self.wait_until(finished, "the recovery workflow to finish", timeout)
+
+    def close(self) -> None:
+        """Stop workflows a test left waiting, so no engine thread outlives the mock."""
+        for execution in self.executions():
+            if execution["status"] == "RUNNING":
+                self.sfn.stop_execution(executionArn=execution["executionArn"])
 
     def wait_for_token(self, job_id: str, key: str) -> JobRecord:
         return self.wait_until(lambda: (r := self.job(job_id)).token(key) and r, f"the {key} token")

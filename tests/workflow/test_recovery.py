@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
+import pytest
+from moto.ec2.exceptions import EC2ClientError
+from moto.ec2.models.instances import InstanceBackend
+
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
+from spotcr_functions.config import OPTIONAL_ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+
+
+class NoCapacity(EC2ClientError):
+    code = "InsufficientInstanceCapacity"
+    message = "We currently do not have sufficient capacity in the Availability Zone you requested."
+
+    def __init__(self) -> None:
+        super().__init__(self.code, self.message)
 
 
 def _commit(
@@ -68,3 +84,227 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane) -> None:
     assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
     assert (job.checkpoint_id, job.previous_checkpoint_id) == (final, periodic)
     assert len(plane.backups()) == 1
+
+
+def _recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | None = None) -> str:
+    """Play the agents through a recovery: optional final dump, backup ready, restore completed. Returns the backup."""
+    record = plane.wait_until(lambda: (r := plane.job(job_id)).backup_instance_id and r, "the backup launch")
+    backup = str(record.backup_instance_id)
+    if final_from:
+        plane.wait_for_token(job_id, "final-dump")
+        restored = _commit(plane, job_id, final_from, record.generation, "final")
+    route(agent_event(events.AgentReady(job_id, backup, record.generation, now_iso(), mode="restore")))
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    assert restore["parameters"]["CheckpointId"] == restored
+    completed = events.RestoreCompleted(
+        job_id, backup, record.generation, now_iso(), checkpoint_id=restored, seconds=1.0
+    )
+    route(agent_event(completed))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    return backup
+
+
+@pytest.mark.parametrize("copies", [2, 5, 20])
+def test_duplicated_and_reordered_events_recover_once(plane: ControlPlane, copies: int) -> None:
+    # Given a running job
+    primary = plane.start_job("sim-7")
+    periodic = _commit(plane, "sim-7", primary, 0, "periodic")
+
+    # When the warning arrives many times, shuffled with the state changes that follow it
+    deliveries = [ec2_event("spot-interruption-warning", primary) for _ in range(copies)]
+    deliveries[1:1] = [ec2_event(f"state-change-{s}", primary) for s in ("stopping", "shutting-down", "terminated")]
+    deliveries += [deliveries[0], deliveries[2]]  # EventBridge redelivers the very same event too
+    random.Random(copies).shuffle(deliveries)
+    for event in deliveries:
+        route(event)
+
+    # Then there is one workflow, one backup, one generation bump (and one final dump if the warning came first)
+    dumps = plane.sent_commands("checkpoint")
+    backup = _recover(plane, "sim-7", periodic, final_from=primary if dumps else None)
+    assert len(plane.executions()) == 1
+    assert len(plane.backups()) == 1
+    job = plane.job("sim-7")
+    assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
+    assert len(plane.sent_commands("checkpoint")) <= 1
+
+
+def test_capacity_errors_on_every_spot_option_end_on_demand(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given no spot capacity anywhere, for the job's type or its fallback
+    refused: list[str] = []
+    original = InstanceBackend.run_instances
+
+    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("instance_market_options"):
+            refused.append(f"{kwargs.get('instance_type')}@{kwargs.get('subnet_id')}")
+            raise NoCapacity()
+        return original(self, *args, **kwargs)
+
+    primary = plane.start_job("cfd-3", **{tag_names.FALLBACK_TYPES: "m6i.large"})
+    periodic = _commit(plane, "cfd-3", primary, 0, "periodic")
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+
+    # When the warning comes
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _recover(plane, "cfd-3", periodic, final_from=primary)
+
+    # Then every spot candidate was tried (2 types x 2 subnets) and the backup is on-demand
+    assert len(refused) == 4
+    [instance] = plane.backups()
+    assert instance["InstanceId"] == backup
+    assert instance.get("InstanceLifecycle") != "spot"
+    assert plane.job("cfd-3").status == Status.RUNNING
+
+
+def test_ebs_volume_moves_to_another_az_through_a_snapshot(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an EBS job in AZ a, and no capacity left in AZ a
+    primary = plane.start_job("fem-1", **{tag_names.STORAGE: "ebs"})
+    volume_id = plane.job("fem-1").volume_id
+    assert volume_id
+    periodic = _commit(plane, "fem-1", primary, 0, "periodic")
+    original = InstanceBackend.run_instances
+    subnet_a = plane.subnets["us-east-1a"]
+
+    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("subnet_id") == subnet_a:
+            raise NoCapacity()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+
+    # When the job is interrupted and recovered on a backup in AZ b
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _recover(plane, "fem-1", periodic, final_from=primary)
+
+    # Then the old VM was asked to release the volume, and the job's data reached AZ b through a snapshot
+    [release] = plane.sent_commands("release")
+    assert release == {
+        "document": "spotcr-release",
+        "instances": [primary],
+        "parameters": {"JobId": "fem-1", "Generation": "1"},
+    }
+    job = plane.job("fem-1")
+    assert job.volume_id != volume_id
+    [volume] = plane.ec2.describe_volumes(VolumeIds=[str(job.volume_id)])["Volumes"]
+    assert volume["AvailabilityZone"] == "us-east-1b"
+    assert volume["Encrypted"] is True
+    assert volume["SnapshotId"]
+    assert [a["InstanceId"] for a in volume["Attachments"]] == [backup]
+
+
+def test_ebs_volume_in_the_same_az_is_detached_and_attached(plane: ControlPlane) -> None:
+    primary = plane.start_job("fem-2", **{tag_names.STORAGE: "ebs"})
+    volume_id = plane.job("fem-2").volume_id
+    periodic = _commit(plane, "fem-2", primary, 0, "periodic")
+
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _recover(plane, "fem-2", periodic, final_from=primary)
+
+    job = plane.job("fem-2")
+    assert job.volume_id == volume_id
+    [volume] = plane.ec2.describe_volumes(VolumeIds=[str(volume_id)])["Volumes"]
+    assert [a["InstanceId"] for a in volume["Attachments"]] == [backup]
+    assert plane.ec2.describe_snapshots(Filters=[{"Name": "tag:spotcr:job", "Values": ["fem-2"]}])["Snapshots"] == []
+
+
+def test_missed_warning_recovers_from_the_newest_committed_checkpoint(plane: ControlPlane) -> None:
+    # Given a job with two periodic checkpoints
+    primary = plane.start_job("etl-9")
+    _commit(plane, "etl-9", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    newest = _commit(plane, "etl-9", primary, 0, "periodic", at_ms=1_795_000_060_000)
+
+    # When only "terminated" arrives (the warning was lost), and the warning shows up late
+    route(ec2_event("state-change-terminated", primary))
+    route(ec2_event("spot-interruption-warning", primary))
+
+    # Then no final dump is ordered, and the job restores the newest periodic checkpoint on a backup
+    assert plane.sent_commands("checkpoint") == []
+    backup = _recover(plane, "etl-9", newest)
+    job = plane.job("etl-9")
+    assert (job.status, job.instance_id, job.generation, job.checkpoint_id) == (Status.RUNNING, backup, 1, newest)
+    assert len(plane.executions()) == 1
+
+
+def test_terminated_old_instance_after_recovery_does_nothing(plane: ControlPlane) -> None:
+    primary = plane.start_job("old-1")
+    periodic = _commit(plane, "old-1", primary, 0, "periodic")
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _recover(plane, "old-1", periodic, final_from=primary)
+    final = plane.job("old-1").checkpoint_id
+
+    # When the replaced VM's late events arrive: termination, a zombie checkpoint at the old generation
+    route(ec2_event("state-change-terminated", primary))
+    route(ec2_event("spot-interruption-warning", primary))
+    _commit(plane, "old-1", primary, 0, "periodic")
+
+    # Then the job is untouched on its backup
+    job = plane.job("old-1")
+    assert (job.status, job.instance_id, job.generation, job.checkpoint_id) == (Status.RUNNING, backup, 1, final)
+    assert len(plane.executions()) == 1
+
+
+def test_backup_interrupted_later_starts_the_same_cycle(plane: ControlPlane) -> None:
+    primary = plane.start_job("long-1")
+    periodic = _commit(plane, "long-1", primary, 0, "periodic")
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _recover(plane, "long-1", periodic, final_from=primary)
+    second = _commit(plane, "long-1", backup, 1, "periodic")
+
+    route(ec2_event("spot-interruption-warning", backup))
+
+    [first_dump, second_dump] = sorted(plane.sent_commands("checkpoint"), key=lambda c: c["parameters"]["Generation"])
+    assert second_dump["instances"] == [backup]
+    assert second_dump["parameters"]["Generation"] == "2"
+    assert first_dump["parameters"]["Generation"] == "1"
+    record = plane.wait_until(lambda: (r := plane.job("long-1")).backup_instance_id and r, "the second backup")
+    assert record.generation == 2
+    assert record.checkpoint_id == second
+    assert sorted(e["name"] for e in plane.executions()) == ["long-1-g1", "long-1-g2"]
+
+
+def test_vm_that_never_answers_restores_newest_then_fails(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given short waits, and a job with two periodic checkpoints
+    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    primary = plane.start_job("quiet-1")
+    older = _commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    newest = _commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
+
+    # When the old VM never reports its final dump and the backup never reports its restores
+    route(ec2_event("spot-interruption-warning", primary))
+    record = plane.wait_until(lambda: (r := plane.job("quiet-1")).backup_instance_id and r, "the backup launch")
+    route(agent_event(events.AgentReady("quiet-1", str(record.backup_instance_id), 1, now_iso(), mode="restore")))
+
+    # Then the newest checkpoint is tried, then the one before, then the job is FAILED and the backup terminated
+    assert plane.wait_for_execution()["status"] == "FAILED"
+    restores = [c["parameters"]["CheckpointId"] for c in plane.sent_commands("restore")]
+    assert sorted(restores) == sorted([newest, older])
+    job = plane.job("quiet-1")
+    assert job.status == Status.FAILED
+    assert "States.Timeout" in str(job.reason)
+    [backup] = plane.backups()
+    assert backup["State"]["Name"] in ("shutting-down", "terminated")
+
+
+def test_restore_failure_retries_the_previous_checkpoint(plane: ControlPlane) -> None:
+    primary = plane.start_job("retry-1")
+    older = _commit(plane, "retry-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    newest = _commit(plane, "retry-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
+    route(ec2_event("state-change-terminated", primary))
+    record = plane.wait_until(lambda: (r := plane.job("retry-1")).backup_instance_id and r, "the backup launch")
+    backup = str(record.backup_instance_id)
+    route(agent_event(events.AgentReady("retry-1", backup, 1, now_iso(), mode="restore")))
+
+    # When restoring the newest checkpoint fails on the backup
+    plane.wait_until(lambda: plane.sent_commands("restore"), "the first restore")
+    route(agent_event(events.RestoreFailed("retry-1", backup, 1, now_iso(), checkpoint_id=newest, reason="corrupt")))
+
+    # Then the previous checkpoint is restored and the job runs again
+    plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
+    assert {c["parameters"]["CheckpointId"] for c in plane.sent_commands("restore")} == {newest, older}
+    route(agent_event(events.RestoreCompleted("retry-1", backup, 1, now_iso(), checkpoint_id=older, seconds=1.0)))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    assert plane.job("retry-1").status == Status.RUNNING
