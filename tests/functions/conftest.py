@@ -25,4 +25,6 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
     with mock_aws(config=MOTO_CONFIG):
-        yield ControlPlane(monkeypatch)
+        control_plane = ControlPlane(monkeypatch)
+        yield control_plane
+        control_plane.close()

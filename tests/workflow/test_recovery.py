@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models.instances import InstanceBackend
-
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import OPTIONAL_ENV

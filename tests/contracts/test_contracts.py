@@ -1,0 +1,121 @@
+"""The shared contracts: tags (strict, hostile values refused), SSM documents and argv, agent events round trip."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from spotcr_contracts import commands, events, tags
+
+
+def _job(**extra: str) -> dict[str, str]:
+    return {tags.JOB: "render-42", tags.COMMAND: "/opt/job/run --steps 1000", **extra}
+
+
+def test_valid_tags_read_back_and_round_trip() -> None:
+    spec = tags.parse_job_tags(
+        _job(**{tags.STORAGE: "ebs", tags.INTERVAL: "120", tags.FALLBACK_TYPES: "m6i.large, c6i.large", "Name": "x"})
+    )
+    assert (spec.storage, spec.interval_s, spec.fallback_types) == ("ebs", 120, ("m6i.large", "c6i.large"))
+    assert spec.command == ("/opt/job/run", "--steps", "1000")
+    assert spec.extra == {"Name": "x"}
+    assert tags.parse_job_tags(spec.to_tags()) == tags.JobSpec(**{**spec.__dict__, "extra": {}})
+
+
+@pytest.mark.parametrize(
+    ("bad", "tag"),
+    [
+        ({tags.COMMAND: "run; rm -rf /"}, tags.COMMAND),
+        ({tags.COMMAND: "run && reboot"}, tags.COMMAND),
+        ({tags.COMMAND: "run `id`"}, tags.COMMAND),
+        ({tags.COMMAND: "run $(id)"}, tags.COMMAND),
+        ({tags.COMMAND: "run > /etc/passwd"}, tags.COMMAND),
+        ({tags.COMMAND: "run\nreboot"}, tags.COMMAND),
+        ({tags.COMMAND: "'unterminated"}, tags.COMMAND),
+        ({tags.COMMAND: "x" * 257}, tags.COMMAND),
+        ({tags.JOB: "a" * 64}, tags.JOB),
+        ({tags.JOB: "Render"}, tags.JOB),
+        ({tags.JOB: "-job"}, tags.JOB),
+        ({tags.STORAGE: "nfs"}, tags.STORAGE),
+        ({tags.INTERVAL: "9"}, tags.INTERVAL),
+        ({tags.INTERVAL: "86401"}, tags.INTERVAL),
+        ({tags.INTERVAL: "-5"}, tags.INTERVAL),
+        ({tags.INTERVAL: "1e3"}, tags.INTERVAL),
+        ({tags.FALLBACK_TYPES: "m5.large;reboot"}, tags.FALLBACK_TYPES),
+        ({tags.FALLBACK_TYPES: ",".join(["m5.large"] * 9)}, tags.FALLBACK_TYPES),
+        ({tags.MODE: "debug"}, tags.MODE),
+        ({tags.SPEC: "https://example.com/job.json"}, tags.SPEC),
+        ({tags.WORKDIR: "relative/dir"}, tags.WORKDIR),
+        ({tags.WORKDIR: "/opt/../etc"}, tags.WORKDIR),
+    ],
+)
+def test_hostile_or_invalid_tag_values_name_the_tag(bad: dict[str, str], tag: str) -> None:
+    with pytest.raises(tags.InvalidJobTags) as raised:
+        tags.parse_job_tags(_job(**bad))
+    assert raised.value.tag == tag
+    assert str(raised.value).startswith(f"{tag}: ")
+
+
+def test_a_job_needs_a_command_or_a_spec() -> None:
+    with pytest.raises(tags.InvalidJobTags, match="spotcr:command"):
+        tags.parse_job_tags({tags.JOB: "j"})
+    assert tags.parse_job_tags({tags.JOB: "j", tags.SPEC: "s3://my-bucket/jobs/j.json"}).spec_uri
+
+
+@pytest.mark.parametrize("command", commands.COMMANDS.values(), ids=commands.COMMANDS.keys())
+def test_documents_pass_parameters_as_environment_never_in_the_script(command: commands.Command) -> None:
+    document = command.document()
+    assert document["schemaVersion"] == "2.2"
+    parameters = document["parameters"]
+    assert isinstance(parameters, dict)
+    for name, spec in parameters.items():
+        assert spec["interpolationType"] == "ENV_VAR"
+        assert spec["allowedPattern"].startswith("^")
+    [step] = document["mainSteps"]  # type: ignore[misc]
+    script = " ".join(step["inputs"]["runCommand"])
+    assert "{{" not in script  # no {{ Parameter }} splicing into the shell line
+    assert script.startswith(f"exec {commands.AGENT_BIN} {command.name} ")
+
+
+def test_agent_argv_is_typed_and_checked() -> None:
+    argv = commands.CHECKPOINT.agent_argv({"JobId": "job-1", "Generation": "7", "Kind": "final"})
+    assert argv == [commands.AGENT_BIN, "checkpoint", "--job", "job-1", "--generation", "7", "--kind", "final"]
+    assert commands.RESTORE.agent_argv({"JobId": "job-1", "Generation": "7"})[-2:] == ["--generation", "7"]
+    for hostile in ({"JobId": "job;reboot"}, {"Generation": "7 --kind final"}, {"Kind": "final\n"}):
+        with pytest.raises(ValueError, match="fails"):
+            commands.CHECKPOINT.agent_argv({"JobId": "job-1", "Generation": "7", "Kind": "final", **hostile})
+    with pytest.raises(ValueError, match="required"):
+        commands.RELEASE.agent_argv({"JobId": "job-1"})
+
+
+def test_checkpoint_ids_sort_by_time() -> None:
+    ids = ["1795293235815-g2-final", "1795293175815-g2-periodic", "1795293235814-g1-periodic"]
+    assert all(re.fullmatch(commands.CHECKPOINT_ID_PATTERN, i) for i in ids)
+    assert sorted(ids)[-1] == "1795293235815-g2-final"
+
+
+@pytest.mark.parametrize("cls", events.EVENT_TYPES.values(), ids=events.EVENT_TYPES.keys())
+def test_every_agent_event_round_trips(cls: type[events.AgentEvent]) -> None:
+    event = cls(job_id="job-1", instance_id="i-0123456789abcdef0", generation=3, at="2026-11-21T20:30:00.123Z")
+    entry = event.to_entry("spotcr-agent")
+    assert (entry["Source"], entry["DetailType"], entry["EventBusName"]) == (
+        events.SOURCE,
+        cls.DETAIL_TYPE,
+        "spotcr-agent",
+    )
+    assert events.parse_detail(entry["DetailType"], json.loads(entry["Detail"])) == event
+
+
+@pytest.mark.parametrize(
+    "detail",
+    [
+        {"version": 2, "job_id": "j", "instance_id": "i", "generation": 1, "at": "t"},
+        {"version": 1, "instance_id": "i", "generation": 1, "at": "t"},
+        {"version": 1, "job_id": "j", "instance_id": "i", "generation": "1", "at": "t"},
+        {"version": 1, "job_id": "j", "instance_id": "i", "generation": True, "at": "t"},
+    ],
+)
+def test_malformed_agent_events_are_refused(detail: dict[str, object]) -> None:
+    with pytest.raises(events.InvalidEvent):
+        events.parse_detail("JobStarted", detail)
