@@ -380,32 +380,55 @@ def fmt(value: float | None, unit: str = "s") -> str:
     return "n/a" if value is None else f"{value:.2f} {unit}"
 
 
-def markdown(results: list[SizeResult]) -> str:
+RATIO_TEXT = {
+    "a_over_c_durable": "(c) reaches durable {:.1f}x sooner than (a)",
+    "a_over_b_durable": "(b) {:.1f}x sooner than (a)",
+    "a_over_p_frozen": "a periodic dump (p) freezes the job {:.1f}x shorter than (a)",
+    "a_over_d": "against the floor (d): (a) {:.1f}x",
+    "b_over_d": "(b) {:.1f}x",
+    "c_over_d": "(c) {:.1f}x",
+    "p_frozen_over_d": "(p) frozen {:.1f}x",
+}
+STORE_TEXT = {
+    "s3_commit_mib_s": "commit {:.0f} MiB/s to moto",
+    "dir_commit_mib_s": "{:.0f} to a directory",
+    "s3_fetch_mib_s": "fetch {:.0f} from moto",
+    "dir_fetch_mib_s": "{:.0f} from a directory",
+}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The README table, from the figures written to checkpoint.json."""
+    sizes = doc["sizes"]
     heads = []
-    for r in results:
-        heads += [f"{r.gib:g} GiB durable", "frozen", "restore", "sent"]
+    for size in sizes:
+        heads += [f"{size['gib']:g} GiB: durable", "frozen", "restore", "sent"]
     lines = ["| case | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    for key in ("a", "b", "p", "c", "d"):
-        if not any(key in r.cases for r in results):
+    for key, label in LABELS.items():
+        if not any(key in size["cases"] for size in sizes):
             continue
         cells = []
-        for r in results:
-            f = r.cases.get(key, Figures())
-            sent = "n/a" if f.bytes_sent is None else f"{f.bytes_sent / MiB:.0f} MiB"
-            cells += [fmt(f.durable), fmt(f.frozen), fmt(f.restore), sent]
-        lines.append(f"| {LABELS[key]} | " + " | ".join(cells) + " |")
+        for size in sizes:
+            f = size["cases"].get(key, {})
+            sent = f.get("bytes_sent")
+            cells += [fmt(f.get("durable")), fmt(f.get("frozen")), fmt(f.get("restore"))]
+            cells.append("n/a" if sent is None else f"{sent / MiB:.0f} MiB")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
-    for r in results:
-        q = ratios(r)
-        parts = [f"{name} {value:.1f}x" for name, value in q.items() if value is not None and name != "c_sent_share"]
-        if q["c_sent_share"] is not None:
-            parts.append(f"(c) sent {q['c_sent_share']:.1%} of (b)'s bytes")
-        store = ", ".join(f"{k} {v:.0f}" for k, v in r.store.items())
-        lines.append(f"- {r.gib:g} GiB: " + "; ".join(parts) + (f". Store alone, MiB/s: {store}" if store else ""))
+    for size in sizes:
+        q = size["ratios"]
+        parts = [text.format(q[name]) for name, text in RATIO_TEXT.items() if q.get(name) is not None]
+        if q.get("c_sent_share") is not None:
+            parts.append(f"(c) sent {q['c_sent_share']:.1%} of the bytes (b) sent")
+        store = [text.format(size["store"][name]) for name, text in STORE_TEXT.items() if name in size["store"]]
+        lines.append(f"- {size['gib']:g} GiB: " + "; ".join(parts) + ". Store alone: " + ", ".join(store) + ".")
     lines += [
         "",
-        "Final dumps stop the job: their frozen time runs until durable. Periodic dumps freeze the job only while",
-        f"CRIU writes to local scratch. (b)/(c)/(p) restore = fetch from the store + CRIU restore. {MOTO_NOTE}.",
+        "Final dumps stop the job, so their frozen time runs until durable; a periodic dump freezes the job only",
+        "while CRIU writes to local scratch. Restore = fetch from the store + CRIU restore (for (d): from tmpfs).",
+        f"Ratios compare figures from one run. Note: {doc['note']}.",
+        f"Measured {doc['at']} on {doc['machine']['cpus']} cores, Linux "
+        f"{doc['machine']['kernel']}, {doc['dirtied_share']:.0%} of memory dirtied between (p) and (c).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -424,7 +447,7 @@ def write_results(results: list[SizeResult], args: argparse.Namespace) -> None:
         ],
     }
     (args.results / "checkpoint.json").write_text(json.dumps(doc, indent=2) + "\n")
-    table = markdown(results)
+    table = markdown(doc)
     (args.results / "checkpoint.md").write_text(table)
     print("\n" + table)
     print(f"written: {args.results / 'checkpoint.json'}, {args.results / 'checkpoint.md'}")

@@ -324,3 +324,14 @@ def test_prune_keeps_a_manifest_a_running_commit_may_dedup_against(store: Checkp
 
     # Then the older manifest stays: a commit started before the newer one may still reference its chunks
     assert (pruned.kept, pruned.deleted_checkpoints) == ([newer, older], [])
+
+
+def test_manifest_listing_a_file_twice_is_corrupt(store: CheckpointStore, tmp_path: Path) -> None:
+    images = tmp_path / "img"
+    write_images(images, b"x" * 10)
+    doc = json.loads(store.commit(images, meta(1)).manifest.to_json()) | {"checkpoint_id": checkpoint_id(2)}
+    doc["files"].append(doc["files"][0])
+    store.backend.put_new(f"jobs/{store.job_id}/checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
+
+    with pytest.raises(CorruptCheckpoint, match="twice"):
+        store.fetch(checkpoint_id(2), tmp_path / "restore")

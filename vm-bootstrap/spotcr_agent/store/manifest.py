@@ -74,11 +74,11 @@ class CheckpointMeta:
             raise ValueError(f"checkpoint kind {self.kind!r} is not one of {KINDS}")
         if self.parent is not None:
             check_checkpoint_id(self.parent)
-        object.__setattr__(self, "open_files", tuple(_open_file(f) for f in self.open_files))
+        object.__setattr__(self, "open_files", tuple(as_open_file(f) for f in self.open_files))
         object.__setattr__(self, "cpu_flags", tuple(self.cpu_flags))
 
 
-def _open_file(value: OpenFile | Mapping[str, Any]) -> OpenFile:
+def as_open_file(value: OpenFile | Mapping[str, Any]) -> OpenFile:
     """Accept {path, size} mappings too, as the agent may read them straight from /proc."""
     return value if isinstance(value, OpenFile) else OpenFile(str(value["path"]), int(value["size"]))
 
@@ -206,6 +206,9 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpoint(checkpoint_id, f"manifest is malformed ({type(e).__name__}: {e})") from e
+        paths = [f.path for f in manifest.files]
+        if len(set(paths)) != len(paths):
+            raise CorruptCheckpoint(checkpoint_id, "manifest lists a file path twice")
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptCheckpoint(checkpoint_id, f"manifest names checkpoint {manifest.checkpoint_id}")
         if manifest.hash != HASH_ALGORITHM:

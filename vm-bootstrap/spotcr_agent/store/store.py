@@ -31,6 +31,7 @@ from .manifest import (
     ChunkRef,
     FileEntry,
     Manifest,
+    as_open_file,
     check_checkpoint_id,
     check_job_id,
     check_manifest_path,
@@ -82,12 +83,26 @@ class CheckpointStore:
         self._prefix = f"jobs/{job_id}/"
 
     @classmethod
-    def for_s3(cls, bucket: str, job_id: str, *, workers: int = 16, **options: object) -> CheckpointStore:
-        return cls(S3Backend(bucket, max_connections=workers + 4), job_id, workers=workers, **options)  # type: ignore[arg-type]
+    def for_s3(
+        cls,
+        bucket: str,
+        job_id: str,
+        *,
+        workers: int = 16,
+        compression_level: int = 1,
+        chunking: Chunking | None = None,
+    ) -> CheckpointStore:
+        """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment."""
+        backend = S3Backend(bucket, max_connections=workers + 4)
+        return cls(backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking)
 
     @classmethod
-    def for_directory(cls, root: Path, job_id: str, *, workers: int = 8, **options: object) -> CheckpointStore:
-        return cls(DirectoryBackend(Path(root)), job_id, workers=workers, **options)  # type: ignore[arg-type]
+    def for_directory(
+        cls, root: Path, job_id: str, *, workers: int = 8, compression_level: int = 1, chunking: Chunking | None = None
+    ) -> CheckpointStore:
+        """A store on a mounted file system (EBS, EFS, FSx for Lustre) at root."""
+        backend = DirectoryBackend(Path(root))
+        return cls(backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking)
 
     @property
     def location(self) -> str:
@@ -143,7 +158,7 @@ class CheckpointStore:
             kernel=meta.kernel,
             arch=meta.arch,
             cpu_flags=tuple(meta.cpu_flags),
-            open_files=tuple(meta.open_files),  # type: ignore[arg-type]
+            open_files=tuple(as_open_file(f) for f in meta.open_files),
             files=files,
             compression=f"zstd-{self.compression_level}",
             chunking=self.chunking.describe(),
