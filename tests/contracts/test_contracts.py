@@ -69,10 +69,12 @@ def test_documents_pass_parameters_as_environment_never_in_the_script(command: c
     assert document["schemaVersion"] == "2.2"
     parameters = document["parameters"]
     assert isinstance(parameters, dict)
-    for name, spec in parameters.items():
+    for spec in parameters.values():
         assert spec["interpolationType"] == "ENV_VAR"
         assert spec["allowedPattern"].startswith("^")
-    [step] = document["mainSteps"]  # type: ignore[misc]
+    steps = document["mainSteps"]
+    assert isinstance(steps, list)
+    [step] = steps
     script = " ".join(step["inputs"]["runCommand"])
     assert "{{" not in script  # no {{ Parameter }} splicing into the shell line
     assert script.startswith(f"exec {commands.AGENT_BIN} {command.name} ")

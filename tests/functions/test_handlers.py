@@ -92,7 +92,7 @@ def test_ebs_job_gets_an_encrypted_volume_in_its_az(plane: ControlPlane) -> None
 def test_malformed_and_foreign_events_are_ignored(plane: ControlPlane) -> None:
     instance_id = plane.start_job("calm-1")
     warning = ec2_event("spot-interruption-warning", instance_id)
-    malformed = [
+    malformed: list[object] = [
         {**warning, "detail": {"instance-id": "not-an-instance"}},
         {**warning, "detail": {}},
         {key: value for key, value in warning.items() if key != "time"},
