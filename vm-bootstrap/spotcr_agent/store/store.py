@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import resource
 import stat
 import threading
 import time
@@ -126,6 +127,7 @@ class CheckpointStore:
         if not image_dir.is_dir():
             raise StoreError(f"image directory {image_dir} does not exist")
         self.backend.check()
+        _allow_many_open_files()
         known = self._known_chunks(meta.parent)
         tails: dict[str, _FileTail] = {}
         try:
@@ -410,6 +412,13 @@ class _FileTail:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+def _allow_many_open_files() -> None:
+    """Every image file stays open while CRIU may still write it: a job of many processes has thousands."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:

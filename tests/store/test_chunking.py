@@ -1,0 +1,44 @@
+"""Chunk boundaries depend on content only: a streamed final dump dedups against a periodic one read whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from spotcr_agent.store import Chunking
+from spotcr_agent.store.chunking import PAGE, Chunker
+
+from .support import MiB, random_bytes
+
+
+def chunk(data: bytes, feeds: list[int], chunking: Chunking) -> list[bytes]:
+    chunker, out, offset = Chunker(chunking), [], 0
+    for size in feeds:
+        out += chunker.feed(data[offset : offset + size])
+        offset += size
+    out += chunker.feed(data[offset:])
+    return out + chunker.finish()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_boundaries_do_not_depend_on_how_the_file_was_read(seed: int) -> None:
+    data = random_bytes(12 * MiB + 1234, seed=seed) + bytes(3 * MiB)
+    whole = chunk(data, [], Chunking())
+    rng = random.Random(seed)
+    streamed = chunk(data, [rng.randint(1, 700_000) for _ in range(40)], Chunking())
+
+    assert streamed == whole
+    assert b"".join(whole) == data
+    assert all(Chunking().min_size <= len(c) <= Chunking().max_size for c in whole[:-1])
+    assert all(len(c) % PAGE == 0 for c in whole[:-1])
+
+
+def test_small_files_are_one_chunk_or_none() -> None:
+    for size in (0, 1, PAGE - 1, PAGE, PAGE + 1, 100_000):
+        data = random_bytes(size, seed=size)
+        assert chunk(data, [], Chunking()) == ([data] if data else [])
+
+
+def test_chunk_sizes_must_be_pages() -> None:
+    with pytest.raises(ValueError, match="page multiples"):
+        Chunking(min_size=1000)
