@@ -6,6 +6,7 @@ added there is deployed, triggered and granted without touching this file.
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
 from aws_cdk import aws_sqs as sqs
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 from spotcr_functions import catalog, config, registry_schema
 
@@ -176,12 +178,7 @@ class Functions(Construct):
             str(FUNCTIONS_DIR),
             exclude=["**/__pycache__", "**/*.pyc", "**/.mypy_cache", "**/.pytest_cache", "**/tests", "*.txt"],
         )
-        layer = lambda_.LayerVersion.from_layer_version_arn(
-            self,
-            "Powertools",
-            f"arn:{Aws.PARTITION}:lambda:{Aws.REGION}:{POWERTOOLS_LAYER_ACCOUNT}:layer:"
-            f"{POWERTOOLS_LAYER_NAME}:{settings.powertools_layer_version}",
-        )
+        layer = lambda_.LayerVersion.from_layer_version_arn(self, "Powertools", _powertools_layer_arn(self, settings))
         self.functions: dict[str, lambda_.Function] = {}
         self.log_groups: dict[str, logs.LogGroup] = {}
         self.rules: dict[str, events.Rule] = {}
@@ -268,3 +265,16 @@ class Functions(Construct):
             event_pattern=event_pattern(spec.pattern),
             targets=[target],
         )
+
+
+def _powertools_layer_arn(scope: Construct, settings: Settings) -> str:
+    """The layer of the Powertools release the functions are pinned to (functions/requirements.txt)."""
+    if settings.powertools_layer_version is not None:
+        return (
+            f"arn:{Aws.PARTITION}:lambda:{Aws.REGION}:{POWERTOOLS_LAYER_ACCOUNT}:layer:"
+            f"{POWERTOOLS_LAYER_NAME}:{settings.powertools_layer_version}"
+        )
+    release = importlib.metadata.version("aws-lambda-powertools")
+    return ssm.StringParameter.value_for_string_parameter(
+        scope, f"/aws/service/powertools/python/arm64/python3.12/{release}"
+    )

@@ -14,10 +14,9 @@ from typing import Any
 from aws_cdk import aws_logs as logs
 from constructs import Node
 
-# The public Powertools layer (pydantic and the X-Ray SDK included). 41 is the layer published for
-# aws-lambda-powertools 3.37.0 counting one layer per release from 3.23.0 = 27; check with
-# `aws lambda get-layer-version-by-arn` and override with `-c powertools_layer_version=N`.
-POWERTOOLS_LAYER_VERSION = 41
+# The public Powertools layer (pydantic and the X-Ray SDK included). By default its ARN is resolved at
+# deploy time from the public SSM parameter Powertools publishes for the pinned release;
+# `-c powertools_layer_version=N` names a layer version instead.
 POWERTOOLS_LAYER_ACCOUNT = "017000801446"
 POWERTOOLS_LAYER_NAME = "AWSLambdaPowertoolsPythonV3-python312-arm64"
 
@@ -73,7 +72,7 @@ class Settings:
     log_retention_days: int = 30
     job_spec_buckets: tuple[str, ...] = ()
     alarm_email: str | None = None
-    powertools_layer_version: int = POWERTOOLS_LAYER_VERSION
+    powertools_layer_version: int | None = None
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:

@@ -29,6 +29,7 @@ CUSTOM_CONTEXT = {
     "alarm_email": "ops@example.com",
     "checkpoint_expiry_days": "60",
     "job_spec_buckets": "my-job-specs",
+    "powertools_layer_version": "52",
 }
 
 

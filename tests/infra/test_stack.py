@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 from typing import Any, cast
@@ -17,6 +18,8 @@ from spotcr_functions import catalog, config, registry_schema
 from infra.settings import POWERTOOLS_LAYER_NAME
 from infra.workflow import RECOVERY_ASL, asl_variables
 from tests.infra.conftest import REPO_ROOT, Synth
+
+POWERTOOLS_RELEASE = importlib.metadata.version("aws-lambda-powertools")
 
 # Actions allowed on Resource "*": their services offer no resource-level permissions.
 STAR_RESOURCE_ACTIONS = {
@@ -94,6 +97,12 @@ def test_nag_reports_no_unacknowledged_finding(default_synth: Synth, custom_synt
         assert list(report.violations) == []
 
 
+def test_a_named_powertools_layer_version_replaces_the_ssm_lookup(custom_synth: Synth) -> None:
+    layers = {_flat(f["Properties"]["Layers"]) for f in custom_synth.of_type("AWS::Lambda::Function").values()}
+    assert len(layers) == 1
+    assert f"017000801446:layer:{POWERTOOLS_LAYER_NAME}:52" in layers.pop()
+
+
 def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -> None:
     functions = default_synth.of_type("AWS::Lambda::Function")
     by_handler = {f["Properties"]["Handler"]: f["Properties"] for f in functions.values()}
@@ -107,8 +116,10 @@ def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -
         assert props["TracingConfig"] == {"Mode": "Active"}
         assert props["LoggingConfig"]["LogFormat"] == "JSON"
         assert "LogGroup" in props["LoggingConfig"]
-        layer = _flat(props["Layers"])
-        assert f"{POWERTOOLS_LAYER_NAME}:" in layer and "017000801446" in layer
+        assert len(props["Layers"]) == 1 and "Ref" in props["Layers"][0]
+        layer_parameter = default_synth.template.to_json()["Parameters"][props["Layers"][0]["Ref"]]
+        assert layer_parameter["Type"] == "AWS::SSM::Parameter::Value<String>"
+        assert layer_parameter["Default"] == f"/aws/service/powertools/python/arm64/python3.12/{POWERTOOLS_RELEASE}"
         variables = props["Environment"]["Variables"]
         assert set(config.ENV.values()) <= set(variables)
         assert variables["POWERTOOLS_SERVICE_NAME"] == "spotcr"
