@@ -186,8 +186,11 @@ def _fsync_dir(directory: Path) -> None:
 class S3Backend:
     """Objects in an S3 bucket: one shared, lazily made client; SHA-256 checksums on put, checked on get."""
 
-    def __init__(self, bucket: str, max_connections: int = 32, client: S3Client | None = None) -> None:
+    def __init__(
+        self, bucket: str, max_connections: int = 32, region: str | None = None, client: S3Client | None = None
+    ) -> None:
         self.bucket = bucket
+        self.region = region
         self._max_connections = max_connections
         self._client = client
         self._lock = threading.Lock()
@@ -206,8 +209,9 @@ class S3Backend:
                         connect_timeout=5,
                         read_timeout=60,
                     )
-                    # AWS_ENDPOINT_URL and the region come from the environment, as boto3 reads them.
-                    self._client = boto3.session.Session().client("s3", config=config)
+                    # AWS_ENDPOINT_URL (and the region, unless given) come from the environment, as boto3 reads them.
+                    session = boto3.session.Session()
+                    self._client = session.client("s3", region_name=self.region or None, config=config)
         return self._client
 
     def describe(self, key: str = "") -> str:
