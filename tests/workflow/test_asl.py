@@ -6,6 +6,7 @@ import json
 import re
 
 from spotcr_functions import catalog
+
 from tests.workflow.harness import ASL
 
 KINDS = ("function:", "table:", "topic:", "document:", "launch-template", "bus", "bucket")
