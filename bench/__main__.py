@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [checkpoint|interruption|all] [options]`: spotcr's benchmarks.
+"""`make bench` / `python -m bench [checkpoint|final-dump|interruption|all] [options]`: spotcr's benchmarks.
 
 Benchmarks print figures and write them under bench/results/; they are not tests.
 """
@@ -11,6 +11,7 @@ import sys
 
 BENCHMARKS = {
     "checkpoint": "bench.checkpoint",  # checkpoint speed: s3fs baseline vs spotcr's store, final and after a periodic
+    "final-dump": "bench.final_dump",  # final dump: stream into the store as CRIU writes, or dump then ship
     "interruption": "bench.interruption",  # interruption to restored job, through the control plane
 }
 
