@@ -123,8 +123,9 @@ def test_two_triggers_for_one_interruption_take_one_final_dump(tmp_path, publish
     assert publisher.of("JobExited") == []
 
 
-def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, publisher, reference_output):
-    # Given two periodic checkpoints of a running job, the newer one corrupted in the store
+@pytest.mark.parametrize("damage", ["chunk", "manifest"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, publisher, reference_output, damage):
+    # Given two periodic checkpoints of a running job, the newer one's chunk or manifest corrupted in the store
     (tmp_path / "store").mkdir()
     store = CheckpointStore.for_directory(tmp_path / "store", "job-1")
     config = make_config(tmp_path, "primary", command=compute_command(32, 40, 0.1))
@@ -137,7 +138,11 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, pu
     os.kill(pid, signal.SIGSTOP)
     manifests = {m.checkpoint_id: m for m in store.checkpoints()}
     unique = manifests[newer.checkpoint_id].chunk_hashes() - manifests[older.checkpoint_id].chunk_hashes()
-    victim = next((tmp_path / "store" / "jobs" / "job-1" / "chunks").glob(f"*/{sorted(unique)[0]}"))
+    job_root = tmp_path / "store" / "jobs" / "job-1"
+    if damage == "chunk":
+        victim = next((job_root / "chunks").glob(f"*/{sorted(unique)[0]}"))
+    else:
+        victim = job_root / "checkpoints" / f"{newer.checkpoint_id}.json"
     victim.write_bytes(b"bit rot" + victim.read_bytes()[7:])
 
     # When the backup restores the newest checkpoint

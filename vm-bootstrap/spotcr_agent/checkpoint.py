@@ -37,15 +37,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint was not taken; the message says why."""
 
 
-class Backend(Protocol):
-    def check(self) -> None: ...
-
-
 class Store(Protocol):
     """The part of spotcr_agent.store.CheckpointStore that checkpoints and restores use."""
 
-    @property
-    def backend(self) -> Backend: ...
+    def check(self) -> None: ...
 
     def commit(
         self,
@@ -55,7 +50,7 @@ class Store(Protocol):
         still_writing: Callable[[], bool] | None = None,
     ) -> CommitResult: ...
 
-    def checkpoints(self) -> list[Manifest]: ...
+    def checkpoint_ids(self) -> list[str]: ...
 
     def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest: ...
 
@@ -200,10 +195,9 @@ class Checkpointer:
             extra = workdir_files(self.workdir)
             dump = self.criu.start_dump(self.criu.dump_argv(pid, images, logs, leave_running=False))
             if self.final_mode == "stream":
+                watch = _CriuWatch(self.criu, dump, logs)
                 try:
-                    result = self.store.commit(
-                        images, meta, extra_files=extra, still_writing=_criu_running(self.criu, dump, logs)
-                    )
+                    result = self.store.commit(images, meta, extra_files=extra, still_writing=watch)
                 except CriuError as error:
                     raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
                 except Exception as error:
@@ -211,7 +205,8 @@ class Checkpointer:
                     self._finish(dump, logs)
                     result = self.store.commit(images, meta, extra_files=extra)
                 self._finish(dump, logs)
-                frozen = time.monotonic() - started
+                # Frozen until CRIU exited, not until the upload that overlapped it finished.
+                frozen = (watch.exited_at or time.monotonic()) - started
             else:
                 self._finish(dump, logs)
                 frozen = time.monotonic() - started
@@ -229,7 +224,7 @@ class Checkpointer:
         problem = checkpointable_problem(pid)
         if problem:
             raise CheckpointError(problem)
-        self.store.backend.check()
+        self.store.check()
 
     def _new_id(self, generation: int, kind: str) -> str:
         return checkpoint_id(int(self.clock() * 1000), generation, kind)
@@ -289,17 +284,23 @@ def _not_running(status: str, exit_code: int | None) -> str:
     return "the job is not running on this VM"
 
 
-def _criu_running(criu: Criu, dump: subprocess.Popen[bytes], logs: Path) -> Callable[[], bool]:
+@dataclass
+class _CriuWatch:
     """`still_writing` for the store: True while CRIU writes; raises if CRIU failed, so nothing is committed."""
 
-    def still_writing() -> bool:
-        if dump.poll() is None:
-            return True
-        if dump.returncode != 0:
-            criu.finish_dump(dump, logs)
-        return False
+    criu: Criu
+    dump: subprocess.Popen[bytes]
+    logs: Path
+    exited_at: float | None = None
 
-    return still_writing
+    def __call__(self) -> bool:
+        if self.dump.poll() is None:
+            return True
+        if self.exited_at is None:
+            self.exited_at = time.monotonic()
+        if self.dump.returncode != 0:
+            self.criu.finish_dump(self.dump, self.logs)
+        return False
 
 
 def _snapshot_script(path: Path, workdir: Path, snapshot: Path) -> Path:

@@ -121,7 +121,7 @@ class Restorer:
     def _candidates(self, checkpoint_id: str | None) -> list[str]:
         if checkpoint_id:
             return [checkpoint_id]
-        candidates = [m.checkpoint_id for m in self.store.checkpoints()]
+        candidates = self.store.checkpoint_ids()
         if not candidates:
             raise RestoreError(f"job {self.job_id} has no committed checkpoint to restore")
         return candidates

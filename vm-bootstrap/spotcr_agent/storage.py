@@ -48,7 +48,7 @@ def is_mount(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool
 def open_store(config: AgentConfig) -> CheckpointStore:
     """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
     if config.storage == "s3":
-        return CheckpointStore.for_s3(config.bucket, config.job_id)
+        return CheckpointStore.for_s3(config.bucket, config.job_id, region=config.region)
     if not is_mount(config.mount_point):
         raise StorageError(
             f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"

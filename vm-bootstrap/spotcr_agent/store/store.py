@@ -89,12 +89,13 @@ class CheckpointStore:
         bucket: str,
         job_id: str,
         *,
+        region: str | None = None,
         workers: int = 16,
         compression_level: int = 1,
         chunking: Chunking | None = None,
     ) -> CheckpointStore:
         """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment."""
-        backend = S3Backend(bucket, max_connections=workers + 4)
+        backend = S3Backend(bucket, max_connections=workers + 4, region=region or None)
         return cls(backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking)
 
     @classmethod
@@ -178,9 +179,13 @@ class CheckpointStore:
             seconds=time.monotonic() - started,
         )
 
+    def check(self) -> None:
+        """Raise StoreUnavailable, naming the bucket or path, unless checkpoints can be written now."""
+        self.backend.check()
+
     def checkpoints(self) -> list[Manifest]:
         """Committed checkpoints, newest first."""
-        return [self.load(checkpoint_id) for checkpoint_id in self._checkpoint_ids()]
+        return [self.load(checkpoint_id) for checkpoint_id in self.checkpoint_ids()]
 
     def load(self, checkpoint_id: str) -> Manifest:
         check_checkpoint_id(checkpoint_id)
@@ -236,7 +241,7 @@ class CheckpointStore:
         if keep < 1:
             raise ValueError("prune keeps at least the newest checkpoint")
         now = time.time()
-        ids = self._checkpoint_ids()
+        ids = self.checkpoint_ids()
         kept, doomed = list(ids[:keep]), []
         for newer, checkpoint_id in zip(ids[keep - 1 :], ids[keep:], strict=False):
             if now - _id_seconds(newer) >= grace_seconds:
@@ -289,7 +294,7 @@ class CheckpointStore:
 
     def _known_chunks(self, parent: str | None) -> set[str]:
         """Chunks committed by the newest checkpoint (and the named parent): sent once, never again."""
-        ids = self._checkpoint_ids()
+        ids = self.checkpoint_ids()
         sources = {ids[0]} if ids else set()
         if parent and parent in ids:
             sources.add(parent)
@@ -300,7 +305,8 @@ class CheckpointStore:
                 known |= self.load(checkpoint_id).chunk_hashes()
         return known
 
-    def _checkpoint_ids(self) -> list[str]:
+    def checkpoint_ids(self) -> list[str]:
+        """Ids of committed checkpoints, newest first, from one listing: no manifest is read."""
         ids = []
         for obj in self.backend.scan(self._prefix + "checkpoints/"):
             name = obj.key.rsplit("/", 1)[-1]
