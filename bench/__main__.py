@@ -12,19 +12,12 @@ import sys
 BENCHMARKS = {
     "checkpoint": "bench.checkpoint",  # checkpoint speed: s3fs baseline vs spotcr's store, final and after a periodic
     "final-dump": "bench.final_dump",  # final dump: stream into the store as CRIU writes, or dump then ship
-    "interruption": "bench.interruption",  # interruption to restored job, through the control plane
+    "interruption": "bench.interruption",  # interruption warning to final-dump command, through the real handler
 }
 
 
 def run(name: str, argv: list[str]) -> int:
-    try:
-        module = importlib.import_module(BENCHMARKS[name])
-    except ModuleNotFoundError as error:
-        if error.name != BENCHMARKS[name]:
-            raise
-        print(f"bench {name}: {BENCHMARKS[name].replace('.', '/')}.py is not there yet", file=sys.stderr)
-        return 2
-    return int(module.main(argv))
+    return int(importlib.import_module(BENCHMARKS[name]).main(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
