@@ -118,6 +118,7 @@ class LocalCloud:
         self._scheduler: threading.Thread | None = None
         self._lock = threading.Lock()
         self._saved_stdout: Any = None
+        self._cloud_log: logging.Handler | None = None
 
     def __enter__(self) -> LocalCloud:
         self.start()
@@ -165,6 +166,10 @@ class LocalCloud:
         # Handlers log and publish metrics on stdout, as in Lambda; here that is the run's functions.log.
         self._saved_stdout = sys.stdout
         sys.stdout = (self.run_dir / "functions.log").open("a", buffering=1)
+        self._cloud_log = logging.FileHandler(self.run_dir / "cloud.log")
+        moto_logger = logging.getLogger("moto")
+        moto_logger.addHandler(self._cloud_log)
+        moto_logger.propagate = False
         self._install_hooks()
         self._create_stack()
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
@@ -182,6 +187,12 @@ class LocalCloud:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches.clear()
+        if self._cloud_log is not None:
+            moto_logger = logging.getLogger("moto")
+            moto_logger.removeHandler(self._cloud_log)
+            moto_logger.propagate = True
+            self._cloud_log.close()
+            self._cloud_log = None
         if self._saved_stdout is not None:
             sys.stdout.close()
             sys.stdout = self._saved_stdout

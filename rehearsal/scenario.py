@@ -17,6 +17,7 @@ from typing import Any
 from spotcr_contracts import events as agent_events
 from spotcr_contracts import tags
 from spotcr_functions import catalog
+from spotcr_functions.config import ENV
 
 from rehearsal.cloud import LocalCloud
 from rehearsal.timeline import Timeline
@@ -42,7 +43,7 @@ class Options:
     interval_s: int = 10  # spotcr:interval of the job (periodic checkpoints)
     schedule_every_s: float = 5.0  # the scheduled rule's "every minute", compressed
     checkpoints_before_interruption: int = 1
-    timeout_s: float = 900.0
+    timeout_s: float = 300.0  # for each phase: start, each recovery, the end of the job
     runs_dir: Path = REPO / "rehearsal-runs"
     keep_vms: bool = False
 
@@ -108,13 +109,20 @@ class Watcher:
                     {"checkpoint_id": event.checkpoint_id, "seconds": event.seconds, "bytes": event.bytes_total}
                 )
         elif isinstance(event, agent_events.RestoreCompleted):
-            say.span(vm, "restore", max(0.0, now - event.seconds), now, f"job restored on {vm} from "
-                     f"{event.checkpoint_id} in {event.seconds:.2f} s")
+            say.span(
+                vm,
+                "restore",
+                max(0.0, now - event.seconds),
+                now,
+                f"job restored on {vm} from {event.checkpoint_id} in {event.seconds:.2f} s",
+            )
             self._running_since[vm] = now
         elif isinstance(event, agent_events.JobExited):
             self._end_execution(vm, now)
             say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code}")
-        elif isinstance(event, (agent_events.CheckpointFailed, agent_events.RestoreFailed, agent_events.BootstrapFailed)):
+        elif isinstance(
+            event, (agent_events.CheckpointFailed, agent_events.RestoreFailed, agent_events.BootstrapFailed)
+        ):
             say.point(vm, "failure", f"! {event.DETAIL_TYPE} on {vm}: {json.dumps(event.detail())}")
 
     def _end_execution(self, vm: str, end: float) -> None:
@@ -125,21 +133,38 @@ class Watcher:
     def vm_stopped(self, vm: str) -> None:
         self._end_execution(vm, self.timeline.now())
 
-    def wait(self, predicate: Callable[[str, agent_events.AgentEvent], bool], timeout_s: float, what: str) -> Any:
+    def wait(
+        self,
+        predicate: Callable[[str, agent_events.AgentEvent], bool],
+        timeout_s: float,
+        what: str,
+        health: Callable[[], None] = lambda: None,
+    ) -> Any:
+        """The first event that satisfies predicate; `health` raises as soon as the run cannot succeed."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
                 for detail_type, event in self.seen:
                     if predicate(detail_type, event):
                         return event
+                    if isinstance(event, agent_events.BootstrapFailed):
+                        raise RehearsalFailed(f"bootstrap failed on {event.instance_id}: {event.step}: {event.reason}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RehearsalFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
-                self._changed.wait(min(remaining, 1.0))
+                health()
+                self._changed.wait(min(remaining, 2.0))
 
     def count(self, predicate: Callable[[str, agent_events.AgentEvent], bool]) -> int:
         with self._changed:
             return sum(1 for detail_type, event in self.seen if predicate(detail_type, event))
+
+
+def restored_after(generation: int) -> Callable[[str, agent_events.AgentEvent], bool]:
+    def restored(detail_type: str, event: agent_events.AgentEvent) -> bool:
+        return detail_type == "RestoreCompleted" and event.generation > generation
+
+    return restored
 
 
 def job_command(options: Options, pace: float | None = None) -> list[str]:
@@ -204,9 +229,7 @@ class Rehearsal:
             self.cloud.boot_commands = self._boot_commands()
             say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
             instance_id = self._submit()
-            self.watcher.wait(
-                lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start"
-            )
+            self.watcher.wait(lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start")
             reference.start()
             recoveries: list[float] = []
             current, generation = instance_id, 0
@@ -214,15 +237,18 @@ class Rehearsal:
                 self._await_periodic(current, generation)
                 warned = self._interrupt(current, number)
                 restored = self.watcher.wait(
-                    lambda t, e, g=generation: t == "RestoreCompleted" and e.generation > g,
+                    restored_after(generation),
                     options.timeout_s,
                     f"the job to be restored after interruption {number}",
+                    self._workflow_health,
                 )
                 recovery = self.timeline.now() - warned
                 recoveries.append(round(recovery, 2))
                 say(f"interruption {number}: warning to running again in {recovery:.1f} s")
                 current, generation = restored.instance_id, restored.generation
-            exited = self.watcher.wait(lambda t, e: t == "JobExited", options.timeout_s, "the job to finish")
+            exited = self.watcher.wait(
+                lambda t, e: t == "JobExited", options.timeout_s, "the job to finish", self._workflow_health
+            )
             if exited.exit_code != 0:
                 raise RehearsalFailed(f"the job exited with {exited.exit_code} on {exited.instance_id}")
             result = self._result(exited.instance_id)
@@ -230,8 +256,9 @@ class Rehearsal:
             expected = expected_box.get("r", "")
             say(f"result after {options.interruptions} interruption(s): {result}")
             say(f"uninterrupted reference:             {expected}")
-            outcome = Outcome(result, expected, recoveries, self.run_dir, self.run_dir / "timeline.png",
-                              self.watcher.final_dumps)
+            outcome = Outcome(
+                result, expected, recoveries, self.run_dir, self.run_dir / "timeline.png", self.watcher.final_dumps
+            )
         finally:
             for vm in self.cloud.vms.values():
                 self.watcher.vm_stopped(vm.instance_id)
@@ -241,6 +268,18 @@ class Rehearsal:
                     vm.remove()
         self._write_timeline(outcome)
         return outcome
+
+    def _workflow_health(self) -> None:
+        """A recovery workflow that failed ends the rehearsal with its error, not with a timeout."""
+        sfn = self.cloud.client("stepfunctions")
+        machine = self.cloud.settings_env[ENV["recovery_state_machine_arn"]]
+        for execution in sfn.list_executions(stateMachineArn=machine)["executions"]:
+            if execution["status"] in ("FAILED", "TIMED_OUT", "ABORTED"):
+                detail = sfn.describe_execution(executionArn=execution["executionArn"])
+                raise RehearsalFailed(
+                    f"recovery workflow {execution['name']} {execution['status']}: "
+                    f"{detail.get('error', '')}: {str(detail.get('cause', ''))[:400]}"
+                )
 
     def _boot_commands(self) -> list[list[str]]:
         """What bootstrap.sh runs once packages are installed: `spotcr-agent bootstrap ...`, then the daemon."""
@@ -304,8 +343,9 @@ class Rehearsal:
         vm.imds.instance_action = {"action": "terminate", "time": action_time.strftime("%Y-%m-%dT%H:%M:%SZ")}
         warned = self.timeline.now()
         self.timeline.point(
-            instance_id, "warning", f"interruption {number}: spot interruption warning for {instance_id} "
-            f"(terminated in {notice:.0f} s)"
+            instance_id,
+            "warning",
+            f"interruption {number}: spot interruption warning for {instance_id} (terminated in {notice:.0f} s)",
         )
         self.cloud.emit_ec2(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
 

@@ -1,0 +1,32 @@
+"""End to end: a real job, real CRIU, the shipped handlers and ASL, two successive interruptions."""
+
+import pytest
+
+from rehearsal.scenario import Options, Rehearsal
+
+
+@pytest.mark.e2e
+@pytest.mark.criu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("storage", ["s3", "ebs"])
+def test_a_job_interrupted_twice_ends_with_the_uninterrupted_result(storage, tmp_path):
+    # Given a 32 MiB job that runs about a minute, with periodic dumps every 10 s
+    options = Options(
+        storage=storage,
+        size_mb=32,
+        steps=4000,
+        pace_s=0.015,
+        interruptions=2,
+        notice_s=8.0,
+        interval_s=10,
+        schedule_every_s=2.0,
+        timeout_s=90.0,
+        runs_dir=tmp_path,
+    )
+    lines = []
+    # When its primary is interrupted, and then its backup
+    outcome = Rehearsal(options, echo=lines.append).run()
+    # Then it was restored twice and finished with the same result as a run that was never interrupted
+    assert len(outcome.recoveries_s) == 2, "\n".join(lines)
+    assert outcome.result == outcome.expected, "\n".join(lines)
+    assert outcome.timeline_png.stat().st_size > 0
