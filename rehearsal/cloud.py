@@ -118,6 +118,7 @@ class LocalCloud:
         self._scheduler: threading.Thread | None = None
         self._lock = threading.Lock()
         self._saved_stdout: Any = None
+        self._functions_log: Any = None
         self._cloud_log: logging.Handler | None = None
 
     def __enter__(self) -> LocalCloud:
@@ -164,8 +165,10 @@ class LocalCloud:
             }
         )
         # Handlers log and publish metrics on stdout, as in Lambda; here that is the run's functions.log.
+        self._functions_log = (self.run_dir / "functions.log").open("a", buffering=1)
         self._saved_stdout = sys.stdout
-        sys.stdout = (self.run_dir / "functions.log").open("a", buffering=1)
+        _STDOUT.target = self._functions_log
+        sys.stdout = _STDOUT
         self._cloud_log = logging.FileHandler(self.run_dir / "cloud.log")
         moto_logger = logging.getLogger("moto")
         moto_logger.addHandler(self._cloud_log)
@@ -194,9 +197,11 @@ class LocalCloud:
             self._cloud_log.close()
             self._cloud_log = None
         if self._saved_stdout is not None:
-            sys.stdout.close()
+            # Loggers made meanwhile hold the redirecting stream: it writes to the real stdout again.
+            _STDOUT.target = self._saved_stdout
             sys.stdout = self._saved_stdout
             self._saved_stdout = None
+            self._functions_log.close()
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -436,7 +441,9 @@ class LocalCloud:
                 vm = cloud.vms.get(instance_id)
                 if attachment is not None and vm is not None:
                     vm.attach_device(volume_id, cloud.volumes.device(volume_id))
-                    cloud.timeline.point(instance_id, "attach", f"volume {volume_id} attached to {instance_id}")
+                    cloud.timeline.point(
+                        instance_id, "attach", f"storage: volume {volume_id} attached to {instance_id}"
+                    )
                 return attachment
 
             return hooked
@@ -650,6 +657,22 @@ class LocalCloud:
         if "InProgress" not in statuses:
             command.status = "Success" if statuses == {"Success"} else "Failed"
             command.status_details = command.status
+
+
+class _Redirect(io.TextIOBase):
+    """A stdout that writes wherever `target` points, so loggers bound to it follow the redirection."""
+
+    def __init__(self) -> None:
+        self.target: Any = sys.stdout
+
+    def write(self, text: str) -> int:
+        return int(self.target.write(text))
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+_STDOUT = _Redirect()
 
 
 def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:

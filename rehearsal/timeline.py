@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Marks drawn as points on a VM's row; spans are drawn as bars.
-POINT_KINDS = ("checkpoint", "warning", "terminated")
+# Spans are drawn as bars on a VM's row, points as markers above it.
 SPAN_COLOURS = {
     "allocation": "#bdbdbd",
     "execution": "#4caf50",
@@ -26,6 +25,7 @@ SPAN_COLOURS = {
 POINT_STYLES = {
     "checkpoint": ("|", "#1e88e5"),
     "warning": ("v", "#ff9800"),
+    "attach": ("s", "#795548"),
     "terminated": ("x", "#000000"),
 }
 
