@@ -69,6 +69,7 @@ class Watcher:
         self.timeline = timeline
         self.seen: list[tuple[str, agent_events.AgentEvent]] = []
         self.final_dumps: list[dict[str, Any]] = []
+        self.work_redone_s: list[float] = []
         self._running_since: dict[str, float] = {}
         self._changed = threading.Condition()
 
@@ -117,6 +118,15 @@ class Watcher:
                 f"job restored on {vm} from {event.checkpoint_id} in {event.seconds:.2f} s",
             )
             self._running_since[vm] = now
+            if event.skipped:
+                say.say(f"  newer checkpoints skipped: {event.skipped}")
+            newest = max((d["checkpoint_id"] for d in self.final_dumps), default="")
+            if newest > event.checkpoint_id:
+                lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
+                say.say(
+                    f"! restored from {event.checkpoint_id} although final dump {newest} is committed: {lost:.1f} s of work redone"
+                )
+                self.work_redone_s.append(lost)
         elif isinstance(event, agent_events.JobExited):
             self._end_execution(vm, now)
             say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code}")
@@ -375,6 +385,7 @@ class Rehearsal:
             "notice_s": self.options.notice_s,
             "warning_to_running_s": outcome.recoveries_s,
             "final_dumps": outcome.final_dumps,
+            "work_redone_s": self.watcher.work_redone_s,
             "result": outcome.result,
             "expected": outcome.expected,
             "identical": outcome.identical,
