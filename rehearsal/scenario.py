@@ -124,7 +124,8 @@ class Watcher:
             if newest > event.checkpoint_id:
                 lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
                 say.say(
-                    f"! restored from {event.checkpoint_id} although final dump {newest} is committed: {lost:.1f} s of work redone"
+                    f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
+                    f"{lost:.1f} s of work redone"
                 )
                 self.work_redone_s.append(lost)
         elif isinstance(event, agent_events.JobExited):
