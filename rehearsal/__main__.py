@@ -27,6 +27,13 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--notice", type=float, default=120.0, help="seconds from warning to termination (AWS: 120)")
     parser.add_argument("--quick", action="store_true", help="a 15 s notice instead of 120 s")
     parser.add_argument("--schedule-every", type=float, default=5.0, help="seconds standing in for the 1-min schedule")
+    parser.add_argument(
+        "--rebalance",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="send a rebalance recommendation S s before each warning",
+    )
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
     args = parser.parse_args(argv)
     return Options(
@@ -39,6 +46,7 @@ def parse(argv: list[str]) -> Options:
         interval_s=args.interval,
         schedule_every_s=args.schedule_every,
         keep_vms=args.keep_vms,
+        rebalance_lead_s=args.rebalance,
     )
 
 

@@ -46,6 +46,7 @@ class Options:
     timeout_s: float = 300.0  # for each phase: start, each recovery, the end of the job
     runs_dir: Path = REPO / "rehearsal-runs"
     keep_vms: bool = False
+    rebalance_lead_s: float = 0.0  # > 0: a rebalance recommendation this long before each warning, as FIS sends
 
 
 @dataclass
@@ -350,6 +351,10 @@ class Rehearsal:
         """As AWS (and FIS) does: the notice on IMDS and the warning event, then the instance goes away."""
         notice = self.options.notice_s
         vm = self.cloud.vms[instance_id]
+        if self.options.rebalance_lead_s > 0:
+            self.timeline.say(f"rebalance recommendation for {instance_id}")
+            self.cloud.emit_ec2(catalog.REBALANCE_RECOMMENDATION, instance_id, {})
+            time.sleep(self.options.rebalance_lead_s)
         action_time = datetime.now(UTC) + timedelta(seconds=notice)
         vm.imds.instance_action = {"action": "terminate", "time": action_time.strftime("%Y-%m-%dT%H:%M:%SZ")}
         warned = self.timeline.now()
