@@ -451,10 +451,11 @@ class LocalCloud:
         patch(EC2Backend, "attach_volume", attach_volume)
 
         def detach_volume(original: Any) -> Any:
-            def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
+            def hooked(backend: Any, volume_id: str, instance_id: str | None, *args: Any, **kwargs: Any) -> Any:
                 volume = backend.get_volume(volume_id)
-                owner = volume.attachment.instance.id if volume.attachment else instance_id
-                attachment = original(backend, volume_id, instance_id, *args, **kwargs)
+                # DetachVolume may omit InstanceId (moto requires it): the volume's current attachment names it.
+                owner = instance_id or (volume.attachment.instance.id if volume.attachment else None)
+                attachment = original(backend, volume_id, owner, *args, **kwargs)
                 vm = cloud.vms.get(owner)
                 if vm is not None:
                     vm.detach_device(volume_id)

@@ -128,3 +128,24 @@ def test_running_and_terminated_state_changes_are_emitted(cloud):
     wait_for(lambda: "terminated" in states())
     assert states() == ["pending", "running", "shutting-down", "terminated"]
     assert vm.run.__self__.terminated
+
+
+@pytest.mark.criu
+def test_an_ebs_volume_moves_between_vms_with_its_data(cloud):
+    # Given a new volume attached to a first VM, which formats it and writes a file
+    ec2 = cloud.client("ec2")
+    first_id, first = launch(cloud, {"Name": "a"})
+    second_id, second = launch(cloud, {"Name": "b"})
+    volume_id = ec2.create_volume(AvailabilityZone="us-east-1a", Size=1)["VolumeId"]
+    ec2.attach_volume(VolumeId=volume_id, InstanceId=first_id, Device="/dev/sdf")
+    link = f"/dev/disk/by-id/nvme-Amazon_Elastic_Block_Store_vol{volume_id.removeprefix('vol-')}"
+    script = f"mkfs.ext4 -q {link} && mkdir -p /mnt/spotcr && mount {link} /mnt/spotcr && echo kept > /mnt/spotcr/f"
+    assert first.run(["sh", "-c", script + " && umount /mnt/spotcr"]).returncode == 0
+    assert second.run(["test", "-e", link]).returncode == 1
+    # When it is detached and attached to the second VM
+    ec2.detach_volume(VolumeId=volume_id)
+    ec2.attach_volume(VolumeId=volume_id, InstanceId=second_id, Device="/dev/sdf")
+    # Then only the second VM has it, with the data
+    assert first.run(["test", "-e", link]).returncode == 1
+    read = second.run(["sh", "-c", f"mount {link} /mnt/spotcr && cat /mnt/spotcr/f && umount /mnt/spotcr"])
+    assert read.stdout == "kept\n", read.stderr
