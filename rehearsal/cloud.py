@@ -456,7 +456,7 @@ class LocalCloud:
                 # DetachVolume may omit InstanceId (moto requires it): the volume's current attachment names it.
                 owner = instance_id or (volume.attachment.instance.id if volume.attachment else None)
                 attachment = original(backend, volume_id, owner, *args, **kwargs)
-                vm = cloud.vms.get(owner)
+                vm = cloud.vms.get(owner or "")
                 if vm is not None:
                     vm.detach_device(volume_id)
                 return attachment
