@@ -20,7 +20,7 @@ def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     if record is None:
         logger.info("agent event for an unknown job", job_id=event.job_id, detail_type=event.DETAIL_TYPE)
         return {"action": "ignored", "reason": "unknown job"}
-    if event.generation != record.generation:
+    if event.generation != record.generation and not _last_checkpoint_of_interrupted_primary(record, event):
         # A zombie primary (lower generation) must never move the job; a higher one cannot come from spotcr.
         logger.warning(
             "agent event from another generation ignored",
@@ -35,6 +35,17 @@ def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     if handler is None:
         return {"action": "ignored", "reason": f"no action for {event.DETAIL_TYPE}"}
     return handler(deps, record, event)
+
+
+def _last_checkpoint_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
+    """The primary may commit its final dump (on its own IMDS notice) at the generation it served before the
+    warning bumped it; while the job recovers, that checkpoint is exactly the one recovery wants."""
+    return (
+        isinstance(event, events.CheckpointCompleted)
+        and record.status == Status.RECOVERING
+        and event.generation == record.generation - 1
+        and event.instance_id == record.recovering_from
+    )
 
 
 def _agent_ready(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:

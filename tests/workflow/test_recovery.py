@@ -46,7 +46,10 @@ def _commit(
     return checkpoint
 
 
-def test_happy_path_final_dump_backup_restore(plane: ControlPlane) -> None:
+# The final dump reaches the store at generation 1 when the SSM command ordered it, at 0 when the agent's own
+# IMDS poll saw the notice before the bumped command arrived.
+@pytest.mark.parametrize("final_generation", [1, 0])
+def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generation: int) -> None:
     # Given a running job with one periodic checkpoint
     primary = plane.start_job("render-1")
     periodic = _commit(plane, "render-1", primary, 0, "periodic")
@@ -66,7 +69,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane) -> None:
 
     # When the old VM commits its final dump and the backup's agent is ready
     plane.wait_for_token("render-1", "final-dump")
-    final = _commit(plane, "render-1", primary, 1, "final")
+    final = _commit(plane, "render-1", primary, final_generation, "final")
     route(agent_event(events.AgentReady("render-1", backup, 1, now_iso(), mode="restore")))
 
     # Then the restore of the final dump is ordered on the backup
