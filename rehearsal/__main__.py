@@ -34,6 +34,7 @@ def parse(argv: list[str]) -> Options:
         metavar="S",
         help="send a rebalance recommendation S s before each warning",
     )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds each phase may take (default 300)")
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
     args = parser.parse_args(argv)
     return Options(
@@ -47,6 +48,7 @@ def parse(argv: list[str]) -> Options:
         schedule_every_s=args.schedule_every,
         keep_vms=args.keep_vms,
         rebalance_lead_s=args.rebalance,
+        timeout_s=args.timeout,
     )
 
 

@@ -228,58 +228,78 @@ class Rehearsal:
                 "ebs_volume_gib": 2,
             },
             on_event=self.watcher,
-            boot_commands=None,
         )
+        self.recoveries_s: list[float] = []
+        self.outcome: Outcome | None = None
 
     def run(self) -> Outcome:
-        options = self.options
-        say = self.timeline.say
-        expected_box: dict[str, str] = {}
-        reference = threading.Thread(target=lambda: expected_box.update(r=reference_result(options)), daemon=True)
+        """Run the whole rehearsal; the timeline is written even when it fails, to show how far it got."""
         self.cloud.start()
         try:
-            self.cloud.boot_commands = self._boot_commands()
-            say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
-            instance_id = self._submit()
-            self.watcher.wait(lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start")
-            reference.start()
-            recoveries: list[float] = []
-            current, generation = instance_id, 0
-            for number in range(1, options.interruptions + 1):
-                self._await_periodic(current, generation)
-                warned = self._interrupt(current, number)
-                restored = self.watcher.wait(
-                    restored_after(generation),
-                    options.timeout_s,
-                    f"the job to be restored after interruption {number}",
-                    self._workflow_health,
-                )
-                recovery = self.timeline.now() - warned
-                recoveries.append(round(recovery, 2))
-                say(f"interruption {number}: warning to running again in {recovery:.1f} s")
-                current, generation = restored.instance_id, restored.generation
-            exited = self.watcher.wait(
-                lambda t, e: t == "JobExited", options.timeout_s, "the job to finish", self._workflow_health
-            )
-            if exited.exit_code != 0:
-                raise RehearsalFailed(f"the job exited with {exited.exit_code} on {exited.instance_id}")
-            result = self._result(exited.instance_id)
-            reference.join(options.timeout_s)
-            expected = expected_box.get("r", "")
-            say(f"result after {options.interruptions} interruption(s): {result}")
-            say(f"uninterrupted reference:             {expected}")
-            outcome = Outcome(
-                result, expected, recoveries, self.run_dir, self.run_dir / "timeline.png", self.watcher.final_dumps
-            )
+            return self._run()
+        except RehearsalFailed as error:
+            raise RehearsalFailed(f"{error}{self._workflow_position()}") from None
         finally:
             for vm in self.cloud.vms.values():
                 self.watcher.vm_stopped(vm.instance_id)
             self.cloud.stop()
-            if not options.keep_vms:
+            if not self.options.keep_vms:
                 for vm in self.cloud.vms.values():
                     vm.remove()
-        self._write_timeline(outcome)
-        return outcome
+            self._write_timeline()
+
+    def _run(self) -> Outcome:
+        options, say = self.options, self.timeline.say
+        expected_box: dict[str, str] = {}
+        reference = threading.Thread(target=lambda: expected_box.update(r=reference_result(options)), daemon=True)
+        self.cloud.boot_commands = self._boot_commands()
+        say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
+        instance_id = self._submit()
+        self.watcher.wait(lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start")
+        reference.start()
+        current, generation = instance_id, 0
+        for number in range(1, options.interruptions + 1):
+            self._await_periodic(current, generation)
+            warned = self._interrupt(current, number)
+            restored = self.watcher.wait(
+                restored_after(generation),
+                options.timeout_s,
+                f"the job to be restored after interruption {number}",
+                self._workflow_health,
+            )
+            recovery = self.timeline.now() - warned
+            self.recoveries_s.append(round(recovery, 2))
+            say(f"interruption {number}: warning to running again in {recovery:.1f} s")
+            current, generation = restored.instance_id, restored.generation
+        exited = self.watcher.wait(
+            lambda t, e: t == "JobExited", options.timeout_s, "the job to finish", self._workflow_health
+        )
+        if exited.exit_code != 0:
+            raise RehearsalFailed(f"the job exited with {exited.exit_code} on {exited.instance_id}")
+        result = self._result(exited.instance_id)
+        reference.join(options.timeout_s)
+        expected = expected_box.get("r", "")
+        say(f"result after {options.interruptions} interruption(s): {result}")
+        say(f"uninterrupted reference:             {expected}")
+        self.outcome = Outcome(
+            result, expected, self.recoveries_s, self.run_dir, self.run_dir / "timeline.png", self.watcher.final_dumps
+        )
+        return self.outcome
+
+    def _workflow_position(self) -> str:
+        """Where each unfinished recovery workflow stands, to say what a timeout was waiting on."""
+        try:
+            sfn = self.cloud.client("stepfunctions")
+            machine = self.cloud.settings_env[ENV["recovery_state_machine_arn"]]
+            positions = []
+            for execution in sfn.list_executions(stateMachineArn=machine, statusFilter="RUNNING")["executions"]:
+                history = sfn.get_execution_history(executionArn=execution["executionArn"], maxResults=1000)
+                entered = [e for e in history["events"] if "stateEnteredEventDetails" in e]
+                last = max(entered, key=lambda e: e["id"])["stateEnteredEventDetails"]["name"] if entered else "?"
+                positions.append(f"{execution['name']} at {last}")
+        except Exception as error:
+            return f" (workflow state unknown: {error})"
+        return f"; running workflows: {', '.join(positions)}" if positions else ""
 
     def _workflow_health(self) -> None:
         """A recovery workflow that failed ends the rehearsal with its error, not with a timeout."""
@@ -383,22 +403,23 @@ class Rehearsal:
             time.sleep(0.1)
         return path.read_text().strip().splitlines()[-1]
 
-    def _write_timeline(self, outcome: Outcome) -> None:
+    def _write_timeline(self) -> None:
+        outcome = self.outcome
         summary = {
             "storage": self.options.storage,
             "size_mb": self.options.size_mb,
             "interruptions": self.options.interruptions,
             "notice_s": self.options.notice_s,
-            "warning_to_running_s": outcome.recoveries_s,
-            "final_dumps": outcome.final_dumps,
+            "warning_to_running_s": self.recoveries_s,
+            "final_dumps": self.watcher.final_dumps,
             "work_redone_s": self.watcher.work_redone_s,
-            "result": outcome.result,
-            "expected": outcome.expected,
-            "identical": outcome.identical,
+            "result": outcome.result if outcome else None,
+            "expected": outcome.expected if outcome else None,
+            "identical": outcome.identical if outcome else None,
         }
         title = (
             f"spotcr rehearsal: {self.options.storage}, {self.options.size_mb} MiB job, "
-            f"{self.options.interruptions} interruption(s)"
+            f"{self.options.interruptions} interruption(s)" + ("" if outcome else " - FAILED")
         )
         json_path, png_path = self.timeline.write(self.run_dir, summary, title)
         self.timeline.say(f"timeline: {png_path} and {json_path}")
