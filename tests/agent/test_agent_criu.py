@@ -83,7 +83,9 @@ def mounted_store(tmp_path):
     subprocess.run(["umount", "-l", str(store)], check=True)
 
 
-def test_two_triggers_for_one_interruption_take_one_final_dump(tmp_path, publisher, mounted_store):
+# The IMDS poll asks at the generation the VM serves (1); the warning's SSM command at the same or the bumped one.
+@pytest.mark.parametrize("ssm_generation", [1, 2])
+def test_two_triggers_for_one_interruption_take_one_final_dump(tmp_path, publisher, mounted_store, ssm_generation):
     # Given a running job whose agent config is on disk, as on a VM
     config = make_config(tmp_path, mount_point=mounted_store, command=compute_command(64, 40, 0.1))
     config_path = tmp_path / "agent.json"
@@ -96,8 +98,9 @@ def test_two_triggers_for_one_interruption_take_one_final_dump(tmp_path, publish
     root = Path(__file__).parents[2]
     pythonpath = os.pathsep.join(str(root / p) for p in ("functions", "vm-bootstrap", "."))
     environ = {**os.environ, "SPOTCR_AGENT_CONFIG": str(config_path), "PYTHONPATH": pythonpath}
+    argv = ["checkpoint", "--job", "job-1", "--generation", str(ssm_generation), "--kind", "final"]
     ssm = subprocess.Popen(
-        [sys.executable, "-m", "spotcr_agent", "checkpoint", "--job", "job-1", "--generation", "1", "--kind", "final"],
+        [sys.executable, "-m", "spotcr_agent", *argv],
         env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -115,8 +118,8 @@ def test_two_triggers_for_one_interruption_take_one_final_dump(tmp_path, publish
     finals = [m.checkpoint_id for m in CheckpointStore.for_directory(mounted_store, "job-1").checkpoints()]
     assert finals == [reported["checkpoint_id"]]
     state = agent.state.read()
-    assert state.final_dump(1).status == "done"
-    assert state.final_dump(1).result["checkpoint_id"] == reported["checkpoint_id"]
+    assert state.final_dump().status == "done"
+    assert state.final_dump().result["checkpoint_id"] == reported["checkpoint_id"]
     assert len(publisher.of("CheckpointCompleted")) == (0 if not reported["already_taken"] else 1)
     # And the job stopped for the handover is not reported as exited
     assert agent.watch_job() is None

@@ -101,6 +101,16 @@ def test_bootstrap_failures_name_the_step_and_are_published(tmp_path, tags, spec
     assert event.instance_id == "i-0abc"
 
 
+def test_a_backup_with_ebs_storage_boots_before_its_volume_is_handed_over(tmp_path):
+    # Given a backup VM in restore mode whose EBS volume has not been attached yet
+    tags = {"spotcr:job": "j", "spotcr:storage": "ebs", "spotcr:command": "x", "spotcr:mode": "restore"}
+    # When it bootstraps, then it is ready at once: recovery moves the volume after AgentReady
+    code, result, publisher, environ = _bootstrap(tmp_path, tags, ebs_volume_id="vol-0123456789abcdef0")
+    assert code == 0, result
+    assert (load(environ).storage, load(environ).mode) == ("ebs", "restore")
+    assert publisher.events == []
+
+
 def test_bootstrap_storage_failure_names_the_step(tmp_path):
     tags = {"spotcr:job": "j", "spotcr:storage": "efs", "spotcr:command": "x"}
     code, result, publisher, _ = _bootstrap(tmp_path, tags, bucket="", efs_id="")

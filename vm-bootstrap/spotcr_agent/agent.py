@@ -122,6 +122,8 @@ class Agent:
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         self.fence(generation)
         try:
+            if storage.handed_over_at_restore(self.config):
+                storage.prepare(self.config)  # waits for the handed-over volume's device, then mounts it
             restorer = Restorer(
                 job_id=self.config.job_id,
                 workdir=self.config.workdir,
@@ -196,7 +198,7 @@ class Agent:
         with self.state.locked() as state:
             if state.job_status != "running" or job_alive(state.job_pid, state.job_start_time):
                 return None
-            final = state.final_dump(state.generation)
+            final = state.final_dump()
             if final is not None and final.status in ("running", "done"):
                 return None  # CRIU stopped the job for its final dump: it continues on another VM
             code = JobFiles(self.config.workdir).read_exit_code()

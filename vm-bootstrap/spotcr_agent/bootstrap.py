@@ -117,10 +117,13 @@ def bootstrap(
         if args.report_failure:
             raise BootstrapError(args.report_failure, "the bootstrap script failed at this step; see the console log")
         config = build_config(metadata, args, environ, spec_reader)
-        try:
-            storage.prepare(config, devices_dir)
-        except Exception as error:
-            raise BootstrapError("storage", str(error)) from error
+        if storage.handed_over_at_restore(config):
+            log.info("ebs: recovery hands the volume over once this backup is ready; the restore command mounts it")
+        else:
+            try:
+                storage.prepare(config, devices_dir)
+            except Exception as error:
+                raise BootstrapError("storage", str(error)) from error
         path = agent_config.config_path(environ)
         try:
             config.write(path)

@@ -110,7 +110,7 @@ class Checkpointer:
         """Under the state lock: fence, then the job's PID and the parent checkpoint."""
         with self.state.locked() as state:
             admit(state, generation)
-            final = state.final_dump(generation)
+            final = state.final_dump()
             if final is not None and final.status in ("running", "done"):
                 raise CheckpointError(f"the final dump of generation {generation} is taken; the job is stopped")
             if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
@@ -143,7 +143,7 @@ class Checkpointer:
     def _final(self, generation: int) -> CheckpointOutcome:
         with self.state.locked() as state:
             admit(state, generation)
-            final = state.final_dump(generation)
+            final = state.final_dump()
             take = final is None or final.status == "failed" or not pid_alive(final.owner_pid)
             if take:
                 state.final_dumps[str(generation)] = FinalDump(status="running", owner_pid=os.getpid())
@@ -164,7 +164,7 @@ class Checkpointer:
         log.info("the final dump of generation %d is already being taken; waiting for it", generation)
         while True:
             with self.state.locked() as state:
-                final = state.final_dump(generation)
+                final = state.final_dump()
             if final is None or final.status == "failed":
                 reason = final.result.get("reason", "it was abandoned") if final else "it was abandoned"
                 raise CheckpointError(f"the final dump taken by another trigger failed: {reason}")

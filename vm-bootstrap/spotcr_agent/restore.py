@@ -107,6 +107,7 @@ class Restorer:
                     state.job_pid, state.job_start_time = pid, start_time
                     state.job_status, state.exit_code = "running", None
                     state.last_checkpoint = candidate
+                    state.final_dumps = {}  # a new run of the job here: it may need a final dump of its own
                 if failures:
                     log.warning("restored the older checkpoint %s because %s", candidate, "; ".join(failures))
                 return RestoreOutcome(

@@ -47,10 +47,16 @@ class AgentState:
     job_status: str = "none"  # none | running | exited | checkpointed
     exit_code: int | None = None
     last_checkpoint: str | None = None
-    final_dumps: dict[str, FinalDump] = field(default_factory=dict)  # by generation (JSON keys are strings)
+    # The final dumps of the job's run on this VM, by the generation that asked (JSON keys are strings).
+    final_dumps: dict[str, FinalDump] = field(default_factory=dict)
 
-    def final_dump(self, generation: int) -> FinalDump | None:
-        return self.final_dumps.get(str(generation))
+    def final_dump(self) -> FinalDump | None:
+        """The final dump that stops this run of the job, whichever trigger and generation asked for it: the
+        IMDS notice asks at the generation this VM serves, the warning's SSM command at the next one."""
+        for final in reversed(self.final_dumps.values()):
+            if final.status in ("running", "done"):
+                return final
+        return next(reversed(self.final_dumps.values()), None)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -95,6 +95,11 @@ def has_filesystem(device: Path) -> bool:
     return result.returncode == 0 and bool(result.stdout.strip())
 
 
+def handed_over_at_restore(config: AgentConfig) -> bool:
+    """A backup's EBS volume is moved to it only after its AgentReady, so it cannot wait for it at boot."""
+    return config.mode == "restore" and config.storage == "ebs"
+
+
 def prepare(
     config: AgentConfig,
     devices_dir: Path = Path("/dev/disk/by-id"),
