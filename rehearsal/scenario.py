@@ -132,6 +132,8 @@ class Watcher:
         elif isinstance(event, agent_events.JobExited):
             self._end_execution(vm, now)
             say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code}")
+        elif isinstance(event, agent_events.CheckpointFailed) and event.kind == "periodic":
+            say.say(f"periodic checkpoint not taken on {vm}: {event.reason}")
         elif isinstance(
             event, (agent_events.CheckpointFailed, agent_events.RestoreFailed, agent_events.BootstrapFailed)
         ):
