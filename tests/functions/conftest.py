@@ -1,30 +1,5 @@
-from __future__ import annotations
+"""The handler tests run on the same moto control plane as the workflow tests."""
 
-from collections.abc import Iterator
+from tests.workflow.conftest import aws_env, plane
 
-import pytest
-from moto import mock_aws
-
-from tests.workflow.harness import MOTO_CONFIG, REGION, ControlPlane
-
-
-@pytest.fixture
-def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": REGION,
-        "POWERTOOLS_METRICS_NAMESPACE": "spotcr",
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-
-
-@pytest.fixture
-def plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
-    with mock_aws(config=MOTO_CONFIG):
-        control_plane = ControlPlane(monkeypatch)
-        yield control_plane
-        control_plane.close()
+__all__ = ["aws_env", "plane"]
