@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import importlib
 import io
 import json
@@ -109,7 +110,6 @@ class LocalCloud:
         self.settings_env: dict[str, str] = {}
         self._functions: dict[str, catalog.Function] = {}
         self._documents: dict[str, Command] = {}
-        self._server: Any = None
         self._patches: list[tuple[Any, str, Any]] = []
         self._saved_env: dict[str, str | None] = {}
         self._delivery = ThreadPoolExecutor(max_workers=8, thread_name_prefix="eventbridge")
@@ -133,7 +133,6 @@ class LocalCloud:
 
     def start(self) -> None:
         from moto.core.config import default_user_config
-        from moto.server import ThreadedMotoServer
 
         prepare_host()
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -143,9 +142,7 @@ class LocalCloud:
         default_user_config["stepfunctions"] = {"execute_state_machine": True}
         default_user_config["lambda"] = {"use_docker": False}
         self._set_env({"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"})  # loading moto's public images takes seconds
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
+        host, port = _moto_server().get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
         reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
@@ -185,8 +182,6 @@ class LocalCloud:
         self._commands.shutdown(wait=False, cancel_futures=True)
         self._delivery.shutdown(wait=False, cancel_futures=True)
         self.volumes.release_all()
-        if self._server is not None:
-            self._server.stop()
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches.clear()
@@ -674,6 +669,16 @@ class _Redirect(io.TextIOBase):
 
 
 _STDOUT = _Redirect()
+
+
+@functools.cache
+def _moto_server() -> Any:
+    """One server per process: handlers cache their clients (as warm Lambdas do), so the endpoint must not move."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    return server
 
 
 def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:
