@@ -119,6 +119,7 @@ class LocalCloud:
         self._lock = threading.Lock()
         self._saved_stdout: Any = None
         self._functions_log: Any = None
+        self._saved_config: dict[str, Any] = {}
         self._cloud_log: logging.Handler | None = None
 
     def __enter__(self) -> LocalCloud:
@@ -139,6 +140,7 @@ class LocalCloud:
         # Powertools warns on every invocation that publishes no metric; the rehearsal's output is its progress lines.
         warnings.filterwarnings("ignore", message="No application metrics to publish")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._saved_config = {key: default_user_config.get(key) for key in ("stepfunctions", "lambda")}
         default_user_config["stepfunctions"] = {"execute_state_machine": True}
         default_user_config["lambda"] = {"use_docker": False}
         self._set_env({"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"})  # loading moto's public images takes seconds
@@ -197,6 +199,11 @@ class LocalCloud:
             sys.stdout = self._saved_stdout
             self._saved_stdout = None
             self._functions_log.close()
+        if self._saved_config:
+            from moto.core.config import default_user_config
+
+            default_user_config.update(self._saved_config)  # type: ignore[typeddict-item]
+            self._saved_config = {}
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
