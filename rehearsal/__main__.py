@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 
 from spotcr_contracts.tags import STORAGES
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> int:
     if shutil.which("criu") is None:
         print("criu is not installed: run `make criu` (or `make setup`)", file=sys.stderr)
         return 2
+    # SIGTERM ends the run through its clean-up (VMs killed, loop devices detached), as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         terminal = sys.stdout  # the local cloud sends the functions' own output to the run's functions.log
         outcome = Rehearsal(options, echo=lambda line: print(line, file=terminal, flush=True)).run()

@@ -120,7 +120,6 @@ class LocalCloud:
         self._saved_stdout: Any = None
         self._functions_log: Any = None
         self._saved_config: dict[str, Any] = {}
-        self._cloud_log: logging.Handler | None = None
 
     def __enter__(self) -> LocalCloud:
         self.start()
@@ -168,9 +167,15 @@ class LocalCloud:
         self._saved_stdout = sys.stdout
         _STDOUT.target = self._functions_log
         sys.stdout = _STDOUT
-        self._cloud_log = logging.FileHandler(self.run_dir / "cloud.log")
+        # moto's own log (workflow engine errors included) goes to the run's cloud.log, also after stop():
+        # executions still in flight when a run is cut short keep logging there, not on the terminal.
         moto_logger = logging.getLogger("moto")
-        moto_logger.addHandler(self._cloud_log)
+        for handler in [h for h in moto_logger.handlers if getattr(h, "spotcr_rehearsal", False)]:
+            moto_logger.removeHandler(handler)
+            handler.close()
+        cloud_log = logging.FileHandler(self.run_dir / "cloud.log")
+        cloud_log.spotcr_rehearsal = True  # type: ignore[attr-defined]
+        moto_logger.addHandler(cloud_log)
         moto_logger.propagate = False
         self._install_hooks()
         self._create_stack()
@@ -187,12 +192,6 @@ class LocalCloud:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches.clear()
-        if self._cloud_log is not None:
-            moto_logger = logging.getLogger("moto")
-            moto_logger.removeHandler(self._cloud_log)
-            moto_logger.propagate = True
-            self._cloud_log.close()
-            self._cloud_log = None
         if self._saved_stdout is not None:
             # Loggers made meanwhile hold the redirecting stream: it writes to the real stdout again.
             _STDOUT.target = self._saved_stdout
@@ -427,22 +426,13 @@ class LocalCloud:
 
         patch(EC2Backend, "terminate_instances", terminate_instances)
 
-        def create_volume(original: Any) -> Any:
-            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
-                volume = original(backend, *args, **kwargs)
-                cloud.volumes.create(volume.id, volume.size)
-                return volume
-
-            return hooked
-
-        patch(EC2Backend, "create_volume", create_volume)
-
         def attach_volume(original: Any) -> Any:
             def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
                 attachment = original(backend, volume_id, instance_id, *args, **kwargs)
                 vm = cloud.vms.get(instance_id)
+                # Only volumes attached to a running local VM get a loop device (moto's root volumes do not).
                 if attachment is not None and vm is not None:
-                    vm.attach_device(volume_id, cloud.volumes.device(volume_id))
+                    vm.attach_device(volume_id, cloud.volumes.device(volume_id, attachment.volume.size))
                     cloud.timeline.point(
                         instance_id, "attach", f"storage: volume {volume_id} attached to {instance_id}"
                     )

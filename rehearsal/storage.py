@@ -1,7 +1,8 @@
-"""Local EBS: one sparse ext4-ready image file per volume, behind a loop device while it exists.
+"""Local EBS: one sparse image file per volume behind a loop device, made when it is first attached.
 
 A new EBS volume is blank, as on AWS; whoever mounts it first formats it. Attaching a volume to a
 local VM puts the Nitro NVMe link that names the volume into that VM's /dev/disk/by-id.
+Volumes restored from snapshots (the cross-AZ move) are not modelled: they come up blank.
 """
 
 from __future__ import annotations
@@ -17,20 +18,20 @@ class LoopVolumes:
         self._devices: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def create(self, volume_id: str, size_gib: int) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        image = self.directory / f"{volume_id}.img"
-        with image.open("wb") as handle:
-            handle.truncate(size_gib * 2**30)  # sparse: only written blocks use disk
-        device = subprocess.run(
-            ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
-        ).stdout.strip()
+    def device(self, volume_id: str, size_gib: int) -> str:
+        """The loop device of a volume, made (blank and sparse) on its first attachment."""
         with self._lock:
+            if volume_id in self._devices:
+                return self._devices[volume_id]
+            self.directory.mkdir(parents=True, exist_ok=True)
+            image = self.directory / f"{volume_id}.img"
+            with image.open("wb") as handle:
+                handle.truncate(size_gib * 2**30)  # sparse: only written blocks use disk
+            device = subprocess.run(
+                ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
+            ).stdout.strip()
             self._devices[volume_id] = device
-
-    def device(self, volume_id: str) -> str:
-        with self._lock:
-            return self._devices[volume_id]
+            return device
 
     def release_all(self) -> None:
         with self._lock:

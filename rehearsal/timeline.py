@@ -147,7 +147,7 @@ def draw(data: dict[str, Any], path: Path, title: str) -> None:
     axes.set_title(title + (f"\nwarning to running again: {subtitle}" if subtitle else ""), fontsize=10)
     legend: list[Any] = [Patch(color=c, label=k.replace("-", " ")) for k, c in SPAN_COLOURS.items()]
     legend += [plt.Line2D([], [], marker=m, color=c, linestyle="none", label=k) for k, (m, c) in POINT_STYLES.items()]
-    axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=8, fontsize=8, frameon=False)
+    axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=5, fontsize=8, frameon=False)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
