@@ -23,7 +23,7 @@ def test_a_job_interrupted_twice_ends_with_the_uninterrupted_result(storage, tmp
         timeout_s=90.0,
         runs_dir=tmp_path,
     )
-    lines = []
+    lines: list[str] = []
     # When its primary is interrupted, and then its backup
     outcome = Rehearsal(options, echo=lines.append).run()
     # Then it was restored twice and finished with the same result as a run that was never interrupted

@@ -10,7 +10,7 @@ SHIPPED = [ROOT / "functions", ROOT / "vm-bootstrap"]
 
 def imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    modules = set()
+    modules: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             modules.update(alias.name for alias in node.names)

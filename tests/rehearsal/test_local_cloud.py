@@ -24,8 +24,12 @@ def wait_for(predicate, timeout=15.0):
 
 
 @pytest.fixture
-def cloud(tmp_path):
-    events = []
+def events():
+    return []
+
+
+@pytest.fixture
+def cloud(tmp_path, events):
     local = LocalCloud(
         run_dir=tmp_path,
         timeline=Timeline(echo=None),
@@ -36,7 +40,6 @@ def cloud(tmp_path):
         with_workflow=False,
     )
     local.start()
-    local.events = events
     yield local
     local.stop()
 
@@ -112,7 +115,7 @@ def test_send_command_refuses_parameters_that_fail_the_document_pattern(cloud):
 
 
 @pytest.mark.criu
-def test_running_and_terminated_state_changes_are_emitted(cloud):
+def test_running_and_terminated_state_changes_are_emitted(cloud, events):
     instance_id, vm = launch(cloud, {"Name": "a"})
     cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
     wait_for(lambda: vm.terminated)
@@ -120,7 +123,7 @@ def test_running_and_terminated_state_changes_are_emitted(cloud):
     def states():
         return [
             json.loads(e["Detail"])["state"]
-            for e in cloud.events
+            for e in events
             if e.get("DetailType") == "EC2 Instance State-change Notification"
             and json.loads(e["Detail"])["instance-id"] == instance_id
         ]

@@ -6,7 +6,7 @@ from rehearsal.timeline import Timeline
 
 
 def test_timeline_writes_json_and_png(tmp_path):
-    lines = []
+    lines: list[str] = []
     timeline = Timeline(echo=lines.append)
     timeline.label("i-primary", "primary g0")
     timeline.label("i-backup", "backup g1")
