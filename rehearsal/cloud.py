@@ -52,6 +52,9 @@ SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command'
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
 
 
+_INHERITED = object()  # marks a patched attribute the class only inherited
+
+
 @dataclass(frozen=True)
 class LambdaContext:
     """The attributes of the Lambda context object that handlers and Powertools read."""
@@ -190,7 +193,10 @@ class LocalCloud:
         self._delivery.shutdown(wait=False, cancel_futures=True)
         self.volumes.release_all()
         for owner, name, original in reversed(self._patches):
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self._patches.clear()
         if self._saved_stdout is not None:
             # Loggers made meanwhile hold the redirecting stream: it writes to the real stdout again.
@@ -395,7 +401,8 @@ class LocalCloud:
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = getattr(owner, name)
-        self._patches.append((owner, name, original))
+        # An inherited method is un-patched by deleting ours, so later patches of the base class still apply.
+        self._patches.append((owner, name, original if name in vars(owner) else _INHERITED))
         setattr(owner, name, make(original))
 
     def _install_ec2_hooks(self) -> None:
