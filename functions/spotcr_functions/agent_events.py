@@ -7,7 +7,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from spotcr_contracts import events
 
-from spotcr_functions import rendezvous
+from spotcr_functions import jobs, rendezvous
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -17,6 +17,11 @@ logger = Logger(service=SERVICE, child=True)
 
 def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     record = deps.registry.get(event.job_id)
+    if record is None and isinstance(event, events.JobStarted):
+        # Events come in any order: the job may start before its instance's "running" state change arrives
+        # (or that event is lost). The agent's word that a tagged instance runs it registers the job as well.
+        jobs.register_instance(deps, event.instance_id)
+        record = deps.registry.get(event.job_id)
     if record is None:
         logger.info("agent event for an unknown job", job_id=event.job_id, detail_type=event.DETAIL_TYPE)
         return {"action": "ignored", "reason": "unknown job"}

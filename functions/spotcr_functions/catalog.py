@@ -134,7 +134,8 @@ FUNCTIONS: tuple[Function, ...] = (
         name="agent-events",
         handler="spotcr_functions.handlers.agent_events.handler",
         description="Agent lifecycle events: update the job registry and resume waiting workflows.",
-        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, TASK_CALLBACK),
+        # Registering a job whose JobStarted came first needs what registration needs.
+        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, TASK_CALLBACK, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
     ),
     Function(

@@ -59,6 +59,18 @@ def test_job_registers_on_running_and_once_on_tag_change(plane: ControlPlane) ->
     assert tag_names.ERROR not in plane.instance_tags(instance_id)
 
 
+def test_job_started_before_its_running_state_change_registers_and_runs_the_job(plane: ControlPlane) -> None:
+    # Given a tagged instance whose "running" state change has not arrived (late, or lost)
+    instance_id = plane.launch_job_instance({"spotcr:job": "early-1", "spotcr:command": "/opt/job/run"})
+    # When the agent reports the job started, and the state change comes after
+    route(agent_event(events.JobStarted("early-1", instance_id, 0, now_iso(), pid=7)))
+    route(ec2_event("state-change-running", instance_id))
+    # Then the job is registered and running on that instance, so periodic checkpoints will be ordered
+    job = plane.job("early-1")
+    assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, instance_id, 0)
+    assert job.next_checkpoint_at is not None
+
+
 def test_second_instance_with_a_running_jobs_name_is_refused(plane: ControlPlane) -> None:
     first = plane.start_job("dup-1")
     second = plane.launch_job_instance({tag_names.JOB: "dup-1", tag_names.COMMAND: "/opt/job/run"})
