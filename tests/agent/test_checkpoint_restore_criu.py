@@ -5,7 +5,7 @@ import signal
 
 import pytest
 from spotcr_agent.runner import job_alive
-from spotcr_agent.store import CheckpointStore
+from spotcr_agent.store import CheckpointStore, DirectoryBackend, StoreError
 
 from .conftest import compute_command, kill_tree, make_agent, make_config, progress_lines, wait_for, wait_for_exit
 
@@ -64,3 +64,20 @@ def test_periodic_checkpoint_restores_on_s3(tmp_path, publisher, reference_outpu
     store = CheckpointStore.for_s3("spotcr-test", "job-1")
     # moto ingests about 70 MiB/s: a smaller job, long enough to outlive the upload and show it ran on meanwhile
     _interrupt_and_restore(tmp_path, publisher, store, reference_output, "periodic", megabytes=64, steps=40)
+
+
+class _StreamingBreaks(CheckpointStore):
+    """A store whose upload breaks off while CRIU still writes the final dump (a network blip)."""
+
+    def commit(self, image_dir, meta, extra_files=None, still_writing=None):
+        if still_writing is not None:
+            raise StoreError("connection reset while streaming the final dump")
+        return super().commit(image_dir, meta, extra_files)
+
+
+def test_a_final_dump_whose_streaming_breaks_is_shipped_from_scratch_and_restores(
+    tmp_path, publisher, reference_output
+):
+    (tmp_path / "store").mkdir()
+    store = _StreamingBreaks(DirectoryBackend(tmp_path / "store"), "job-1")
+    _interrupt_and_restore(tmp_path, publisher, store, reference_output, "final", megabytes=64)

@@ -144,7 +144,12 @@ class Checkpointer:
         with self.state.locked() as state:
             admit(state, generation)
             final = state.final_dump()
-            take = final is None or final.status == "failed" or not pid_alive(final.owner_pid)
+            # A done dump's owner has usually exited (an SSM command): only a running one can be abandoned.
+            take = (
+                final is None
+                or final.status == "failed"
+                or (final.status == "running" and not pid_alive(final.owner_pid))
+            )
             if take:
                 state.final_dumps[str(generation)] = FinalDump(status="running", owner_pid=os.getpid())
         if not take:
@@ -204,7 +209,8 @@ class Checkpointer:
                     log.warning("streaming the final dump failed (%s); shipping it from local scratch", error)
                     self._finish(dump, logs)
                     result = self.store.commit(images, meta, extra_files=extra)
-                self._finish(dump, logs)
+                else:
+                    self._finish(dump, logs)
                 # Frozen until CRIU exited, not until the upload that overlapped it finished.
                 frozen = (watch.exited_at or time.monotonic()) - started
             else:
