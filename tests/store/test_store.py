@@ -335,3 +335,26 @@ def test_manifest_listing_a_file_twice_is_corrupt(store: CheckpointStore, tmp_pa
 
     with pytest.raises(CorruptCheckpoint, match="twice"):
         store.fetch(checkpoint_id(2), tmp_path / "restore")
+
+
+def test_a_damaged_chunk_of_a_newer_checkpoint_is_not_reused_by_a_commit_from_an_older_parent(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    # Given checkpoint 1, then checkpoint 2 whose new chunk got damaged in the store (so a restore fell back to 1)
+    images = tmp_path / "img"
+    write_images(images, random_bytes(2 * MiB, seed=21))
+    first = store.commit(images, meta(1))
+    changed = random_bytes(2 * MiB, seed=22)
+    write_images(images, changed)
+    damaged = store.commit(images, meta(2, parent=1))
+    for digest in damaged.manifest.chunk_hashes() - first.manifest.chunk_hashes():
+        key = f"jobs/{store.job_id}/chunks/{digest[:2]}/{digest}"
+        store.backend.put(key, b"bit rot" + store.backend.get(key)[7:])
+
+    # When the job restored from checkpoint 1 reaches the same memory again and is checkpointed with parent 1
+    result = store.commit(images, meta(3, parent=1))
+
+    # Then the new checkpoint sends its chunks again instead of pointing at the damaged ones, and restores
+    assert result.chunks_uploaded > 0
+    store.fetch(result.checkpoint_id, tmp_path / "restore")
+    assert (tmp_path / "restore" / "images" / "pages-1.img").read_bytes() == changed

@@ -293,11 +293,14 @@ class CheckpointStore:
         return sum(tail.pump(uploader) for tail in tails.values())
 
     def _known_chunks(self, parent: str | None) -> set[str]:
-        """Chunks committed by the newest checkpoint (and the named parent): sent once, never again."""
+        """Chunks committed by the parent (else the newest checkpoint): sent once, never again.
+
+        The parent is the checkpoint the job was restored from or last committed, so its chunks were verified or
+        just written; a newer one may hold a damaged chunk a restore fell back from, which must be sent afresh.
+        """
         ids = self.checkpoint_ids()
-        sources = {ids[0]} if ids else set()
-        if parent and parent in ids:
-            sources.add(parent)
+        source = parent if parent and parent in ids else (ids[0] if ids else None)
+        sources = {source} if source else set()
         known: set[str] = set()
         for checkpoint_id in sources:
             # A manifest this agent cannot read only costs dedup, never correctness.
