@@ -212,6 +212,21 @@ def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp
     ("change", "reason"),
     [
         ({"files": [{"path": "../../etc/cron.d/x", "size": 0, "mode": 420, "digest": "", "chunks": []}]}, "path"),
+        ({"files": [{"path": ".", "size": 0, "mode": 420, "digest": "", "chunks": []}]}, "path"),
+        (
+            {
+                "files": [
+                    {
+                        "path": "images/x",
+                        "size": -1,
+                        "mode": 420,
+                        "digest": "",
+                        "chunks": [{"hash": "0" * 64, "size": -1}],
+                    }
+                ]
+            },
+            "negative",
+        ),
         ({"job_id": "someone-else"}, "job"),
         ({"format": "1"}, "format"),
     ],

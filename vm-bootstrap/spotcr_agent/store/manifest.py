@@ -39,7 +39,7 @@ def check_checkpoint_id(checkpoint_id: str) -> str:
 def check_manifest_path(path: str) -> str:
     """A file path inside a checkpoint: relative, normalised, never escaping the restore directory."""
     pure = PurePosixPath(path)
-    if not path or pure.is_absolute() or ".." in pure.parts or str(pure) != path or "\x00" in path:
+    if not path or pure.is_absolute() or ".." in pure.parts or str(pure) != path or path == "." or "\x00" in path:
         raise ValueError(f"file path {path!r} must be relative, normalised and stay inside the checkpoint")
     return path
 
@@ -237,4 +237,7 @@ def _chunk_from_dict(doc: Mapping[str, Any]) -> ChunkRef:
     if not _HASH.fullmatch(digest):
         raise ValueError(f"chunk hash {digest!r} is not a sha256 hex digest")
     inline = doc.get("inline")
-    return ChunkRef(digest, int(doc["size"]), base64.b64decode(inline, validate=True) if inline is not None else None)
+    size = int(doc["size"])
+    if size < 0:
+        raise ValueError(f"chunk {digest[:12]} has a negative size")
+    return ChunkRef(digest, size, base64.b64decode(inline, validate=True) if inline is not None else None)
