@@ -163,7 +163,8 @@ FUNCTIONS: tuple[Function, ...] = (
         name="move-volume",
         handler="spotcr_functions.handlers.workflow.move_volume",
         description="Recovery step: one move of the job's EBS volume to the backup (detach, snapshot, create, attach).",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_VOLUMES),
+        # Each step reads the volume's and the snapshot's state first (DescribeVolumes, DescribeSnapshots).
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_VOLUMES, EC2_DESCRIBE),
         workflow_step=True,
     ),
     Function(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +36,11 @@ class Instance:
     subnet_id: str
     vpc_id: str
     tags: Mapping[str, str]
+
+
+def client_token(*parts: str | None) -> str:
+    """An EC2 ClientToken for these parts: the same parts give the same token, and EC2 allows 64 characters."""
+    return hashlib.sha256("|".join(part or "" for part in parts).encode()).hexdigest()[:48]
 
 
 def error_code(error: ClientError) -> str:

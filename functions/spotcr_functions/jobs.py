@@ -7,6 +7,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from spotcr_contracts import tags
 
+from spotcr_functions.cloud import client_token
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -69,7 +70,7 @@ def _create_job_volume(deps: Deps, record: JobRecord) -> JobRecord:
         az=record.az,
         size_gib=deps.settings.ebs_volume_gib,
         tags={tags.JOB: record.job_id},
-        client_token=f"spotcr-{record.job_id}-{record.instance_id}",
+        client_token=client_token(record.job_id, record.instance_id),
     )
     deps.cloud.wait_volume_available(volume_id)
     deps.cloud.attach_volume(volume_id, record.instance_id)

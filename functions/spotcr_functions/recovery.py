@@ -10,7 +10,7 @@ from botocore.exceptions import ClientError
 from spotcr_contracts import commands, tags
 
 from spotcr_functions import rendezvous
-from spotcr_functions.cloud import CAPACITY_ERRORS, error_code
+from spotcr_functions.cloud import CAPACITY_ERRORS, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -29,8 +29,11 @@ class NoCheckpoint(Exception):
     """There is no committed checkpoint to restore for this attempt."""
 
 
-def execution_name(job_id: str, generation: int) -> str:
-    return f"{job_id}-g{generation}"
+def execution_name(record: JobRecord) -> str:
+    """One name per interruption, stable for its duplicates. Step Functions keeps a name 90 days, and a job name
+    registered again after it finished restarts at generation 0, so the interruption itself is in the name."""
+    digest = client_token(record.job_id, str(record.generation), record.recovering_from, record.interrupted_at)
+    return f"{record.job_id[:56]}-g{record.generation}-{digest[:8]}"  # Step Functions allows 80 characters
 
 
 def on_interruption_warning(deps: Deps, instance_id: str, warned_at: str) -> dict[str, Any]:
@@ -110,7 +113,7 @@ def _start(deps: Deps, record: JobRecord, instance_id: str, reason: str, final_d
             "poll_seconds": settings.poll_s,
         },
     }
-    name = execution_name(record.job_id, record.generation)
+    name = execution_name(record)
     started = deps.cloud.start_recovery(settings.recovery_state_machine_arn, name, payload)
     logger.info("recovery workflow", execution=name, started=started, reason=reason)
     return started
@@ -150,7 +153,7 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
             subnet_id=candidate["subnet_id"],
             spot=bool(candidate["spot"]),
             tags=backup_tags,
-            client_token=f"{execution_name(job_id, generation)}-{index}",
+            client_token=client_token(execution_name(record), str(index)),
         )
     except ClientError as error:
         code = error_code(error)
@@ -217,7 +220,7 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
         az=record.backup_az,
         size_gib=deps.settings.ebs_volume_gib,
         tags={tags.JOB: job_id, tags.GENERATION: str(generation)},
-        client_token=f"{execution_name(job_id, generation)}-volume",
+        client_token=client_token(execution_name(record), "volume"),
         snapshot_id=record.handover_snapshot_id,
     )
     deps.registry.update(

@@ -224,6 +224,15 @@ def test_tagging_instances_is_limited_to_the_error_tag(default_synth: Synth) -> 
             assert statement["Condition"]["ForAllValues:StringEquals"] == {"aws:TagKeys": [tags.ERROR]}
 
 
+def test_functions_that_move_volumes_may_read_volume_and_snapshot_states(default_synth: Synth) -> None:
+    # move_volume and registration poll DescribeVolumes/DescribeSnapshots; without them AWS denies every step.
+    by_role = statements_by_role(default_synth)
+    for spec in (f for f in catalog.FUNCTIONS if catalog.EC2_VOLUMES in f.capabilities):
+        statements = by_role[function_role(default_synth, spec.name)]
+        for action in ("ec2:DescribeVolumes", "ec2:DescribeSnapshots"):
+            assert statements_with(statements, action), (spec.name, action)
+
+
 def test_workflow_starters_and_callbacks_target_the_recovery_state_machine(default_synth: Synth) -> None:
     by_role = statements_by_role(default_synth)
     for capability, action in (

@@ -264,7 +264,29 @@ def test_backup_interrupted_later_starts_the_same_cycle(plane: ControlPlane) -> 
     record = plane.wait_until(lambda: (r := plane.job("long-1")).backup_instance_id and r, "the second backup")
     assert record.generation == 2
     assert record.checkpoint_id == second
-    assert sorted(e["name"] for e in plane.executions()) == ["long-1-g1", "long-1-g2"]
+    names = sorted(e["name"] for e in plane.executions())
+    assert [name.rsplit("-", 1)[0] for name in names] == ["long-1-g1", "long-1-g2"]
+
+
+def test_a_job_name_run_again_after_it_completed_still_recovers(plane: ControlPlane) -> None:
+    # Given a job that was recovered once (generation 1), then completed on its backup
+    primary = plane.start_job("again-1")
+    periodic = _commit(plane, "again-1", primary, 0, "periodic")
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _recover(plane, "again-1", periodic, final_from=primary)
+    route(agent_event(events.JobExited("again-1", backup, 1, now_iso(), exit_code=0)))
+    assert plane.job("again-1").status == Status.COMPLETED
+
+    # When the user runs the same job name again (generation 0 on a new VM) and that VM is interrupted
+    rerun = plane.start_job("again-1")
+    _commit(plane, "again-1", rerun, 0, "periodic")
+    route(ec2_event("spot-interruption-warning", rerun))
+
+    # Then a second recovery starts and launches a backup for the rerun (the first one's name is not reused)
+    record = plane.wait_until(lambda: (r := plane.job("again-1")).backup_instance_id and r, "the rerun's backup")
+    assert (record.generation, record.recovering_from) == (1, rerun)
+    assert record.backup_instance_id != backup
+    assert len(plane.executions()) == 2
 
 
 def test_vm_that_never_answers_restores_newest_then_fails(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
