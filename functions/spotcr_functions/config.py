@@ -29,6 +29,7 @@ OPTIONAL_ENV = {
     "restore_wait_s": "SPOTCR_RESTORE_WAIT_SECONDS",
     "poll_s": "SPOTCR_POLL_SECONDS",
     "ebs_volume_gib": "SPOTCR_EBS_VOLUME_GIB",
+    "ebs_handover_s": "SPOTCR_EBS_HANDOVER_SECONDS",
 }
 
 
@@ -50,6 +51,7 @@ class Settings:
     restore_wait_s: int = 900
     poll_s: int = 5
     ebs_volume_gib: int = 100
+    ebs_handover_s: int = 3600  # from the warning; a first snapshot of a large volume can take tens of minutes
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

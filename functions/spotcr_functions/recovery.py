@@ -29,6 +29,10 @@ class NoCheckpoint(Exception):
     """There is no committed checkpoint to restore for this attempt."""
 
 
+class HandOverTimedOut(Exception):
+    """The EBS volume did not reach the backup in time; the workflow marks the job FAILED and notifies."""
+
+
 def execution_name(record: JobRecord) -> str:
     """One name per interruption, stable for its duplicates. Step Functions keeps a name 90 days, and a job name
     registered again after it finished restarts at generation 0, so the interruption itself is in the name."""
@@ -193,6 +197,7 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
     attachments = [a for a in volume.get("Attachments", []) if a.get("State") in ("attaching", "attached")]
     if any(a["InstanceId"] == record.backup_instance_id for a in attachments):
         return {"done": True, "volume_id": volume_id}
+    _check_handover_deadline(deps, record, volume_id, volume["State"])
     if volume["State"] == "in-use" and attachments:
         cloud.detach_volume(volume_id, attachments[0]["InstanceId"])
         return {"done": False, "step": "detaching"}
@@ -227,6 +232,18 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
         job_id, {"handover_volume_id": new_volume_id}, condition="#generation = :g", condition_values={":g": generation}
     )
     return {"done": False, "step": "creating volume"}
+
+
+def _check_handover_deadline(deps: Deps, record: JobRecord, volume_id: str, state: str) -> None:
+    """The hand-over loops in the workflow until done; this bounds it, so a stuck volume ends in FAILED."""
+    if not record.interrupted_at:
+        return
+    elapsed = (deps.now() - parse_time(record.interrupted_at)).total_seconds()
+    if elapsed > deps.settings.ebs_handover_s:
+        raise HandOverTimedOut(
+            f"job {record.job_id}: volume {volume_id} ({state}) has not reached backup "
+            f"{record.backup_instance_id} {elapsed:.0f} s after the interruption"
+        )
 
 
 def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) -> dict[str, Any]:

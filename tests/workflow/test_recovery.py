@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from moto.ec2.exceptions import EC2ClientError
+from moto.ec2.models.elastic_block_store import EBSBackend
 from moto.ec2.models.instances import InstanceBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
@@ -195,6 +196,45 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     assert volume["Encrypted"] is True
     assert volume["SnapshotId"]
     assert [a["InstanceId"] for a in volume["Attachments"]] == [backup]
+
+
+def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an EBS job whose backup lands in another AZ, and a snapshot that never completes
+    monkeypatch.setenv(OPTIONAL_ENV["ebs_handover_s"], "2")
+    primary = plane.start_job("fem-9", **{tag_names.STORAGE: "ebs"})
+    periodic = _commit(plane, "fem-9", primary, 0, "periodic")
+    original_run, original_snapshot = InstanceBackend.run_instances, EBSBackend.create_snapshot
+    subnet_a = plane.subnets["us-east-1a"]
+
+    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("subnet_id") == subnet_a:
+            raise NoCapacity()
+        return original_run(self, *args, **kwargs)
+
+    def create_snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:
+        snapshot = original_snapshot(self, *args, **kwargs)
+        snapshot.status = "pending"
+        return snapshot
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    monkeypatch.setattr(EBSBackend, "create_snapshot", create_snapshot)
+
+    # When the job is interrupted and its final dump comes in
+    route(ec2_event("spot-interruption-warning", primary))
+    record = plane.wait_until(lambda: (r := plane.job("fem-9")).backup_instance_id and r, "the backup launch")
+    plane.wait_for_token("fem-9", "final-dump")
+    _commit(plane, "fem-9", primary, 1, "final")
+    route(agent_event(events.AgentReady("fem-9", str(record.backup_instance_id), 1, now_iso(), mode="restore")))
+
+    # Then the hand-over gives up at its deadline: the job is FAILED, says why, and nothing is restored
+    assert plane.wait_for_execution()["status"] == "FAILED"
+    job = plane.job("fem-9")
+    assert job.status == Status.FAILED
+    assert "has not reached backup" in str(job.reason)
+    assert plane.sent_commands("restore") == []
+    assert periodic
 
 
 def test_ebs_volume_in_the_same_az_is_detached_and_attached(plane: ControlPlane) -> None:
