@@ -64,6 +64,7 @@ INTERRUPTION_WARNING = "EC2 Spot Instance Interruption Warning"
 REBALANCE_RECOMMENDATION = "EC2 Instance Rebalance Recommendation"
 STATE_CHANGE = "EC2 Instance State-change Notification"
 TAG_CHANGE = "Tag Change on Resource"
+EXECUTION_STATUS_CHANGE = "Step Functions Execution Status Change"
 
 FUNCTIONS: tuple[Function, ...] = (
     Function(
@@ -180,6 +181,22 @@ FUNCTIONS: tuple[Function, ...] = (
         description="Recovery step: the backup is the job's current instance, the job RUNNING again.",
         capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE),
         workflow_step=True,
+    ),
+    Function(
+        name="recovery-ended",
+        handler="spotcr_functions.handlers.recovery_ended.handler",
+        description="A recovery that timed out or was aborted runs no Catch: mark the job FAILED and notify.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH, PUBLISH_FAILURE),
+        rules=(
+            Rule(
+                "recovery-ended",
+                {
+                    "source": ["aws.states"],
+                    "detail-type": [EXECUTION_STATUS_CHANGE],
+                    "detail": {"status": ["TIMED_OUT", "ABORTED"]},
+                },
+            ),
+        ),
     ),
     Function(
         name="fail-recovery",

@@ -1,4 +1,4 @@
-"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions. Clients are lazy."""
+"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions, SNS. Clients are lazy."""
 
 from __future__ import annotations
 
@@ -67,6 +67,13 @@ class Cloud:
     @cached_property
     def sfn(self) -> Any:
         return self._client("stepfunctions")
+
+    @cached_property
+    def sns(self) -> Any:
+        return self._client("sns")
+
+    def notify(self, topic_arn: str, subject: str, message: str) -> None:
+        self.sns.publish(TopicArn=topic_arn, Subject=subject[:100], Message=message)
 
     def describe_instance(self, instance_id: str) -> Instance | None:
         try:

@@ -124,6 +124,18 @@ class TagChangeDetail(_Detail):
     tags: dict[str, str] = Field(default_factory=dict)
 
 
+class ExecutionStatusDetail(_Detail):
+    name: str
+    status: str
+    input: str | None = None
+
+
+class RecoveryEnded(EventBridgeModel):
+    """Step Functions Execution Status Change of an execution that ended without running its Catch."""
+
+    detail: ExecutionStatusDetail
+
+
 class InterruptionWarning(EventBridgeModel):
     detail: InterruptionDetail
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -321,6 +322,22 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
     deps.metric("RecoveriesFailed", "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
     return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
+
+
+def on_recovery_ended(deps: Deps, execution: str, status: str, execution_input: str | None) -> dict[str, Any]:
+    """A recovery that timed out or was aborted runs no Catch, so the job would stay RECOVERING: fail it, notify."""
+    try:
+        payload = json.loads(execution_input or "")
+        job_id, generation = str(payload["job_id"]), int(payload["generation"])
+    except (ValueError, KeyError, TypeError):
+        return {"action": "ignored", "reason": "not a spotcr recovery"}
+    record = deps.registry.get(job_id)
+    if record is None or record.status != Status.RECOVERING or record.generation != generation:
+        return {"action": "ignored", "reason": "the job is not recovering this generation"}
+    result = fail(deps, job_id, generation, f"Execution{status.title().replace('_', '')}", f"{execution} {status}")
+    if result["marked_failed"]:
+        deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {job_id} failed", result["message"])
+    return {"action": "failed" if result["marked_failed"] else "ignored", **result}
 
 
 def checkpoint_time(checkpoint_id: str) -> datetime:

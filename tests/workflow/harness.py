@@ -154,6 +154,11 @@ class ControlPlane:
         dynamodb.create_table(**registry_schema.create_table_arguments("spotcr-jobs"))
         dynamodb.create_table(**registry_schema.create_idempotency_table_arguments("spotcr-idempotency"))
         self.topic_arn = self.sns.create_topic(Name="spotcr-failures")["TopicArn"]
+        # What the failure topic sends, as an operator's subscribed queue receives it.
+        self.sqs = boto3.client("sqs", region_name=REGION)
+        self.inbox = self.sqs.create_queue(QueueName="spotcr-failures-inbox")["QueueUrl"]
+        inbox_arn = self.sqs.get_queue_attributes(QueueUrl=self.inbox, AttributeNames=["QueueArn"])["Attributes"]
+        self.sns.subscribe(TopicArn=self.topic_arn, Protocol="sqs", Endpoint=inbox_arn["QueueArn"])
         self.documents = {}
         for name, command in commands.COMMANDS.items():
             document_name = f"spotcr-{name}"
@@ -256,6 +261,11 @@ class ControlPlane:
             for c in self.ssm.list_commands()["Commands"]
         ]
         return [c for c in sent if command is None or c["document"] == self.documents[command]]
+
+    def notifications(self) -> list[str]:
+        """Messages published to the failure topic so far."""
+        messages = self.sqs.receive_message(QueueUrl=self.inbox, MaxNumberOfMessages=10).get("Messages", [])
+        return [json.loads(m["Body"])["Message"] for m in messages]
 
     def executions(self) -> list[dict[str, Any]]:
         return list(self.sfn.list_executions(stateMachineArn=self.state_machine_arn)["executions"])

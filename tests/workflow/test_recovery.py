@@ -235,6 +235,50 @@ def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
     assert "has not reached backup" in str(job.reason)
     assert plane.sent_commands("restore") == []
     assert periodic
+    [notice] = plane.notifications()
+    assert "fem-9" in notice and "has not reached backup" in notice
+
+
+def test_an_aborted_recovery_fails_the_job_and_notifies(plane: ControlPlane) -> None:
+    # Given a job whose recovery is under way
+    primary = plane.start_job("abort-1")
+    _commit(plane, "abort-1", primary, 0, "periodic")
+    route(ec2_event("spot-interruption-warning", primary))
+    plane.wait_for_token("abort-1", "final-dump")
+    plane.wait_until(lambda: plane.job("abort-1").backup_instance_id, "the backup launch")
+    [execution] = plane.executions()
+    assert plane.job("abort-1").status == Status.RECOVERING
+
+    # When the execution is aborted (or times out), which runs no Catch, and Step Functions says so
+    plane.sfn.stop_execution(executionArn=execution["executionArn"])
+    described = plane.sfn.describe_execution(executionArn=execution["executionArn"])
+    status_change = {
+        "version": "0",
+        "id": "5b5a3f8e-0d0e-4a8e-9a53-6d1f3e0c9a11",
+        "detail-type": "Step Functions Execution Status Change",
+        "source": "aws.states",
+        "account": "123456789012",
+        "time": now_iso(),
+        "region": "us-east-1",
+        "resources": [execution["executionArn"]],
+        "detail": {
+            "executionArn": execution["executionArn"],
+            "stateMachineArn": plane.state_machine_arn,
+            "name": execution["name"],
+            "status": "ABORTED",
+            "input": described["input"],
+        },
+    }
+    [(name, result)] = route(status_change)
+
+    # Then the job is FAILED with the reason, the topic is told, and a repeat of the event does nothing more
+    assert (name, result["action"]) == ("recovery-ended", "failed")
+    job = plane.job("abort-1")
+    assert job.status == Status.FAILED and "ABORTED" in str(job.reason)
+    [notice] = plane.notifications()
+    assert "abort-1" in notice
+    [(_, again)] = route(status_change)
+    assert again["action"] == "ignored"
 
 
 def test_ebs_volume_in_the_same_az_is_detached_and_attached(plane: ControlPlane) -> None:
