@@ -25,6 +25,18 @@ class NoCapacity(EC2ClientError):
         super().__init__(self.code, self.message)
 
 
+def _no_capacity_in(subnet_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RunInstances in this subnet fails as AWS does when a zone has no capacity left."""
+    original = InstanceBackend.run_instances
+
+    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("subnet_id") == subnet_id:
+            raise NoCapacity()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+
+
 def _commit(
     plane: ControlPlane, job_id: str, instance_id: str, generation: int, kind: str, at_ms: int | None = None
 ) -> str:
@@ -168,15 +180,7 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     volume_id = plane.job("fem-1").volume_id
     assert volume_id
     periodic = _commit(plane, "fem-1", primary, 0, "periodic")
-    original = InstanceBackend.run_instances
-    subnet_a = plane.subnets["us-east-1a"]
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subnet_id") == subnet_a:
-            raise NoCapacity()
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
 
     # When the job is interrupted and recovered on a backup in AZ b
     route(ec2_event("spot-interruption-warning", primary))
@@ -205,20 +209,14 @@ def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
     monkeypatch.setenv(OPTIONAL_ENV["ebs_handover_s"], "2")
     primary = plane.start_job("fem-9", **{tag_names.STORAGE: "ebs"})
     periodic = _commit(plane, "fem-9", primary, 0, "periodic")
-    original_run, original_snapshot = InstanceBackend.run_instances, EBSBackend.create_snapshot
-    subnet_a = plane.subnets["us-east-1a"]
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subnet_id") == subnet_a:
-            raise NoCapacity()
-        return original_run(self, *args, **kwargs)
+    _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
+    original_snapshot = EBSBackend.create_snapshot
 
     def create_snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:
         snapshot = original_snapshot(self, *args, **kwargs)
         snapshot.status = "pending"
         return snapshot
 
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
     monkeypatch.setattr(EBSBackend, "create_snapshot", create_snapshot)
 
     # When the job is interrupted and its final dump comes in
