@@ -242,10 +242,16 @@ class ControlPlane:
         return instance_id
 
     def job(self, job_id: str) -> JobRecord:
-        item = (
-            boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs").get_item(Key={"job_id": job_id})["Item"]
-        )
-        return JobRecord.from_item(item)
+        table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
+        for _ in range(5):
+            try:
+                return JobRecord.from_item(table.get_item(Key={"job_id": job_id})["Item"])
+            except RuntimeError as error:
+                # In-process moto is not thread-safe: a read can meet the workflow engine's write of the same item.
+                if "changed size during iteration" not in str(error):
+                    raise
+                time.sleep(0.01)
+        raise AssertionError(f"could not read job {job_id} from moto")
 
     def instance_tags(self, instance_id: str) -> dict[str, str]:
         reservations = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
