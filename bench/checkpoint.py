@@ -26,7 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spotcr_agent.checkpoint import CheckpointOutcome
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -48,6 +51,16 @@ class Figures:
     bytes_total: int | None = None
     bytes_sent: int | None = None
     note: str = ""
+
+    @classmethod
+    def of(cls, outcome: CheckpointOutcome) -> Figures:
+        """The figures spotcr's own checkpoint reports."""
+        return cls(
+            durable=outcome.seconds,
+            frozen=outcome.frozen_seconds,
+            bytes_total=outcome.bytes_total,
+            bytes_sent=outcome.bytes_uploaded,
+        )
 
 
 @dataclass
@@ -119,12 +132,7 @@ def bench_size(gib: float, args: argparse.Namespace) -> SizeResult:
             result.cases["a"] = s3fs_dump(criu, job_b.pid, endpoint, work, args.s3fs_restore)
         store_b = CheckpointStore.for_s3(BUCKET, f"bench-b-{gib:g}g".replace(".", "-"))
         final_b = checkpointer(job_b, work / "job-b", store_b, work / "agent-b").checkpoint("final", 1)
-        result.cases["b"] = Figures(
-            durable=final_b.seconds,
-            frozen=final_b.frozen_seconds,
-            bytes_total=final_b.bytes_total,
-            bytes_sent=final_b.bytes_uploaded,
-        )
+        result.cases["b"] = Figures.of(final_b)
         print(f"(b) spotcr final dump: durable in {final_b.seconds:.2f} s, {final_b.bytes_uploaded / MiB:.0f} MiB sent")
         restore_from_store(criu, store_b, final_b.checkpoint_id, work / "restore-b", result.cases["b"])
 
@@ -133,21 +141,11 @@ def bench_size(gib: float, args: argparse.Namespace) -> SizeResult:
         store_c = CheckpointStore.for_s3(BUCKET, f"bench-c-{gib:g}g".replace(".", "-"))
         agent_c = checkpointer(job_c, work / "job-c", store_c, work / "agent-c")
         periodic = agent_c.checkpoint("periodic", 1)
-        result.cases["p"] = Figures(
-            durable=periodic.seconds,
-            frozen=periodic.frozen_seconds,
-            bytes_total=periodic.bytes_total,
-            bytes_sent=periodic.bytes_uploaded,
-        )
+        result.cases["p"] = Figures.of(periodic)
         print(f"(p) spotcr periodic: frozen {periodic.frozen_seconds:.2f} s, durable in {periodic.seconds:.2f} s")
         dirty(work / "job-c")
         final_c = agent_c.checkpoint("final", 1)
-        result.cases["c"] = Figures(
-            durable=final_c.seconds,
-            frozen=final_c.frozen_seconds,
-            bytes_total=final_c.bytes_total,
-            bytes_sent=final_c.bytes_uploaded,
-        )
+        result.cases["c"] = Figures.of(final_c)
         print(
             f"(c) spotcr final after periodic: durable in {final_c.seconds:.2f} s, "
             f"{final_c.bytes_uploaded / MiB:.1f} MiB sent of {final_c.bytes_total / MiB:.0f} MiB"
