@@ -215,6 +215,7 @@ class LocalVM:
             **cloud_env,
         }
         self._process: subprocess.Popen[bytes] | None = None
+        self._lifeline = -1
         self.init_pid = 0
         self.terminated = False
         self.running_at: float | None = None
@@ -246,6 +247,8 @@ class LocalVM:
         binds = [f"{self.dir(name)}={path}" for name, path in PRIVATE_PATHS.items()]
         if self.shared_storage is not None:
             binds.append(f"{self.shared_storage}={STORAGE_MOUNT}")
+        # vm_init holds the read end: when this process dies, however it dies, the VM ends with it.
+        lifeline, self._lifeline = os.pipe()
         argv = [
             "unshare",
             "--mount",
@@ -260,6 +263,7 @@ class LocalVM:
             "-m",
             "rehearsal.vm_init",
             str(self.root),
+            str(lifeline),
             *binds,
         ]
         for command in self.boot_commands:
@@ -273,7 +277,9 @@ class LocalVM:
                 stderr=subprocess.STDOUT,
                 cwd="/",
                 start_new_session=True,
+                pass_fds=(lifeline,),
             )
+        os.close(lifeline)
         self.init_pid = self._find_init_pid()
         deadline = time.monotonic() + 10
         while not (self.root / "ready").exists():
@@ -331,6 +337,9 @@ class LocalVM:
         if self.init_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.init_pid, signal.SIGKILL)
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
         if self._process is not None:
             try:
                 self._process.wait(timeout=10)

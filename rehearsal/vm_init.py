@@ -1,7 +1,8 @@
 """PID 1 of a local VM: bind the VM's private directories, give it empty temp dirs, boot, reap orphans.
 
 Usage (inside `unshare --mount --pid --net --uts --fork --mount-proc`):
-    python -m rehearsal.vm_init VM-DIR SRC=DST ... [-- BOOT-COMMAND ...] [-- NEXT-COMMAND ...]
+    python -m rehearsal.vm_init VM-DIR LIFELINE-FD SRC=DST ... [-- BOOT-COMMAND ...] [-- NEXT-COMMAND ...]
+The VM ends when LIFELINE-FD (the read end of a pipe the host holds) reads end-of-file.
 It writes VM-DIR/ready once its mounts are made, then waits for VM-DIR/go (the host has set up the
 network; the file holds the VM's address). Boot commands run in order; each must succeed before the
 next starts; the last one is left running.
@@ -13,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 AGENT = "/opt/spotcr/bin/spotcr-agent"
@@ -51,8 +53,21 @@ def wait_for_network(vm_dir_fd: int) -> str | None:
         return address
 
 
+def watch_lifeline(fd: int) -> None:
+    """End the VM (PID 1 exiting kills its namespace) once the process that booted it is gone."""
+    os.set_inheritable(fd, False)  # no boot command or job may hold it: CRIU would meet a pipe to the host
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
-    vm_dir, (binds, steps) = argv[0], parse(argv[1:])
+    vm_dir, (binds, steps) = argv[0], parse(argv[2:])
+    watch_lifeline(int(argv[1]))
     for bind in binds:
         source, target = bind.split("=", 1)
         subprocess.run(["mount", "--bind", source, target], check=True)

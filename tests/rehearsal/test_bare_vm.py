@@ -4,6 +4,7 @@ import ipaddress
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -141,3 +142,30 @@ def test_the_cloud_is_reachable_from_inside_a_vm(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == "from the host"
     assert "127.0.0.1" not in cloud.vm_env["AWS_ENDPOINT_URL"]
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from rehearsal.vm import VmNetwork, bare_vm
+network = VmNetwork.create()
+with bare_vm(Path(sys.argv[1]), network) as vm:
+    print(vm.init_pid, network.bridge, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_vm_and_its_network_do_not_outlive_a_killed_test_process(tmp_path):
+    # Given a process that booted a VM and is then killed before it can clean up
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    init_pid, bridge = owner.stdout.readline().split()
+    owner.kill()
+    owner.wait()
+    # Then the VM ends with it, and the next network made on this machine removes its bridge
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{init_pid}").exists():
+        assert time.monotonic() < deadline, "the VM outlived the process that booted it"
+        time.sleep(0.05)
+    with VmNetwork.create():
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert f" {bridge}:" not in links
