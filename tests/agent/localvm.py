@@ -27,12 +27,8 @@ class LocalVM:
         self.address = address
         setup = [f"mount -t tmpfs -o mode=1777,size=512m spotcr-{name} {d}" for d in LOCAL_MOUNTS]
         if address:
-            setup += [
-                "ip link set lo up",
-                "ip link add eth0 type dummy",
-                f"ip addr add {address}/24 dev eth0",
-                "ip link set eth0 up",
-            ]
+            # No dummy interfaces on this kernel: the VM's address sits on its own loopback, reachable from inside.
+            setup += ["ip link set lo up", f"ip addr add {address}/32 dev lo"]
         script = " && ".join(setup) + " && echo ready && exec sleep 100000"
         argv = ["unshare", "--mount", "--propagation", "private", *(["--net"] if address else []), "sh", "-c", script]
         self.holder = subprocess.Popen(

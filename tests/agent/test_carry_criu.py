@@ -77,3 +77,46 @@ def test_files_in_vm_local_places_come_back_on_a_fresh_vm(root, vms, kind):
     assert (workdir / "result.txt").read_text() == (expected / "result.txt").read_text()
     assert (workdir / "progress.log").read_text() == (expected / "progress.log").read_text()
     assert [e["checkpoint_id"] for e in events(config, "CheckpointCompleted")] == [outcome["checkpoint_id"]]
+
+
+def _tcp_job_across_vms(root, vms, backup_address, tcp="established"):
+    """A job holding a listener and an established connection through its VM's address, final-dumped on the
+    primary (10.77.0.1) and restored on a VM with backup_address; the restored job's progress lines."""
+    port = 7411
+    command = (sys.executable, str(JOBS / "tcp_pair.py"), "10.77.0.1", str(port), "60", "0.05")
+    primary = vms("primary", "10.77.0.1")
+    config = vm_config(root, "primary", command=command, tcp=tcp)
+    primary.agent(config, "start")
+    workdir = root / "work"
+    wait_for(lambda: len(progress_lines(workdir)) >= 5, what="the job to talk to itself")
+    primary.agent(config, "checkpoint", "final", "1")
+    backup = vms("backup", backup_address)
+    backup_config = vm_config(root, "backup", generation=2, mode="restore", tcp=tcp)
+    restored = backup.agent(backup_config, "restore", "2")
+    try:
+        # The listener came back: a client on the backup VM reaches it
+        answer = backup.run([sys.executable, "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}))"])
+        assert answer.returncode == 0
+        assert backup.agent(backup_config, "wait-exit", "60")["exit_code"] == 0
+    finally:
+        kill_tree(restored["pid"])
+    return progress_lines(workdir)
+
+
+def test_tcp_connections_are_closed_when_the_backup_has_another_address(root, vms):
+    # Given a job with an established connection through 10.77.0.1, restored on a VM whose address is 10.77.0.2
+    lines = _tcp_job_across_vms(root, vms, "10.77.0.2")
+    # Then the restore succeeds, the job sees its connection reset once, reconnects, and ends
+    assert len(lines) == 60
+    assert len([line for line in lines if "reconnect" in line]) == 1
+
+
+def test_tcp_connections_come_back_when_the_backup_has_the_same_address(root, vms):
+    lines = _tcp_job_across_vms(root, vms, "10.77.0.1")
+    assert len(lines) == 60
+    assert [line for line in lines if "reconnect" in line] == []
+
+
+def test_the_close_policy_closes_connections_even_where_the_address_is_the_same(root, vms):
+    lines = _tcp_job_across_vms(root, vms, "10.77.0.1", tcp="close")
+    assert len([line for line in lines if "reconnect" in line]) == 1
