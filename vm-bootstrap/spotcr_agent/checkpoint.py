@@ -1,44 +1,65 @@
 """Taking checkpoints: periodic (the job keeps running) and final (the job stops).
 
-Periodic: CRIU dumps with --leave-running to local scratch, the work dir is copied while the job is
-still frozen (a CRIU post-dump action script), then the job runs on while the images cross the network.
-Final: the job stops and what counts is time until durable, so the store reads CRIU's images while
-CRIU writes them. Either way a checkpoint exists only once the store has written its manifest.
+Periodic: CRIU dumps with --leave-running to local scratch, the work dir and the job's VM-local files
+(carry.py) are copied while the job is still frozen (a CRIU post-dump action script), then the job runs
+on while the images cross the network. Final: the job stops and what counts is time until durable, so
+the store reads CRIU's images while CRIU writes them, and the files where they are once CRIU is done.
+Either way a checkpoint exists only once the store has written its manifest, and is committed only when
+everything the job holds is either in it, on the job's storage, or on the image (checked at restore).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import carry
+from .carry import Entry, JobScan, Layout
+from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
 from .criu import Criu, CriuError
 from .host import HostInfo
 from .runner import checkpointable_problem, job_alive, open_files
 from .state import FinalDump, StateFile, admit, exclusive, pid_alive
-from .store import CheckpointMeta, CommitResult, Manifest
+from .store import Backend, CheckpointMeta, CommitResult, Manifest
 
 log = logging.getLogger(__name__)
 
 KINDS = ("periodic", "final")
+CRIU_LOGS = "criu-logs"  # jobs/<job>/criu-logs/<ms>-<action>-<checkpoint>.log in the job's storage
+KEEP_CRIU_LOGS = 20
 FINAL_MODES = ("stream", "dump-then-ship")
 WAIT_POLL_S = 0.2
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint was not taken; the message says why."""
+    """A checkpoint was not taken; the message says why, log_tail holds the end of CRIU's log when CRIU failed."""
+
+    def __init__(self, message: str, log_tail: str = "", log: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+        self.log = log  # CRIU's whole log, kept in the job's storage by the agent
+
+    @classmethod
+    def of(cls, error: CriuError, log_path: Path) -> CheckpointError:
+        return cls(f"{error.reason}; CRIU log: {log_path}", error.log_tail, error.log)
 
 
 class Store(Protocol):
     """The part of spotcr_agent.store.CheckpointStore that checkpoints and restores use."""
+
+    job_id: str
+    backend: Backend
 
     def check(self) -> None: ...
 
@@ -46,7 +67,7 @@ class Store(Protocol):
         self,
         image_dir: Path,
         meta: CheckpointMeta,
-        extra_files: dict[str, Path] | None = None,
+        extra_files: Mapping[str, Path] | None = None,
         still_writing: Callable[[], bool] | None = None,
     ) -> CommitResult: ...
 
@@ -70,6 +91,30 @@ class CheckpointOutcome:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def keep_criu_log(store: Store, action: str, checkpoint: str, text: str, clock: Callable[[], float] = time.time) -> str:
+    """Keep CRIU's log of a failed dump or restore in the job's storage, where it outlives the VM; its location."""
+    prefix = f"jobs/{store.job_id}/{CRIU_LOGS}/"
+    key = f"{prefix}{int(clock() * 1000):013d}-{action}-{checkpoint or 'none'}.log"
+    store.backend.put(key, text.encode())
+    store.backend.flush()
+    old = sorted(obj.key for obj in store.backend.scan(prefix))[:-KEEP_CRIU_LOGS]
+    if old:
+        store.backend.delete(old)
+    return store.backend.describe(key)
+
+
+def kept_criu_logs(store: Store, newest: int = 5) -> list[dict[str, str]]:
+    """The newest kept CRIU logs, each with where it is and the first real error line in it."""
+    from .criu import explain
+
+    keys = sorted((obj.key for obj in store.backend.scan(f"jobs/{store.job_id}/{CRIU_LOGS}/")), reverse=True)
+    logs = []
+    for key in keys[:newest]:
+        text = store.backend.get(key).decode(errors="replace")
+        logs.append({"log": store.backend.describe(key), "error": explain(text)})
+    return logs
 
 
 def checkpoint_id(unix_ms: int, generation: int, kind: str) -> str:
@@ -100,6 +145,16 @@ class Checkpointer:
     final_mode: str = "stream"
     keep_checkpoints: int = 3
     clock: Callable[[], float] = time.time
+    layout: Layout | None = None  # where VM-local, image and storage files are; None: the work dir is all there is
+    local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB
+    _scan: JobScan = field(default_factory=JobScan)
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = Layout(workdir=str(self.workdir), local_dirs=(), excluded=self._own_dirs())
+
+    def _own_dirs(self) -> tuple[str, ...]:
+        return (str(self.state.dir), str(self.scratch_dir))
 
     def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
         if kind not in KINDS:
@@ -129,15 +184,16 @@ class Checkpointer:
             self._check_checkpointable(pid)
             meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
-            script = _snapshot_script(scratch / "post-dump.sh", self.workdir, snapshot)
+            script = self._post_dump_script(scratch, pid, snapshot=snapshot)
             try:
                 frozen = self.criu.dump(
                     pid, scratch / "images", scratch / "logs", leave_running=True, action_script=script
                 )
             except CriuError as error:
-                raise CheckpointError(f"{error.reason}; CRIU log: {scratch / 'logs' / 'dump.log'}") from error
+                raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
         # The job runs again: from here on only the network waits.
-        result = self.store.commit(scratch / "images", meta, extra_files=workdir_files(self.workdir, snapshot))
+        extra = self._carried(scratch, snapshot, copied=scratch / "carried")
+        result = self.store.commit(scratch / "images", meta, extra_files=extra)
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:
@@ -196,15 +252,20 @@ class Checkpointer:
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)
             logs.mkdir(parents=True, exist_ok=True)
-            # The job is frozen from here and killed when CRIU is done; its work dir no longer changes.
-            extra = workdir_files(self.workdir)
-            dump = self.criu.start_dump(self.criu.dump_argv(pid, images, logs, leave_running=False))
+            # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
+            # read where they are, once CRIU is done (its link remaps are files too).
+            script = self._post_dump_script(scratch, pid, snapshot=None)
+            argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=script)
+            dump = self.criu.start_dump(argv)
+            extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
             if self.final_mode == "stream":
                 watch = _CriuWatch(self.criu, dump, logs)
                 try:
                     result = self.store.commit(images, meta, extra_files=extra, still_writing=watch)
                 except CriuError as error:
-                    raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
+                    raise CheckpointError.of(error, logs / "dump.log") from error
+                except CheckpointError:
+                    raise
                 except Exception as error:
                     log.warning("streaming the final dump failed (%s); shipping it from local scratch", error)
                     self._finish(dump, logs)
@@ -223,14 +284,100 @@ class Checkpointer:
         try:
             self.criu.finish_dump(dump, logs)
         except CriuError as error:
-            raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
+            raise CheckpointError.of(error, logs / "dump.log") from error
 
     def _check_checkpointable(self, pid: int) -> None:
-        """Before freezing the job: CRIU would refuse it, or the images would have nowhere to go."""
+        """Before freezing the job: CRIU would refuse it, its files would not fit, or the images have nowhere to go."""
         problem = checkpointable_problem(pid)
         if problem:
             raise CheckpointError(problem)
+        self._scan = carry.scan_job(pid)
+        problem = carry.unsupported_problem(self._scan)
+        if problem:
+            raise CheckpointError(problem)
+        problem = carry.too_big(carry.local_inventory(self._layout, self._scan), self.local_files_limit_mb << 20)
+        if problem:
+            raise CheckpointError(problem)
         self.store.check()
+
+    @property
+    def _layout(self) -> Layout:
+        assert self.layout is not None  # set in __post_init__
+        return self.layout
+
+    def _post_dump_script(self, scratch: Path, pid: int, snapshot: Path | None) -> Path:
+        """CRIU's action script: at post-dump, the job still frozen, record what it holds (and copy, if periodic)."""
+        spec = {
+            "pid": pid,
+            "layout": self._layout.to_json(),
+            "copy_to": str(scratch / "carried") if snapshot is not None else "",
+            "out": str(scratch / "frozen.json"),
+        }
+        scratch.mkdir(parents=True, exist_ok=True)
+        (scratch / "frozen-spec.json").write_text(json.dumps(spec))
+        lines = ["#!/bin/sh", '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0']
+        if snapshot is not None:
+            lines.append(f"mkdir -p {shlex.quote(str(snapshot))} || exit 1")
+            lines.append(
+                f"cp -a --reflink=auto {shlex.quote(str(self.workdir))}/. {shlex.quote(str(snapshot))}/ || exit 1"
+            )
+        # -I -S: only the standard library, started fast; the job is frozen meanwhile.
+        python = shlex.quote(sys.executable)
+        lines.append(
+            f"exec {python} -I -S {shlex.quote(carry.__file__)} {shlex.quote(str(scratch / 'frozen-spec.json'))}"
+        )
+        path = scratch / "post-dump.sh"
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o755)
+        return path
+
+    def _restore_finds(self, path: str, place: str, workdir_root: Path, carried: set[str]) -> bool:
+        if place == "workdir":
+            return path == str(self.workdir) or (workdir_root / Path(path).relative_to(self.workdir)).exists()
+        if place in ("local", "other"):
+            return path in carried
+        if place == "storage":
+            return os.path.exists(path)
+        return True  # kernel objects: CRIU restores them itself
+
+    def _carried(self, scratch: Path, workdir_root: Path, copied: Path | None) -> dict[str, Path]:
+        """The files a checkpoint holds besides CRIU's images, once the job's state is frozen in them; refuses a
+        checkpoint that restore would find incomplete."""
+        try:
+            frozen = json.loads((scratch / "frozen.json").read_text())
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"the post-dump record of the job's files is missing or broken: {error}") from error
+        scan = JobScan.from_json(frozen["scan"])
+        entries = [Entry.from_json(e) for e in frozen["entries"]]
+        layout = self._layout
+        files = workdir_files(self.workdir, workdir_root)
+        carried = {e.path for e in entries}
+        images = []
+        for path, use in sorted(scan.files.items()):
+            place = layout.place(path, use == "write")
+            if place == "excluded":
+                raise CheckpointError(f"the job holds {path}, inside the agent's own directories; it cannot be carried")
+            if place == "image":
+                with contextlib.suppress(IsADirectoryError):
+                    images.append(carry.identity(path))
+            elif not self._restore_finds(path, place, workdir_root, carried):
+                raise CheckpointError(
+                    f"the checkpoint would not restore: the job holds {path} ({place}), which it does not carry"
+                )
+        for entry in entries:
+            if entry.kind == "file":
+                name = carry.stored_name(entry.path)
+                files[name] = copied / name if copied else Path(entry.path)
+        record = {
+            "format": 1,
+            "layout": layout.to_json(),
+            "scan": scan.to_json(),
+            "entries": [e.to_json() for e in entries],
+            "image_files": images,
+        }
+        (scratch / carry.RECORD).write_text(json.dumps(record))
+        files[carry.RECORD] = scratch / carry.RECORD
+        return files
 
     def _new_id(self, generation: int, kind: str) -> str:
         return checkpoint_id(int(self.clock() * 1000), generation, kind)
@@ -309,14 +456,23 @@ class _CriuWatch:
         return False
 
 
-def _snapshot_script(path: Path, workdir: Path, snapshot: Path) -> Path:
-    """A CRIU action script that copies the work dir after the dump, while the job is still frozen."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "#!/bin/sh\n"
-        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-        f"mkdir -p {shlex.quote(str(snapshot))}\n"
-        f"exec cp -a --reflink=auto {shlex.quote(str(workdir))}/. {shlex.quote(str(snapshot))}/\n"
-    )
-    path.chmod(0o755)
-    return path
+class _AfterDump(Mapping[str, Path]):
+    """The final dump's extra files, listed on first use: the store reads them only after CRIU has exited."""
+
+    def __init__(self, build: Callable[[], dict[str, Path]]) -> None:
+        self._build = build
+        self._files: dict[str, Path] | None = None
+
+    def _get(self) -> dict[str, Path]:
+        if self._files is None:
+            self._files = self._build()
+        return self._files
+
+    def __getitem__(self, key: str) -> Path:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
