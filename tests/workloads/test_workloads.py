@@ -1,0 +1,55 @@
+"""Real third-party programs through the real agent on bare VMs: started on VM A, checkpointed while running,
+interrupted by a final dump, restored on VM B (another address, empty /tmp, /var/tmp and /dev/shm), and ending
+byte for byte as an uninterrupted run of the same program on a VM of its own."""
+
+import pytest
+
+from .workloads import WORKLOADS
+
+pytestmark = [pytest.mark.workload, pytest.mark.criu]
+
+STEPS_BETWEEN_DUMPS = 5
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
+def test_workload_survives_a_move_to_another_vm(workload, built, workload_vms, criu_bin):
+    command = workload.command(built)
+    job_id = f"wl-{workload.name}"[:63]
+
+    # Given an uninterrupted run on a VM of its own, and the same program started on VM A
+    reference = workload_vms(job_id)
+    reference.configure(1, "run", command, workload.env)
+    reference.agent("start")
+    primary = workload_vms(job_id)
+    primary.configure(1, "run", command, workload.env)
+    job_pid = primary.agent("start")["pid"]
+
+    # When it is checkpointed while it holds what the workload is about, then interrupted by a final dump
+    primary.wait_progress(workload.first_dump_at)
+    held = primary.holds(workload.holds)
+    assert all(held.values()), f"at the periodic checkpoint the job does not hold {held}"
+    periodic = primary.agent("checkpoint", "periodic", "1")
+    primary.wait_progress(workload.first_dump_at + STEPS_BETWEEN_DUMPS)
+    held = primary.holds(workload.holds)
+    assert all(held.values()), f"at the final dump the job does not hold {held}"
+    job_mounts = primary.mount_points(job_pid)
+    final = primary.agent("checkpoint", "final", "1")
+    primary.vm.terminate()
+
+    # Then VM B, with another address and empty VM-local places, restores it and it ends as the uninterrupted run
+    backup = workload_vms(job_id)
+    assert backup.vm.address != primary.vm.address
+    backup.configure(2, "restore")
+    try:
+        restored = backup.agent("restore", "2")
+    except AssertionError as error:
+        # CRIU's "No mapping for N:(null) mountpoint" means a mount of the job is not on the restoring VM.
+        missing = sorted(job_mounts - backup.mount_points())
+        raise AssertionError(f"{error}\nmount points the job had that VM B lacks: {missing}") from None
+    assert restored["checkpoint_id"] == final["checkpoint_id"]
+    assert backup.agent("wait-exit", "120")["exit_code"] == 0, backup.stderr()
+    assert reference.agent("wait-exit", "120")["exit_code"] == 0, reference.stderr()
+    for name in workload.results:
+        assert backup.host(name).read_bytes() == reference.host(name).read_bytes(), f"{name} differs"
+    completed = [e["checkpoint_id"] for e in primary.events("CheckpointCompleted")]
+    assert completed == [periodic["checkpoint_id"], final["checkpoint_id"]]

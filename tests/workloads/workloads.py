@@ -1,0 +1,89 @@
+"""The suite's workloads: real third-party programs, each seeded and a few seconds long, and what each holds.
+
+`holds` are probe checks (tests/workloads/probe.py) that must all be true when the job is checkpointed, so a
+pass means the feature really was in the checkpoint (the sort had spilled, the connection was established).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROGRAMS = Path(__file__).parent / "programs"
+PYTHON = sys.executable  # the venv's: numpy comes from requirements/dev.lock
+NUMPY = str(Path(str(importlib.util.find_spec("numpy").origin)).resolve().parent)  # type: ignore[union-attr]
+STEPS, PACE_MS = 30, 200
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    command: Callable[[Path], tuple[str, ...]]  # given the directory of built programs
+    holds: tuple[str, ...]
+    results: tuple[str, ...] = ("result.txt",)  # files of the work dir compared byte for byte
+    env: dict[str, str] = field(default_factory=dict)
+    first_dump_at: int = 8  # progress steps before the periodic checkpoint, then the final dump 5 steps later
+
+
+def _args(steps: int = STEPS) -> tuple[str, str]:
+    return str(steps), str(PACE_MS)
+
+
+WORKLOADS = (
+    Workload(
+        "jvm-default-flags",
+        lambda built: ("java", "-cp", str(built / "java"), "Work", *_args()),
+        holds=("maps:/tmp/hsperfdata_root/", "threads:8"),
+    ),
+    Workload(
+        "go-goroutines",
+        lambda built: (str(built / "goroutines"), *_args()),
+        holds=("threads:3",),
+    ),
+    Workload(
+        "numpy-openblas-threads",
+        lambda built: (PYTHON, str(PROGRAMS / "numpy_threads.py"), *_args()),
+        holds=("threads:2", "maps:" + NUMPY),  # OpenBLAS starts one thread per core (2 on CI)
+    ),
+    Workload(
+        "openmp-c",
+        lambda built: (str(built / "openmp"), *_args()),
+        holds=("threads:2",),
+        env={"OMP_NUM_THREADS": "4"},
+    ),
+    Workload(
+        "node-http-server",
+        lambda built: ("node", str(PROGRAMS / "http_server.js"), *_args()),
+        holds=("tcp:8088",),
+        results=("result.txt",),
+    ),
+    Workload(
+        "redis-with-client",
+        lambda built: (PYTHON, str(PROGRAMS / "redis_client.py"), *_args()),
+        holds=("tcp:6399", "processes:redis-server:1"),
+    ),
+    Workload(
+        "sort-pipeline-spills-to-tmp",
+        lambda built: ("bash", str(PROGRAMS / "sort_pipeline.sh"), PYTHON, *_args()),
+        holds=("spilled:/tmp:sort", "open:/tmp/pipeline.log"),
+        results=("result.txt", "log.txt"),
+    ),
+    Workload(
+        "python-unlinked-tempfile-and-pool",
+        lambda built: (PYTHON, str(PROGRAMS / "tempfile_pool.py"), *_args()),
+        holds=(f"unlinked:/tmp:{(1 << 20) + 1}", "processes:python:3"),
+    ),
+    Workload(
+        "mpich-two-ranks",
+        lambda built: ("mpiexec", "-n", "2", str(built / "mpi"), *_args()),
+        holds=("processes:mpi:2",),
+    ),
+    Workload(
+        "sqlite-rollback-journal",
+        lambda built: (PYTHON, str(PROGRAMS / "sqlite_job.py"), *_args()),
+        holds=("open:{workdir}/data.db",),
+    ),
+)
