@@ -10,7 +10,7 @@ export CDK_DISABLE_VERSION_CHECK := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 CDK := npx --no-install cdk --no-notices
 
-.PHONY: setup criu lint test demo bench synth deploy destroy lock clean
+.PHONY: setup criu workload-deps lint test demo bench synth deploy destroy lock clean
 
 setup: $(VENV)/.installed node_modules/.installed criu
 
@@ -30,12 +30,16 @@ node_modules/.installed: package-lock.json
 criu:
 	@bash vm-bootstrap/install-criu.sh
 
+# The workload suite's programs (tests/workloads): redis-server, MPICH, a JDK, Go, Node, gcc with OpenMP.
+workload-deps:
+	@bash tests/workloads/install-deps.sh
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(PYTHON_DIRS)
 	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
 	$(VENV)/bin/mypy $(PYTHON_DIRS)
 
-test: setup lint
+test: setup workload-deps lint
 	$(PY) -m pytest
 
 demo: setup

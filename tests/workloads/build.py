@@ -10,6 +10,7 @@ from pathlib import Path
 PROGRAMS = Path(__file__).parent / "programs"
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".build" / "workloads"
+BUILD_PATH = "/usr/local/go/bin:/usr/local/bin:/usr/bin:/bin"  # Go's own tarball installs in /usr/local/go
 
 # name: (source, the command that builds it into OUT, the tool whose version is part of the cache key)
 BUILDS = {
@@ -21,8 +22,9 @@ BUILDS = {
 
 
 def _tool_version(argv: list[str]) -> str:
-    assert shutil.which(argv[0]), f"{argv[0]} is not installed: `make test` installs it (make workload-deps)"
-    result = subprocess.run(argv, capture_output=True, text=True, check=True)
+    tool = shutil.which(argv[0], path=BUILD_PATH)
+    assert tool, f"{argv[0]} is not installed: `make test` installs it (make workload-deps)"
+    result = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, check=True)
     return result.stdout + result.stderr
 
 
@@ -36,7 +38,7 @@ def build_all() -> Path:
         return out_dir
     shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "gocache").mkdir(parents=True)
-    env = {"PATH": "/usr/local/go/bin:/usr/local/bin:/usr/bin:/bin", "HOME": str(out_dir), "LANG": "C.UTF-8"}
+    env = {"PATH": BUILD_PATH, "HOME": str(out_dir), "LANG": "C.UTF-8"}
     env |= {"GOCACHE": str(out_dir / "gocache"), "GOPATH": str(out_dir / "gopath"), "GO111MODULE": "off"}
     for name, (source, command, _) in BUILDS.items():
         argv = [arg.format(out=out_dir / name, src=PROGRAMS / source) for arg in command]
