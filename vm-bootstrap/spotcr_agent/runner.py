@@ -24,7 +24,7 @@ CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every c
 WRAPPER = 'exec </dev/null >>"$1" 2>>"$2"; f=$3; shift 3; "$@"; echo $? >> "$f"'
 MAX_SPEC_BYTES = 64 * 1024
 # Its own PID namespace, and a mount namespace whose /proc is that PID namespace's (mounts.py).
-JOB_NAMESPACES = ("unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc")
+JOB_NAMESPACES = ("unshare", "--pid", "--ipc", "--fork", "--mount", "--propagation", "private", "--mount-proc")
 
 
 class JobError(RuntimeError):
