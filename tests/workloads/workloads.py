@@ -79,7 +79,9 @@ WORKLOADS = (
     Workload(
         "mpich-two-ranks",
         lambda built: ("mpiexec", "-n", "2", str(built / "mpi"), *_args()),
-        holds=("processes:mpi:2",),
+        holds=("processes:mpi:2", "maps:/SYSV"),  # UCX's shared memory between the ranks
+        # By default UCX also listens on the VM's address for its TCP transport, which no other VM has.
+        env={"UCX_TLS": "self,sm"},
     ),
     Workload(
         "sqlite-rollback-journal",
