@@ -8,6 +8,7 @@ Runs inside the job's VM (its /proc); prints one JSON line {"held": {check: deta
   threads:N           a process of the job has at least N threads
   processes:NAME:N    at least N processes of the job have a name starting with NAME
   tcp:PORT            an established TCP connection from or to PORT in the job's network namespace
+  tcp-vm:PORT         the same, on the VM's own address (not loopback): one that cannot survive a move as it is
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def _check(tree: list[int], check: str) -> str | None:
                 name, count = arg.split(":", 1)
                 named = [p for p in tree if Path(f"/proc/{p}/comm").read_text().startswith(name)]
                 return f"{len(named)} processes named {name}" if len(named) >= int(count) else None
-            elif kind == "tcp":
+            elif kind in ("tcp", "tcp-vm"):
                 for table in ("tcp", "tcp6"):
                     for line in (proc / "net" / table).read_text().splitlines()[1:]:
                         local, remote, state = line.split()[1:4]
                         ports = {int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)}
-                        if state == ESTABLISHED and int(arg) in ports:
+                        on_loopback = local.startswith(("0100007F", "00000000000000000000000001000000"))
+                        if state == ESTABLISHED and int(arg) in ports and not (kind == "tcp-vm" and on_loopback):
                             return f"established {local} {remote}"
             else:
                 raise SystemExit(f"unknown check {check!r}")

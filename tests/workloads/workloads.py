@@ -57,13 +57,13 @@ WORKLOADS = (
     Workload(
         "node-http-server",
         lambda built: ("node", str(PROGRAMS / "http_server.js"), *_args()),
-        holds=("tcp:8088",),
+        holds=("tcp-vm:8088",),
         results=("result.txt",),
     ),
     Workload(
         "redis-with-client",
         lambda built: (PYTHON, str(PROGRAMS / "redis_client.py"), *_args()),
-        holds=("tcp:6399", "processes:redis-server:1"),
+        holds=("tcp:6399", "processes:redis-server:1"),  # on loopback, which every VM has: kept established
     ),
     Workload(
         "sort-pipeline-spills-to-tmp",
