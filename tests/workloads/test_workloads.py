@@ -13,6 +13,19 @@ STEPS_BETWEEN_DUMPS = 5
 
 
 def _move(workload, built, workload_vms, interruption):
+    if not workload.known_failure:
+        _move_and_compare(workload, built, workload_vms, interruption)
+        return
+    try:
+        _move_and_compare(workload, built, workload_vms, interruption)
+    except AssertionError as error:
+        if workload.known_failure not in str(error):
+            raise
+        pytest.xfail(f"known limitation: {workload.known_failure}")
+    pytest.fail(f"{workload.name} now passes: remove its known_failure ({workload.known_failure!r})")
+
+
+def _move_and_compare(workload, built, workload_vms, interruption):
     command = workload.command(built)
     job_id = f"wl-{workload.name}"[:63]
 
@@ -50,7 +63,8 @@ def _move(workload, built, workload_vms, interruption):
         missing = sorted(job_mounts - backup.mount_points())
         raise AssertionError(f"{error}\nmount points the job had that VM B lacks: {missing}") from None
     assert restored["checkpoint_id"] == expected[-1]
-    assert backup.agent("wait-exit", "120")["exit_code"] == 0, backup.stderr()
+    exit_code = backup.agent("wait-exit", "120")["exit_code"]
+    assert exit_code == 0, f"the restored job exited with {exit_code}: {backup.stderr()}"
     assert reference.agent("wait-exit", "120")["exit_code"] == 0, reference.stderr()
     for name in workload.results:
         assert backup.host(name).read_bytes() == reference.host(name).read_bytes(), f"{name} differs"

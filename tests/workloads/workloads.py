@@ -26,6 +26,9 @@ class Workload:
     results: tuple[str, ...] = ("result.txt",)  # files of the work dir compared byte for byte
     env: dict[str, str] = field(default_factory=dict)
     first_dump_at: int = 8  # progress steps before the periodic checkpoint, then the final dump 5 steps later
+    # A limitation not yet lifted: the exact words it fails with. The test fails on any other failure, and once
+    # the workload passes, so that the entry is removed with the fix.
+    known_failure: str = ""
 
 
 def _args(steps: int = STEPS) -> tuple[str, str]:
@@ -87,5 +90,8 @@ WORKLOADS = (
         "sqlite-rollback-journal",
         lambda built: (PYTHON, str(PROGRAMS / "sqlite_job.py"), *_args()),
         holds=("open:{workdir}/data.db",),
+        # SQLite keeps the inode number of its database file and refuses to write once the path names another
+        # inode (SQLITE_READONLY_DBMOVED); every restored file is a new inode. WAL mode does not check this.
+        known_failure="sqlite3.OperationalError: attempt to write a readonly database",
     ),
 )
