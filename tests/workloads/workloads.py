@@ -94,4 +94,9 @@ WORKLOADS = (
         # inode (SQLITE_READONLY_DBMOVED); every restored file is a new inode. WAL mode does not check this.
         known_failure="sqlite3.OperationalError: attempt to write a readonly database",
     ),
+    Workload(
+        "sqlite-wal",
+        lambda built: (PYTHON, str(PROGRAMS / "sqlite_job.py"), *_args(), "wal"),
+        holds=("open:{workdir}/data.db-wal", "maps:{workdir}/data.db-shm"),
+    ),
 )

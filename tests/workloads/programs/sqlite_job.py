@@ -1,12 +1,15 @@
-"""A SQLite job in its default (rollback journal) mode: one connection kept open, a transaction per step."""
+"""A SQLite job, in its default (rollback journal) mode unless told: one open connection, a transaction per step."""
 
 import sqlite3
 import sys
 import time
 
 steps, pace = int(sys.argv[1]), int(sys.argv[2]) / 1000
+mode = sys.argv[3] if len(sys.argv) > 3 else "delete"
 db = sqlite3.connect("data.db")
-assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+if mode != "delete":
+    db.execute(f"PRAGMA journal_mode={mode}")
+assert db.execute("PRAGMA journal_mode").fetchone()[0] == mode
 db.execute("CREATE TABLE IF NOT EXISTS item (id INTEGER PRIMARY KEY, step INTEGER, value INTEGER)")
 with open("progress.log", "a") as progress:
     for step in range(steps):
