@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from spotcr_agent.config import AgentConfig
+from spotcr_agent.store import CheckpointStore
 
 from .conftest import JOBS, wait_for
 
@@ -128,3 +129,25 @@ def test_tcp_connections_come_back_where_the_address_is_the_same(bare_vm, storag
 def test_the_close_policy_closes_connections_even_where_the_address_is_the_same(bare_vm, storage):
     lines = _tcp_job(bare_vm, storage, same_vm=True, tcp="close")
     assert len([line for line in lines if "reconnect" in line]) == 1
+
+
+def test_a_jvm_with_default_flags_comes_back_on_a_fresh_vm(bare_vm, storage):
+    # Given a JVM with default flags, which maps /tmp/hsperfdata_root/<pid>
+    primary = JobVM(bare_vm(shared_storage=storage), command=("java", str(JOBS / "Counter.java"), "60"))
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, timeout=60, what="the JVM to run")
+    hsperf = primary.vm.run(["sh", "-c", "ls /tmp/hsperfdata_root"])
+    assert hsperf.stdout.split(), "the JVM mapped no hsperfdata file"
+
+    # When it is final-dumped and restored on a fresh VM with an empty /tmp
+    outcome = primary.agent("checkpoint", "final", "1")
+    primary.vm.terminate()
+    carried = [f.path for f in CheckpointStore.for_directory(storage, "job-1").load(outcome["checkpoint_id"]).files]
+    assert f"local/tmp/hsperfdata_root/{hsperf.stdout.split()[0]}" in carried
+    backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
+    backup.agent("restore", "2")
+
+    # Then it ends there, every step counted once
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    sums = [int(line.split()[2]) for line in backup.progress()]
+    assert sums == [sum(s * s for s in range(step + 1)) for step in range(60)]
