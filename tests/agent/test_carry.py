@@ -12,25 +12,27 @@ LAYOUT = Layout(workdir="/var/lib/spotcr/work/job-1", storage="/mnt/spotcr", exc
 
 
 @pytest.mark.parametrize(
-    ("path", "written", "place"),
+    ("path", "use", "place"),
     [
-        ("/var/lib/spotcr/work/job-1/out.csv", True, "workdir"),
-        ("/mnt/spotcr/data/input.parquet", False, "storage"),
-        ("/var/lib/spotcr/scratch/x/images/pages-1.img", True, "excluded"),
-        ("/tmp/hsperfdata_root/7", True, "local"),
-        ("/dev/shm/sem.loky-1", True, "local"),
-        ("/var/tmp/sortAb12", False, "local"),
-        ("/dev/null", True, "kernel"),
-        ("/proc/7/status", False, "kernel"),
-        ("/usr/lib/jvm/lib/server/libjvm.so", False, "image"),
-        ("/etc/ld.so.cache", True, "image"),
-        ("/root/.pyenv/versions/3.11.7/bin/python3.11", False, "image"),  # only read: the AMI's, never carried
-        ("/root/job.log", True, "other"),  # written outside every known place: carried as a single file
-        ("/tmpfoo/x", True, "other"),
+        ("/var/lib/spotcr/work/job-1/out.csv", "write", "workdir"),
+        ("/mnt/spotcr/data/input.parquet", "read", "storage"),
+        ("/var/lib/spotcr/scratch/x/images/pages-1.img", "write", "excluded"),
+        ("/tmp/hsperfdata_root/7", "write", "local"),
+        ("/dev/shm/sem.loky-1", "write", "local"),
+        ("/var/tmp/sortAb12", "read", "local"),
+        ("/dev/null", "write", "kernel"),
+        ("/proc/7/status", "read", "kernel"),
+        ("/usr/lib/jvm/lib/server/libjvm.so", "read", "image"),
+        ("/usr/lib/python3/dist-packages/x.so", "new", "image"),  # the image's dirs are the AMI's, however new
+        ("/etc/ld.so.cache", "write", "image"),
+        ("/root/.pyenv/versions/3.11.7/bin/python3.11", "read", "image"),  # only read, from the AMI: not carried
+        ("/root/input.bin", "new", "other"),  # only read, but made after boot: the backup would lack it
+        ("/root/job.log", "write", "other"),  # written outside every known place: carried as a single file
+        ("/tmpfoo/x", "write", "other"),
     ],
 )
-def test_each_file_the_job_holds_has_one_place(path, written, place):
-    assert LAYOUT.place(path, written) == place
+def test_each_file_the_job_holds_has_one_place(path, use, place):
+    assert LAYOUT.place(path, use) == place
 
 
 def test_tcp_endpoints_are_read_as_the_kernel_prints_them():

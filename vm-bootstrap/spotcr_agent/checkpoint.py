@@ -354,7 +354,7 @@ class Checkpointer:
         carried = {e.path for e in entries}
         images = []
         for path, use in sorted(scan.files.items()):
-            place = layout.place(path, use == "write")
+            place = layout.place(path, use)
             if place == "excluded":
                 raise CheckpointError(f"the job holds {path}, inside the agent's own directories; it cannot be carried")
             if place == "image":
