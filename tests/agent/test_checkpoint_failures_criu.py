@@ -144,3 +144,27 @@ def test_a_restore_on_a_different_image_names_the_file_that_differs(tmp_path, pu
     model.write_bytes(b"weights v1" * 1000)
     restored = backup.restore(2)
     kill_tree(restored.pid)
+
+
+def test_a_failure_while_the_job_is_frozen_fails_the_dump_and_the_job_runs_on(tmp_path, publisher, monkeypatch):
+    # Given a running job, and copying its VM-local files at the freeze breaks (a full scratch disk)
+    def full_disk(entries, dest):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("spotcr_agent.carry.copy_files", full_disk)
+    command = (sys.executable, str(JOBS / "holds.py"), "ghost", "1", "300")
+    agent = make_agent(make_config(tmp_path, command=command), publisher)
+    pid = agent.start_job()
+    try:
+        wait_for(lambda: progress_lines(agent.config.workdir), what="the job to start")
+
+        # When a periodic checkpoint is taken
+        with pytest.raises(CheckpointError, match=r"recording the job.s files at the freeze failed: .*No space left"):
+            agent.checkpoint("periodic", 1)
+
+        # Then nothing is committed, and CRIU let the job run on
+        assert agent.store().checkpoint_ids() == []
+        before = len(progress_lines(agent.config.workdir))
+        wait_for(lambda: len(progress_lines(agent.config.workdir)) > before, what="the job to run on")
+    finally:
+        kill_tree(pid)

@@ -9,14 +9,13 @@ Every file the job holds open or mapped is in one of these places:
   (`sort` spills); any other file the job writes, or reads but that was made after boot, is carried alone.
 A restore never replaces or removes a file that was there before it: a fresh VM has none of the carried ones.
 Unlinked files travel inside CRIU's images (ghost files, link remaps). Kernel objects CRIU cannot dump are named
-before the dump. Standard library only: CRIU's post-dump action script runs this file while the job is frozen.
+before the dump.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import shutil
 import socket
@@ -32,7 +31,7 @@ IMAGE_DIRS = ("/usr", "/etc", "/opt", "/bin", "/sbin", "/lib", "/lib32", "/lib64
 KERNEL_DIRS = ("/proc", "/sys", "/dev")  # CRIU restores these descriptors itself; /dev/shm is VM-local instead
 SHM_DIR = "/dev/shm"  # noqa: S108 - a path the job uses, not one spotcr writes temp files to
 RECORD = "carried.json"  # inside the checkpoint: what was carried and checked; old checkpoints have none
-SAMPLE = 1 << 20  # bytes hashed at each end of an image file: identity without reading a 100 MB library
+SAMPLE = 64 << 10  # bytes hashed at each end of an image file (ELF headers and build-id notes sit at the start)
 
 # anon_inode kinds CRIU 4.1 dumps (criu/files.c, dump_one_file); any other one fails the dump.
 DUMPABLE_ANON = ("[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]")
@@ -313,7 +312,7 @@ def address_here(address: str) -> bool:
 
 
 def identity(path: str) -> dict[str, Any]:
-    """An image file's identity: size and a hash of its first and last MiB (mtimes differ between AMI builds)."""
+    """An image file's identity: size and a hash of its first and last 64 KiB (mtimes differ between AMI builds)."""
     digest = hashlib.sha256()
     with open(path, "rb") as source:
         size = os.fstat(source.fileno()).st_size
@@ -497,24 +496,3 @@ def take_back(created: Iterable[str]) -> None:
                 target.unlink()
         except OSError:
             continue
-
-
-def post_dump(spec_path: str) -> int:
-    """CRIU's post-dump action: the job is frozen; record what it holds and copy the VM-local set if asked."""
-    spec = json.loads(Path(spec_path).read_text())
-    scan = scan_job(int(spec["pid"]))
-    layout = Layout.from_json(spec["layout"])
-    entries = local_inventory(layout, scan)
-    if spec.get("copy_to"):
-        copy_files(entries, Path(spec["copy_to"]))
-    result = {"scan": scan.to_json(), "entries": [e.to_json() for e in entries]}
-    out = Path(spec["out"])
-    out.with_suffix(".tmp").write_text(json.dumps(result))
-    out.with_suffix(".tmp").replace(out)
-    return 0
-
-
-if __name__ == "__main__":
-    if os.environ.get("CRTOOLS_SCRIPT_ACTION", "post-dump") != "post-dump":
-        sys.exit(0)
-    sys.exit(post_dump(sys.argv[1]))
