@@ -1,122 +1,153 @@
-"""What a checkpoint carries, with the real CRIU, between local VMs as bare as EC2's: each has its own empty
-/tmp, /var/tmp and /dev/shm, and, where the test needs one, its own network namespace and address."""
+"""What a checkpoint carries, with the real CRIU, between bare local VMs (rehearsal.vm): each has its own empty
+/tmp, /var/tmp and /dev/shm, its own /var/lib/spotcr, its own network namespace and address, and the job's
+storage at /mnt/spotcr. The agent runs inside them as on a job VM."""
 
 import json
-import os
-import signal
 import sys
+from pathlib import Path
 
 import pytest
-from spotcr_agent.carry import LOCAL_DIRS
+from spotcr_agent.config import AgentConfig
+from spotcr_agent.store import CheckpointStore
 
-from .conftest import JOBS, kill_tree, make_config, progress_lines, wait_for
-from .localvm import local_vms, outside_tmp
+from .conftest import JOBS, wait_for
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
-
-@pytest.fixture
-def root():
-    with outside_tmp() as path:
-        yield path
+ROOT = Path(__file__).parents[2]
+WORKDIR = "/var/lib/spotcr/work/job-1"
 
 
 @pytest.fixture
-def vms():
-    with local_vms() as make:
-        yield make
-
-
-def vm_config(root, name, generation=1, mode="run", **overrides):
-    config = make_config(root, name, generation=generation, mode=mode, local_dirs=LOCAL_DIRS, **overrides)
-    path = root / name / "agent.json"
-    config.mount_point.mkdir(parents=True, exist_ok=True)
-    config.write(path)
+def storage(tmp_path):
+    path = tmp_path / "storage"
+    path.mkdir()
     return path
 
 
-def events(config_path, detail_type):
-    path = config_path.parent / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [event for event in map(json.loads, lines) if event["type"] == detail_type]
+class JobVM:
+    """A bare VM with the agent's config in /etc/spotcr, driven through tests/agent/vm_agent.py."""
+
+    def __init__(self, vm, generation=1, mode="run", **config):
+        self.vm = vm
+        values = {"job_id": "job-1", "instance_id": vm.instance_id, "storage": "efs", "generation": generation}
+        AgentConfig(**values, mode=mode, **config).write(vm.dir("etc") / "agent.json")
+
+    def agent(self, *op, check=True):
+        argv = ["env", f"PYTHONPATH={ROOT}:{ROOT / 'functions'}:{ROOT / 'vm-bootstrap'}"]
+        result = self.vm.run([*argv, sys.executable, "-m", "tests.agent.vm_agent", *op], timeout_s=180)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(op)} on {self.vm.instance_id} failed: {result.stdout}{result.stderr}")
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    @property
+    def workdir(self):
+        return self.vm.host_path(WORKDIR)
+
+    def progress(self):
+        path = self.workdir / "progress.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def events(self, detail_type):
+        path = self.vm.dir("etc") / "events.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [event for event in map(json.loads, lines) if event["type"] == detail_type]
 
 
-def reference_run(vm, root, command):
+def reference_run(vm, command):
     """What an uninterrupted run writes, on a fresh VM of its own."""
-    workdir = root / "reference"
-    workdir.mkdir()
-    vm.run(list(command), cwd=workdir, timeout=120)
-    return workdir
+    script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
+    result = vm.run(["sh", "-c", script, "reference", *command], timeout_s=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return vm.host_path(WORKDIR)
 
 
 @pytest.mark.parametrize("kind", ["periodic", "final"])
-def test_files_in_vm_local_places_come_back_on_a_fresh_vm(root, vms, kind):
+def test_files_in_vm_local_places_come_back_on_a_fresh_vm(bare_vm, storage, kind):
     # Given a job holding a log in /tmp, a mapped file like a JVM's hsperfdata, closed spills in /var/tmp,
     # a 3 MiB unlinked temp file and a named POSIX semaphore in /dev/shm
     command = (sys.executable, str(JOBS / "vmlocal.py"), "40", "0.1")
-    expected = reference_run(vms("reference"), root, (*command[:3], "0"))
-    primary = vms("primary")
-    config = vm_config(root, "primary", command=command)
-    pid = primary.agent(config, "start")["pid"]
-    workdir = root / "work"
-    wait_for(lambda: len(progress_lines(workdir)) >= 8, what="progress")
+    expected = reference_run(bare_vm(), (*command[:3], "0"))
+    primary = JobVM(bare_vm(shared_storage=storage), command=command)
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 8, what="progress")
 
     # When it is checkpointed, then its VM is lost and a fresh VM (empty /tmp, /var/tmp, /dev/shm) restores it
-    outcome = primary.agent(config, "checkpoint", kind, "1")
+    outcome = primary.agent("checkpoint", kind, "1")
     if kind == "periodic":
-        wait_for(lambda: len(progress_lines(workdir)) >= 12, what="progress after the periodic dump")
-        os.kill(pid, signal.SIGSTOP)
-    backup = vms("backup")
-    backup_config = vm_config(root, "backup", generation=2, mode="restore")
-    restored = backup.agent(backup_config, "restore", "2")
-    kill_tree(pid)
+        wait_for(lambda: len(primary.progress()) >= 12, what="progress after the periodic dump")
+    primary.vm.terminate()
+    backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
+    restored = backup.agent("restore", "2")
 
     # Then the job ends there exactly as an uninterrupted run: every VM-local thing it held was carried
     assert restored["checkpoint_id"] == outcome["checkpoint_id"]
-    assert backup.agent(backup_config, "wait-exit", "60")["exit_code"] == 0
-    assert (workdir / "result.txt").read_text() == (expected / "result.txt").read_text()
-    assert (workdir / "progress.log").read_text() == (expected / "progress.log").read_text()
-    assert [e["checkpoint_id"] for e in events(config, "CheckpointCompleted")] == [outcome["checkpoint_id"]]
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    assert (backup.workdir / "result.txt").read_text() == (expected / "result.txt").read_text()
+    assert (backup.workdir / "progress.log").read_text() == (expected / "progress.log").read_text()
+    assert [e["checkpoint_id"] for e in primary.events("CheckpointCompleted")] == [outcome["checkpoint_id"]]
 
 
-def _tcp_job_across_vms(root, vms, backup_address, tcp="established"):
-    """A job holding a listener and an established connection through its VM's address, final-dumped on the
-    primary (10.77.0.1) and restored on a VM with backup_address; the restored job's progress lines."""
+def _tcp_job(bare_vm, storage, same_vm, tcp="established"):
+    """A job holding a listener and an established connection through its VM's address, final-dumped and
+    restored on another VM (another address) or on the same VM (the same address); its progress lines."""
     port = 7411
-    command = (sys.executable, str(JOBS / "tcp_pair.py"), "10.77.0.1", str(port), "60", "0.05")
-    primary = vms("primary", "10.77.0.1")
-    config = vm_config(root, "primary", command=command, tcp=tcp)
-    primary.agent(config, "start")
-    workdir = root / "work"
-    wait_for(lambda: len(progress_lines(workdir)) >= 5, what="the job to talk to itself")
-    primary.agent(config, "checkpoint", "final", "1")
-    backup = vms("backup", backup_address)
-    backup_config = vm_config(root, "backup", generation=2, mode="restore", tcp=tcp)
-    restored = backup.agent(backup_config, "restore", "2")
-    try:
-        # The listener came back: a client on the backup VM reaches it
-        answer = backup.run([sys.executable, "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}))"])
-        assert answer.returncode == 0
-        assert backup.agent(backup_config, "wait-exit", "60")["exit_code"] == 0
-    finally:
-        kill_tree(restored["pid"])
-    return progress_lines(workdir)
+    primary_vm = bare_vm(shared_storage=storage)
+    command = (sys.executable, str(JOBS / "tcp_pair.py"), primary_vm.address, str(port), "60", "0.05")
+    primary = JobVM(primary_vm, command=command, tcp=tcp)
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, what="the job to talk to itself")
+    primary.agent("checkpoint", "final", "1")
+    if same_vm:
+        backup = JobVM(primary_vm, generation=2, mode="restore", tcp=tcp)
+    else:
+        primary_vm.terminate()
+        backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore", tcp=tcp)
+        assert backup.vm.address != primary_vm.address
+    backup.agent("restore", "2")
+    # The listener came back: a client on the backup VM reaches it
+    probe = backup.vm.run([sys.executable, "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}))"])
+    assert probe.returncode == 0, probe.stderr
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    return backup.progress()
 
 
-def test_tcp_connections_are_closed_when_the_backup_has_another_address(root, vms):
-    # Given a job with an established connection through 10.77.0.1, restored on a VM whose address is 10.77.0.2
-    lines = _tcp_job_across_vms(root, vms, "10.77.0.2")
+def test_tcp_connections_are_closed_when_the_backup_has_another_address(bare_vm, storage):
+    # Given a job with an established connection through its VM's address, restored on a VM with another address
+    lines = _tcp_job(bare_vm, storage, same_vm=False)
     # Then the restore succeeds, the job sees its connection reset once, reconnects, and ends
     assert len(lines) == 60
     assert len([line for line in lines if "reconnect" in line]) == 1
 
 
-def test_tcp_connections_come_back_when_the_backup_has_the_same_address(root, vms):
-    lines = _tcp_job_across_vms(root, vms, "10.77.0.1")
+def test_tcp_connections_come_back_where_the_address_is_the_same(bare_vm, storage):
+    lines = _tcp_job(bare_vm, storage, same_vm=True)
     assert len(lines) == 60
     assert [line for line in lines if "reconnect" in line] == []
 
 
-def test_the_close_policy_closes_connections_even_where_the_address_is_the_same(root, vms):
-    lines = _tcp_job_across_vms(root, vms, "10.77.0.1", tcp="close")
+def test_the_close_policy_closes_connections_even_where_the_address_is_the_same(bare_vm, storage):
+    lines = _tcp_job(bare_vm, storage, same_vm=True, tcp="close")
     assert len([line for line in lines if "reconnect" in line]) == 1
+
+
+def test_a_jvm_with_default_flags_comes_back_on_a_fresh_vm(bare_vm, storage):
+    # Given a JVM with default flags, which maps /tmp/hsperfdata_root/<pid>
+    primary = JobVM(bare_vm(shared_storage=storage), command=("java", str(JOBS / "Counter.java"), "60"))
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, timeout=60, what="the JVM to run")
+    hsperf = primary.vm.run(["sh", "-c", "ls /tmp/hsperfdata_root"])
+    assert hsperf.stdout.split(), "the JVM mapped no hsperfdata file"
+
+    # When it is final-dumped and restored on a fresh VM with an empty /tmp
+    outcome = primary.agent("checkpoint", "final", "1")
+    primary.vm.terminate()
+    carried = [f.path for f in CheckpointStore.for_directory(storage, "job-1").load(outcome["checkpoint_id"]).files]
+    assert f"local/tmp/hsperfdata_root/{hsperf.stdout.split()[0]}" in carried
+    backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
+    backup.agent("restore", "2")
+
+    # Then it ends there, every step counted once
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    sums = [int(line.split()[2]) for line in backup.progress()]
+    assert sums == [sum(s * s for s in range(step + 1)) for step in range(60)]

@@ -1,38 +1,32 @@
-"""One agent operation inside a LocalVM: `python -m tests.agent.vm_agent CONFIG OP [ARGS]`; prints one JSON line.
+"""One agent operation inside a bare VM: `python -m tests.agent.vm_agent OP [ARGS]`; prints one JSON line.
 
-Events go to events.jsonl beside CONFIG, so the test reads what the agent published.
+The agent reads /etc/spotcr/agent.json as on a job VM, and publishes its events to /etc/spotcr/events.jsonl,
+so the test reads what it published.
 """
 
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from spotcr_agent.agent import Agent, base_job_env
-from spotcr_agent.config import AgentConfig
+from spotcr_agent.config import DEFAULT_CONFIG_PATH, load
 from spotcr_agent.store import CheckpointStore
+
+EVENTS = DEFAULT_CONFIG_PATH.parent / "events.jsonl"
 
 
 class FilePublisher:
-    def __init__(self, path):
-        self.path = path
-
     def publish(self, event):
-        with open(self.path, "a") as out:
+        with open(EVENTS, "a") as out:
             out.write(json.dumps({"type": event.DETAIL_TYPE, **event.detail()}) + "\n")
         return True
 
 
-def main(config_path, op, *args):
-    config = AgentConfig.from_json(json.loads(Path(config_path).read_text()))
+def main(op, *args):
+    config = load(os.environ)
     store = CheckpointStore.for_directory(config.mount_point, config.job_id)
-    agent = Agent(
-        config=config,
-        publisher=FilePublisher(Path(config_path).parent / "events.jsonl"),
-        job_env=base_job_env(os.environ),
-        store_factory=lambda _: store,
-    )
+    agent = Agent(config, FilePublisher(), base_job_env(os.environ), store_factory=lambda _: store)
     if op == "start":
         agent.ready()
         return {"pid": agent.start_job()}

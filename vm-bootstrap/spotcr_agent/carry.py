@@ -3,20 +3,19 @@
 Every file the job holds open or mapped is in one of these places:
 - the work dir: snapshotted at the freeze (checkpoint.py);
 - the job's storage (EBS, EFS, FSx mount): it outlives the VM by itself;
-- the image (the AMI's system, e.g. /usr, and anything else the job only reads or executes): not carried, its
-  identity is recorded and checked at restore;
+- the image (the AMI's system: /usr and the like, and any other file the job only reads that has not changed
+  since the VM booted): not carried, its identity is recorded and checked at restore;
 - VM-local places (/tmp, /var/tmp, /dev/shm): carried whole, since a job also keeps closed files there
-  (`sort` spills); any other file the job holds open for writing is carried as a single file.
+  (`sort` spills); any other file the job writes, or reads but that was made after boot, is carried alone.
 A restore never replaces or removes a file that was there before it: a fresh VM has none of the carried ones.
 Unlinked files travel inside CRIU's images (ghost files, link remaps). Kernel objects CRIU cannot dump are named
-before the dump. Standard library only: CRIU's post-dump action script runs this file while the job is frozen.
+before the dump.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import shutil
 import socket
@@ -32,7 +31,7 @@ IMAGE_DIRS = ("/usr", "/etc", "/opt", "/bin", "/sbin", "/lib", "/lib32", "/lib64
 KERNEL_DIRS = ("/proc", "/sys", "/dev")  # CRIU restores these descriptors itself; /dev/shm is VM-local instead
 SHM_DIR = "/dev/shm"  # noqa: S108 - a path the job uses, not one spotcr writes temp files to
 RECORD = "carried.json"  # inside the checkpoint: what was carried and checked; old checkpoints have none
-SAMPLE = 1 << 20  # bytes hashed at each end of an image file: identity without reading a 100 MB library
+SAMPLE = 64 << 10  # bytes hashed at each end of an image file (ELF headers and build-id notes sit at the start)
 
 # anon_inode kinds CRIU 4.1 dumps (criu/files.c, dump_one_file); any other one fails the dump.
 DUMPABLE_ANON = ("[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]")
@@ -62,8 +61,10 @@ class Layout:
     image_dirs: tuple[str, ...] = IMAGE_DIRS
     excluded: tuple[str, ...] = ()  # the agent's own dirs (state, scratch): never carried
 
-    def place(self, path: str, written: bool = True) -> str:  # noqa: PLR0911 - one return per place reads best
-        """workdir | storage | excluded | local | kernel | image | other (a file the job writes, elsewhere)."""
+    def place(self, path: str, use: str = "write") -> str:  # noqa: PLR0911 - one return per place reads best
+        """workdir | storage | excluded | local | kernel | image | other (written or made on this VM, elsewhere).
+
+        use: how the job holds the file (JobScan.files): write, new (read, changed since boot) or read."""
         if _under(path, self.workdir):
             return "workdir"
         if self.storage and _under(path, self.storage):
@@ -74,7 +75,7 @@ class Layout:
             return "local"
         if any(_under(path, d) for d in KERNEL_DIRS) and not _under(path, SHM_DIR):
             return "kernel"
-        if any(_under(path, d) for d in self.image_dirs) or not written:
+        if any(_under(path, d) for d in self.image_dirs) or use == "read":
             return "image"
         return "other"
 
@@ -107,7 +108,8 @@ def _under(path: str, directory: str) -> bool:
 class JobScan:
     """What the job's processes hold: file paths (open or mapped), TCP endpoints, and what CRIU cannot dump."""
 
-    files: dict[str, str] = field(default_factory=dict)  # path -> "write" | "read" (the job's strongest use)
+    # path -> write | new (only read, but changed since the VM booted: not the AMI's) | read
+    files: dict[str, str] = field(default_factory=dict)
     deleted: list[str] = field(default_factory=list)  # unlinked files: CRIU carries them in its images
     established: list[str] = field(default_factory=list)  # local addresses of established TCP connections
     listening: list[str] = field(default_factory=list)  # "address port" of listening TCP sockets
@@ -226,8 +228,24 @@ def _note(scan: JobScan, pid: int, target: str, writes: bool, sockets: set[str])
         if problem:
             scan.unsupported.append(f"{describe_process(pid)} holds {target}: {problem}")
         return
-    if writes or target not in scan.files:
-        scan.files[target] = "write" if writes else "read"
+    if writes:
+        scan.files[target] = "write"
+    elif target not in scan.files:
+        scan.files[target] = "new" if _changed_since_boot(target) else "read"
+
+
+def _changed_since_boot(path: str) -> bool:
+    try:
+        return os.stat(path).st_ctime > _boot_time()
+    except OSError:
+        return False
+
+
+def _boot_time() -> float:
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def _device_problem(path: str) -> str:
@@ -294,7 +312,7 @@ def address_here(address: str) -> bool:
 
 
 def identity(path: str) -> dict[str, Any]:
-    """An image file's identity: size and a hash of its first and last MiB (mtimes differ between AMI builds)."""
+    """An image file's identity: size and a hash of its first and last 64 KiB (mtimes differ between AMI builds)."""
     digest = hashlib.sha256()
     with open(path, "rb") as source:
         size = os.fstat(source.fileno()).st_size
@@ -387,7 +405,7 @@ def local_inventory(layout: Layout, scan: JobScan) -> list[Entry]:
                 if found is not None:
                     entries[path] = found
     for path, use in scan.files.items():
-        if layout.place(path, use == "write") == "other":
+        if layout.place(path, use) == "other":
             for parent in reversed(Path(path).parents):
                 if str(parent) != "/" and str(parent) not in entries:
                     with _ignored_os_error():
@@ -478,24 +496,3 @@ def take_back(created: Iterable[str]) -> None:
                 target.unlink()
         except OSError:
             continue
-
-
-def post_dump(spec_path: str) -> int:
-    """CRIU's post-dump action: the job is frozen; record what it holds and copy the VM-local set if asked."""
-    spec = json.loads(Path(spec_path).read_text())
-    scan = scan_job(int(spec["pid"]))
-    layout = Layout.from_json(spec["layout"])
-    entries = local_inventory(layout, scan)
-    if spec.get("copy_to"):
-        copy_files(entries, Path(spec["copy_to"]))
-    result = {"scan": scan.to_json(), "entries": [e.to_json() for e in entries]}
-    out = Path(spec["out"])
-    out.with_suffix(".tmp").write_text(json.dumps(result))
-    out.with_suffix(".tmp").replace(out)
-    return 0
-
-
-if __name__ == "__main__":
-    if os.environ.get("CRTOOLS_SCRIPT_ACTION", "post-dump") != "post-dump":
-        sys.exit(0)
-    sys.exit(post_dump(sys.argv[1]))

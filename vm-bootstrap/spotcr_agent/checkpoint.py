@@ -11,13 +11,15 @@ everything the job holds is either in it, on the job's storage, or on the image 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import select
 import shlex
 import shutil
 import subprocess
-import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -184,13 +186,14 @@ class Checkpointer:
             self._check_checkpointable(pid)
             meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
-            script = self._post_dump_script(scratch, pid, snapshot=snapshot)
-            try:
-                frozen = self.criu.dump(
-                    pid, scratch / "images", scratch / "logs", leave_running=True, action_script=script
-                )
-            except CriuError as error:
-                raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
+            with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
+                try:
+                    frozen = self.criu.dump(
+                        pid, scratch / "images", scratch / "logs", leave_running=True, action_script=at_freeze.script
+                    )
+                except CriuError as error:
+                    at_freeze.raise_own_error()
+                    raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
         # The job runs again: from here on only the network waits.
         extra = self._carried(scratch, snapshot, copied=scratch / "carried")
         result = self.store.commit(scratch / "images", meta, extra_files=extra)
@@ -254,17 +257,30 @@ class Checkpointer:
             logs.mkdir(parents=True, exist_ok=True)
             # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
             # read where they are, once CRIU is done (its link remaps are files too).
-            script = self._post_dump_script(scratch, pid, snapshot=None)
-            argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=script)
-            dump = self.criu.start_dump(argv)
-            extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
+            with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
+                argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=at_freeze.script)
+                dump = self.criu.start_dump(argv)
+                extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
+                result, frozen = self._ship_final(dump, meta, extra, started=started, at_freeze=at_freeze)
+        return self._committed(meta, result, time.monotonic() - started, frozen)
+
+    def _ship_final(
+        self,
+        dump: subprocess.Popen[bytes],
+        meta: CheckpointMeta,
+        extra: Mapping[str, Path],
+        *,
+        started: float,
+        at_freeze: _AtFreeze,
+    ) -> tuple[CommitResult, float]:
+        """The final dump's images to the store, read as CRIU writes them (stream) or after; and the frozen time."""
+        images, logs = at_freeze.scratch / "images", at_freeze.scratch / "logs"
+        try:
             if self.final_mode == "stream":
                 watch = _CriuWatch(self.criu, dump, logs)
                 try:
                     result = self.store.commit(images, meta, extra_files=extra, still_writing=watch)
-                except CriuError as error:
-                    raise CheckpointError.of(error, logs / "dump.log") from error
-                except CheckpointError:
+                except (CriuError, CheckpointError):
                     raise
                 except Exception as error:
                     log.warning("streaming the final dump failed (%s); shipping it from local scratch", error)
@@ -273,18 +289,16 @@ class Checkpointer:
                 else:
                     self._finish(dump, logs)
                 # Frozen until CRIU exited, not until the upload that overlapped it finished.
-                frozen = (watch.exited_at or time.monotonic()) - started
-            else:
-                self._finish(dump, logs)
-                frozen = time.monotonic() - started
-                result = self.store.commit(images, meta, extra_files=extra)
-        return self._committed(meta, result, time.monotonic() - started, frozen)
+                return result, (watch.exited_at or time.monotonic()) - started
+            self._finish(dump, logs)
+            frozen = time.monotonic() - started
+            return self.store.commit(images, meta, extra_files=extra), frozen
+        except CriuError as error:
+            at_freeze.raise_own_error()
+            raise CheckpointError.of(error, logs / "dump.log") from error
 
     def _finish(self, dump: subprocess.Popen[bytes], logs: Path) -> None:
-        try:
-            self.criu.finish_dump(dump, logs)
-        except CriuError as error:
-            raise CheckpointError.of(error, logs / "dump.log") from error
+        self.criu.finish_dump(dump, logs)
 
     def _check_checkpointable(self, pid: int) -> None:
         """Before freezing the job: CRIU would refuse it, its files would not fit, or the images have nowhere to go."""
@@ -305,31 +319,27 @@ class Checkpointer:
         assert self.layout is not None  # set in __post_init__
         return self.layout
 
-    def _post_dump_script(self, scratch: Path, pid: int, snapshot: Path | None) -> Path:
-        """CRIU's action script: at post-dump, the job still frozen, record what it holds (and copy, if periodic)."""
-        spec = {
-            "pid": pid,
-            "layout": self._layout.to_json(),
-            "copy_to": str(scratch / "carried") if snapshot is not None else "",
-            "out": str(scratch / "frozen.json"),
-        }
+    def _at_freeze(self, scratch: Path, pid: int, snapshot: Path | None) -> _AtFreeze:
+        """What runs while CRIU holds the job frozen after its dump: the work dir copy (periodic), then, in the agent,
+        the record of what the job holds and the copy of its VM-local files (periodic: final dumps read them later)."""
         scratch.mkdir(parents=True, exist_ok=True)
-        (scratch / "frozen-spec.json").write_text(json.dumps(spec))
-        lines = ["#!/bin/sh", '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0']
+        copy_to = scratch / "carried" if snapshot is not None else None
+
+        def record() -> None:
+            scan = carry.scan_job(pid)
+            entries = carry.local_inventory(self._layout, scan)
+            if copy_to is not None:
+                carry.copy_files(entries, copy_to)
+            frozen = {"scan": scan.to_json(), "entries": [e.to_json() for e in entries]}
+            (scratch / "frozen.json").write_text(json.dumps(frozen))
+
+        lines = []
         if snapshot is not None:
             lines.append(f"mkdir -p {shlex.quote(str(snapshot))} || exit 1")
             lines.append(
                 f"cp -a --reflink=auto {shlex.quote(str(self.workdir))}/. {shlex.quote(str(snapshot))}/ || exit 1"
             )
-        # -I -S: only the standard library, started fast; the job is frozen meanwhile.
-        python = shlex.quote(sys.executable)
-        lines.append(
-            f"exec {python} -I -S {shlex.quote(carry.__file__)} {shlex.quote(str(scratch / 'frozen-spec.json'))}"
-        )
-        path = scratch / "post-dump.sh"
-        path.write_text("\n".join(lines) + "\n")
-        path.chmod(0o755)
-        return path
+        return _AtFreeze(scratch, record, lines)
 
     def _restore_finds(self, path: str, place: str, workdir_root: Path, carried: set[str]) -> bool:
         if place == "workdir":
@@ -354,7 +364,7 @@ class Checkpointer:
         carried = {e.path for e in entries}
         images = []
         for path, use in sorted(scan.files.items()):
-            place = layout.place(path, use == "write")
+            place = layout.place(path, use)
             if place == "excluded":
                 raise CheckpointError(f"the job holds {path}, inside the agent's own directories; it cannot be carried")
             if place == "image":
@@ -476,3 +486,80 @@ class _AfterDump(Mapping[str, Path]):
 
     def __len__(self) -> int:
         return len(self._get())
+
+
+class _AtFreeze:
+    """Runs `work` in the agent while CRIU holds the job frozen after its dump (post-dump).
+
+    CRIU's action script hands over through one FIFO and waits on another for the answer, so the work runs in
+    the agent's own interpreter, already started, and the job stays frozen only as long as the work takes. A
+    failed work answers "fail": CRIU then fails the dump and lets the job run on.
+    """
+
+    def __init__(self, scratch: Path, work: Callable[[], None], before: list[str]) -> None:
+        self.scratch = scratch
+        self._ready, self._answer = scratch / "frozen.fifo", scratch / "thawed.fifo"
+        for fifo in (self._ready, self._answer):
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+        self._work = work
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="spotcr-at-freeze", daemon=True)
+        self.script = scratch / "post-dump.sh"
+        ready, answer = shlex.quote(str(self._ready)), shlex.quote(str(self._answer))
+        lines = [
+            "#!/bin/sh",
+            '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0',
+            *before,
+            f"printf x > {ready} || exit 1",
+            f"read answer < {answer} || exit 1",
+            '[ "$answer" = ok ]',
+        ]
+        self.script.write_text("\n".join(lines) + "\n")
+        self.script.chmod(0o755)
+
+    def __enter__(self) -> _AtFreeze:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def raise_own_error(self) -> None:
+        """After CRIU failed: when the work at the freeze failed, that is the cause to report."""
+        if self.error is not None:
+            raise CheckpointError(f"recording the job's files at the freeze failed: {self.error}") from self.error
+
+    def _serve(self) -> None:
+        fd = os.open(self._ready, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while not self._stop.is_set():
+                if poller.poll(50) and os.read(fd, 1):
+                    break
+            else:
+                return  # CRIU ended without reaching post-dump
+        finally:
+            os.close(fd)
+        try:
+            self._work()
+            answer = b"ok\n"
+        except Exception as error:
+            self.error = error
+            answer = b"fail\n"
+        while not self._stop.is_set():
+            try:
+                out = os.open(self._answer, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as error:
+                if error.errno != errno.ENXIO:  # ENXIO: the script has not opened its end yet
+                    raise
+                time.sleep(0.001)
+                continue
+            try:
+                os.write(out, answer)
+            finally:
+                os.close(out)
+            return

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotcr_contracts.tags import MODES, STORAGES
+from spotcr_contracts.tags import DEFAULT_TCP, MODES, STORAGES, TCP_POLICIES
 
 from .carry import IMAGE_DIRS, LOCAL_DIRS
 from .criu import DEFAULT_GHOST_LIMIT_MB
@@ -25,9 +25,6 @@ DEFAULT_IMDS_ENDPOINT = "http://169.254.169.254"
 CONFIG_ENV = "SPOTCR_AGENT_CONFIG"
 IMDS_ENV = "SPOTCR_IMDS_ENDPOINT"
 STATE_DIR_ENV = "SPOTCR_STATE_DIR"
-# established: connections come back when this VM has the checkpoint's address, else closed (the job sees a
-# reset, as after a network blip); close: always closed.
-TCP_POLICIES = ("established", "close")
 DEFAULT_LOCAL_FILES_LIMIT_MB = 8192
 
 
@@ -66,7 +63,7 @@ class AgentConfig:
     imds_endpoint: str = DEFAULT_IMDS_ENDPOINT
     criu_bin: str = "criu"
     keep_checkpoints: int = 3
-    tcp: str = "established"  # what a restore does with the job's TCP connections: one of TCP_POLICIES
+    tcp: str = DEFAULT_TCP  # what a restore does with the job's TCP connections (spotcr:tcp): one of TCP_POLICIES
     ghost_limit_mb: int = DEFAULT_GHOST_LIMIT_MB  # unlinked files the job holds, up to this size each, are carried
     local_dirs: tuple[str, ...] = LOCAL_DIRS  # VM-local places carried whole with every checkpoint
     image_dirs: tuple[str, ...] = IMAGE_DIRS  # the AMI's system: checked at restore, never carried

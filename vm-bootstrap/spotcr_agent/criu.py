@@ -32,7 +32,7 @@ _EXPLANATIONS: tuple[tuple[str, str], ...] = (
         "the job holds a renamed or unlinked file CRIU cannot link back",
     ),
     (r"Unknown shit|[Uu]nsupported", "the job holds something CRIU cannot checkpoint"),
-    (r"Can't bind inet socket|Cannot assign requested address", "the job's network address is not on this VM"),
+    (r"Cannot assign requested address", "the job's network address is not on this VM"),
     (r"Can't open file .*|No such file or directory", "a file the job needs is missing"),
     (r"cpuinfo|CPU feature|cpu .* mismatch", "this CPU lacks features the job's CPU had"),
     (r"Connected TCP socket|TCP connection", "job holds TCP connections CRIU cannot dump"),
@@ -87,8 +87,18 @@ def failure(action: str, log_path: Path, stderr: str) -> CriuError:
         text = log_path.read_text(errors="replace")
     except OSError:
         text = stderr
-    tail = "\n".join(line for line in text.splitlines()[-LOG_TAIL_LINES:] if not _NOISE.search(line))
-    return CriuError(action, explain(text), tail, text)
+    return CriuError(action, explain(text), log_tail(text), text)
+
+
+def log_tail(text: str) -> str:
+    """The log's end, preceded by the lines up to its first real error, which CRIU often writes much earlier."""
+    lines = [line for line in text.splitlines() if not _NOISE.search(line)]
+    tail = lines[-LOG_TAIL_LINES:]
+    errors = error_lines("\n".join(lines))
+    if errors and errors[0] not in tail:
+        first = lines.index(errors[0])
+        return "\n".join([*lines[max(0, first - 2) : first + 1], "...", *tail])
+    return "\n".join(tail)
 
 
 @dataclass
@@ -167,8 +177,8 @@ class Criu:
         pidfile = log_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
         argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
-        argv += [*COMMON_OPTIONS, "--tcp-close" if tcp_close else "--tcp-established", *mounts.restore_options()]
-        argv += ["--pidfile", str(pidfile)]
+        tcp = "--tcp-close" if tcp_close else "--tcp-established"
+        argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(pidfile)]
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise failure("restore", log_dir / "restore.log", result.stderr)

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from spotcr_contracts.tags import DEFAULT_TCP
+
 from . import carry
 from .carry import Entry
 from .checkpoint import Store
@@ -130,7 +132,7 @@ class Restorer:
     store: Store
     criu: Criu
     host: Callable[[], HostInfo]
-    tcp: str = "established"  # AgentConfig.tcp
+    tcp: str = DEFAULT_TCP  # AgentConfig.tcp
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         started = time.monotonic()
