@@ -11,7 +11,6 @@ from rehearsal.vm import LocalVM, VmNetwork, bare_vm
 
 from .build import REPO, build_all
 
-CONFIG = "/etc/spotcr/agent.json"  # inside each VM; vm_agent writes events.jsonl beside it
 STORAGE = Path("/mnt/spotcr")  # the job's storage (EFS-like), the same host directory in every VM
 AGENT_TIMEOUT_S = 240
 
@@ -56,8 +55,9 @@ class WorkloadVM:
         return json.loads(lines[-1]), result.stderr
 
     def agent(self, *op, timeout=AGENT_TIMEOUT_S):
-        """One agent operation (tests/agent/vm_agent.py); its result, or an AssertionError saying what CRIU said."""
-        answer, stderr = self.python("tests.agent.vm_agent", CONFIG, *op, timeout=timeout)
+        """One agent operation (tests/agent/vm_agent.py, reading the VM's /etc/spotcr/agent.json); its result,
+        or an AssertionError saying what CRIU said."""
+        answer, stderr = self.python("tests.agent.vm_agent", *op, timeout=timeout)
         if not answer.get("ok"):
             raise AssertionError(
                 f"{' '.join(op)} on {self.vm.instance_id} failed: {answer.get('error')}\n"
