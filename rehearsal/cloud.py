@@ -602,6 +602,7 @@ class LocalCloud:
             self.timeline.say(f"! {error}")
             return
         vm.running_at = self.timeline.now()
+        self.timeline.say(f"{vm.instance_id} running at {vm.address} (its own network, /tmp, /dev/shm and /proc)")
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "running"})
 
     def _terminated(self, backend: Any, instance_id: str) -> None:

@@ -108,6 +108,7 @@ class VmNetwork:
         self.bridge = bridge
         self.subnet = subnet
         self.gateway = str(subnet.network_address + 1)
+        self.mac = "02:5c:" + ":".join(f"{b:02x}" for b in subnet.network_address.packed)  # locally administered
         self._next_host = 2
         self.closed = False
 
@@ -132,6 +133,9 @@ class VmNetwork:
             network = cls(bridge, free[0])
             _ip("link", "add", bridge, "type", "bridge")
             try:
+                # A bridge takes its lowest port's MAC unless given one: the VMs' ARP entries would go stale
+                # each time a VM (a port) goes away.
+                _ip("link", "set", bridge, "address", network.mac)
                 _ip("addr", "add", f"{network.gateway}/24", "dev", bridge)
                 _ip("link", "set", bridge, "up")
             except VmError:
@@ -145,8 +149,11 @@ class VmNetwork:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def attach(self, pid: int, imds_port: int) -> str:
-        """Give the network namespace of `pid` an address here, and 169.254.169.254:80 forwarded to its IMDS."""
+    def attach(self, pid: int, imds_port: int) -> tuple[str, str]:
+        """Give the network namespace of `pid` an address here, and 169.254.169.254:80 forwarded to its IMDS.
+
+        Returns the address and the name of the link's host end (a port of the bridge).
+        """
         if self.closed:
             raise VmError(f"VM network {self.bridge} is closed")
         if self._next_host > 254:
@@ -171,7 +178,7 @@ class VmNetwork:
         )
         if result.returncode != 0:
             raise VmError(f"cannot forward the IMDS address in the VM: {result.stderr.strip()}")
-        return address
+        return address, host_end
 
     def close(self) -> None:
         if not self.closed:
@@ -202,6 +209,7 @@ class LocalVM:
         self.root = root / instance_id
         self.network = network
         self.address = ""  # the VM's private address, known once it has booted
+        self.host_interface = ""  # the host end of its link to the network's bridge
         self.imds = Imds(instance_id, instance_type, availability_zone, user_data, tags, host=network.gateway)
         self.shared_storage = shared_storage
         self.boot_commands = boot_commands or []
@@ -286,7 +294,7 @@ class LocalVM:
             if self._process.poll() is not None or time.monotonic() > deadline:
                 raise VmError(f"{self.instance_id}: VM did not come up, see {self.log_path}")
             time.sleep(0.01)
-        self.address = self.network.attach(self.init_pid, self.imds.port)
+        self.address, self.host_interface = self.network.attach(self.init_pid, self.imds.port)
         self.imds.local_ipv4 = self.address
         # vm_init starts the boot commands only now, as cloud-init runs once the network is up.
         go = self.root / "go.new"

@@ -87,9 +87,7 @@ def test_a_vm_listener_is_not_the_hosts(bare_vm):
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, check=False).returncode != 0
 
 
-def test_the_imds_answers_at_its_ec2_address_inside_the_vm(bare_vm):
-    vm = bare_vm(instance_id="i-0bare0imds", tags={"spotcr:job": "j-1"})
-    script = f"""
+IMDS_READ = f"""
 import urllib.request
 base = "http://{IMDS_ADDRESS}/latest"
 token = urllib.request.urlopen(urllib.request.Request(base + "/api/token", method="PUT",
@@ -99,9 +97,23 @@ def get(path):
     return urllib.request.urlopen(request, timeout=5).read().decode()
 print(get("instance-id"), get("local-ipv4"), get("tags/instance/spotcr:job"))
 """
-    result = vm.run([sys.executable, "-c", script])
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["i-0bare0imds", vm.address, "j-1"]
+
+
+def test_the_imds_answers_at_its_ec2_address_inside_the_vm_also_after_its_primary_ended(bare_vm):
+    # Given a primary and its backup on the same network, the backup's IMDS answering at its EC2 address
+    primary = bare_vm()
+    vm = bare_vm(instance_id="i-0bare0imds", tags={"spotcr:job": "j-1"})
+    # (the primary's port gets the lowest MAC: a bridge without one of its own would take it, then lose it)
+    subprocess.run(["ip", "link", "set", primary.host_interface, "address", "02:00:00:00:00:01"], check=True)
+    before = vm.run([sys.executable, "-c", IMDS_READ])
+    assert before.returncode == 0, before.stderr
+    assert before.stdout.split() == ["i-0bare0imds", vm.address, "j-1"]
+    # When the primary goes away
+    primary.terminate()
+    # Then the backup's IMDS still answers
+    after = vm.run([sys.executable, "-c", IMDS_READ])
+    assert after.returncode == 0, after.stderr
+    assert after.stdout == before.stdout
 
 
 def test_the_network_and_its_links_are_removed(tmp_path):
@@ -158,6 +170,7 @@ with bare_vm(Path(sys.argv[1]), network) as vm:
 def test_a_vm_and_its_network_do_not_outlive_a_killed_test_process(tmp_path):
     # Given a process that booted a VM and is then killed before it can clean up
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
     init_pid, bridge = owner.stdout.readline().split()
     owner.kill()
     owner.wait()
