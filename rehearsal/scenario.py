@@ -355,7 +355,7 @@ class Rehearsal:
         reference.start()
         current, generation = instance_id, 0
         for number in range(1, options.interruptions + 1):
-            self._await_periodic(current, generation)
+            self._await_periodic(current, generation, number)
             warned = self._interrupt(current, number)
             restored = self.watcher.wait(
                 restored_after(generation),
@@ -466,7 +466,7 @@ class Rehearsal:
         check_result_path(options.result_file)
         return job_tags
 
-    def _await_periodic(self, instance_id: str, generation: int) -> None:
+    def _await_periodic(self, instance_id: str, generation: int, number: int) -> None:
         wanted = self.options.checkpoints_before_interruption
 
         def exited(detail_type: str, event: Any) -> bool:
@@ -487,8 +487,9 @@ class Rehearsal:
                     e.exit_code for t, e in self.watcher.seen if isinstance(e, agent_events.JobExited) and exited(t, e)
                 )
                 raise RehearsalFailed(
-                    f"the job exited with {code} on {instance_id} before its checkpoint there: to be rehearsed it "
-                    f"must run longer than spotcr:interval ({self.options.interval_s} s)"
+                    f"the job exited with {code} on {instance_id} before a periodic checkpoint there, so "
+                    f"interruption {number} could not happen: rehearse a job that runs longer than "
+                    f"--interval ({self.options.interval_s} s) on each VM, or fewer --interruptions"
                     f"{stderr_tail(self.cloud.vms[instance_id], self.workdir)}"
                 )
             if time.monotonic() > deadline:

@@ -80,7 +80,7 @@ def test_a_restore_never_replaces_or_removes_what_was_there_before(tmp_path):
 def test_too_many_vm_local_bytes_name_the_biggest_files():
     entries = [Entry(f"/tmp/f{i}", "file", 0o600, 0, 0, 0, size=(i + 1) << 20) for i in range(4)]
     assert too_big(entries, 10 << 20) is None
-    problem = too_big(entries, 9 << 20)
+    problem = too_big(entries, 9 << 20) or ""
     assert "local_files_limit_mb (9 MiB)" in problem and problem.index("/tmp/f3") < problem.index("/tmp/f2")
 
 

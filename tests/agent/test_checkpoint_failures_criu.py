@@ -52,6 +52,22 @@ def test_a_job_holding_io_uring_is_refused_before_the_dump_naming_the_process_an
         kill_tree(pid)
 
 
+def test_a_job_holding_a_socket_criu_cannot_dump_is_refused_before_the_dump(tmp_path, publisher):
+    # Given a job holding a vsock socket, next to the unix and TCP sockets CRIU dumps in every other test
+    agent = make_agent(make_config(tmp_path, command=(sys.executable, str(JOBS / "vsock.py"), "300")), publisher)
+    pid = agent.start_job()
+    try:
+        wait_for(lambda: progress_lines(agent.config.workdir), what="the job to open its socket")
+        # When a checkpoint is asked for, then it is refused, naming the process and the socket
+        with pytest.raises(
+            CheckpointError, match=r"pid \d+ \(python[^)]*\), host pid \d+ holds socket:\[\d+\], of a kind"
+        ):
+            agent.checkpoint("final", 1)
+        assert agent.store().checkpoint_ids() == []
+    finally:
+        kill_tree(pid)
+
+
 def test_a_failed_dump_reports_criu_s_first_real_error_and_keeps_its_log_in_storage(tmp_path, publisher, mounted_store):
     # Given a job holding a 3 MiB unlinked file, and an agent whose ghost limit is 1 MiB
     command = (sys.executable, str(JOBS / "holds.py"), "ghost", "3", "300")

@@ -1,7 +1,7 @@
 """Taking checkpoints: periodic (the job keeps running) and final (the job stops).
 
 Periodic: CRIU dumps with --leave-running to local scratch, the work dir and the job's VM-local files
-(carry.py) are copied while the job is still frozen (a CRIU post-dump action script), then the job runs
+(carry.py) are copied while the job is still frozen (CRIU's post-dump script hands over to the agent), then the job runs
 on while the images cross the network. Final: the job stops and what counts is time until durable, so
 the store reads CRIU's images while CRIU writes them, and the files where they are once CRIU is done.
 Either way a checkpoint exists only once the store has written its manifest, and is committed only when
@@ -433,8 +433,8 @@ def _scratch(path: Path) -> Iterator[Path]:
     try:
         yield path
     except BaseException:
-        shutil.rmtree(path / "images", ignore_errors=True)
-        shutil.rmtree(path / "workdir", ignore_errors=True)
+        for name in ("images", "workdir", "carried"):
+            shutil.rmtree(path / name, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
 

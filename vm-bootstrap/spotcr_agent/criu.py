@@ -31,7 +31,7 @@ _EXPLANATIONS: tuple[tuple[str, str], ...] = (
         r"Use link-remap option|Can't create link remap",
         "the job holds a renamed or unlinked file CRIU cannot link back",
     ),
-    (r"Unknown shit|[Uu]nsupported", "the job holds something CRIU cannot checkpoint"),
+    (r"Unknown shit|[Uu]nsupported|Unknown socket", "the job holds something CRIU cannot checkpoint"),
     (r"Cannot assign requested address", "the job's network address is not on this VM"),
     (r"Can't open file .*|No such file or directory", "a file the job needs is missing"),
     (r"cpuinfo|CPU feature|cpu .* mismatch", "this CPU lacks features the job's CPU had"),

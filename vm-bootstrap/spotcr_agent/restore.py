@@ -37,9 +37,8 @@ class RestoreError(RuntimeError):
         super().__init__(message)
         self.checkpoint_id = checkpoint_id
         self.log_tail = log_tail
-        self.logs = dict(
-            logs or {}
-        )  # checkpoint id -> CRIU's whole restore log, kept in the job's storage by the agent
+        # Checkpoint id -> CRIU's whole restore log, kept in the job's storage by the agent.
+        self.logs = dict(logs or {})
 
 
 class Incompatible(RuntimeError):
@@ -80,9 +79,8 @@ def check_compatible(manifest: Manifest, host: HostInfo) -> None:
 def check_open_files(manifest: Manifest, record: Mapping[str, Any] | None = None) -> None:
     """Every file the job held exists here (its VM-local ones were put back first)."""
     if record is not None:
-        held = [
-            path for path in record["scan"]["files"] if carry.Layout.from_json(record["layout"]).place(path) != "kernel"
-        ]
+        layout = carry.Layout.from_json(record["layout"])
+        held = [path for path in record["scan"]["files"] if layout.place(path) != "kernel"]
     else:
         held = [f.path for f in manifest.open_files]
     missing = [path for path in held if not Path(path).exists()]

@@ -93,6 +93,11 @@ class JobFiles:
         return self.control / "stderr.log"
 
     @property
+    def launch_log(self) -> Path:
+        """What `unshare` itself says (namespace errors), apart from the job's own stderr."""
+        return self.control / "launch.log"
+
+    @property
     def exit_code(self) -> Path:
         return self.control / "exit-code"
 
@@ -124,22 +129,22 @@ def start_job(command: tuple[str, ...], workdir: Path, env: Mapping[str, str]) -
     if shutil.which(resolved, path=env.get("PATH", os.defpath)) is None:
         raise JobError(f"command {program!r} is not an executable file (PATH={env.get('PATH', os.defpath)})")
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-    stderr = os.open(files.stderr, flags, 0o644)  # what unshare or the wrapper says if they fail
+    launch_log = os.open(files.launch_log, flags, 0o644)
     try:
         # The inner setsid makes the wrapper a session leader inside its own namespace, as CRIU needs.
         wrapper = ["sh", "-c", WRAPPER, "spotcr-init", str(files.stdout), str(files.stderr), str(files.exit_code)]
         launcher = subprocess.Popen(
             [*JOB_NAMESPACES, "setsid", *wrapper, *command],
             stdin=subprocess.DEVNULL,
-            stdout=stderr,
-            stderr=stderr,
+            stdout=launch_log,
+            stderr=launch_log,
             cwd=workdir,
             env=dict(env),
             close_fds=True,
             start_new_session=True,
         )
     finally:
-        os.close(stderr)
+        os.close(launch_log)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         children = [pid for pid, ppid in _parents().items() if ppid == launcher.pid]
@@ -151,7 +156,8 @@ def start_job(command: tuple[str, ...], workdir: Path, env: Mapping[str, str]) -
         if launcher.poll() is not None:
             if files.read_exit_code() is not None:
                 return RunningJob(pid=0, start_time=0, launcher=launcher)  # it ran and ended already
-            raise JobError(f"the job's PID namespace could not be created (unshare exited {launcher.returncode})")
+            said = files.launch_log.read_text(errors="replace").strip()[-300:]
+            raise JobError(f"the job's namespaces could not be created (unshare exited {launcher.returncode}: {said})")
         time.sleep(0.005)
     launcher.kill()
     raise JobError("the job's PID 1 did not appear within 5 s")

@@ -7,10 +7,12 @@ import tempfile
 import time
 
 what, argument, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held: object
 if what == "ghost":
-    held = tempfile.TemporaryFile()  # noqa: SIM115 - unlinked at once, held for the whole run
-    held.write(os.urandom(int(argument) << 20))
-    held.flush()
+    temp = tempfile.TemporaryFile()  # noqa: SIM115 - unlinked at once, held for the whole run
+    temp.write(os.urandom(int(argument) << 20))
+    temp.flush()
+    held = temp
 else:
     held = open(argument, "rb")  # noqa: SIM115 - held for the whole run
 with open("progress.log", "a") as progress:
