@@ -5,24 +5,29 @@ and a VM that just vanishes (VM B restores the periodic checkpoint while the job
 
 import pytest
 
-from .workloads import WORKLOADS
+from .workloads import REFUSED, WORKLOADS
 
 pytestmark = [pytest.mark.workload, pytest.mark.criu]
 
 STEPS_BETWEEN_DUMPS = 5
 
 
-def _move(workload, built, workload_vms, interruption):
+def _unless_known(workload, check, *args):
+    """Run `check`; a workload's known limitation fails exactly as written (an xfail), anything else as usual."""
     if not workload.known_failure:
-        _move_and_compare(workload, built, workload_vms, interruption)
+        check(workload, *args)
         return
     try:
-        _move_and_compare(workload, built, workload_vms, interruption)
-    except AssertionError as error:
+        check(workload, *args)
+    except (AssertionError, pytest.fail.Exception) as error:
         if workload.known_failure not in str(error):
             raise
         pytest.xfail(f"known limitation: {workload.known_failure}")
     pytest.fail(f"{workload.name} now passes: remove its known_failure ({workload.known_failure!r})")
+
+
+def _move(workload, built, workload_vms, interruption):
+    _unless_known(workload, _move_and_compare, built, workload_vms, interruption)
 
 
 def _move_and_compare(workload, built, workload_vms, interruption):
@@ -81,3 +86,30 @@ def test_from_a_periodic_checkpoint_the_job_ends_on_another_vm_as_an_uninterrupt
     workload, built, workload_vms, criu_bin
 ):
     _move(workload, built, workload_vms, "vanished")
+
+
+@pytest.mark.parametrize("workload", REFUSED, ids=[w.name for w in REFUSED])
+def test_a_job_whose_state_cannot_be_carried_gets_a_checkpoint_failure_naming_the_cause(
+    workload, built, workload_vms, criu_bin
+):
+    _unless_known(workload, _refused, built, workload_vms)
+
+
+def _refused(workload, built, workload_vms):
+    # Given a job holding something no restore on another VM could bring back
+    vm = workload_vms(f"wl-{workload.name}"[:63])
+    vm.configure(1, "run", workload.command(built), workload.env)
+    vm.agent("start")
+    vm.wait_progress(workload.first_dump_at)
+    held = vm.holds(workload.holds)
+    assert all(held.values()), f"the job does not hold {held}"
+
+    # When a periodic checkpoint is taken
+    with pytest.raises(AssertionError) as failure:
+        vm.agent("checkpoint", "periodic", "1")
+
+    # Then it fails naming the cause, none is reported complete, and the job runs on to its end
+    assert workload.refused in str(failure.value)
+    assert [e["reason"] for e in vm.events("CheckpointFailed") if workload.refused in e["reason"]]
+    assert vm.events("CheckpointCompleted") == []
+    assert vm.agent("wait-exit", "120")["exit_code"] == 0, vm.stderr()
