@@ -15,6 +15,7 @@ before the dump.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import shutil
@@ -257,6 +258,7 @@ def _changed_since_boot(path: str) -> bool:
         return False
 
 
+@functools.cache
 def _boot_time() -> float:
     for line in Path("/proc/stat").read_text().splitlines():
         if line.startswith("btime "):
