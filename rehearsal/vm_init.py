@@ -83,19 +83,6 @@ def watch_lifeline(fd: int) -> None:
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
-def drop_mounts_under(path: str) -> None:
-    """Detach the host's mounts below `path`, which the VM's fresh tmpfs would only hide.
-
-    Hidden, they would still be in every job's mount namespace, and CRIU could not restore a job on a
-    VM booted after the host (another test) removed one: "mnt: No mapping for N:(null) mountpoint".
-    """
-    with open("/proc/self/mountinfo") as mountinfo:
-        points = [line.split()[4] for line in mountinfo]
-    below = sorted({p for p in points if p.startswith(path.rstrip("/") + "/")}, key=len, reverse=True)
-    for point in below:
-        subprocess.run(["umount", "--lazy", point], check=False, capture_output=True)
-
-
 def main(argv: list[str]) -> int:
     vm_dir, (binds, steps) = argv[0], parse(argv[2:])
     watch_lifeline(int(argv[1]))
@@ -106,7 +93,6 @@ def main(argv: list[str]) -> int:
     vm_dir_fd = os.open(vm_dir, os.O_RDONLY | os.O_DIRECTORY)
     drop_host_mounts()
     for path in EMPTY_DIRS:
-        drop_mounts_under(path)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", path], check=True)
     ready = os.open("ready", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=vm_dir_fd)
     os.write(ready, f"{os.getpid()}\n".encode())
