@@ -113,3 +113,19 @@ def _refused(workload, built, workload_vms):
     assert [e["reason"] for e in vm.events("CheckpointFailed") if workload.refused in e["reason"]]
     assert vm.events("CheckpointCompleted") == []
     assert vm.agent("wait-exit", "120")["exit_code"] == 0, vm.stderr()
+
+
+def test_the_probe_tells_what_a_job_holds_from_what_it_does_not(built, workload_vms, criu_bin):
+    # Given the Go job, which holds threads but no file in /tmp, no unlinked file and no connection
+    go = next(w for w in WORKLOADS if w.name == "go-goroutines")
+    vm = workload_vms("wl-probe")
+    vm.configure(1, "run", go.command(built), go.env)
+    vm.agent("start")
+    vm.wait_progress(3)
+
+    # When each kind of check is asked about it, then only what it holds is found
+    held = vm.holds(["threads:3", "open:{workdir}/result.txt", "processes:goroutines:1"])
+    not_held = vm.holds(["maps:/tmp/", "open:/tmp/", "unlinked:/tmp:1", "spilled:/tmp:sort", "tcp:8088", "threads:999"])
+    assert all(held.values()), held
+    assert not any(not_held.values()), not_held
+    assert vm.agent("wait-exit", "120")["exit_code"] == 0
