@@ -17,6 +17,7 @@ BUILDS = {
     "java": ("Work.java", ["javac", "-d", "{out}", "{src}"], ["javac", "-version"]),
     "goroutines": ("goroutines.go", ["go", "build", "-o", "{out}", "{src}"], ["go", "version"]),
     "openmp": ("openmp.c", ["gcc", "-O2", "-fopenmp", "-o", "{out}", "{src}"], ["gcc", "--version"]),
+    "io_uring": ("io_uring.c", ["gcc", "-O2", "-o", "{out}", "{src}"], ["gcc", "--version"]),
     "mpi": ("mpi.c", ["mpicc", "-O2", "-o", "{out}", "{src}"], ["mpicc", "--version"]),
 }
 
