@@ -22,6 +22,24 @@ DEFAULT_BOOT = [[AGENT, "bootstrap"], [AGENT, "daemon"]]
 # What a fresh instance has empty: nothing there may come from the host or from another VM.
 EMPTY_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 (mount points, not temp files)
 GO_TIMEOUT_S = 30
+# The host's own mounts below these come and go (other tests' volumes, `ip netns` handles): no VM has them.
+HOST_ONLY = (*EMPTY_DIRS, "/run")
+
+
+def drop_host_mounts() -> None:
+    """Unmount (in the VM's namespace only) what the host has mounted below HOST_ONLY.
+
+    A job's mount namespace is dumped with every mount the VM has; a host mount that is gone when
+    the backup boots could not be found there at restore, and an EC2 instance never had it.
+    """
+    points = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            point = line.split()[4].replace("\\040", " ")
+            if any(point.startswith(f"{top}/") for top in HOST_ONLY):
+                points.append(point)
+    for point in reversed(points):  # the last mounted first: children and stacked mounts before what they cover
+        subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
 
 
 def parse(argv: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -73,6 +91,7 @@ def main(argv: list[str]) -> int:
         subprocess.run(["mount", "--bind", source, target], check=True)
     # VM-DIR may be under the host's /tmp, which the mounts below hide: keep a handle on it.
     vm_dir_fd = os.open(vm_dir, os.O_RDONLY | os.O_DIRECTORY)
+    drop_host_mounts()
     for path in EMPTY_DIRS:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", path], check=True)
     ready = os.open("ready", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=vm_dir_fd)

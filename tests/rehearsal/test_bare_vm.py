@@ -55,6 +55,20 @@ def test_a_vm_has_empty_temp_dirs_of_its_own(bare_vm):
             path.unlink(missing_ok=True)
 
 
+def test_a_vm_has_none_of_the_mounts_the_host_made_below_tmp(bare_vm, tmp_path):
+    # Given a mount of the host's below /tmp (another test's volume, say)
+    host_mount = tmp_path / "host-volume"
+    host_mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(host_mount)], check=True)
+    try:
+        # When a VM boots
+        vm = bare_vm()
+        # Then the VM's mount table does not have it: a backup booted after it is gone will not miss it
+        assert str(host_mount) not in vm.run(["cat", "/proc/self/mountinfo"]).stdout
+    finally:
+        subprocess.run(["umount", str(host_mount)], check=True)
+
+
 def test_a_vm_sees_only_its_own_processes(bare_vm):
     vm = bare_vm()
     pids = [int(p) for p in vm.run(["ls", "/proc"]).stdout.split() if p.isdigit()]

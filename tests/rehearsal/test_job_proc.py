@@ -1,4 +1,4 @@
-"""A job sees a /proc of its own PID namespace, before and after CRIU moves it to another bare VM."""
+"""A job sees a /proc of its own PID namespace, before and after CRIU moves it to another bare VM; its IPC goes too."""
 
 import json
 import shutil
@@ -9,16 +9,22 @@ import pytest
 
 pytestmark = pytest.mark.criu
 
-# Each step: what the job reads about itself from /proc, and where it runs.
+# Each step: what the job reads about itself from /proc, where it runs, and a counter it keeps in
+# System V shared memory (as MPI's shared-memory transport does), which lives in the job's IPC namespace.
 JOB = """
-import os, socket, sys, time
+import ctypes, os, socket, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+segment = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+counter = ctypes.c_long.from_address(libc.shmat(segment, None, 0))
 while not os.path.exists("stop"):
     pid = os.getpid()
     with open("/proc/self/stat") as stat:
         self_pid = int(stat.read().split()[0])
     with open(f"/proc/{pid}/status") as status:
         fields = dict(line.split(":", 1) for line in status.read().splitlines())
-    line = [pid, self_pid, int(fields["Pid"]), fields["Name"].strip(), socket.gethostname()]
+    counter.value += 1
+    line = [pid, self_pid, int(fields["Pid"]), fields["Name"].strip(), socket.gethostname(), counter.value]
     with open("proc.log", "a") as log:
         log.write(" ".join(map(str, line)) + "\\n")
     time.sleep(0.1)
@@ -89,5 +95,7 @@ def test_a_job_reads_its_own_proc_entry_before_and_after_a_restore_on_another_vm
     for record in records:
         assert record[0] == record[1] == record[2], record
         assert record[3].startswith("python"), record
+    # And its System V shared memory came along: the counter goes on from where it was
+    assert [int(record[5]) for record in records] == list(range(1, len(records) + 1))
     assert (work_b / ".spotcr" / "exit-code").read_text().split() == ["0"]
     assert "Traceback" not in (work_b / ".spotcr" / "stderr.log").read_text()

@@ -1,7 +1,7 @@
 """Starting a job so that CRIU can checkpoint it, and watching it.
 
-The job runs in its own session, PID namespace and mount namespace (with a /proc of its own PID
-namespace, see mounts.py) with no terminal, stdin from /dev/null and output appended to files in
+The job runs in its own session, PID namespace, IPC namespace and mount namespace (with a /proc of
+its own PID namespace, see mounts.py) with no terminal, stdin from /dev/null and output appended to files in
 its work dir. PID 1 of the namespace is a tiny `sh` wrapper that opens those files inside the new
 mount namespace, runs the argv (no shell interpretation), reaps orphans, and appends the job's exit
 code to a file; the wrapper is checkpointed with the job, so the exit code is recorded wherever the
@@ -23,8 +23,9 @@ CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every c
 # Descriptors opened outside the job's mount namespace cannot be dumped with it: reopen stdio inside.
 WRAPPER = 'exec </dev/null >>"$1" 2>>"$2"; f=$3; shift 3; "$@"; echo $? >> "$f"'
 MAX_SPEC_BYTES = 64 * 1024
-# Its own PID namespace, and a mount namespace whose /proc is that PID namespace's (mounts.py).
-JOB_NAMESPACES = ("unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc")
+# Its own PID namespace, a mount namespace whose /proc is that PID namespace's (mounts.py), and its own
+# IPC namespace (System V shared memory, which MPI uses, can only be dumped in one).
+JOB_NAMESPACES = ("unshare", "--pid", "--ipc", "--fork", "--mount", "--propagation", "private", "--mount-proc")
 
 
 class JobError(RuntimeError):
