@@ -324,7 +324,8 @@ class Rehearsal:
             bootstrap += ["--efs-id", "fs-0rehearsal"]
         if self.options.storage == "fsx":
             bootstrap += ["--fsx-dns", "fs-0rehearsal.fsx.local", "--fsx-mount-name", "rehearsal"]
-        return [bootstrap, [agent, "daemon"]]
+        # First the SSM agent, as bootstrap.sh installs and starts it: until it registers, SSM refuses commands.
+        return [[sys.executable, "-m", "rehearsal.ssm_agent"], bootstrap, [agent, "daemon"]]
 
     def _submit(self) -> str:
         """Submit the job the way a user does: launch an instance carrying the spotcr tags."""

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import scratch as scratch_room
 from .criu import Criu, CriuError
 from .host import HostInfo
 from .runner import checkpointable_problem, job_alive, open_files
@@ -127,6 +128,7 @@ class Checkpointer:
         with exclusive(self.state.dir / "dump.lock"):
             pid, parent = self._running_job(generation)
             self._check_checkpointable(pid)
+            scratch_room.require_room(self.scratch_dir, pid, self.workdir)  # images and the work dir's copy
             meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
             script = _snapshot_script(scratch / "post-dump.sh", self.workdir, snapshot)
@@ -192,6 +194,7 @@ class Checkpointer:
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent = state.job_pid, state.last_checkpoint
             self._check_checkpointable(pid)
+            scratch_room.require_room(self.scratch_dir, pid)  # streamed or not, CRIU writes the images here
             meta = self._meta(checkpoint, generation, "final", parent, pid)
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)
