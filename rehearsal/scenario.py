@@ -19,6 +19,7 @@ from spotcr_contracts import tags
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
 
+from rehearsal import leaks
 from rehearsal.cloud import LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
@@ -47,6 +48,7 @@ class Options:
     runs_dir: Path = REPO / "rehearsal-runs"
     keep_vms: bool = False
     rebalance_lead_s: float = 0.0  # > 0: a rebalance recommendation this long before each warning, as FIS sends
+    leak_grace_s: float = 30.0  # after the job finished, how long cleanup may take before leftovers fail the run
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Watcher:
         self.seen: list[tuple[str, agent_events.AgentEvent]] = []
         self.final_dumps: list[dict[str, Any]] = []
         self.work_redone_s: list[float] = []
+        self.boot_to_ready_s: dict[str, float] = {}
         self._running_since: dict[str, float] = {}
         self._changed = threading.Condition()
 
@@ -92,7 +95,15 @@ class Watcher:
         if isinstance(event, agent_events.AgentReady):
             launched = [m.at for m in say.find("launch", vm)]
             say.span(vm, "allocation", launched[0] if launched else now, now)
-            say.point(vm, "ready", f"agent ready on {vm} (mode {event.mode}, generation {event.generation})")
+            boot = now - launched[0] if launched else 0.0
+            self.boot_to_ready_s[vm] = round(boot, 2)
+            say.point(
+                vm,
+                "ready",
+                f"agent ready on {vm} (mode {event.mode}, generation {event.generation}): "
+                f"{boot:.1f} s from launch (SSM agent, install from the artifact, bootstrap)",
+                boot_to_ready_s=round(boot, 2),
+            )
         elif isinstance(event, agent_events.JobStarted):
             self._running_since[vm] = now
             say.say(f"job {event.job_id} started on {vm}")
@@ -286,6 +297,10 @@ class Rehearsal:
         self.outcome = Outcome(
             result, expected, self.recoveries_s, self.run_dir, self.run_dir / "timeline.png", self.watcher.final_dumps
         )
+        left = leaks.wait_until_tidy(self.cloud.client, options.leak_grace_s)
+        if left:
+            raise RehearsalFailed(leaks.describe(left))
+        say("leak check: no instance, volume, snapshot or command left but the job's checkpoints")
         return self.outcome
 
     def _workflow_position(self) -> str:
@@ -416,6 +431,7 @@ class Rehearsal:
             "warning_to_running_s": self.recoveries_s,
             "final_dumps": self.watcher.final_dumps,
             "work_redone_s": self.watcher.work_redone_s,
+            "boot_to_ready_s": self.watcher.boot_to_ready_s,
             "result": outcome.result if outcome else None,
             "expected": outcome.expected if outcome else None,
             "identical": outcome.identical if outcome else None,
