@@ -27,15 +27,34 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 VM_BOOTSTRAP_DIR = REPO_ROOT / "vm-bootstrap"
 CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
 BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"
+BUILD_DIR = REPO_ROOT / ".build"  # vm-bootstrap/build-artifact.sh (make artifacts) writes the prebuilt parts here
 PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
 ROOT_DEVICE = "/dev/xvda"  # Debian 12 AMIs boot from xvda
 _STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
+# Build-time files: a VM installs the prebuilt artifact instead.
+_BUILD_ONLY = shutil.ignore_patterns("install-criu.sh", "build-artifact.sh", "*.patch", "__pycache__", "*.pyc")
 
 
-def stage_agent_bundle(destination: Path) -> Path:
-    """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, plus spotcr_contracts/."""
-    shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_STAGE_IGNORE, dirs_exist_ok=True)
+class ArtifactMissing(FileNotFoundError):
+    pass
+
+
+def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir: Path = BUILD_DIR) -> Path:
+    """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, spotcr_contracts/, and the
+    prebuilt parts for `architecture`: criu/ (CRIU's tarball and sha256) and python/ (the agent's packages)."""
+    criu = sorted(build_dir.glob(f"spotcr-criu-*-{architecture}.tar.gz"))
+    python = build_dir / f"agent-python-{architecture}"
+    if len(criu) != 1 or not criu[0].with_name(criu[0].name + ".sha256").is_file() or not python.is_dir():
+        raise ArtifactMissing(
+            f"no prebuilt CRIU and agent packages for {architecture} in {build_dir}: run `make artifacts` "
+            f"on a Debian 12 {architecture} machine (vm-bootstrap/build-artifact.sh)"
+        )
+    shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_BUILD_ONLY, dirs_exist_ok=True)
     shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)
+    (destination / "criu").mkdir(exist_ok=True)
+    for path in (criu[0], criu[0].with_name(criu[0].name + ".sha256")):
+        shutil.copy2(path, destination / "criu" / path.name)
+    shutil.copytree(python, destination / "python", dirs_exist_ok=True)
     return destination
 
 
@@ -84,23 +103,16 @@ class VmLaunch(Construct):
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
 
-        self.agent_asset = s3_assets.Asset(
-            self, "AgentBundle", path=str(stage_agent_bundle(Path(tempfile.mkdtemp(prefix="spotcr-agent-"))))
-        )
+        staged = stage_agent_bundle(Path(tempfile.mkdtemp(prefix="spotcr-agent-")), settings.vm_architecture)
+        self.agent_asset = s3_assets.Asset(self, "AgentBundle", path=str(staged))
 
         self.job_role = iam.Role(
             self,
             "JobRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             description="spotcr job VMs: SSM commands, the job's checkpoints, agent events",
-            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
         )
-        acknowledge(
-            self.job_role,
-            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonSSMManagedInstanceCore]",
-            "The AWS-maintained SSM core policy is what SSM Agent needs to receive spotcr's Run Command documents; "
-            "AWS keeps it in step with the agent.",
-        )
+        self._grant_ssm_agent()
         self._grant_job_storage(storage)
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
@@ -159,6 +171,43 @@ class VmLaunch(Construct):
                     ),
                 )
             ],
+        )
+
+    def _grant_ssm_agent(self) -> None:
+        """What SSM Agent needs for Run Command (a subset of AmazonSSMManagedInstanceCore: no State Manager,
+        inventory, patching or Session Manager data channels), and the agent's readiness check."""
+        instances = Stack.of(self).format_arn(service="ec2", resource="instance", resource_name="*")
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                sid="SsmAgentRegistration", actions=["ssm:UpdateInstanceInformation"], resources=[instances]
+            )
+        )
+        acknowledge_wildcard_resource(
+            self.job_role, instances, "SSM Agent registers the instance it runs on; the role is shared by job VMs."
+        )
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                sid="SsmAgentRunCommand",
+                actions=[
+                    "ec2messages:AcknowledgeMessage",
+                    "ec2messages:DeleteMessage",
+                    "ec2messages:FailMessage",
+                    "ec2messages:GetEndpoint",
+                    "ec2messages:GetMessages",
+                    "ec2messages:SendReply",
+                    "ssmmessages:CreateControlChannel",
+                    "ssmmessages:OpenControlChannel",
+                    "ssm:DescribeInstanceInformation",
+                ],
+                resources=["*"],
+            )
+        )
+        acknowledge(
+            self.job_role,
+            "AwsSolutions-IAM5[Resource::*]",
+            "SSM Agent's message calls (ec2messages, the ssmmessages control channel) and "
+            "ssm:DescribeInstanceInformation support no resource-level permissions; with the registration above they "
+            "are the Run Command part of AmazonSSMManagedInstanceCore.",
         )
 
     def _grant_job_storage(self, storage: Storage) -> None:

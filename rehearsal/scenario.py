@@ -19,8 +19,8 @@ from spotcr_contracts import tags
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
 
-from rehearsal import leaks
-from rehearsal.cloud import LocalCloud
+from rehearsal import asset, leaks
+from rehearsal.cloud import REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
 
@@ -331,16 +331,18 @@ class Rehearsal:
                 )
 
     def _boot_commands(self) -> list[list[str]]:
-        """What bootstrap.sh runs once packages are installed: `spotcr-agent bootstrap ...`, then the daemon."""
+        """bootstrap.sh's steps: the SSM agent, the agent asset installed, `spotcr-agent bootstrap ...`, the daemon."""
         agent = "/opt/spotcr/bin/spotcr-agent"
         names = self.cloud.names
+        asset_url = asset.publish(self.cloud.client("s3"), f"{names['checkpoint_bucket']}-assets")
         bootstrap = [agent, "bootstrap", "--bucket", names["checkpoint_bucket"], "--event-bus", names["event_bus_name"]]
         if self.options.storage == "efs":
             bootstrap += ["--efs-id", "fs-0rehearsal"]
         if self.options.storage == "fsx":
             bootstrap += ["--fsx-dns", "fs-0rehearsal.fsx.local", "--fsx-mount-name", "rehearsal"]
         # First the SSM agent, as bootstrap.sh installs and starts it: until it registers, SSM refuses commands.
-        return [[sys.executable, "-m", "rehearsal.ssm_agent"], bootstrap, [agent, "daemon"]]
+        install = asset.install_command(asset_url, REGION)
+        return [[sys.executable, "-m", "rehearsal.ssm_agent"], install, bootstrap, [agent, "daemon"]]
 
     def _submit(self) -> str:
         """Submit the job the way a user does: launch an instance carrying the spotcr tags."""
