@@ -3,6 +3,7 @@
 import hashlib
 import http.server
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -141,3 +142,22 @@ def test_the_bootstraps_s3_fetch_is_signed_as_aws_signs(tmp_path):
     auth._modify_request_before_signing = lambda request: None
     expected = auth.signature(auth.string_to_sign(request, auth.canonical_request(request)), request)
     assert signature == expected
+
+
+def test_the_bundles_python_packages_serve_every_aws_service_the_agent_calls(bundle):
+    # Given the services the agent's code makes clients for, and those the artifact keeps botocore models of
+    called = set()
+    for source in (VM / "spotcr_agent").rglob("*.py"):
+        called |= set(re.findall(r'client\(\s*"([a-z0-9-]+)"', source.read_text()))
+    script = (VM / "build-artifact.sh").read_text()
+    kept = set(re.search(r'AGENT_SERVICES="([^"]+)"', script).group(1).split())  # type: ignore[union-attr]
+    assert called and called <= kept
+    # Then Debian's python3 runs the agent's imports from the bundle alone, with zstandard's C backend
+    probe = "import boto3, zstandard; [boto3.client(s, region_name='us-east-1') for s in %r]; print(zstandard.backend)"
+    ran = subprocess.run(
+        ["env", "-i", f"PYTHONPATH={bundle / 'python'}", "/usr/bin/python3", "-c", probe % sorted(called)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ran.stdout.strip() == "cext", ran.stderr
