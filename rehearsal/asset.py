@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from infra.vm_launch import stage_agent_bundle
+from infra.agent_bundle import stage_agent_bundle
 from rehearsal.vm import REPO
 
 ASSET_KEY = "assets/spotcr-agent.zip"

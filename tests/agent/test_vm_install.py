@@ -16,7 +16,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
-from infra.vm_launch import BUILD_DIR, ArtifactMissing, stage_agent_bundle
+from infra.agent_bundle import BUILD_DIR, ArtifactMissing, stage_agent_bundle
 
 VM = Path(__file__).parents[2] / "vm-bootstrap"
 ARCH = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
