@@ -1,12 +1,16 @@
 """Ready means reachable (SSM Online before AgentReady), and a dump is refused before it could fill scratch."""
 
+import json
 import subprocess
 import sys
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 from spotcr_agent import readiness, scratch
 from spotcr_agent.bootstrap import bootstrap
 
@@ -127,3 +131,48 @@ def test_a_dump_that_cannot_fit_on_scratch_is_refused_before_the_freeze(tmp_path
             kill_tree(pid)
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+EVENTS = Path(__file__).parents[1] / "events" / "ssm"
+
+
+def _stubbed_ssm():
+    client = boto3.client("ssm", region_name="us-east-2", aws_access_key_id="x", aws_secret_access_key="x")
+    return client, Stubber(client)
+
+
+def test_the_readiness_check_reads_ssms_published_describe_instance_information_sample():
+    # Given SSM's documented response for one managed instance (botocore's Stubber checks it against the model)
+    sample = json.loads((EVENTS / "describe-instance-information.json").read_text())
+    sample.pop("_source")
+    client, stubber = _stubbed_ssm()
+    instance_id = sample["InstanceInformationList"][0]["InstanceId"]
+    expected = {"Filters": [{"Key": "InstanceIds", "Values": [instance_id]}]}
+    stubber.add_response("describe_instance_information", sample, expected)
+    stubber.add_response("describe_instance_information", {"InstanceInformationList": []}, expected)
+    with stubber:
+        ping_status = readiness.ssm_ping_status("us-east-2", client)
+        # Then the instance is Online, and an instance not (yet) registered is not
+        assert ping_status(instance_id) == "Online"
+        assert ping_status(instance_id) is None
+
+
+def test_a_documented_ssm_error_while_waiting_is_retried_then_named():
+    # Given SSM answering with its documented InvalidInstanceId until the agent registers
+    sample = json.loads((EVENTS / "send-command-invalid-instance-id.json").read_text())["Error"]
+    client, stubber = _stubbed_ssm()
+    stubber.add_client_error("describe_instance_information", sample["Code"], sample["Message"])
+    stubber.add_response(
+        "describe_instance_information", {"InstanceInformationList": [{"InstanceId": "i-0abc", "PingStatus": "Online"}]}
+    )
+    clock = FakeClock()
+    with stubber:
+        waited = readiness.wait_for_ssm(
+            "i-0abc", readiness.ssm_ping_status("us-east-2", client), clock=clock, sleep=clock.sleep
+        )
+    assert waited == readiness.POLL_S
+    stubber.add_client_error("describe_instance_information", sample["Code"], sample["Message"])
+    with stubber, pytest.raises(readiness.NotReachable, match=r"\(error: .*InvalidInstanceId"):
+        readiness.wait_for_ssm(
+            "i-0abc", readiness.ssm_ping_status("us-east-2", client), timeout_s=0, clock=clock, sleep=clock.sleep
+        )

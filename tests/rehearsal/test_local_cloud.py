@@ -1,6 +1,7 @@
 """The local cloud on its own: VMs boot in their own namespaces, SSM runs documents there, events route."""
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
 
 FAKE_AGENT = Path(__file__).with_name("fake_agent.py")
+EVENTS = Path(__file__).parents[1] / "events" / "ssm"
 
 
 def wait_for(predicate, timeout=15.0):
@@ -169,8 +171,13 @@ def test_send_command_is_refused_until_the_vms_ssm_agent_registers(cloud):
     # When a command is sent to it, Then SSM refuses it as AWS does
     with pytest.raises(ClientError) as refused:
         ssm.send_command(InstanceIds=[instance_id], DocumentName=f"{PREFIX}-checkpoint", Parameters=checkpoint)
-    assert refused.value.response["Error"]["Code"] == "InvalidInstanceId"
-    assert f"Instances [[{instance_id}]] not in a valid state" in refused.value.response["Error"]["Message"]
+    # As AWS answers (tests/events/ssm/send-command-invalid-instance-id.json): same code, same message shape
+    published = json.loads((EVENTS / "send-command-invalid-instance-id.json").read_text())["Error"]
+    error = refused.value.response["Error"]
+    assert error["Code"] == published["Code"]
+    shape = re.escape(published["Message"]).replace("i\\-00903e1796f3b1cb6", "(i-[0-9a-f]+)")
+    assert re.fullmatch(shape.replace("775288309636", "[0-9]{12}"), error["Message"])
+    assert f"[[{instance_id}]]" in error["Message"]
     assert (
         ssm.describe_instance_information(Filters=[{"Key": "InstanceIds", "Values": [instance_id]}])[
             "InstanceInformationList"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 ONLINE = "Online"
 DEFAULT_WAIT_S = 600.0
@@ -18,11 +19,11 @@ POLL_S = 2.0
 PingStatus = Callable[[str], str | None]  # instance id -> SSM's PingStatus, None while not registered
 
 
-def ssm_ping_status(region: str) -> PingStatus:
+def ssm_ping_status(region: str, client: Any = None) -> PingStatus:
     """DescribeInstanceInformation for one instance (the VM role's ssm:DescribeInstanceInformation)."""
     import boto3
 
-    ssm = boto3.client("ssm", region_name=region or None)
+    ssm = client or boto3.client("ssm", region_name=region or None)
 
     def ping_status(instance_id: str) -> str | None:
         rows = ssm.describe_instance_information(Filters=[{"Key": "InstanceIds", "Values": [instance_id]}])
