@@ -30,7 +30,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 tarball="$OUT/$NAME.tar.gz"
-if [[ -f "$tarball" && -f "$tarball.sha256" && "$tarball" -nt "$HERE/install-criu.sh" ]]; then
+if [[ -f "$tarball" && -f "$tarball.sha256" && "$tarball" -nt "$HERE/install-criu.sh" && "$tarball" -nt "$0" ]]; then
   log "$NAME.tar.gz is up to date"
 else
   command -v patchelf >/dev/null || { apt-get update -qq && apt-get install -y -qq patchelf >/dev/null; }
@@ -63,7 +63,7 @@ else
 fi
 
 python_dir="$OUT/agent-python-$ARCH"
-if [[ -d "$python_dir" && "$python_dir" -nt "$HERE/requirements.txt" ]]; then
+if [[ -d "$python_dir" && "$python_dir" -nt "$HERE/requirements.txt" && "$python_dir" -nt "$0" ]]; then
   log "agent-python-$ARCH is up to date"
 else
   rm -rf "$python_dir.new"
