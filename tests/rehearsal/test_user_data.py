@@ -1,0 +1,113 @@
+"""The job VM's user data, run whole in a local VM: SSM Agent first, the prebuilt artifact, the agent, the service.
+
+systemctl, dpkg -i and the SSM Agent download are recorded by stand-ins (a local VM has no systemd and no route
+to AWS); everything else is bootstrap.sh as the launch template renders it: IMDS, the signed S3 fetch of the
+asset, install-artifact.sh --system, `spotcr-agent bootstrap` with its SSM readiness check against the local cloud.
+"""
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.vm_launch import BOOTSTRAP_SCRIPT, render_user_data
+from rehearsal import asset, ssm_agent
+from rehearsal.cloud import REGION, LocalCloud
+from rehearsal.timeline import Timeline
+
+SHIMS = {
+    # Records what would change the system outside the VM's private paths, and answers as a fresh VM would.
+    "systemctl": 'echo "systemctl $*" >> "$SHIM_LOG"; [ "$1" = is-active ] && exit 3; exit 0',
+    "dpkg": 'if [ "$1" = -i ]; then echo "dpkg $*" >> "$SHIM_LOG"; exit 0; fi; exec /usr/bin/dpkg "$@"',
+    "apt-get": 'echo "apt-get $*" >> "$SHIM_LOG"',
+    "curl": 'for a in "$@"; do case "$a" in https:*amazon-ssm-agent.deb) echo "curl $a" >> "$SHIM_LOG";'
+    ' while [ "$1" != -o ]; do shift; done; echo deb > "$2"; exit 0;; esac; done; exec /usr/bin/curl "$@"',
+}
+
+
+@pytest.fixture
+def cloud(tmp_path):
+    local = LocalCloud(
+        run_dir=tmp_path / "run",
+        timeline=Timeline(echo=None),
+        boot_commands=[[sys.executable, "-m", ssm_agent.__name__], ["sleep", "infinity"]],
+        with_workflow=False,
+    )
+    local.start()
+    yield local
+    local.stop()
+
+
+@pytest.mark.criu
+@pytest.mark.timeout(240)
+def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts_it(cloud, tmp_path):
+    # Given the user data as the launch template renders it, and a VM launched with a job's tags
+    url = asset.publish(cloud.client("s3"), "cdk-assets-rehearsal")
+    user_data = tmp_path / "user-data.sh"
+    user_data.write_text(
+        render_user_data(
+            BOOTSTRAP_SCRIPT.read_text(),
+            {
+                "__SPOTCR_AGENT_ASSET_URL__": url,
+                "__SPOTCR_BUCKET__": cloud.names["checkpoint_bucket"],
+                "__SPOTCR_EVENT_BUS__": cloud.names["event_bus_name"],
+                "__SPOTCR_EFS_ID__": "",
+                "__SPOTCR_FSX_DNS__": "",
+                "__SPOTCR_FSX_MOUNT_NAME__": "",
+            },
+        )
+    )
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    for name, body in SHIMS.items():
+        (shims / name).write_text(f"#!/bin/sh\n{body}\n")
+        (shims / name).chmod(0o755)
+    log = tmp_path / "system.log"
+    tags = {"spotcr:job": "user-data", "spotcr:command": "sleep 1000"}
+    reservation = cloud.client("ec2").run_instances(
+        ImageId=cloud.image_id,
+        MinCount=1,
+        MaxCount=1,
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}],
+    )
+    instance_id = reservation["Instances"][0]["InstanceId"]
+    deadline = time.monotonic() + 30
+    while not cloud.managed_instances.online(instance_id):
+        assert time.monotonic() < deadline, "the VM's SSM agent stand-in never registered"
+        time.sleep(0.1)
+    vm = cloud.vms[instance_id]
+    # System paths the user data writes are overlays inside the VM: the host's own CRIU stays untouched.
+    overlays = []
+    for number, path in enumerate(("/usr/local/sbin", "/usr/lib", "/etc/systemd/system")):
+        upper, work = tmp_path / f"upper{number}", tmp_path / f"work{number}"
+        upper.mkdir()
+        work.mkdir()
+        overlays.append(f"mount -t overlay overlay -o lowerdir={path},upperdir={upper},workdir={work} {path}")
+    script = " && ".join([*overlays, f"SHIM_LOG={log} PATH={shims}:$PATH bash {shlex.quote(str(user_data))}"])
+    # When it runs
+    ran = vm.run(["bash", "-c", script], timeout_s=180)
+    # Then every step ran, in order, and the agent was started only after SSM could reach the instance
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    steps = [
+        line.split(" took ")[0].removeprefix("spotcr-bootstrap: ")
+        for line in ran.stdout.splitlines()
+        if " took " in line
+    ]
+    assert steps == ["ssm-agent", "packages", "asset", "install", "agent-bootstrap"]
+    recorded = log.read_text().splitlines()
+    region_url = f"https://s3.{REGION}.amazonaws.com/amazon-ssm-{REGION}/latest/debian_amd64/amazon-ssm-agent.deb"
+    order = [
+        f"curl {region_url}",
+        "dpkg -i /tmp/amazon-ssm-agent.deb",
+        "systemctl enable --now amazon-ssm-agent",
+        "systemctl enable --now spotcr-agent.service",
+    ]
+    assert [recorded.index(line) for line in order] == sorted(recorded.index(line) for line in order)
+    assert not [line for line in recorded if line.startswith("apt-get")]  # nothing missing, nothing installed
+    assert vm.run(["readlink", "/usr/local/sbin/criu"]).stdout.strip() == "/opt/spotcr/criu/bin/criu"
+    assert vm.run(["/usr/local/sbin/criu", "--version"]).stdout.startswith("Version: 4.1.1")
+    assert Path("/usr/local/sbin/criu").is_file() and not Path("/usr/local/sbin/criu").is_symlink()
+    assert (vm.dir("etc") / "agent.json").is_file()
+    assert '"ssm_wait_s"' in ran.stdout
