@@ -42,29 +42,8 @@ def cloud(tmp_path):
 
 @pytest.mark.criu
 @pytest.mark.timeout(240)
-def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts_it(cloud, tmp_path):
+def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts_it(cloud):
     # Given the user data as the launch template renders it, and a VM launched with a job's tags
-    url = asset.publish(cloud.client("s3"), "cdk-assets-rehearsal")
-    user_data = tmp_path / "user-data.sh"
-    user_data.write_text(
-        render_user_data(
-            BOOTSTRAP_SCRIPT.read_text(),
-            {
-                "__SPOTCR_AGENT_ASSET_URL__": url,
-                "__SPOTCR_BUCKET__": cloud.names["checkpoint_bucket"],
-                "__SPOTCR_EVENT_BUS__": cloud.names["event_bus_name"],
-                "__SPOTCR_EFS_ID__": "",
-                "__SPOTCR_FSX_DNS__": "",
-                "__SPOTCR_FSX_MOUNT_NAME__": "",
-            },
-        )
-    )
-    shims = tmp_path / "shims"
-    shims.mkdir()
-    for name, body in SHIMS.items():
-        (shims / name).write_text(f"#!/bin/sh\n{body}\n")
-        (shims / name).chmod(0o755)
-    log = tmp_path / "system.log"
     tags = {"spotcr:job": "user-data", "spotcr:command": "sleep 1000"}
     reservation = cloud.client("ec2").run_instances(
         ImageId=cloud.image_id,
@@ -78,14 +57,40 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
         assert time.monotonic() < deadline, "the VM's SSM agent stand-in never registered"
         time.sleep(0.1)
     vm = cloud.vms[instance_id]
+    # What the VM reads lives in its private /var/lib/spotcr (a VM does not share the host's /tmp)
+    private, inside = vm.dir("state") / "user-data-test", Path("/var/lib/spotcr/user-data-test")
+    private.mkdir()
+    url = asset.publish(cloud.client("s3"), "cdk-assets-rehearsal")
+    user_data = private / "user-data.sh"
+    user_data.write_text(
+        render_user_data(
+            BOOTSTRAP_SCRIPT.read_text(),
+            {
+                "__SPOTCR_AGENT_ASSET_URL__": url,
+                "__SPOTCR_BUCKET__": cloud.names["checkpoint_bucket"],
+                "__SPOTCR_EVENT_BUS__": cloud.names["event_bus_name"],
+                "__SPOTCR_EFS_ID__": "",
+                "__SPOTCR_FSX_DNS__": "",
+                "__SPOTCR_FSX_MOUNT_NAME__": "",
+            },
+        )
+    )
+    shims = private / "shims"
+    shims.mkdir()
+    for name, body in SHIMS.items():
+        (shims / name).write_text(f"#!/bin/sh\n{body}\n")
+        (shims / name).chmod(0o755)
+    log = private / "system.log"
     # System paths the user data writes are overlays inside the VM: the host's own CRIU stays untouched.
     overlays = []
     for number, path in enumerate(("/usr/local/sbin", "/usr/lib", "/etc/systemd/system")):
-        upper, work = tmp_path / f"upper{number}", tmp_path / f"work{number}"
-        upper.mkdir()
-        work.mkdir()
+        (private / f"upper{number}").mkdir()
+        (private / f"work{number}").mkdir()
+        upper, work = inside / f"upper{number}", inside / f"work{number}"
         overlays.append(f"mount -t overlay overlay -o lowerdir={path},upperdir={upper},workdir={work} {path}")
-    script = " && ".join([*overlays, f"SHIM_LOG={log} PATH={shims}:$PATH bash {shlex.quote(str(user_data))}"])
+    user_data_in_vm = shlex.quote(str(inside / "user-data.sh"))
+    run = f"SHIM_LOG={inside / 'system.log'} PATH={inside / 'shims'}:$PATH bash {user_data_in_vm}"
+    script = " && ".join([*overlays, run])
     # When it runs
     ran = vm.run(["bash", "-c", script], timeout_s=180)
     # Then every step ran, in order, and the agent was started only after SSM could reach the instance
