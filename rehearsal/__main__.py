@@ -1,7 +1,10 @@
 """`python -m rehearsal`: a spot interruption and its recovery, on this machine, through the shipped code.
 
+The job is the sample job, or your own: `--command '<command>' --result <file>` runs the command (split
+and checked exactly as the spotcr:command tag) and compares <file>, relative to the job's work dir,
+byte for byte with an uninterrupted run of the same command on a bare VM.
 Exit code 0 when the interrupted job's result equals the uninterrupted run's, 1 when it differs,
-2 when the rehearsal itself could not complete.
+2 when the rehearsal itself could not complete (the message says what broke and why).
 """
 
 from __future__ import annotations
@@ -11,18 +14,29 @@ import os
 import shutil
 import signal
 import sys
+from pathlib import Path
 
 from spotcr_contracts.tags import STORAGES
 
-from rehearsal.scenario import Options, Rehearsal, RehearsalFailed
+from rehearsal.scenario import RESULT_FILE, RUNS_DIR, Options, Rehearsal, RehearsalFailed
 
 
 def parse(argv: list[str]) -> Options:
     parser = argparse.ArgumentParser(prog="python -m rehearsal", description=__doc__.splitlines()[0])
     parser.add_argument("--storage", choices=STORAGES, default="s3", help="where checkpoints go (default s3)")
-    parser.add_argument("--size-mb", type=int, default=256, help="the job's memory state in MiB (default 256)")
-    parser.add_argument("--steps", type=int, default=3000, help="the job's length in steps (default 3000)")
-    parser.add_argument("--pace", type=float, default=0.02, help="seconds the job sleeps per step (default 0.02)")
+    parser.add_argument(
+        "--command",
+        metavar="COMMAND",
+        help="your own job, as you would tag it spotcr:command (argv, no shell); needs --result",
+    )
+    parser.add_argument(
+        "--result",
+        metavar="FILE",
+        help="with --command: the file, relative to the job's work dir, compared with an uninterrupted run's",
+    )
+    parser.add_argument("--size-mb", type=int, help="sample job: its memory state in MiB (default 256)")
+    parser.add_argument("--steps", type=int, help="sample job: its length in steps (default 3000)")
+    parser.add_argument("--pace", type=float, help="sample job: seconds it sleeps per step (default 0.02)")
     parser.add_argument("--interruptions", type=int, default=1, help="successive interruptions (default 1)")
     parser.add_argument("--interval", type=int, default=10, help="spotcr:interval, seconds between periodic dumps")
     parser.add_argument("--notice", type=float, default=120.0, help="seconds from warning to termination (AWS: 120)")
@@ -37,17 +51,30 @@ def parse(argv: list[str]) -> Options:
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each phase may take (default 300)")
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
+    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where each run's files go (rehearsal-runs/)")
     args = parser.parse_args(argv)
+    sample = {"--size-mb": args.size_mb, "--steps": args.steps, "--pace": args.pace}
+    if args.command is not None:
+        if not args.result:
+            parser.error("--command needs --result FILE: the file to compare with an uninterrupted run's")
+        given = [name for name, value in sample.items() if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: only for the sample job, not with --command")
+    elif args.result is not None:
+        parser.error("--result goes with --command (the sample job's result is result.txt)")
     return Options(
         storage=args.storage,
-        size_mb=args.size_mb,
-        steps=args.steps,
-        pace_s=args.pace,
+        size_mb=256 if args.size_mb is None else args.size_mb,
+        steps=3000 if args.steps is None else args.steps,
+        pace_s=0.02 if args.pace is None else args.pace,
+        command=args.command,
+        result_file=args.result or RESULT_FILE,
         interruptions=args.interruptions,
         notice_s=15.0 if args.quick else args.notice,
         interval_s=args.interval,
         schedule_every_s=args.schedule_every,
         keep_vms=args.keep_vms,
+        runs_dir=args.runs_dir,
         rebalance_lead_s=args.rebalance,
         timeout_s=args.timeout,
     )
@@ -72,9 +99,14 @@ def main(argv: list[str]) -> int:
     recoveries = ", ".join(f"{s:.1f} s" for s in outcome.recoveries_s)
     print(f"warning to running again: {recoveries}")
     if outcome.identical:
-        print("OK: the interrupted job's result equals the uninterrupted run's")
+        print(f"OK: the interrupted job's {options.result_file} equals the uninterrupted run's, byte for byte")
         return 0
-    print(f"MISMATCH: {outcome.result} != {outcome.expected}", file=sys.stderr)
+    print(
+        f"MISMATCH: the interrupted job's {options.result_file} ({outcome.describe(outcome.result)}) differs from "
+        f"the uninterrupted run's ({outcome.describe(outcome.expected)}); both are in {outcome.run_dir} "
+        "(result, result.reference)",
+        file=sys.stderr,
+    )
     return 1
 
 

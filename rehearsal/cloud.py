@@ -44,7 +44,7 @@ from spotcr_functions.config import ENV, OPTIONAL_ENV
 from rehearsal import ssm as local_ssm
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
-from rehearsal.vm import REPO, LocalVM, VmError, prepare_host
+from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
 
 REGION = "us-east-1"
 ACCOUNT = "123456789012"
@@ -101,6 +101,9 @@ class LocalCloud:
         self.agent_command = agent_command
         self.with_workflow = with_workflow
         self.endpoint = ""
+        self.vm_endpoint = ""  # the same server, where the VMs reach it: the host end of their network
+        self.network: VmNetwork | None = None
+        self._vm_listener: Any = None
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
@@ -151,6 +154,9 @@ class LocalCloud:
         self._set_env({"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"})  # loading moto's public images takes seconds
         host, port = _moto_server().get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
+        self.network = VmNetwork.create()
+        self._vm_listener = _listen_for_vms(self.network.gateway, port)
+        self.vm_endpoint = f"http://{self.network.gateway}:{port}"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
         reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
         urllib.request.urlopen(reset).close()  # noqa: S310 (http to the server just started)
@@ -192,6 +198,12 @@ class LocalCloud:
         self._stop.set()
         for vm in list(self.vms.values()):
             vm.terminate()
+        if self._vm_listener is not None:
+            self._vm_listener.shutdown()
+            self._vm_listener.server_close()
+            self._vm_listener = None
+        if self.network is not None:
+            self.network.close()
         self._commands.shutdown(wait=False, cancel_futures=True)
         self._delivery.shutdown(wait=False, cancel_futures=True)
         self.volumes.release_all()
@@ -225,9 +237,9 @@ class LocalCloud:
 
     @property
     def vm_env(self) -> dict[str, str]:
-        """What a job VM's processes see: the cloud's endpoint and (dummy) credentials."""
+        """What a job VM's processes see: the cloud's endpoint on their network and (dummy) credentials."""
         return {
-            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ENDPOINT_URL": self.vm_endpoint,
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": REGION,
@@ -563,6 +575,7 @@ class LocalCloud:
         generation = tags.get("spotcr:generation", "0")
         self.timeline.label(instance_id, f"{role} g{generation}\n{instance_id[:12]}")
         user_data = base64.b64decode(str(instance.user_data)) if instance.user_data else b""
+        assert self.network is not None, "instances launch only while the local cloud runs"
         vm = LocalVM(
             instance_id=instance_id,
             instance_type=instance.instance_type,
@@ -571,6 +584,7 @@ class LocalCloud:
             tags=lambda: _tags_of(backend, instance_id),
             root=self.run_dir / "vms",
             cloud_env=self.vm_env,
+            network=self.network,
             shared_storage=self.shared_storage,
             boot_commands=self.boot_commands,
             agent_command=self.agent_command,
@@ -592,6 +606,7 @@ class LocalCloud:
             self.timeline.say(f"! {error}")
             return
         vm.running_at = self.timeline.now()
+        self.timeline.say(f"{vm.instance_id} running at {vm.address} (its own network, /tmp, /dev/shm and /proc)")
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "running"})
 
     def _terminated(self, backend: Any, instance_id: str) -> None:
@@ -688,6 +703,16 @@ def _moto_server() -> Any:
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    return server
+
+
+def _listen_for_vms(address: str, port: int) -> Any:
+    """The moto server's app also on the VMs' network (it stays on loopback: Step Functions calls localhost)."""
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from werkzeug.serving import make_server
+
+    server = make_server(address, port, _moto_server()._server.app, True, request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, name="moto-for-vms", daemon=True).start()
     return server
 
 

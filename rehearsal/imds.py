@@ -1,4 +1,7 @@
-"""A per-VM instance metadata service on loopback: the IMDSv2 paths the agent reads.
+"""A per-VM instance metadata service: the IMDSv2 paths the agent reads.
+
+It listens on the host end of the VMs' network (`host`); inside the VM, 169.254.169.254:80 is
+forwarded to it (rehearsal.vm.VmNetwork), so the agent uses its default endpoint, as on EC2.
 
 Tags are read live from the local cloud (spotcr:error may be added while the VM runs);
 `spot/instance-action` is 404 until the interruption injector sets it, as on EC2.
@@ -27,6 +30,8 @@ class Imds:
         availability_zone: str,
         user_data: bytes,
         tags: Callable[[], Mapping[str, str]],
+        *,
+        host: str = "127.0.0.1",
     ) -> None:
         self.instance_id = instance_id
         self.instance_type = instance_type
@@ -34,16 +39,22 @@ class Imds:
         self.user_data = user_data
         self.tags = tags
         self.instance_action: dict[str, str] | None = None
+        self.local_ipv4 = ""
         self._token = secrets.token_hex(16)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server = ThreadingHTTPServer((host, 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"imds-{instance_id}", daemon=True)
         self._thread.start()
 
     @property
     def endpoint(self) -> str:
+        """Where the host reaches it; a VM uses http://169.254.169.254."""
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -61,7 +72,7 @@ class Imds:
             "instance-type": self.instance_type,
             "placement/availability-zone": self.availability_zone,
             "placement/region": self.availability_zone[:-1],
-            "local-ipv4": "127.0.0.1",
+            "local-ipv4": self.local_ipv4 or None,
             "spot/instance-action": json.dumps(self.instance_action) if self.instance_action else None,
         }
         if key in values:

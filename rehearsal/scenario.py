@@ -1,7 +1,13 @@
-"""The rehearsal itself: submit a job by tagging an instance, interrupt it, watch it come back, check its result."""
+"""The rehearsal itself: submit a job by tagging an instance, interrupt it, watch it come back, check its result.
+
+The job is the sample job, or the user's own command (`Options.command`, exactly as the spotcr:command
+tag). Its result file is compared byte for byte with the one an uninterrupted run of the same command
+leaves, on a bare VM of its own at the same work dir path.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
@@ -11,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from spotcr_contracts import events as agent_events
@@ -22,11 +28,13 @@ from spotcr_functions.config import ENV
 from rehearsal import asset, leaks
 from rehearsal.cloud import REGION, LocalCloud
 from rehearsal.timeline import Timeline
-from rehearsal.vm import REPO
+from rehearsal.vm import REPO, LocalVM, VmError, bare_vm
 
 SAMPLE_JOB = REPO / "rehearsal" / "sample_job.py"
 RESULT_FILE = "result.txt"
+RUNS_DIR = REPO / "rehearsal-runs"
 MIB = 1 << 20
+STDERR_TAIL_CHARS = 600
 
 
 class RehearsalFailed(RuntimeError):
@@ -45,16 +53,18 @@ class Options:
     schedule_every_s: float = 5.0  # the scheduled rule's "every minute", compressed
     checkpoints_before_interruption: int = 1
     timeout_s: float = 300.0  # for each phase: start, each recovery, the end of the job
-    runs_dir: Path = REPO / "rehearsal-runs"
+    runs_dir: Path = RUNS_DIR
     keep_vms: bool = False
     rebalance_lead_s: float = 0.0  # > 0: a rebalance recommendation this long before each warning, as FIS sends
+    command: str | None = None  # the user's own job, as its spotcr:command tag; None: the sample job
+    result_file: str = RESULT_FILE  # what the job leaves in its work dir, compared byte for byte
     leak_grace_s: float = 30.0  # after the job finished, how long cleanup may take before leftovers fail the run
 
 
 @dataclass
 class Outcome:
-    result: str
-    expected: str
+    result: bytes
+    expected: bytes
     recoveries_s: list[float]
     run_dir: Path
     timeline_png: Path
@@ -63,6 +73,13 @@ class Outcome:
     @property
     def identical(self) -> bool:
         return self.result == self.expected
+
+    def describe(self, data: bytes) -> str:
+        """One line for a result: itself when it is a short line of text, else its size and digest."""
+        text = data.decode(errors="replace").strip()
+        if len(data) <= 200 and "\n" not in text and text.isprintable():
+            return text
+        return f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}"
 
 
 class Watcher:
@@ -207,12 +224,71 @@ def job_command(options: Options, pace: float | None = None) -> list[str]:
     ]
 
 
-def reference_result(options: Options) -> str:
-    """The same job, uninterrupted and unpaced, outside the local cloud."""
-    output = subprocess.run(
-        job_command(options, pace=0.0)[:-2], capture_output=True, text=True, check=True, timeout=options.timeout_s
-    ).stdout
-    return output.strip().splitlines()[-1].removeprefix("result ")
+def command_tag(options: Options) -> str:
+    return options.command if options.command is not None else shlex.join(job_command(options))
+
+
+def reference_argv(options: Options) -> tuple[str, ...]:
+    """The uninterrupted run: the user's command as the agent splits it, or the sample job unpaced."""
+    if options.command is not None:
+        return tags.parse_command(options.command)
+    return tuple(job_command(options, pace=0.0))
+
+
+def check_result_path(result_file: str) -> None:
+    path = PurePosixPath(result_file)
+    if not result_file or path.is_absolute() or ".." in path.parts or "\x00" in result_file:
+        raise RehearsalFailed(f"--result {result_file!r}: must be a path relative to the job's work dir, without '..'")
+
+
+# Runs inside the reference VM: the job started as the agent starts it, waited for, its exit code printed.
+_REFERENCE_RUN = """
+import os, sys
+from pathlib import Path
+from spotcr_agent.agent import base_job_env
+from spotcr_agent.runner import JobFiles, start_job
+workdir = Path(sys.argv[1])
+job = start_job(tuple(sys.argv[2:]), workdir, base_job_env(os.environ))
+if job.launcher is not None:
+    job.launcher.wait()
+print(JobFiles(workdir).read_exit_code())
+"""
+
+
+def stderr_tail(vm: LocalVM, workdir: str) -> str:
+    try:
+        text = vm.host_path(f"{workdir}/.spotcr/stderr.log").read_text(errors="replace").strip()
+    except OSError:
+        return ""
+    return f"; its stderr ends: {text[-STDERR_TAIL_CHARS:]}" if text else ""
+
+
+def reference_result(
+    cloud: LocalCloud, options: Options, workdir: str, say: Callable[[str], None], booted: Callable[[LocalVM], None]
+) -> bytes:
+    """The same job run once without interruption, on a bare VM of its own at the same work dir."""
+    assert cloud.network is not None
+    with bare_vm(cloud.run_dir / "reference", cloud.network, cloud_env=cloud.vm_env) as vm:
+        booted(vm)
+        say(f"uninterrupted reference run on a bare VM at {vm.address}")
+        argv = [sys.executable, "-c", _REFERENCE_RUN, workdir, *reference_argv(options)]
+        try:
+            # As long as the whole rehearsal may take: it runs beside it.
+            run = vm.run(argv, options.timeout_s * (options.interruptions + 2))
+        except subprocess.TimeoutExpired as error:
+            raise RehearsalFailed(f"the uninterrupted reference run took longer than {error.timeout:.0f} s") from None
+        except VmError as error:
+            raise RehearsalFailed(f"the uninterrupted reference run did not finish: {error}") from None
+        code = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+        if run.returncode != 0 or code != "0":
+            raise RehearsalFailed(
+                f"the uninterrupted reference run exited with {code or run.returncode}{stderr_tail(vm, workdir)}"
+                f"{run.stderr[-STDERR_TAIL_CHARS:]}"
+            )
+        path = vm.host_path(f"{workdir}/{options.result_file}")
+        if not path.is_file():
+            raise RehearsalFailed(f"the uninterrupted reference run left no {options.result_file} in its work dir")
+        return path.read_bytes()
 
 
 class Rehearsal:
@@ -244,9 +320,11 @@ class Rehearsal:
         )
         self.recoveries_s: list[float] = []
         self.outcome: Outcome | None = None
+        self._reference_vms: list[LocalVM] = []
 
     def run(self) -> Outcome:
         """Run the whole rehearsal; the timeline is written even when it fails, to show how far it got."""
+        self.job_tags()  # a bad command or result path fails here, before anything starts
         self.cloud.start()
         try:
             return self._run()
@@ -255,16 +333,32 @@ class Rehearsal:
         finally:
             for vm in self.cloud.vms.values():
                 self.watcher.vm_stopped(vm.instance_id)
+            for vm in self._reference_vms:
+                vm.terminate()
             self.cloud.stop()
             if not self.options.keep_vms:
                 for vm in self.cloud.vms.values():
                     vm.remove()
             self._write_timeline()
 
+    @property
+    def workdir(self) -> str:
+        return f"/var/lib/spotcr/work/{self.job_id}"
+
+    def _reference(self, box: dict[str, Any]) -> None:
+        try:
+            box["result"] = reference_result(
+                self.cloud, self.options, self.workdir, self.timeline.say, self._reference_vms.append
+            )
+        except RehearsalFailed as error:
+            box["error"] = error
+        except Exception as error:
+            box["error"] = RehearsalFailed(f"the uninterrupted reference run failed: {type(error).__name__}: {error}")
+
     def _run(self) -> Outcome:
         options, say = self.options, self.timeline.say
-        expected_box: dict[str, str] = {}
-        reference = threading.Thread(target=lambda: expected_box.update(r=reference_result(options)), daemon=True)
+        expected_box: dict[str, Any] = {}
+        reference = threading.Thread(target=self._reference, args=(expected_box,), daemon=True)
         self.cloud.boot_commands = self._boot_commands()
         say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
         instance_id = self._submit()
@@ -272,7 +366,7 @@ class Rehearsal:
         reference.start()
         current, generation = instance_id, 0
         for number in range(1, options.interruptions + 1):
-            self._await_periodic(current, generation)
+            self._await_periodic(current, generation, number)
             warned = self._interrupt(current, number)
             restored = self.watcher.wait(
                 restored_after(generation),
@@ -288,20 +382,30 @@ class Rehearsal:
             lambda t, e: t == "JobExited", options.timeout_s, "the job to finish", self._workflow_health
         )
         if exited.exit_code != 0:
-            raise RehearsalFailed(f"the job exited with {exited.exit_code} on {exited.instance_id}")
+            vm = self.cloud.vms[exited.instance_id]
+            raise RehearsalFailed(
+                f"the job exited with {exited.exit_code} on {exited.instance_id}{stderr_tail(vm, self.workdir)}"
+            )
         result = self._result(exited.instance_id)
         reference.join(options.timeout_s)
-        expected = expected_box.get("r", "")
-        say(f"result after {options.interruptions} interruption(s): {result}")
-        say(f"uninterrupted reference:             {expected}")
-        self.outcome = Outcome(
+        if "error" in expected_box:
+            raise expected_box["error"]
+        if "result" not in expected_box:
+            raise RehearsalFailed(f"the uninterrupted reference run did not end within {options.timeout_s:.0f} s")
+        expected = expected_box["result"]
+        outcome = Outcome(
             result, expected, self.recoveries_s, self.run_dir, self.run_dir / "timeline.png", self.watcher.final_dumps
         )
+        (self.run_dir / "result").write_bytes(result)
+        (self.run_dir / "result.reference").write_bytes(expected)
+        say(f"{options.result_file} after {options.interruptions} interruption(s): {outcome.describe(result)}")
+        say(f"{options.result_file} of the uninterrupted run:  {outcome.describe(expected)}")
+        self.outcome = outcome
         left = leaks.wait_until_tidy(self.cloud.client, options.leak_grace_s)
         if left:
             raise RehearsalFailed(leaks.describe(left))
         say("leak check: no instance, volume, snapshot or command left but the job's checkpoints")
-        return self.outcome
+        return outcome
 
     def _workflow_position(self) -> str:
         """Where each unfinished recovery workflow stands, to say what a timeout was waiting on."""
@@ -346,14 +450,7 @@ class Rehearsal:
 
     def _submit(self) -> str:
         """Submit the job the way a user does: launch an instance carrying the spotcr tags."""
-        options = self.options
-        job_tags = {
-            tags.JOB: self.job_id,
-            tags.STORAGE: options.storage,
-            tags.INTERVAL: str(options.interval_s),
-            tags.COMMAND: shlex.join(job_command(options)),
-            tags.FALLBACK_TYPES: "m5.large",
-        }
+        job_tags = self.job_tags()
         self.timeline.restart()
         self.timeline.say(f"submitting job {self.job_id}: {job_tags[tags.COMMAND]}")
         ec2 = self.cloud.client("ec2")
@@ -370,8 +467,28 @@ class Rehearsal:
         )
         return str(reservation["Instances"][0]["InstanceId"])
 
-    def _await_periodic(self, instance_id: str, generation: int) -> None:
+    def job_tags(self) -> dict[str, str]:
+        """The job's tags, checked as the workflow and the agent check them: RehearsalFailed names a bad one."""
+        options = self.options
+        job_tags = {
+            tags.JOB: self.job_id,
+            tags.STORAGE: options.storage,
+            tags.INTERVAL: str(options.interval_s),
+            tags.COMMAND: command_tag(options),
+            tags.FALLBACK_TYPES: "m5.large",
+        }
+        try:
+            tags.parse_job_tags(job_tags)
+        except tags.InvalidJobTags as error:
+            raise RehearsalFailed(f"the job cannot be submitted: {error}") from None
+        check_result_path(options.result_file)
+        return job_tags
+
+    def _await_periodic(self, instance_id: str, generation: int, number: int) -> None:
         wanted = self.options.checkpoints_before_interruption
+
+        def exited(detail_type: str, event: Any) -> bool:
+            return detail_type == "JobExited" and event.instance_id == instance_id
 
         def periodic(detail_type: str, event: Any) -> bool:
             return (
@@ -383,6 +500,16 @@ class Rehearsal:
 
         deadline = time.monotonic() + self.options.timeout_s
         while self.watcher.count(periodic) < wanted:
+            if self.watcher.count(exited):
+                code = next(
+                    e.exit_code for t, e in self.watcher.seen if isinstance(e, agent_events.JobExited) and exited(t, e)
+                )
+                raise RehearsalFailed(
+                    f"the job exited with {code} on {instance_id} before a periodic checkpoint there, so "
+                    f"interruption {number} could not happen: rehearse a job that runs longer than "
+                    f"--interval ({self.options.interval_s} s) on each VM, or fewer --interruptions"
+                    f"{stderr_tail(self.cloud.vms[instance_id], self.workdir)}"
+                )
             if time.monotonic() > deadline:
                 raise RehearsalFailed(f"no periodic checkpoint on {instance_id} within {self.options.timeout_s} s")
             time.sleep(0.2)
@@ -413,15 +540,16 @@ class Rehearsal:
         threading.Thread(target=terminate, name=f"terminate-{instance_id}", daemon=True).start()
         return warned
 
-    def _result(self, instance_id: str) -> str:
+    def _result(self, instance_id: str) -> bytes:
         vm = self.cloud.vms[instance_id]
-        path = vm.host_path(f"/var/lib/spotcr/work/{self.job_id}/{RESULT_FILE}")
+        result_file = self.options.result_file
+        path = vm.host_path(f"{self.workdir}/{result_file}")
         deadline = time.monotonic() + 10
-        while not path.exists():
+        while not path.is_file():
             if time.monotonic() > deadline:
-                raise RehearsalFailed(f"the job left no {RESULT_FILE} in its work dir on {instance_id}")
+                raise RehearsalFailed(f"the job left no {result_file} in its work dir on {instance_id}")
             time.sleep(0.1)
-        return path.read_text().strip().splitlines()[-1]
+        return path.read_bytes()
 
     def _write_timeline(self) -> None:
         outcome = self.outcome
@@ -434,13 +562,15 @@ class Rehearsal:
             "final_dumps": self.watcher.final_dumps,
             "work_redone_s": self.watcher.work_redone_s,
             "boot_to_ready_s": self.watcher.boot_to_ready_s,
-            "result": outcome.result if outcome else None,
-            "expected": outcome.expected if outcome else None,
+            "command": command_tag(self.options),
+            "result_file": self.options.result_file,
+            "result": outcome.describe(outcome.result) if outcome else None,
+            "expected": outcome.describe(outcome.expected) if outcome else None,
             "identical": outcome.identical if outcome else None,
         }
-        title = (
-            f"spotcr rehearsal: {self.options.storage}, {self.options.size_mb} MiB job, "
-            f"{self.options.interruptions} interruption(s)" + ("" if outcome else " - FAILED")
+        job = "your command" if self.options.command is not None else f"{self.options.size_mb} MiB sample job"
+        title = f"spotcr rehearsal: {self.options.storage}, {job}, {self.options.interruptions} interruption(s)" + (
+            "" if outcome else " - FAILED"
         )
         json_path, png_path = self.timeline.write(self.run_dir, summary, title)
         self.timeline.say(f"timeline: {png_path} and {json_path}")

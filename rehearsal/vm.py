@@ -1,14 +1,31 @@
-"""A local VM: a process tree in its own mount and PID namespaces, with its own IMDS.
+"""A local VM as bare as a fresh EC2 instance: its own mount, PID, network and UTS namespaces.
 
 Each VM sees its own `/var/lib/spotcr`, `/etc/spotcr`, `/opt/spotcr` and `/dev/disk/by-id` at the
-same paths as every other VM (CRIU restores need identical paths), shares the host's network
-(the local cloud and the IMDS listen on loopback), and runs the real agent as bootstrap.sh would.
-Killing the namespace's PID 1 ends every process of the VM, as a terminated instance does.
+same paths as every other VM (CRIU restores need identical paths), its own empty `/tmp`, `/var/tmp`
+and `/dev/shm` (tmpfs in its private mount namespace), its own `/proc`, and its own network
+namespace with its own private address on a per-run bridge (`VmNetwork`): a backup never has its
+primary's address. The local cloud and the VM's IMDS listen on the bridge's host address; inside
+the VM the IMDS answers at 169.254.169.254, as on EC2. Everything else is the host's read-only
+system, standing in for the AMI. Killing the namespace's PID 1 ends every process of the VM (and
+its network namespace), as a terminated instance does.
+
+Using bare VMs in a test (the fixtures `vm_network` and `bare_vm` in tests/conftest.py do this):
+
+    with VmNetwork.create() as network, bare_vm(tmp_path, network) as vm:
+        result = vm.run(["sh", "-c", "ls -A /tmp; hostname -I"])  # runs inside all of the VM's namespaces
+
+`bare_vm` boots a VM whose PID 1 runs `boot_commands` (default: `sleep infinity`), so the test
+decides what runs there; pass `cloud_env=cloud.vm_env` and `network=cloud.network` of a started
+`LocalCloud` for a VM that reaches the local cloud. `LocalCloud` boots the same VMs for the
+instances it launches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import ipaddress
+import itertools
 import os
 import shlex
 import shutil
@@ -16,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from rehearsal.imds import Imds
@@ -48,6 +65,127 @@ class VmError(RuntimeError):
     pass
 
 
+# RFC 2544's benchmarking range: never routed on the Internet, so a VM's packets cannot leave the machine.
+NETWORK_RANGE = ipaddress.IPv4Network("198.18.0.0/15")
+IMDS_ADDRESS = "169.254.169.254"
+VM_INTERFACE = "eth0"
+_LINK_PREFIX = "scr"  # scr<pid>n<n> bridges, scr<pid>v<n> veths: the creating process's PID in hex
+_ALLOCATION_LOCK = Path("/run/lock/spotcr-vm-network.lock")
+_networks = itertools.count(1)
+_veths = itertools.count(1)
+
+
+def _ip(*args: str, netns_pid: int | None = None) -> str:
+    argv = ["ip", *args] if netns_pid is None else ["nsenter", "-t", str(netns_pid), "-n", "ip", *args]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise VmError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def _remove_stale_links() -> None:
+    """Bridges left by test processes that were killed before they could clean up."""
+    for line in _ip("-o", "link", "show", "type", "bridge").splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        owner, separator, _ = name.removeprefix(_LINK_PREFIX).partition("n")
+        try:
+            dead = name.startswith(_LINK_PREFIX) and separator and not Path(f"/proc/{int(owner, 16)}").exists()
+        except ValueError:
+            continue
+        if dead:
+            subprocess.run(["ip", "link", "delete", name], capture_output=True, check=False)
+
+
+class VmNetwork:
+    """A private /24 from 198.18.0.0/15 on a bridge of its own: the host holds .1, each VM the next free address.
+
+    The VMs have no default route: they reach the bridge's host address (the local cloud, their IMDS)
+    and each other, nothing else. Names and subnets are unique per process and run, so concurrent
+    test runs do not meet; `close()` removes the bridge, and each VM's veth goes with its namespace.
+    """
+
+    def __init__(self, bridge: str, subnet: ipaddress.IPv4Network) -> None:
+        self.bridge = bridge
+        self.subnet = subnet
+        self.gateway = str(subnet.network_address + 1)
+        self.mac = "02:5c:" + ":".join(f"{b:02x}" for b in subnet.network_address.packed)  # locally administered
+        self._next_host = 2
+        self.closed = False
+
+    @classmethod
+    def create(cls) -> VmNetwork:
+        bridge = f"{_LINK_PREFIX}{os.getpid():x}n{next(_networks):x}"
+        _ALLOCATION_LOCK.parent.mkdir(parents=True, exist_ok=True)
+        with _ALLOCATION_LOCK.open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # two processes must not pick the same free subnet
+            _remove_stale_links()
+            used = {
+                ipaddress.IPv4Interface(word).network
+                for line in _ip("-o", "-4", "addr", "show").splitlines()
+                for word in line.split()
+                if "/" in word and word[0].isdigit()
+            }
+            subnets = list(NETWORK_RANGE.subnets(new_prefix=24))
+            start = os.getpid() % len(subnets)
+            free = [s for s in subnets[start:] + subnets[:start] if not any(s.overlaps(u) for u in used)]
+            if not free:
+                raise VmError(f"no free /24 left in {NETWORK_RANGE} for a VM network")
+            network = cls(bridge, free[0])
+            _ip("link", "add", bridge, "type", "bridge")
+            try:
+                # A bridge takes its lowest port's MAC unless given one: the VMs' ARP entries would go stale
+                # each time a VM (a port) goes away.
+                _ip("link", "set", bridge, "address", network.mac)
+                _ip("addr", "add", f"{network.gateway}/24", "dev", bridge)
+                _ip("link", "set", bridge, "up")
+            except VmError:
+                network.close()
+                raise
+        return network
+
+    def __enter__(self) -> VmNetwork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def attach(self, pid: int, imds_port: int) -> tuple[str, str]:
+        """Give the network namespace of `pid` an address here, and 169.254.169.254:80 forwarded to its IMDS.
+
+        Returns the address and the name of the link's host end (a port of the bridge).
+        """
+        if self.closed:
+            raise VmError(f"VM network {self.bridge} is closed")
+        if self._next_host > 254:
+            raise VmError(f"VM network {self.bridge} is full")
+        address = str(self.subnet.network_address + self._next_host)
+        self._next_host += 1
+        host_end = f"{_LINK_PREFIX}{os.getpid():x}v{next(_veths):x}"
+        _ip("link", "add", host_end, "type", "veth", "peer", "name", VM_INTERFACE, "netns", str(pid))
+        _ip("link", "set", host_end, "master", self.bridge, "up")
+        for args in (
+            ["link", "set", "lo", "up"],
+            ["addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", VM_INTERFACE],
+            ["link", "set", VM_INTERFACE, "up"],
+            ["route", "add", f"{IMDS_ADDRESS}/32", "via", self.gateway],
+        ):
+            _ip(*args, netns_pid=pid)
+        # The IMDS of this VM answers at its EC2 address: a DNAT in the VM's own namespace, nothing on the host.
+        nat = ["-t", "nat", "-A", "OUTPUT", "-d", IMDS_ADDRESS, "-p", "tcp", "--dport", "80"]
+        nat += ["-j", "DNAT", "--to-destination", f"{self.gateway}:{imds_port}"]
+        result = subprocess.run(
+            ["nsenter", "-t", str(pid), "-n", "iptables", *nat], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            raise VmError(f"cannot forward the IMDS address in the VM: {result.stderr.strip()}")
+        return address, host_end
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, check=False)
+
+
 class LocalVM:
     """One instance of the local cloud. `boot()` starts it, `terminate()` ends it."""
 
@@ -61,6 +199,7 @@ class LocalVM:
         tags: Callable[[], Mapping[str, str]],
         root: Path,
         cloud_env: Mapping[str, str],
+        network: VmNetwork,
         shared_storage: Path | None = None,
         boot_commands: list[list[str]] | None = None,
         agent_command: list[str] | None = None,
@@ -68,7 +207,10 @@ class LocalVM:
         self.instance_id = instance_id
         self.instance_type = instance_type
         self.root = root / instance_id
-        self.imds = Imds(instance_id, instance_type, availability_zone, user_data, tags)
+        self.network = network
+        self.address = ""  # the VM's private address, known once it has booted
+        self.host_interface = ""  # the host end of its link to the network's bridge
+        self.imds = Imds(instance_id, instance_type, availability_zone, user_data, tags, host=network.gateway)
         self.shared_storage = shared_storage
         self.boot_commands = boot_commands or []
         self.agent_command = agent_command or [sys.executable, "-m", "spotcr_agent"]
@@ -78,10 +220,10 @@ class LocalVM:
             "LANG": "C.UTF-8",
             "PYTHONPATH": f"{REPO / 'functions'}:{REPO / 'vm-bootstrap'}",
             "PYTHONDONTWRITEBYTECODE": "1",
-            "SPOTCR_IMDS_ENDPOINT": self.imds.endpoint,
             **cloud_env,
         }
         self._process: subprocess.Popen[bytes] | None = None
+        self._lifeline = -1
         self.init_pid = 0
         self.terminated = False
         self.running_at: float | None = None
@@ -100,7 +242,9 @@ class LocalVM:
         return self.root / "console.log"
 
     def boot(self) -> None:
-        (self.root / "ready").unlink(missing_ok=True)
+        """Start the VM; returns once its mounts and network are up and its boot commands have started."""
+        for marker in ("ready", "go", "go.new"):
+            (self.root / marker).unlink(missing_ok=True)
         for name in PRIVATE_PATHS:
             self.dir(name).mkdir(parents=True, exist_ok=True)
         agent = self.dir("opt") / "bin" / "spotcr-agent"
@@ -111,10 +255,14 @@ class LocalVM:
         binds = [f"{self.dir(name)}={path}" for name, path in PRIVATE_PATHS.items()]
         if self.shared_storage is not None:
             binds.append(f"{self.shared_storage}={STORAGE_MOUNT}")
+        # vm_init holds the read end: when this process dies, however it dies, the VM ends with it.
+        lifeline, self._lifeline = os.pipe()
         argv = [
             "unshare",
             "--mount",
             "--pid",
+            "--net",
+            "--uts",
             "--fork",
             "--propagation",
             "private",
@@ -122,7 +270,8 @@ class LocalVM:
             sys.executable,
             "-m",
             "rehearsal.vm_init",
-            str(self.root / "ready"),
+            str(self.root),
+            str(lifeline),
             *binds,
         ]
         for command in self.boot_commands:
@@ -136,13 +285,21 @@ class LocalVM:
                 stderr=subprocess.STDOUT,
                 cwd="/",
                 start_new_session=True,
+                pass_fds=(lifeline,),
             )
+        os.close(lifeline)
         self.init_pid = self._find_init_pid()
         deadline = time.monotonic() + 10
         while not (self.root / "ready").exists():
             if self._process.poll() is not None or time.monotonic() > deadline:
                 raise VmError(f"{self.instance_id}: VM did not come up, see {self.log_path}")
             time.sleep(0.01)
+        self.address, self.host_interface = self.network.attach(self.init_pid, self.imds.port)
+        self.imds.local_ipv4 = self.address
+        # vm_init starts the boot commands only now, as cloud-init runs once the network is up.
+        go = self.root / "go.new"
+        go.write_text(f"{self.address}\n")
+        go.rename(self.root / "go")  # whole or absent: vm_init reads it as soon as it exists
 
     def _find_init_pid(self) -> int:
         assert self._process is not None
@@ -163,7 +320,7 @@ class LocalVM:
         if self.terminated or not self.init_pid:
             raise VmError(f"{self.instance_id} is not running")
         return subprocess.run(
-            ["nsenter", "-t", str(self.init_pid), "-m", "-p", "--", *argv],
+            ["nsenter", "-t", str(self.init_pid), "-m", "-p", "-n", "-u", "--", *argv],
             env=self.env,
             stdin=subprocess.DEVNULL,
             capture_output=True,
@@ -188,6 +345,9 @@ class LocalVM:
         if self.init_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.init_pid, signal.SIGKILL)
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
         if self._process is not None:
             try:
                 self._process.wait(timeout=10)
@@ -198,3 +358,40 @@ class LocalVM:
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bare_vm(
+    root: Path,
+    network: VmNetwork,
+    *,
+    instance_id: str = "",
+    boot_commands: list[list[str]] | None = None,
+    cloud_env: Mapping[str, str] | None = None,
+    tags: Mapping[str, str] | None = None,
+    shared_storage: Path | None = None,
+) -> Iterator[LocalVM]:
+    """A booted bare VM outside the local cloud, terminated and its files removed on exit.
+
+    `boot_commands` run in order as the VM's boot (default `sleep infinity`: the VM idles until the
+    test runs commands in it with `vm.run`). `root` holds the VM's private directories.
+    """
+    vm = LocalVM(
+        instance_id=instance_id or f"i-bare{os.getpid():x}{next(_veths):x}",
+        instance_type="c5.large",
+        availability_zone="us-east-1a",
+        user_data=b"",
+        tags=lambda: dict(tags or {}),
+        root=root,
+        cloud_env=cloud_env or {},
+        network=network,
+        shared_storage=shared_storage,
+        boot_commands=boot_commands or [["sleep", "infinity"]],
+    )
+    prepare_host()
+    try:
+        vm.boot()
+        yield vm
+    finally:
+        vm.terminate()
+        vm.remove()

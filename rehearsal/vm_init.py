@@ -1,23 +1,30 @@
-"""PID 1 of a local VM: bind the VM's private directories, boot the agent, reap orphans.
+"""PID 1 of a local VM: bind the VM's private directories, give it empty temp dirs, boot, reap orphans.
 
-Usage (inside `unshare --mount --pid --fork --mount-proc`):
-    python -m rehearsal.vm_init READY-FILE SRC=DST ... [-- BOOT-COMMAND ...] [-- NEXT-COMMAND ...]
-Boot commands run in order; each must succeed before the next starts; the last one is left running.
+Usage (inside `unshare --mount --pid --net --uts --fork --mount-proc`):
+    python -m rehearsal.vm_init VM-DIR LIFELINE-FD SRC=DST ... [-- BOOT-COMMAND ...] [-- NEXT-COMMAND ...]
+The VM ends when LIFELINE-FD (the read end of a pipe the host holds) reads end-of-file.
+It writes VM-DIR/ready once its mounts are made, then waits for VM-DIR/go (the host has set up the
+network; the file holds the VM's address). Boot commands run in order; each must succeed before the
+next starts; the last one is left running.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 AGENT = "/opt/spotcr/bin/spotcr-agent"
 DEFAULT_BOOT = [[AGENT, "bootstrap"], [AGENT, "daemon"]]
+# What a fresh instance has empty: nothing there may come from the host or from another VM.
+EMPTY_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 (mount points, not temp files)
+GO_TIMEOUT_S = 30
 
 
-def main(argv: list[str]) -> int:
-    ready, argv = argv[0], argv[1:]
+def parse(argv: list[str]) -> tuple[list[str], list[list[str]]]:
     binds: list[str] = []
     commands: list[list[str]] = []
     for arg in argv:
@@ -27,12 +34,57 @@ def main(argv: list[str]) -> int:
             commands[-1].append(arg)
         else:
             binds.append(arg)
+    return binds, [c for c in commands if c] or DEFAULT_BOOT
+
+
+def wait_for_network(vm_dir_fd: int) -> str | None:
+    """The VM's address, once the host has written it to VM-DIR/go; None if it never does."""
+    deadline = time.monotonic() + GO_TIMEOUT_S
+    while True:
+        try:
+            go = os.open("go", os.O_RDONLY, dir_fd=vm_dir_fd)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+            continue
+        address = os.read(go, 100).decode().strip()
+        os.close(go)
+        return address
+
+
+def watch_lifeline(fd: int) -> None:
+    """End the VM (PID 1 exiting kills its namespace) once the process that booted it is gone."""
+    os.set_inheritable(fd, False)  # no boot command or job may hold it: CRIU would meet a pipe to the host
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    vm_dir, (binds, steps) = argv[0], parse(argv[2:])
+    watch_lifeline(int(argv[1]))
     for bind in binds:
         source, target = bind.split("=", 1)
         subprocess.run(["mount", "--bind", source, target], check=True)
-    with open(ready, "w") as marker:
-        marker.write(f"{os.getpid()}\n")
-    steps = [c for c in commands if c] or DEFAULT_BOOT
+    # VM-DIR may be under the host's /tmp, which the mounts below hide: keep a handle on it.
+    vm_dir_fd = os.open(vm_dir, os.O_RDONLY | os.O_DIRECTORY)
+    for path in EMPTY_DIRS:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", path], check=True)
+    ready = os.open("ready", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=vm_dir_fd)
+    os.write(ready, f"{os.getpid()}\n".encode())
+    os.close(ready)
+    address = wait_for_network(vm_dir_fd)
+    os.close(vm_dir_fd)
+    if address is None:
+        print("vm-init: the host did not set up the network", flush=True)
+        return 1
+    socket.sethostname(f"ip-{address.replace('.', '-')}")  # as EC2 names instances
+    print(f"vm-init: address {address}", flush=True)
     for index, command in enumerate(steps):
         print(f"vm-init: {' '.join(command)}", flush=True)
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL)

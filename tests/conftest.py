@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+from rehearsal.vm import LocalVM, VmNetwork
+from rehearsal.vm import bare_vm as rehearsal_bare_vm
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +25,24 @@ def criu_bin() -> str:
     check = subprocess.run([path, "check"], capture_output=True, text=True, check=False)
     assert check.returncode == 0, f"criu check failed: {check.stdout}{check.stderr}"
     return path
+
+
+@pytest.fixture
+def vm_network() -> Iterator[VmNetwork]:
+    """A private network for bare VMs (rehearsal.vm), removed after the test."""
+    with VmNetwork.create() as network:
+        yield network
+
+
+@pytest.fixture
+def bare_vm(tmp_path: Path, vm_network: VmNetwork) -> Iterator[Callable[..., LocalVM]]:
+    """Boots bare VMs on `vm_network`: `vm = bare_vm()`, then `vm.run([...])`; all terminated after the test.
+
+    Keyword arguments go to rehearsal.vm.bare_vm (boot_commands, cloud_env, tags, shared_storage, instance_id).
+    """
+    with contextlib.ExitStack() as stack:
+
+        def boot(**options: Any) -> LocalVM:
+            return stack.enter_context(rehearsal_bare_vm(tmp_path / "vms", vm_network, **options))
+
+        yield boot

@@ -64,6 +64,8 @@ class JobSpec:
     mode: str = "run"
     generation: int = 0
     extra: Mapping[str, str] = field(default_factory=dict)
+    # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
+    command_tag: str = field(default="", compare=False, repr=False)
 
     def to_tags(self) -> dict[str, str]:
         """The tags that describe this job, as a backup VM must carry them."""
@@ -77,7 +79,7 @@ class JobSpec:
         if self.fallback_types:
             tags[FALLBACK_TYPES] = ",".join(self.fallback_types)
         if self.command:
-            tags[COMMAND] = shlex.join(self.command)
+            tags[COMMAND] = self.command_tag or shlex.join(self.command)
         if self.spec_uri:
             tags[SPEC] = self.spec_uri
         if self.workdir:
@@ -132,6 +134,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         mode=mode,
         generation=generation,
         extra=extra,
+        command_tag=tags.get(COMMAND, ""),
     )
 
 

@@ -23,6 +23,15 @@ def test_valid_tags_read_back_and_round_trip() -> None:
     assert tags.parse_job_tags(spec.to_tags()) == tags.JobSpec(**{**spec.__dict__, "extra": {}})
 
 
+def test_a_command_tag_near_the_limit_is_carried_to_the_backup_as_written() -> None:
+    # Given a valid command whose re-quoting (shlex.join) would be longer than a tag may be
+    command = "python3 -c \"print('a') or print('b')\" " + "x" * 200
+    spec = tags.parse_job_tags(_job(**{tags.COMMAND: command}))
+    # Then the backup's tags carry it as the user wrote it, and read back the same
+    assert spec.to_tags()[tags.COMMAND] == command
+    assert tags.parse_job_tags(spec.to_tags()).command == spec.command
+
+
 @pytest.mark.parametrize(
     ("bad", "tag"),
     [

@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 
 if sys.argv[1] == "imds":
-    endpoint = os.environ["SPOTCR_IMDS_ENDPOINT"]
+    endpoint = os.environ.get("SPOTCR_IMDS_ENDPOINT", "http://169.254.169.254")
     token_request = urllib.request.Request(
         f"{endpoint}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
     )
@@ -18,7 +18,7 @@ if sys.argv[1] == "imds":
     except urllib.error.HTTPError as error:
         sys.exit(4 if error.code == 404 else 1)
 else:
-    endpoint = os.environ["SPOTCR_IMDS_ENDPOINT"]
+    endpoint = os.environ.get("SPOTCR_IMDS_ENDPOINT", "http://169.254.169.254")
     token_request = urllib.request.Request(
         f"{endpoint}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
     )

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import mounts
+
 # Options every dump and restore takes: jobs may hold TCP connections, file locks and sockets to
 # services outside the job (journald, nscd); none runs on a terminal, so never --shell-job.
 COMMON_OPTIONS = ("--tcp-established", "--file-locks", "--ext-unix-sk", "-v4")
@@ -102,7 +104,7 @@ class Criu:
         action_script: Path | None = None,
     ) -> list[str]:
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images_dir), "-W", str(log_dir), "-o", "dump.log"]
-        argv += COMMON_OPTIONS
+        argv += [*COMMON_OPTIONS, *mounts.dump_options(pid)]
         if leave_running:
             argv.append("--leave-running")
         if prev_images_dir is not None:
@@ -134,7 +136,7 @@ class Criu:
         pidfile = log_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
         argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
-        argv += [*COMMON_OPTIONS, "--pidfile", str(pidfile)]
+        argv += [*COMMON_OPTIONS, *mounts.restore_options(), "--pidfile", str(pidfile)]
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise failure("restore", log_dir / "restore.log", result.stderr)

@@ -1,9 +1,11 @@
 """Starting a job so that CRIU can checkpoint it, and watching it.
 
-The job runs in its own session and PID namespace with no terminal, stdin from /dev/null and
-output appended to files in its work dir. PID 1 of the namespace is a tiny `sh` wrapper that runs
-the argv (no shell interpretation), reaps orphans, and appends the job's exit code to a file; the
-wrapper is checkpointed with the job, so the exit code is recorded wherever the job ends.
+The job runs in its own session, PID namespace and mount namespace (with a /proc of its own PID
+namespace, see mounts.py) with no terminal, stdin from /dev/null and output appended to files in
+its work dir. PID 1 of the namespace is a tiny `sh` wrapper that opens those files inside the new
+mount namespace, runs the argv (no shell interpretation), reaps orphans, and appends the job's exit
+code to a file; the wrapper is checkpointed with the job, so the exit code is recorded wherever the
+job ends.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every checkpoint
-WRAPPER = 'f=$1; shift; "$@"; echo $? >> "$f"'
+# Descriptors opened outside the job's mount namespace cannot be dumped with it: reopen stdio inside.
+WRAPPER = 'exec </dev/null >>"$1" 2>>"$2"; f=$3; shift 3; "$@"; echo $? >> "$f"'
 MAX_SPEC_BYTES = 64 * 1024
+# Its own PID namespace, and a mount namespace whose /proc is that PID namespace's (mounts.py).
+JOB_NAMESPACES = ("unshare", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc")
 
 
 class JobError(RuntimeError):
@@ -88,6 +93,11 @@ class JobFiles:
         return self.control / "stderr.log"
 
     @property
+    def launch_log(self) -> Path:
+        """What `unshare` itself says (namespace errors), apart from the job's own stderr."""
+        return self.control / "launch.log"
+
+    @property
     def exit_code(self) -> Path:
         return self.control / "exit-code"
 
@@ -119,24 +129,22 @@ def start_job(command: tuple[str, ...], workdir: Path, env: Mapping[str, str]) -
     if shutil.which(resolved, path=env.get("PATH", os.defpath)) is None:
         raise JobError(f"command {program!r} is not an executable file (PATH={env.get('PATH', os.defpath)})")
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-    stdout = os.open(files.stdout, flags, 0o644)
-    stderr = os.open(files.stderr, flags, 0o644)
+    launch_log = os.open(files.launch_log, flags, 0o644)
     try:
         # The inner setsid makes the wrapper a session leader inside its own namespace, as CRIU needs.
-        wrapper = ["sh", "-c", WRAPPER, "spotcr-init", str(files.exit_code), *command]
+        wrapper = ["sh", "-c", WRAPPER, "spotcr-init", str(files.stdout), str(files.stderr), str(files.exit_code)]
         launcher = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "setsid", *wrapper],
+            [*JOB_NAMESPACES, "setsid", *wrapper, *command],
             stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
+            stdout=launch_log,
+            stderr=launch_log,
             cwd=workdir,
             env=dict(env),
             close_fds=True,
             start_new_session=True,
         )
     finally:
-        os.close(stdout)
-        os.close(stderr)
+        os.close(launch_log)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         children = [pid for pid, ppid in _parents().items() if ppid == launcher.pid]
@@ -148,7 +156,8 @@ def start_job(command: tuple[str, ...], workdir: Path, env: Mapping[str, str]) -
         if launcher.poll() is not None:
             if files.read_exit_code() is not None:
                 return RunningJob(pid=0, start_time=0, launcher=launcher)  # it ran and ended already
-            raise JobError(f"the job's PID namespace could not be created (unshare exited {launcher.returncode})")
+            said = files.launch_log.read_text(errors="replace").strip()[-300:]
+            raise JobError(f"the job's namespaces could not be created (unshare exited {launcher.returncode}: {said})")
         time.sleep(0.005)
     launcher.kill()
     raise JobError("the job's PID 1 did not appear within 5 s")
