@@ -21,7 +21,7 @@ AGENT_VERSION = "3.3.0.0-rehearsal"
 
 
 def imds(path: str) -> str:
-    endpoint = os.environ["SPOTCR_IMDS_ENDPOINT"]
+    endpoint = os.environ.get("SPOTCR_IMDS_ENDPOINT", "http://169.254.169.254")  # where EC2 serves it
     token_request = urllib.request.Request(  # noqa: S310 (the VM's own IMDS on loopback)
         f"{endpoint}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
     )
