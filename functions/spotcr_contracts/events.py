@@ -84,6 +84,8 @@ class CheckpointFailed(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "CheckpointFailed"
     kind: str = "periodic"
     reason: str = ""
+    log_tail: str = ""  # the end of CRIU's log when CRIU failed
+    criu_log: str = ""  # where CRIU's whole log was kept in the job's storage (s3://... or a path)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class RestoreFailed(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "RestoreFailed"
     checkpoint_id: str = ""
     reason: str = ""
+    log_tail: str = ""  # the end of CRIU's log when CRIU failed
+    criu_log: str = ""  # where CRIU's whole log was kept in the job's storage (s3://... or a path)
 
 
 @dataclass(frozen=True)

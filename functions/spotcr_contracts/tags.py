@@ -19,12 +19,17 @@ FALLBACK_TYPES = "spotcr:fallback-types"
 COMMAND = "spotcr:command"
 SPEC = "spotcr:spec"
 WORKDIR = "spotcr:workdir"
+TCP = "spotcr:tcp"
 ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
 GENERATION = "spotcr:generation"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
+# What a restore does with the job's TCP connections: established (kept where the backup has the checkpoint's
+# address, else closed: the job sees a reset) or close (always closed).
+TCP_POLICIES = ("established", "close")
+DEFAULT_TCP = "established"
 MODES = ("run", "restore")
 DEFAULT_STORAGE = "s3"
 DEFAULT_INTERVAL_S = 300
@@ -63,6 +68,7 @@ class JobSpec:
     workdir: str | None = None
     mode: str = "run"
     generation: int = 0
+    tcp: str = DEFAULT_TCP
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -84,6 +90,8 @@ class JobSpec:
             tags[SPEC] = self.spec_uri
         if self.workdir:
             tags[WORKDIR] = self.workdir
+        if self.tcp != DEFAULT_TCP:
+            tags[TCP] = self.tcp
         return tags
 
 
@@ -122,6 +130,9 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     workdir = tags.get(WORKDIR)
     if workdir is not None and (not _WORKDIR.match(workdir) or "/../" in workdir + "/"):
         raise InvalidJobTags(WORKDIR, "must be an absolute path of letters, digits, '.', '_', '-' and '/'")
+    tcp = tags.get(TCP, DEFAULT_TCP)
+    if tcp not in TCP_POLICIES:
+        raise InvalidJobTags(TCP, f"unknown policy {tcp[:32]!r}; one of {', '.join(TCP_POLICIES)}")
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -133,6 +144,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         workdir=workdir,
         mode=mode,
         generation=generation,
+        tcp=tcp,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )

@@ -58,6 +58,8 @@ def make_config(tmp_path, name="vm1", **overrides):
         "scratch_dir": tmp_path / name / "scratch",
         "mount_point": tmp_path / "store",
         "command": compute_command(),
+        # On the host, /tmp and /dev/shm are everyone's: only tests on a LocalVM carry VM-local places whole.
+        "local_dirs": (),
     }
     values.update(overrides)
     return AgentConfig(**values)

@@ -71,7 +71,15 @@ def test_bootstrap_writes_the_agent_config_from_tags(tmp_path):
         "run",
     )
     assert config.workdir == Path("/var/lib/spotcr/work/nightly-sim")
+    assert config.tcp == "established"
     assert publisher.events == []
+
+
+def test_the_job_s_tcp_policy_reaches_the_agent_config(tmp_path):
+    tags = {"spotcr:job": "redis-load", "spotcr:command": "run.sh", "spotcr:tcp": "close"}
+    code, result, _, environ = _bootstrap(tmp_path, tags)
+    assert code == 0, result
+    assert load(environ).tcp == "close"
 
 
 def test_bootstrap_reads_the_job_spec_from_s3(tmp_path):

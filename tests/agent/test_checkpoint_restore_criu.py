@@ -12,7 +12,7 @@ from .conftest import compute_command, kill_tree, make_agent, make_config, progr
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
 
-def _interrupt_and_restore(tmp_path, publisher, store, reference_output, kind, megabytes=200, steps=30):
+def _interrupt_and_restore(tmp_path, publisher, store, reference_output, kind, megabytes=200, steps=50):
     # Given a job running on the primary VM
     command = compute_command(megabytes, steps, 0.1)
     primary = make_agent(make_config(tmp_path, "primary", command=command), publisher, store)

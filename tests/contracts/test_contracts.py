@@ -15,9 +15,18 @@ def _job(**extra: str) -> dict[str, str]:
 
 def test_valid_tags_read_back_and_round_trip() -> None:
     spec = tags.parse_job_tags(
-        _job(**{tags.STORAGE: "ebs", tags.INTERVAL: "120", tags.FALLBACK_TYPES: "m6i.large, c6i.large", "Name": "x"})
+        _job(
+            **{
+                tags.STORAGE: "ebs",
+                tags.INTERVAL: "120",
+                tags.FALLBACK_TYPES: "m6i.large, c6i.large",
+                tags.TCP: "close",
+                "Name": "x",
+            }
+        )
     )
     assert (spec.storage, spec.interval_s, spec.fallback_types) == ("ebs", 120, ("m6i.large", "c6i.large"))
+    assert spec.tcp == "close" and tags.parse_job_tags(_job()).tcp == "established"
     assert spec.command == ("/opt/job/run", "--steps", "1000")
     assert spec.extra == {"Name": "x"}
     assert tags.parse_job_tags(spec.to_tags()) == tags.JobSpec(**{**spec.__dict__, "extra": {}})
@@ -57,6 +66,7 @@ def test_a_command_tag_near_the_limit_is_carried_to_the_backup_as_written() -> N
         ({tags.SPEC: "https://example.com/job.json"}, tags.SPEC),
         ({tags.WORKDIR: "relative/dir"}, tags.WORKDIR),
         ({tags.WORKDIR: "/opt/../etc"}, tags.WORKDIR),
+        ({tags.TCP: "keep"}, tags.TCP),
     ],
 )
 def test_hostile_or_invalid_tag_values_name_the_tag(bad: dict[str, str], tag: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -21,18 +22,20 @@ from spotcr_contracts.events import (
 )
 
 from . import storage
-from .checkpoint import Checkpointer, CheckpointOutcome, Store
+from .carry import Layout
+from .checkpoint import Checkpointer, CheckpointError, CheckpointOutcome, Store, keep_criu_log, kept_criu_logs
 from .config import AgentConfig
 from .criu import Criu
 from .events import Publisher, now_iso
 from .host import HostInfo, read_host
-from .restore import RestoreOutcome, Restorer
+from .restore import RestoreError, RestoreOutcome, Restorer
 from .runner import JobFiles, job_alive, start_job
 from .state import StaleGeneration, StateFile, admit, exclusive
 
 log = logging.getLogger(__name__)
 
 UNKNOWN_EXIT_CODE = -1  # the job's PID 1 was killed, so no exit code was recorded
+LOG_TAIL_CHARS = 4000  # an event's log tail: EventBridge entries stay far below their 256 KiB limit
 
 
 class WrongJob(ValueError):
@@ -85,6 +88,17 @@ class Agent:
         with self.state.locked() as state:
             admit(state, generation)
 
+    def layout(self) -> Layout:
+        """Where the job's files live on this VM: what a checkpoint carries, checks, or leaves to storage."""
+        config = self.config
+        return Layout(
+            workdir=str(config.workdir),
+            storage=str(config.mount_point) if config.storage != "s3" else "",
+            local_dirs=config.local_dirs,
+            image_dirs=config.image_dirs,
+            excluded=(str(config.state_dir), str(config.scratch_dir)),
+        )
+
     def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
         self.fence(generation)
         try:
@@ -94,16 +108,23 @@ class Agent:
                 scratch_dir=self.config.scratch_dir,
                 state=self.state,
                 store=self.store(),
-                criu=self.criu,
+                criu=dataclasses.replace(self.criu, ghost_limit_mb=self.config.ghost_limit_mb),
                 host=self.host,
                 final_mode=self.config.final_dump,
                 keep_checkpoints=self.config.keep_checkpoints,
+                layout=self.layout(),
+                local_files_limit_mb=self.config.local_files_limit_mb,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:
             log.error("%s checkpoint failed: %s", kind, error)
             if not _is_fencing(error):
-                self.emit(CheckpointFailed, generation, kind=kind, reason=str(error)[:1000])
+                tail, kept = "", ""
+                if isinstance(error, CheckpointError) and error.log:
+                    tail, kept = error.log_tail[-LOG_TAIL_CHARS:], self._keep_log(f"dump-{kind}", "", error.log)
+                self.emit(
+                    CheckpointFailed, generation, kind=kind, reason=str(error)[:1000], log_tail=tail, criu_log=kept
+                )
             raise
         if not outcome.already_taken:
             log.info("checkpoint %s committed in %.2f s", outcome.checkpoint_id, outcome.seconds)
@@ -132,13 +153,26 @@ class Agent:
                 store=self.store(),
                 criu=self.criu,
                 host=self.host,
+                tcp=self.config.tcp,
             )
             outcome = restorer.restore(generation, checkpoint_id)
         except Exception as error:
             log.error("restore failed: %s", error)
             if not _is_fencing(error):
                 failed = getattr(error, "checkpoint_id", None) or checkpoint_id or ""
-                self.emit(RestoreFailed, generation, checkpoint_id=failed, reason=str(error)[:1000])
+                tail, kept = "", ""
+                if isinstance(error, RestoreError):
+                    tail = error.log_tail[-LOG_TAIL_CHARS:]
+                    for candidate, text in error.logs.items():
+                        kept = self._keep_log("restore", candidate, text) or kept
+                self.emit(
+                    RestoreFailed,
+                    generation,
+                    checkpoint_id=failed,
+                    reason=str(error)[:1000],
+                    log_tail=tail,
+                    criu_log=kept,
+                )
             raise
         self.emit(
             RestoreCompleted,
@@ -150,6 +184,14 @@ class Agent:
         )
         return outcome
 
+    def _keep_log(self, action: str, checkpoint: str, text: str) -> str:
+        """Keep a failed CRIU run's log in the job's storage; best effort: a broken store must not hide the error."""
+        try:
+            return keep_criu_log(self.store(), action, checkpoint, text)
+        except Exception as error:
+            log.warning("could not keep CRIU's log in the job's storage: %s", error)
+            return ""
+
     def release(self, generation: int) -> str:
         with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
             admit(state, generation)
@@ -160,7 +202,7 @@ class Agent:
     def status(self) -> dict[str, Any]:
         with self.state.locked() as state:
             alive = state.job_status == "running" and job_alive(state.job_pid, state.job_start_time)
-            return {
+            status = {
                 "job_id": self.config.job_id,
                 "instance_id": self.config.instance_id,
                 "storage": self.config.storage,
@@ -173,6 +215,11 @@ class Agent:
                 "last_checkpoint": state.last_checkpoint,
                 "final_dumps": {k: v.status for k, v in state.final_dumps.items()},
             }
+        try:
+            status["criu_logs"] = kept_criu_logs(self.store())
+        except Exception as error:
+            status["criu_logs_error"] = f"the job's storage cannot be read: {error}"
+        return status
 
     def start_job(self) -> int | None:
         """Start the job unless this VM already started it (a job never runs twice); returns its PID."""

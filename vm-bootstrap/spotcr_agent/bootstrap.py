@@ -92,6 +92,7 @@ def _config(
         "command": definition.command,
         "env": dict(definition.env),
         "interval_s": job.interval_s,
+        "tcp": job.tcp,
         "state_dir": state_dir,
         "imds_endpoint": environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT),
     }

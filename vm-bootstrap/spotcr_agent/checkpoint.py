@@ -1,45 +1,68 @@
 """Taking checkpoints: periodic (the job keeps running) and final (the job stops).
 
-Periodic: CRIU dumps with --leave-running to local scratch, the work dir is copied while the job is
-still frozen (a CRIU post-dump action script), then the job runs on while the images cross the network.
-Final: the job stops and what counts is time until durable, so the store reads CRIU's images while
-CRIU writes them. Either way a checkpoint exists only once the store has written its manifest.
+Periodic: CRIU dumps with --leave-running to local scratch, the work dir and the job's VM-local files
+(carry.py) are copied while the job is still frozen (CRIU's post-dump script hands over to the agent), then the job runs
+on while the images cross the network. Final: the job stops and what counts is time until durable, so
+the store reads CRIU's images while CRIU writes them, and the files where they are once CRIU is done.
+Either way a checkpoint exists only once the store has written its manifest, and is committed only when
+everything the job holds is either in it, on the job's storage, or on the image (checked at restore).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import logging
 import os
+import select
 import shlex
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import carry
 from . import scratch as scratch_room
+from .carry import Entry, JobScan, Layout
+from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
 from .criu import Criu, CriuError
 from .host import HostInfo
 from .runner import checkpointable_problem, job_alive, open_files
 from .state import FinalDump, StateFile, admit, exclusive, pid_alive
-from .store import CheckpointMeta, CommitResult, Manifest
+from .store import Backend, CheckpointMeta, CommitResult, Manifest
 
 log = logging.getLogger(__name__)
 
 KINDS = ("periodic", "final")
+CRIU_LOGS = "criu-logs"  # jobs/<job>/criu-logs/<ms>-<action>-<checkpoint>.log in the job's storage
+KEEP_CRIU_LOGS = 20
 FINAL_MODES = ("stream", "dump-then-ship")
 WAIT_POLL_S = 0.2
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint was not taken; the message says why."""
+    """A checkpoint was not taken; the message says why, log_tail holds the end of CRIU's log when CRIU failed."""
+
+    def __init__(self, message: str, log_tail: str = "", log: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+        self.log = log  # CRIU's whole log, kept in the job's storage by the agent
+
+    @classmethod
+    def of(cls, error: CriuError, log_path: Path) -> CheckpointError:
+        return cls(f"{error.reason}; CRIU log: {log_path}", error.log_tail, error.log)
 
 
 class Store(Protocol):
     """The part of spotcr_agent.store.CheckpointStore that checkpoints and restores use."""
+
+    job_id: str
+    backend: Backend
 
     def check(self) -> None: ...
 
@@ -47,7 +70,7 @@ class Store(Protocol):
         self,
         image_dir: Path,
         meta: CheckpointMeta,
-        extra_files: dict[str, Path] | None = None,
+        extra_files: Mapping[str, Path] | None = None,
         still_writing: Callable[[], bool] | None = None,
     ) -> CommitResult: ...
 
@@ -71,6 +94,30 @@ class CheckpointOutcome:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def keep_criu_log(store: Store, action: str, checkpoint: str, text: str, clock: Callable[[], float] = time.time) -> str:
+    """Keep CRIU's log of a failed dump or restore in the job's storage, where it outlives the VM; its location."""
+    prefix = f"jobs/{store.job_id}/{CRIU_LOGS}/"
+    key = f"{prefix}{int(clock() * 1000):013d}-{action}-{checkpoint or 'none'}.log"
+    store.backend.put(key, text.encode())
+    store.backend.flush()
+    old = sorted(obj.key for obj in store.backend.scan(prefix))[:-KEEP_CRIU_LOGS]
+    if old:
+        store.backend.delete(old)
+    return store.backend.describe(key)
+
+
+def kept_criu_logs(store: Store, newest: int = 5) -> list[dict[str, str]]:
+    """The newest kept CRIU logs, each with where it is and the first real error line in it."""
+    from .criu import explain
+
+    keys = sorted((obj.key for obj in store.backend.scan(f"jobs/{store.job_id}/{CRIU_LOGS}/")), reverse=True)
+    logs = []
+    for key in keys[:newest]:
+        text = store.backend.get(key).decode(errors="replace")
+        logs.append({"log": store.backend.describe(key), "error": explain(text)})
+    return logs
 
 
 def checkpoint_id(unix_ms: int, generation: int, kind: str) -> str:
@@ -101,6 +148,16 @@ class Checkpointer:
     final_mode: str = "stream"
     keep_checkpoints: int = 3
     clock: Callable[[], float] = time.time
+    layout: Layout | None = None  # where VM-local, image and storage files are; None: the work dir is all there is
+    local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB
+    _scan: JobScan = field(default_factory=JobScan)
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            self.layout = Layout(workdir=str(self.workdir), local_dirs=(), excluded=self._own_dirs())
+
+    def _own_dirs(self) -> tuple[str, ...]:
+        return (str(self.state.dir), str(self.scratch_dir))
 
     def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
         if kind not in KINDS:
@@ -131,15 +188,17 @@ class Checkpointer:
             scratch_room.require_room(self.scratch_dir, pid, self.workdir)  # images and the work dir's copy
             meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
-            script = _snapshot_script(scratch / "post-dump.sh", self.workdir, snapshot)
-            try:
-                frozen = self.criu.dump(
-                    pid, scratch / "images", scratch / "logs", leave_running=True, action_script=script
-                )
-            except CriuError as error:
-                raise CheckpointError(f"{error.reason}; CRIU log: {scratch / 'logs' / 'dump.log'}") from error
+            with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
+                try:
+                    frozen = self.criu.dump(
+                        pid, scratch / "images", scratch / "logs", leave_running=True, action_script=at_freeze.script
+                    )
+                except CriuError as error:
+                    at_freeze.raise_own_error()
+                    raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
         # The job runs again: from here on only the network waits.
-        result = self.store.commit(scratch / "images", meta, extra_files=workdir_files(self.workdir, snapshot))
+        extra = self._carried(scratch, snapshot, copied=scratch / "carried")
+        result = self.store.commit(scratch / "images", meta, extra_files=extra)
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:
@@ -199,15 +258,33 @@ class Checkpointer:
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)
             logs.mkdir(parents=True, exist_ok=True)
-            # The job is frozen from here and killed when CRIU is done; its work dir no longer changes.
-            extra = workdir_files(self.workdir)
-            dump = self.criu.start_dump(self.criu.dump_argv(pid, images, logs, leave_running=False))
+            # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
+            # read where they are, once CRIU is done (its link remaps are files too).
+            with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
+                argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=at_freeze.script)
+                dump = self.criu.start_dump(argv)
+                extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
+                result, frozen = self._ship_final(dump, meta, extra, started=started, at_freeze=at_freeze)
+        return self._committed(meta, result, time.monotonic() - started, frozen)
+
+    def _ship_final(
+        self,
+        dump: subprocess.Popen[bytes],
+        meta: CheckpointMeta,
+        extra: Mapping[str, Path],
+        *,
+        started: float,
+        at_freeze: _AtFreeze,
+    ) -> tuple[CommitResult, float]:
+        """The final dump's images to the store, read as CRIU writes them (stream) or after; and the frozen time."""
+        images, logs = at_freeze.scratch / "images", at_freeze.scratch / "logs"
+        try:
             if self.final_mode == "stream":
                 watch = _CriuWatch(self.criu, dump, logs)
                 try:
                     result = self.store.commit(images, meta, extra_files=extra, still_writing=watch)
-                except CriuError as error:
-                    raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
+                except (CriuError, CheckpointError):
+                    raise
                 except Exception as error:
                     log.warning("streaming the final dump failed (%s); shipping it from local scratch", error)
                     self._finish(dump, logs)
@@ -215,25 +292,105 @@ class Checkpointer:
                 else:
                     self._finish(dump, logs)
                 # Frozen until CRIU exited, not until the upload that overlapped it finished.
-                frozen = (watch.exited_at or time.monotonic()) - started
-            else:
-                self._finish(dump, logs)
-                frozen = time.monotonic() - started
-                result = self.store.commit(images, meta, extra_files=extra)
-        return self._committed(meta, result, time.monotonic() - started, frozen)
+                return result, (watch.exited_at or time.monotonic()) - started
+            self._finish(dump, logs)
+            frozen = time.monotonic() - started
+            return self.store.commit(images, meta, extra_files=extra), frozen
+        except CriuError as error:
+            at_freeze.raise_own_error()
+            raise CheckpointError.of(error, logs / "dump.log") from error
 
     def _finish(self, dump: subprocess.Popen[bytes], logs: Path) -> None:
-        try:
-            self.criu.finish_dump(dump, logs)
-        except CriuError as error:
-            raise CheckpointError(f"{error.reason}; CRIU log: {logs / 'dump.log'}") from error
+        self.criu.finish_dump(dump, logs)
 
     def _check_checkpointable(self, pid: int) -> None:
-        """Before freezing the job: CRIU would refuse it, or the images would have nowhere to go."""
+        """Before freezing the job: CRIU would refuse it, its files would not fit, or the images have nowhere to go."""
         problem = checkpointable_problem(pid)
         if problem:
             raise CheckpointError(problem)
+        self._scan = carry.scan_job(pid)
+        problem = carry.unsupported_problem(self._scan)
+        if problem:
+            raise CheckpointError(problem)
+        problem = carry.too_big(carry.local_inventory(self._layout, self._scan), self.local_files_limit_mb << 20)
+        if problem:
+            raise CheckpointError(problem)
         self.store.check()
+
+    @property
+    def _layout(self) -> Layout:
+        assert self.layout is not None  # set in __post_init__
+        return self.layout
+
+    def _at_freeze(self, scratch: Path, pid: int, snapshot: Path | None) -> _AtFreeze:
+        """What runs while CRIU holds the job frozen after its dump: the work dir copy (periodic), then, in the agent,
+        the record of what the job holds and the copy of its VM-local files (periodic: final dumps read them later)."""
+        scratch.mkdir(parents=True, exist_ok=True)
+        copy_to = scratch / "carried" if snapshot is not None else None
+
+        def record() -> None:
+            scan = carry.scan_job(pid)
+            entries = carry.local_inventory(self._layout, scan)
+            if copy_to is not None:
+                carry.copy_files(entries, copy_to)
+            frozen = {"scan": scan.to_json(), "entries": [e.to_json() for e in entries]}
+            (scratch / "frozen.json").write_text(json.dumps(frozen))
+
+        lines = []
+        if snapshot is not None:
+            lines.append(f"mkdir -p {shlex.quote(str(snapshot))} || exit 1")
+            lines.append(
+                f"cp -a --reflink=auto {shlex.quote(str(self.workdir))}/. {shlex.quote(str(snapshot))}/ || exit 1"
+            )
+        return _AtFreeze(scratch, record, lines)
+
+    def _restore_finds(self, path: str, place: str, workdir_root: Path, carried: set[str]) -> bool:
+        if place == "workdir":
+            return path == str(self.workdir) or (workdir_root / Path(path).relative_to(self.workdir)).exists()
+        if place in ("local", "other"):
+            return path in carried
+        if place == "storage":
+            return os.path.exists(path)
+        return True  # kernel objects: CRIU restores them itself
+
+    def _carried(self, scratch: Path, workdir_root: Path, copied: Path | None) -> dict[str, Path]:
+        """The files a checkpoint holds besides CRIU's images, once the job's state is frozen in them; refuses a
+        checkpoint that restore would find incomplete."""
+        try:
+            frozen = json.loads((scratch / "frozen.json").read_text())
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"the post-dump record of the job's files is missing or broken: {error}") from error
+        scan = JobScan.from_json(frozen["scan"])
+        entries = [Entry.from_json(e) for e in frozen["entries"]]
+        layout = self._layout
+        files = workdir_files(self.workdir, workdir_root)
+        carried = {e.path for e in entries}
+        images = []
+        for path, use in sorted(scan.files.items()):
+            place = layout.place(path, use)
+            if place == "excluded":
+                raise CheckpointError(f"the job holds {path}, inside the agent's own directories; it cannot be carried")
+            if place == "image":
+                with contextlib.suppress(IsADirectoryError):
+                    images.append(carry.identity(path))
+            elif not self._restore_finds(path, place, workdir_root, carried):
+                raise CheckpointError(
+                    f"the checkpoint would not restore: the job holds {path} ({place}), which it does not carry"
+                )
+        for entry in entries:
+            if entry.kind == "file":
+                name = carry.stored_name(entry.path)
+                files[name] = copied / name if copied else Path(entry.path)
+        record = {
+            "format": 1,
+            "layout": layout.to_json(),
+            "scan": scan.to_json(),
+            "entries": [e.to_json() for e in entries],
+            "image_files": images,
+        }
+        (scratch / carry.RECORD).write_text(json.dumps(record))
+        files[carry.RECORD] = scratch / carry.RECORD
+        return files
 
     def _new_id(self, generation: int, kind: str) -> str:
         return checkpoint_id(int(self.clock() * 1000), generation, kind)
@@ -279,8 +436,8 @@ def _scratch(path: Path) -> Iterator[Path]:
     try:
         yield path
     except BaseException:
-        shutil.rmtree(path / "images", ignore_errors=True)
-        shutil.rmtree(path / "workdir", ignore_errors=True)
+        for name in ("images", "workdir", "carried"):
+            shutil.rmtree(path / name, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
 
@@ -312,14 +469,100 @@ class _CriuWatch:
         return False
 
 
-def _snapshot_script(path: Path, workdir: Path, snapshot: Path) -> Path:
-    """A CRIU action script that copies the work dir after the dump, while the job is still frozen."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "#!/bin/sh\n"
-        '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-        f"mkdir -p {shlex.quote(str(snapshot))}\n"
-        f"exec cp -a --reflink=auto {shlex.quote(str(workdir))}/. {shlex.quote(str(snapshot))}/\n"
-    )
-    path.chmod(0o755)
-    return path
+class _AfterDump(Mapping[str, Path]):
+    """The final dump's extra files, listed on first use: the store reads them only after CRIU has exited."""
+
+    def __init__(self, build: Callable[[], dict[str, Path]]) -> None:
+        self._build = build
+        self._files: dict[str, Path] | None = None
+
+    def _get(self) -> dict[str, Path]:
+        if self._files is None:
+            self._files = self._build()
+        return self._files
+
+    def __getitem__(self, key: str) -> Path:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+class _AtFreeze:
+    """Runs `work` in the agent while CRIU holds the job frozen after its dump (post-dump).
+
+    CRIU's action script hands over through one FIFO and waits on another for the answer, so the work runs in
+    the agent's own interpreter, already started, and the job stays frozen only as long as the work takes. A
+    failed work answers "fail": CRIU then fails the dump and lets the job run on.
+    """
+
+    def __init__(self, scratch: Path, work: Callable[[], None], before: list[str]) -> None:
+        self.scratch = scratch
+        self._ready, self._answer = scratch / "frozen.fifo", scratch / "thawed.fifo"
+        for fifo in (self._ready, self._answer):
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+        self._work = work
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="spotcr-at-freeze", daemon=True)
+        self.script = scratch / "post-dump.sh"
+        ready, answer = shlex.quote(str(self._ready)), shlex.quote(str(self._answer))
+        lines = [
+            "#!/bin/sh",
+            '[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0',
+            *before,
+            f"printf x > {ready} || exit 1",
+            f"read answer < {answer} || exit 1",
+            '[ "$answer" = ok ]',
+        ]
+        self.script.write_text("\n".join(lines) + "\n")
+        self.script.chmod(0o755)
+
+    def __enter__(self) -> _AtFreeze:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def raise_own_error(self) -> None:
+        """After CRIU failed: when the work at the freeze failed, that is the cause to report."""
+        if self.error is not None:
+            raise CheckpointError(f"recording the job's files at the freeze failed: {self.error}") from self.error
+
+    def _serve(self) -> None:
+        fd = os.open(self._ready, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while not self._stop.is_set():
+                if poller.poll(50) and os.read(fd, 1):
+                    break
+            else:
+                return  # CRIU ended without reaching post-dump
+        finally:
+            os.close(fd)
+        try:
+            self._work()
+            answer = b"ok\n"
+        except Exception as error:
+            self.error = error
+            answer = b"fail\n"
+        while not self._stop.is_set():
+            try:
+                out = os.open(self._answer, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as error:
+                if error.errno != errno.ENXIO:  # ENXIO: the script has not opened its end yet
+                    raise
+                time.sleep(0.001)
+                continue
+            try:
+                os.write(out, answer)
+            finally:
+                os.close(out)
+            return

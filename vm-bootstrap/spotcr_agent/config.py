@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotcr_contracts.tags import MODES, STORAGES
+from spotcr_contracts.tags import DEFAULT_TCP, MODES, STORAGES, TCP_POLICIES
+
+from .carry import IMAGE_DIRS, LOCAL_DIRS
+from .criu import DEFAULT_GHOST_LIMIT_MB
 
 DEFAULT_CONFIG_PATH = Path("/etc/spotcr/agent.json")
 DEFAULT_STATE_DIR = Path("/var/lib/spotcr")
@@ -22,6 +25,7 @@ DEFAULT_IMDS_ENDPOINT = "http://169.254.169.254"
 CONFIG_ENV = "SPOTCR_AGENT_CONFIG"
 IMDS_ENV = "SPOTCR_IMDS_ENDPOINT"
 STATE_DIR_ENV = "SPOTCR_STATE_DIR"
+DEFAULT_LOCAL_FILES_LIMIT_MB = 8192
 
 
 class ConfigError(ValueError):
@@ -59,6 +63,11 @@ class AgentConfig:
     imds_endpoint: str = DEFAULT_IMDS_ENDPOINT
     criu_bin: str = "criu"
     keep_checkpoints: int = 3
+    tcp: str = DEFAULT_TCP  # what a restore does with the job's TCP connections (spotcr:tcp): one of TCP_POLICIES
+    ghost_limit_mb: int = DEFAULT_GHOST_LIMIT_MB  # unlinked files the job holds, up to this size each, are carried
+    local_dirs: tuple[str, ...] = LOCAL_DIRS  # VM-local places carried whole with every checkpoint
+    image_dirs: tuple[str, ...] = IMAGE_DIRS  # the AMI's system: checked at restore, never carried
+    local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB  # a checkpoint fails, naming the biggest, above this
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
@@ -67,6 +76,15 @@ class AgentConfig:
             raise ConfigError(f"mode: unknown mode {self.mode!r}; one of {', '.join(MODES)}")
         if self.storage == "s3" and not self.bucket:
             raise ConfigError("bucket: s3 storage needs a bucket")
+        if self.tcp not in TCP_POLICIES:
+            raise ConfigError(f"tcp: unknown policy {self.tcp!r}; one of {', '.join(TCP_POLICIES)}")
+        for name in ("ghost_limit_mb", "local_files_limit_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for name in ("local_dirs", "image_dirs"):
+            relative = [d for d in getattr(self, name) if not d.startswith("/") or d.rstrip("/") == ""]
+            if relative:
+                raise ConfigError(f"{name}: must be absolute directories other than /, got {relative[0]!r}")
         if self.workdir == Path():
             object.__setattr__(self, "workdir", default_workdir(self.job_id))
         if self.scratch_dir == Path():

@@ -10,10 +10,15 @@ from pathlib import Path
 
 from . import mounts
 
-# Options every dump and restore takes: jobs may hold TCP connections, file locks and sockets to
-# services outside the job (journald, nscd); none runs on a terminal, so never --shell-job.
-COMMON_OPTIONS = ("--tcp-established", "--file-locks", "--ext-unix-sk", "-v4")
+# Options every dump and restore takes: jobs may hold file locks and sockets to services outside the job
+# (journald, nscd); none runs on a terminal, so never --shell-job.
+COMMON_OPTIONS = ("--file-locks", "--ext-unix-sk", "-v4")
+# A dump always records TCP connections; the restore decides to re-establish them or to close them.
+DUMP_OPTIONS = ("--tcp-established", "--link-remap")
+DEFAULT_GHOST_LIMIT_MB = 1024
 LOG_TAIL_LINES = 15
+# Lines every CRIU log here has that are not the cause (no CAP_SYS_RESOURCE for RLIMIT_NOFILE).
+_NOISE = re.compile(r"RLIMIT_NOFILE")
 
 # What CRIU's log says, and what it means for the user (first match wins).
 _EXPLANATIONS: tuple[tuple[str, str], ...] = (
@@ -21,6 +26,13 @@ _EXPLANATIONS: tuple[tuple[str, str], ...] = (
     (r"tty|Can't dump controlling terminal|--shell-job", "job has a controlling terminal"),
     (r"No such process|Can't attach to \d+|Unable to seize|seize .* failed", "job is not running"),
     (r"has bad size|File .* has bad (size|mode)", "a file the job has open changed size since the dump"),
+    (r"Can't dump ghost file", "an unlinked file the job holds is bigger than ghost_limit_mb in the agent config"),
+    (
+        r"Use link-remap option|Can't create link remap",
+        "the job holds a renamed or unlinked file CRIU cannot link back",
+    ),
+    (r"Unknown shit|[Uu]nsupported|Unknown socket", "the job holds something CRIU cannot checkpoint"),
+    (r"Cannot assign requested address", "the job's network address is not on this VM"),
     (r"Can't open file .*|No such file or directory", "a file the job needs is missing"),
     (r"cpuinfo|CPU feature|cpu .* mismatch", "this CPU lacks features the job's CPU had"),
     (r"Connected TCP socket|TCP connection", "job holds TCP connections CRIU cannot dump"),
@@ -32,22 +44,37 @@ _EXPLANATIONS: tuple[tuple[str, str], ...] = (
 
 
 class CriuError(RuntimeError):
-    """CRIU failed; `reason` is a one-line explanation, `log_tail` the end of CRIU's log."""
+    """CRIU failed; `reason` is a one-line explanation, `log_tail` the end of CRIU's log, `log` the whole of it."""
 
-    def __init__(self, action: str, reason: str, log_tail: str = "") -> None:
+    def __init__(self, action: str, reason: str, log_tail: str = "", log: str = "") -> None:
         super().__init__(f"criu {action} failed: {reason}" + (f"\n{log_tail}" if log_tail else ""))
         self.action = action
         self.reason = reason
         self.log_tail = log_tail
+        self.log = log
+
+
+def error_lines(log_text: str) -> list[str]:
+    """CRIU's error lines in order, without the noise every log here has."""
+    return [
+        line
+        for line in log_text.splitlines()
+        if ("Error" in line or "error" in line) and not _NOISE.search(line) and line.strip()
+    ]
 
 
 def explain(log_text: str) -> str:
-    errors = [line for line in log_text.splitlines() if "Error" in line or "error" in line]
+    """What went wrong, in the user's words where known, always with the first real error line CRIU wrote."""
+    errors = error_lines(log_text)
+    if not errors:
+        return "no error in CRIU's log"
+    first = _strip_prefix(errors[0])
     for pattern, meaning in _EXPLANATIONS:
         for line in errors:
             if re.search(pattern, line):
-                return f"{meaning} ({_strip_prefix(line)})"
-    return _strip_prefix(errors[-1]) if errors else "no error in CRIU's log"
+                cause = _strip_prefix(line)
+                return f"{meaning} ({cause})" if cause == first else f"{meaning} ({cause}; first error: {first})"
+    return first
 
 
 def _strip_prefix(line: str) -> str:
@@ -60,13 +87,24 @@ def failure(action: str, log_path: Path, stderr: str) -> CriuError:
         text = log_path.read_text(errors="replace")
     except OSError:
         text = stderr
-    tail = "\n".join(text.splitlines()[-LOG_TAIL_LINES:])
-    return CriuError(action, explain(text), tail)
+    return CriuError(action, explain(text), log_tail(text), text)
+
+
+def log_tail(text: str) -> str:
+    """The log's end, preceded by the lines up to its first real error, which CRIU often writes much earlier."""
+    lines = [line for line in text.splitlines() if not _NOISE.search(line)]
+    tail = lines[-LOG_TAIL_LINES:]
+    errors = error_lines("\n".join(lines))
+    if errors and errors[0] not in tail:
+        first = lines.index(errors[0])
+        return "\n".join([*lines[max(0, first - 2) : first + 1], "...", *tail])
+    return "\n".join(tail)
 
 
 @dataclass
 class Criu:
     binary: str = "criu"
+    ghost_limit_mb: int = DEFAULT_GHOST_LIMIT_MB  # unlinked files up to this size travel inside the images
     _features: dict[str, bool] = field(default_factory=dict)
     _version: str = ""
 
@@ -104,7 +142,7 @@ class Criu:
         action_script: Path | None = None,
     ) -> list[str]:
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images_dir), "-W", str(log_dir), "-o", "dump.log"]
-        argv += [*COMMON_OPTIONS, *mounts.dump_options(pid)]
+        argv += [*COMMON_OPTIONS, *DUMP_OPTIONS, "--ghost-limit", f"{self.ghost_limit_mb}M", *mounts.dump_options(pid)]
         if leave_running:
             argv.append("--leave-running")
         if prev_images_dir is not None:
@@ -130,13 +168,17 @@ class Criu:
         self.finish_dump(process, log_dir)
         return time.monotonic() - started
 
-    def restore(self, images_dir: Path, log_dir: Path) -> int:
-        """Restore detached (-d) into a fresh PID namespace; returns the host PID of the job's PID 1."""
+    def restore(self, images_dir: Path, log_dir: Path, *, tcp_close: bool = False) -> int:
+        """Restore detached (-d) into a fresh PID namespace; returns the host PID of the job's PID 1.
+
+        tcp_close: the job's TCP connections come back closed (it sees them reset) instead of re-established.
+        """
         log_dir.mkdir(parents=True, exist_ok=True)
         pidfile = log_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
         argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
-        argv += [*COMMON_OPTIONS, *mounts.restore_options(), "--pidfile", str(pidfile)]
+        tcp = "--tcp-close" if tcp_close else "--tcp-established"
+        argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(pidfile)]
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise failure("restore", log_dir / "restore.log", result.stderr)

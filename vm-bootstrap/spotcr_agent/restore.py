@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from spotcr_contracts.tags import DEFAULT_TCP
+
+from . import carry
+from .carry import Entry
 from .checkpoint import Store
 from .criu import Criu, CriuError
 from .host import HostInfo
@@ -24,11 +29,16 @@ MAX_ATTEMPTS = 3
 
 
 class RestoreError(RuntimeError):
-    """No checkpoint could be restored; the message gives each attempt's reason."""
+    """No checkpoint could be restored; the message gives each attempt's reason, log_tail the last CRIU log's end."""
 
-    def __init__(self, message: str, checkpoint_id: str = "") -> None:
+    def __init__(
+        self, message: str, checkpoint_id: str = "", log_tail: str = "", logs: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.checkpoint_id = checkpoint_id
+        self.log_tail = log_tail
+        # Checkpoint id -> CRIU's whole restore log, kept in the job's storage by the agent.
+        self.logs = dict(logs or {})
 
 
 class Incompatible(RuntimeError):
@@ -66,10 +76,49 @@ def check_compatible(manifest: Manifest, host: HostInfo) -> None:
         raise Incompatible(f"this CPU lacks features the job's CPU had: {', '.join(missing[:12])}")
 
 
-def check_open_files(manifest: Manifest) -> None:
-    missing = [f.path for f in manifest.open_files if not Path(f.path).exists()]
+def check_open_files(manifest: Manifest, record: Mapping[str, Any] | None = None) -> None:
+    """Every file the job held exists here (its VM-local ones were put back first)."""
+    if record is not None:
+        layout = carry.Layout.from_json(record["layout"])
+        held = [path for path in record["scan"]["files"] if layout.place(path) != "kernel"]
+    else:
+        held = [f.path for f in manifest.open_files]
+    missing = [path for path in held if not Path(path).exists()]
     if missing:
         raise Incompatible(f"files the job had open are missing here: {', '.join(missing[:5])}")
+
+
+def check_image(record: Mapping[str, Any]) -> None:
+    """The image files the job had open or mapped are the same here: same size, same bytes sampled at each end."""
+    problems = carry.image_differences(record["image_files"])
+    if problems:
+        raise Incompatible(
+            "this VM's image differs from the one the job ran on: "
+            + "; ".join(problems[:5])
+            + " (launch the backup from the same AMI)"
+        )
+
+
+def check_listeners(record: Mapping[str, Any]) -> None:
+    """A listening socket bound to one address needs that address here; a wildcard listener restores anywhere."""
+    missing = []
+    for listener in record["scan"]["listening"]:
+        address, port = listener.rsplit(" ", 1)
+        if not carry.address_here(address):
+            missing.append(f"{address}:{port}")
+    if missing:
+        raise Incompatible(
+            f"the job listens on {', '.join(missing[:3])}, an address this VM does not have "
+            "(listen on 0.0.0.0 or :: to be restorable on another VM)"
+        )
+
+
+def close_connections(record: Mapping[str, Any] | None, policy: str) -> bool:
+    """Whether the job's TCP connections come back closed: by policy, or because this VM lacks their address."""
+    if record is None:
+        return policy == "close"
+    established = record["scan"]["established"]
+    return bool(established) and (policy == "close" or not all(carry.address_here(a) for a in established))
 
 
 @dataclass
@@ -81,6 +130,7 @@ class Restorer:
     store: Store
     criu: Criu
     host: Callable[[], HostInfo]
+    tcp: str = DEFAULT_TCP  # AgentConfig.tcp
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         started = time.monotonic()
@@ -92,11 +142,15 @@ class Restorer:
             candidates = self._candidates(checkpoint_id)
             host = self.host()
             failures: list[str] = []
+            logs: dict[str, str] = {}
+            log_tail = ""
             for candidate in candidates[:MAX_ATTEMPTS]:
                 try:
                     pid = self._restore_one(candidate, host)
                 except (StoreError, Incompatible, CriuError, OSError) as error:
                     reason = error.reason if isinstance(error, CriuError) else str(error)
+                    if isinstance(error, CriuError):
+                        logs[candidate], log_tail = error.log, error.log_tail
                     log.warning("restoring checkpoint %s failed: %s", candidate, reason)
                     failures.append(f"{candidate}: {reason}")
                     continue
@@ -117,7 +171,7 @@ class Restorer:
                     pid=pid,
                     skipped="; ".join(failures),
                 )
-        raise RestoreError("no checkpoint could be restored: " + "; ".join(failures), candidates[0])
+        raise RestoreError("no checkpoint could be restored: " + "; ".join(failures), candidates[0], log_tail, logs)
 
     def _candidates(self, checkpoint_id: str | None) -> list[str]:
         if checkpoint_id:
@@ -130,13 +184,30 @@ class Restorer:
     def _restore_one(self, checkpoint_id: str, host: HostInfo) -> int:
         dest = self.scratch_dir / f"restore-{checkpoint_id}"
         shutil.rmtree(dest, ignore_errors=True)
+        created: list[str] = []
         try:
             manifest = self.store.fetch(checkpoint_id, dest)
             check_compatible(manifest, host)
+            record = _record(dest)
+            if record is not None:
+                check_image(record)
+                check_listeners(record)
             self._place_workdir(dest / "workdir")
-            check_open_files(manifest)
-            return self.criu.restore(dest / "images", self.scratch_dir / f"restore-{checkpoint_id}.logs")
+            if record is not None:
+                created = carry.put_back([Entry.from_json(e) for e in record["entries"]], dest)
+            check_open_files(manifest, record)
+            tcp_close = close_connections(record, self.tcp)
+            if tcp_close:
+                log.info(
+                    "the job's TCP connections come back closed (policy %s, or their address is not here)", self.tcp
+                )
+            pid = self.criu.restore(
+                dest / "images", self.scratch_dir / f"restore-{checkpoint_id}.logs", tcp_close=tcp_close
+            )
+            created = []
+            return pid
         finally:
+            carry.take_back(created)
             shutil.rmtree(dest, ignore_errors=True)
 
     def _place_workdir(self, fetched: Path) -> None:
@@ -147,3 +218,15 @@ class Restorer:
             shutil.move(fetched, self.workdir)
         else:
             self.workdir.mkdir()
+
+
+def _record(dest: Path) -> dict[str, Any] | None:
+    """What the checkpoint carried and checked (carry.py); None for checkpoints taken before it was recorded."""
+    path = dest / carry.RECORD
+    if not path.exists():
+        return None
+    try:
+        record: dict[str, Any] = json.loads(path.read_text())
+    except ValueError as error:
+        raise Incompatible(f"{carry.RECORD} in the checkpoint is not JSON: {error}") from error
+    return record

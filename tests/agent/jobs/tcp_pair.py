@@ -1,0 +1,45 @@
+"""A job that talks to itself over TCP through its VM's address, as a client of a local service (redis) would.
+
+Listens on 0.0.0.0:PORT and keeps one established connection to ADDRESS:PORT; each step sends a ping and reads
+the pong. A connection that breaks (after a restore where the address is gone) is reported in progress.log and
+made again through 127.0.0.1, as a client reconnects after a network blip.
+"""
+
+import socket
+import sys
+import time
+
+address, port, steps, step_seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("0.0.0.0", port))
+server.listen()
+
+
+def connect(to):
+    client = socket.create_connection((to, port), timeout=5)
+    accepted, _ = server.accept()
+    accepted.settimeout(5)
+    return client, accepted
+
+
+client, accepted = connect(address)
+with open("progress.log", "a") as progress:
+    for step in range(steps):
+        try:
+            client.sendall(b"ping %d\n" % step)
+            ping = accepted.recv(64)
+            if not ping:
+                raise ConnectionError("the connection was closed")
+            accepted.sendall(ping.replace(b"ping", b"pong"))
+            pong = client.recv(64)
+            if pong != b"pong %d\n" % step:
+                raise ConnectionError(f"got {pong!r}")
+            progress.write(f"step {step} ok\n")
+        except OSError as error:
+            progress.write(f"step {step} reconnect after {type(error).__name__}\n")
+            client.close()
+            accepted.close()
+            client, accepted = connect("127.0.0.1")
+        progress.flush()
+        time.sleep(step_seconds)

@@ -1,0 +1,153 @@
+"""What a checkpoint carries, with the real CRIU, between bare local VMs (rehearsal.vm): each has its own empty
+/tmp, /var/tmp and /dev/shm, its own /var/lib/spotcr, its own network namespace and address, and the job's
+storage at /mnt/spotcr. The agent runs inside them as on a job VM."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from spotcr_agent.config import AgentConfig
+from spotcr_agent.store import CheckpointStore
+
+from .conftest import JOBS, wait_for
+
+pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
+
+ROOT = Path(__file__).parents[2]
+WORKDIR = "/var/lib/spotcr/work/job-1"
+
+
+@pytest.fixture
+def storage(tmp_path):
+    path = tmp_path / "storage"
+    path.mkdir()
+    return path
+
+
+class JobVM:
+    """A bare VM with the agent's config in /etc/spotcr, driven through tests/agent/vm_agent.py."""
+
+    def __init__(self, vm, generation=1, mode="run", **config):
+        self.vm = vm
+        values = {"job_id": "job-1", "instance_id": vm.instance_id, "storage": "efs", "generation": generation}
+        AgentConfig(**values, mode=mode, **config).write(vm.dir("etc") / "agent.json")
+
+    def agent(self, *op, check=True):
+        argv = ["env", f"PYTHONPATH={ROOT}:{ROOT / 'functions'}:{ROOT / 'vm-bootstrap'}"]
+        result = self.vm.run([*argv, sys.executable, "-m", "tests.agent.vm_agent", *op], timeout_s=180)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(op)} on {self.vm.instance_id} failed: {result.stdout}{result.stderr}")
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    @property
+    def workdir(self):
+        return self.vm.host_path(WORKDIR)
+
+    def progress(self):
+        path = self.workdir / "progress.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def events(self, detail_type):
+        path = self.vm.dir("etc") / "events.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [event for event in map(json.loads, lines) if event["type"] == detail_type]
+
+
+def reference_run(vm, command):
+    """What an uninterrupted run writes, on a fresh VM of its own."""
+    script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
+    result = vm.run(["sh", "-c", script, "reference", *command], timeout_s=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return vm.host_path(WORKDIR)
+
+
+@pytest.mark.parametrize("kind", ["periodic", "final"])
+def test_files_in_vm_local_places_come_back_on_a_fresh_vm(bare_vm, storage, kind):
+    # Given a job holding a log in /tmp, a mapped file like a JVM's hsperfdata, closed spills in /var/tmp,
+    # a 3 MiB unlinked temp file and a named POSIX semaphore in /dev/shm
+    command = (sys.executable, str(JOBS / "vmlocal.py"), "40", "0.1")
+    expected = reference_run(bare_vm(), (*command[:3], "0"))
+    primary = JobVM(bare_vm(shared_storage=storage), command=command)
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 8, what="progress")
+
+    # When it is checkpointed, then its VM is lost and a fresh VM (empty /tmp, /var/tmp, /dev/shm) restores it
+    outcome = primary.agent("checkpoint", kind, "1")
+    if kind == "periodic":
+        wait_for(lambda: len(primary.progress()) >= 12, what="progress after the periodic dump")
+    primary.vm.terminate()
+    backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
+    restored = backup.agent("restore", "2")
+
+    # Then the job ends there exactly as an uninterrupted run: every VM-local thing it held was carried
+    assert restored["checkpoint_id"] == outcome["checkpoint_id"]
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    assert (backup.workdir / "result.txt").read_text() == (expected / "result.txt").read_text()
+    assert (backup.workdir / "progress.log").read_text() == (expected / "progress.log").read_text()
+    assert [e["checkpoint_id"] for e in primary.events("CheckpointCompleted")] == [outcome["checkpoint_id"]]
+
+
+def _tcp_job(bare_vm, storage, same_vm, tcp="established"):
+    """A job holding a listener and an established connection through its VM's address, final-dumped and
+    restored on another VM (another address) or on the same VM (the same address); its progress lines."""
+    port = 7411
+    primary_vm = bare_vm(shared_storage=storage)
+    command = (sys.executable, str(JOBS / "tcp_pair.py"), primary_vm.address, str(port), "60", "0.05")
+    primary = JobVM(primary_vm, command=command, tcp=tcp)
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, what="the job to talk to itself")
+    primary.agent("checkpoint", "final", "1")
+    if same_vm:
+        backup = JobVM(primary_vm, generation=2, mode="restore", tcp=tcp)
+    else:
+        primary_vm.terminate()
+        backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore", tcp=tcp)
+        assert backup.vm.address != primary_vm.address
+    backup.agent("restore", "2")
+    # The listener came back: a client on the backup VM reaches it
+    probe = backup.vm.run([sys.executable, "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}))"])
+    assert probe.returncode == 0, probe.stderr
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    return backup.progress()
+
+
+def test_tcp_connections_are_closed_when_the_backup_has_another_address(bare_vm, storage):
+    # Given a job with an established connection through its VM's address, restored on a VM with another address
+    lines = _tcp_job(bare_vm, storage, same_vm=False)
+    # Then the restore succeeds, the job sees its connection reset once, reconnects, and ends
+    assert len(lines) == 60
+    assert len([line for line in lines if "reconnect" in line]) == 1
+
+
+def test_tcp_connections_come_back_where_the_address_is_the_same(bare_vm, storage):
+    lines = _tcp_job(bare_vm, storage, same_vm=True)
+    assert len(lines) == 60
+    assert [line for line in lines if "reconnect" in line] == []
+
+
+def test_the_close_policy_closes_connections_even_where_the_address_is_the_same(bare_vm, storage):
+    lines = _tcp_job(bare_vm, storage, same_vm=True, tcp="close")
+    assert len([line for line in lines if "reconnect" in line]) == 1
+
+
+def test_a_jvm_with_default_flags_comes_back_on_a_fresh_vm(bare_vm, storage):
+    # Given a JVM with default flags, which maps /tmp/hsperfdata_root/<pid>
+    primary = JobVM(bare_vm(shared_storage=storage), command=("java", str(JOBS / "Counter.java"), "60"))
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, timeout=60, what="the JVM to run")
+    hsperf = primary.vm.run(["sh", "-c", "ls /tmp/hsperfdata_root"])
+    assert hsperf.stdout.split(), "the JVM mapped no hsperfdata file"
+
+    # When it is final-dumped and restored on a fresh VM with an empty /tmp
+    outcome = primary.agent("checkpoint", "final", "1")
+    primary.vm.terminate()
+    carried = [f.path for f in CheckpointStore.for_directory(storage, "job-1").load(outcome["checkpoint_id"]).files]
+    assert f"local/tmp/hsperfdata_root/{hsperf.stdout.split()[0]}" in carried
+    backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
+    backup.agent("restore", "2")
+
+    # Then it ends there, every step counted once
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    sums = [int(line.split()[2]) for line in backup.progress()]
+    assert sums == [sum(s * s for s in range(step + 1)) for step in range(60)]
