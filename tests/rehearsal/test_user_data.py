@@ -27,6 +27,31 @@ SHIMS = {
 }
 
 
+PLACEHOLDERS = [
+    "__SPOTCR_AGENT_ASSET_URL__",
+    "__SPOTCR_BUCKET__",
+    "__SPOTCR_EVENT_BUS__",
+    "__SPOTCR_EFS_ID__",
+    "__SPOTCR_FSX_DNS__",
+    "__SPOTCR_FSX_MOUNT_NAME__",
+]
+
+
+def _launch_registered(cloud):
+    """A VM launched with a job's tags, once its SSM agent stand-in has registered."""
+    tags = {"spotcr:job": "user-data", "spotcr:command": "sleep 1000"}
+    spec = [{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+    reservation = cloud.client("ec2").run_instances(
+        ImageId=cloud.image_id, MinCount=1, MaxCount=1, TagSpecifications=spec
+    )
+    instance_id = reservation["Instances"][0]["InstanceId"]
+    deadline = time.monotonic() + 30
+    while not cloud.managed_instances.online(instance_id):
+        assert time.monotonic() < deadline, "the VM's SSM agent stand-in never registered"
+        time.sleep(0.1)
+    return cloud.vms[instance_id]
+
+
 @pytest.fixture
 def cloud(tmp_path):
     local = LocalCloud(
@@ -44,19 +69,7 @@ def cloud(tmp_path):
 @pytest.mark.timeout(240)
 def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts_it(cloud):
     # Given the user data as the launch template renders it, and a VM launched with a job's tags
-    tags = {"spotcr:job": "user-data", "spotcr:command": "sleep 1000"}
-    reservation = cloud.client("ec2").run_instances(
-        ImageId=cloud.image_id,
-        MinCount=1,
-        MaxCount=1,
-        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}],
-    )
-    instance_id = reservation["Instances"][0]["InstanceId"]
-    deadline = time.monotonic() + 30
-    while not cloud.managed_instances.online(instance_id):
-        assert time.monotonic() < deadline, "the VM's SSM agent stand-in never registered"
-        time.sleep(0.1)
-    vm = cloud.vms[instance_id]
+    vm = _launch_registered(cloud)
     # What the VM reads lives in its private /var/lib/spotcr (a VM does not share the host's /tmp)
     private, inside = vm.dir("state") / "user-data-test", Path("/var/lib/spotcr/user-data-test")
     private.mkdir()
@@ -116,3 +129,25 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
     assert Path("/usr/local/sbin/criu").is_file() and not Path("/usr/local/sbin/criu").is_symlink()
     assert (vm.dir("etc") / "agent.json").is_file()
     assert '"ssm_wait_s"' in ran.stdout
+
+
+@pytest.mark.criu
+@pytest.mark.timeout(120)
+def test_a_failing_step_is_named_and_fails_the_user_data(cloud):
+    # Given user data whose asset cannot be fetched (no such object)
+    vm = _launch_registered(cloud)
+    private = vm.dir("state") / "user-data-test"
+    private.mkdir(parents=True)
+    values = {name: "" for name in PLACEHOLDERS}
+    values["__SPOTCR_AGENT_ASSET_URL__"] = "s3://no-such-bucket/agent.zip"
+    (private / "user-data.sh").write_text(render_user_data(BOOTSTRAP_SCRIPT.read_text(), values))
+    (private / "shims").mkdir()
+    for name, body in SHIMS.items():
+        (private / "shims" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (private / "shims" / name).chmod(0o755)
+    inside = "/var/lib/spotcr/user-data-test"
+    # When it runs, Then it stops at that step, says so, and fails
+    ran = vm.run(["bash", "-c", f"SHIM_LOG={inside}/log PATH={inside}/shims:$PATH bash {inside}/user-data.sh"], 60)
+    assert ran.returncode != 0
+    assert "FAILED at step 'asset'" in ran.stdout
+    assert "spotcr-agent.service" not in (private / "log").read_text()
