@@ -10,9 +10,9 @@ export CDK_DISABLE_VERSION_CHECK := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 CDK := npx --no-install cdk --no-notices
 
-.PHONY: setup criu workload-deps lint test demo bench synth deploy destroy lock clean
+.PHONY: setup criu artifacts workload-deps lint test demo bench synth deploy destroy lock clean
 
-setup: $(VENV)/.installed node_modules/.installed criu
+setup: $(VENV)/.installed node_modules/.installed criu artifacts
 
 $(VENV)/.installed: requirements/dev.lock
 	@command -v $(PYTHON) >/dev/null || { apt-get update -qq && apt-get install -y -qq python3 python3-venv; }
@@ -34,6 +34,11 @@ criu:
 workload-deps:
 	@bash tests/workloads/install-deps.sh
 
+# What job VMs (and the rehearsal's VMs) install instead of compiling: CRIU with its libraries, the agent's
+# Python packages; built once into .build/ for this machine's architecture (arm64: run it on an arm64 machine).
+artifacts: $(VENV)/.installed
+	@PYTHON=$(PY) bash vm-bootstrap/build-artifact.sh
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(PYTHON_DIRS)
 	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
@@ -48,17 +53,17 @@ demo: setup
 bench: setup
 	$(PY) -m bench $(ARGS)
 
-synth: $(VENV)/.installed node_modules/.installed
+synth: $(VENV)/.installed node_modules/.installed artifacts
 	$(CDK) synth --quiet $(ARGS)
 
-deploy: $(VENV)/.installed node_modules/.installed
+deploy: $(VENV)/.installed node_modules/.installed artifacts
 	$(CDK) deploy $(ARGS)
 
-destroy: $(VENV)/.installed node_modules/.installed
+destroy: $(VENV)/.installed node_modules/.installed artifacts
 	$(CDK) destroy $(ARGS)
 
 lock: $(VENV)/.installed
 	cd requirements && ../$(VENV)/bin/uv pip compile -q --python ../$(PY) dev.in -o dev.lock
 
 clean:
-	rm -rf $(VENV) node_modules cdk.out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) node_modules cdk.out .mypy_cache .ruff_cache .pytest_cache .build

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,25 +17,16 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 from spotcr_contracts import commands
 
+from infra.agent_bundle import VM_BOOTSTRAP_DIR, stage_agent_bundle
 from infra.nag import acknowledge, acknowledge_wildcard_resource
 from infra.network import Network
 from infra.settings import Settings
 from infra.storage import JOBS_PREFIX, SPECS_PREFIX, Storage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VM_BOOTSTRAP_DIR = REPO_ROOT / "vm-bootstrap"
-CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
 BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"
 PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
 ROOT_DEVICE = "/dev/xvda"  # Debian 12 AMIs boot from xvda
-_STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
-
-
-def stage_agent_bundle(destination: Path) -> Path:
-    """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, plus spotcr_contracts/."""
-    shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_STAGE_IGNORE, dirs_exist_ok=True)
-    shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)
-    return destination
 
 
 def render_user_data(script: str, values: Mapping[str, str]) -> str:
@@ -84,23 +74,16 @@ class VmLaunch(Construct):
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
 
-        self.agent_asset = s3_assets.Asset(
-            self, "AgentBundle", path=str(stage_agent_bundle(Path(tempfile.mkdtemp(prefix="spotcr-agent-"))))
-        )
+        staged = stage_agent_bundle(Path(tempfile.mkdtemp(prefix="spotcr-agent-")), settings.vm_architecture)
+        self.agent_asset = s3_assets.Asset(self, "AgentBundle", path=str(staged))
 
         self.job_role = iam.Role(
             self,
             "JobRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             description="spotcr job VMs: SSM commands, the job's checkpoints, agent events",
-            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
         )
-        acknowledge(
-            self.job_role,
-            "AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/AmazonSSMManagedInstanceCore]",
-            "The AWS-maintained SSM core policy is what SSM Agent needs to receive spotcr's Run Command documents; "
-            "AWS keeps it in step with the agent.",
-        )
+        self._grant_ssm_agent()
         self._grant_job_storage(storage)
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
@@ -159,6 +142,43 @@ class VmLaunch(Construct):
                     ),
                 )
             ],
+        )
+
+    def _grant_ssm_agent(self) -> None:
+        """What SSM Agent needs for Run Command (a subset of AmazonSSMManagedInstanceCore: no State Manager,
+        inventory, patching or Session Manager data channels), and the agent's readiness check."""
+        instances = Stack.of(self).format_arn(service="ec2", resource="instance", resource_name="*")
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                sid="SsmAgentRegistration", actions=["ssm:UpdateInstanceInformation"], resources=[instances]
+            )
+        )
+        acknowledge_wildcard_resource(
+            self.job_role, instances, "SSM Agent registers the instance it runs on; the role is shared by job VMs."
+        )
+        self.job_role.add_to_principal_policy(
+            iam.PolicyStatement(
+                sid="SsmAgentRunCommand",
+                actions=[
+                    "ec2messages:AcknowledgeMessage",
+                    "ec2messages:DeleteMessage",
+                    "ec2messages:FailMessage",
+                    "ec2messages:GetEndpoint",
+                    "ec2messages:GetMessages",
+                    "ec2messages:SendReply",
+                    "ssmmessages:CreateControlChannel",
+                    "ssmmessages:OpenControlChannel",
+                    "ssm:DescribeInstanceInformation",
+                ],
+                resources=["*"],
+            )
+        )
+        acknowledge(
+            self.job_role,
+            "AwsSolutions-IAM5[Resource::*]",
+            "SSM Agent's message calls (ec2messages, the ssmmessages control channel) and "
+            "ssm:DescribeInstanceInformation support no resource-level permissions; with the registration above they "
+            "are the Run Command part of AmazonSSMManagedInstanceCore.",
         )
 
     def _grant_job_storage(self, storage: Storage) -> None:

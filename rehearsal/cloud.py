@@ -5,7 +5,8 @@ real ASL). The rehearsal adds, in-process and only here:
 - Lambda: invoking a function calls its real handler from the catalog, with the stack's settings;
 - EventBridge: rules built from the catalog deliver matching events to their Lambda targets, and
   the scheduled rule fires on a compressed interval;
-- SSM Run Command: the document's agent command runs inside the target local VM;
+- SSM Run Command: the document's agent command runs inside the target local VM, once that VM's
+  SSM agent stand-in registered (rehearsal/ssm.py: SendCommand refuses others with InvalidInstanceId);
 - EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
   instance state-change events are emitted as AWS emits them.
 """
@@ -40,6 +41,7 @@ from spotcr_contracts.commands import COMMANDS, Command
 from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV
 
+from rehearsal import ssm as local_ssm
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -104,6 +106,7 @@ class LocalCloud:
         self._vm_listener: Any = None
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
+        self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
         self.names = {
             "jobs_table": f"{PREFIX}-jobs",
             "idempotency_table": f"{PREFIX}-idempotency",
@@ -403,6 +406,7 @@ class LocalCloud:
             return hooked
 
         patch(SimpleSystemManagerBackend, "send_command", send_command)
+        local_ssm.install(patch, self.managed_instances)
         # moto 5.2 adds every instance to a command sent without Targets; SSM sends to the InstanceIds only.
         patch(
             MotoCommand,
@@ -412,7 +416,7 @@ class LocalCloud:
         self._install_ec2_hooks()
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)  # None: an action moto lacks, added here
         # An inherited method is un-patched by deleting ours, so later patches of the base class still apply.
         self._patches.append((owner, name, original if name in vars(owner) else _INHERITED))
         setattr(owner, name, make(original))
@@ -607,6 +611,7 @@ class LocalCloud:
 
     def _terminated(self, backend: Any, instance_id: str) -> None:
         vm = self.vms.get(instance_id)
+        self.managed_instances.lost(instance_id)
         self.emit_ec2(catalog.STATE_CHANGE, instance_id, {"state": "shutting-down"})
         if vm is not None:
             vm.terminate()
@@ -632,6 +637,7 @@ class LocalCloud:
                 argv = command_definition.agent_argv({k: v[0] for k, v in parameters.items() if v})
             except ValueError as error:
                 raise JsonRESTError("InvalidParameters", str(error)) from error
+        self.managed_instances.refuse_unregistered(kwargs.get("instance_ids") or [])
         command = original(backend, *args, **kwargs)
         if command_definition is None:
             return command

@@ -25,7 +25,8 @@ from spotcr_contracts import tags
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
 
-from rehearsal.cloud import LocalCloud
+from rehearsal import asset, leaks
+from rehearsal.cloud import REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, bare_vm
 
@@ -57,6 +58,7 @@ class Options:
     rebalance_lead_s: float = 0.0  # > 0: a rebalance recommendation this long before each warning, as FIS sends
     command: str | None = None  # the user's own job, as its spotcr:command tag; None: the sample job
     result_file: str = RESULT_FILE  # what the job leaves in its work dir, compared byte for byte
+    leak_grace_s: float = 30.0  # after the job finished, how long cleanup may take before leftovers fail the run
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Watcher:
         self.seen: list[tuple[str, agent_events.AgentEvent]] = []
         self.final_dumps: list[dict[str, Any]] = []
         self.work_redone_s: list[float] = []
+        self.boot_to_ready_s: dict[str, float] = {}
         self._running_since: dict[str, float] = {}
         self._changed = threading.Condition()
 
@@ -109,7 +112,15 @@ class Watcher:
         if isinstance(event, agent_events.AgentReady):
             launched = [m.at for m in say.find("launch", vm)]
             say.span(vm, "allocation", launched[0] if launched else now, now)
-            say.point(vm, "ready", f"agent ready on {vm} (mode {event.mode}, generation {event.generation})")
+            boot = now - launched[0] if launched else 0.0
+            self.boot_to_ready_s[vm] = round(boot, 2)
+            say.point(
+                vm,
+                "ready",
+                f"agent ready on {vm} (mode {event.mode}, generation {event.generation}): "
+                f"{boot:.1f} s from launch (SSM agent, install from the artifact, bootstrap)",
+                boot_to_ready_s=round(boot, 2),
+            )
         elif isinstance(event, agent_events.JobStarted):
             self._running_since[vm] = now
             say.say(f"job {event.job_id} started on {vm}")
@@ -390,6 +401,10 @@ class Rehearsal:
         say(f"{options.result_file} after {options.interruptions} interruption(s): {outcome.describe(result)}")
         say(f"{options.result_file} of the uninterrupted run:  {outcome.describe(expected)}")
         self.outcome = outcome
+        left = leaks.wait_until_tidy(self.cloud.client, options.leak_grace_s)
+        if left:
+            raise RehearsalFailed(leaks.describe(left))
+        say("leak check: no instance, volume, snapshot or command left but the job's checkpoints")
         return outcome
 
     def _workflow_position(self) -> str:
@@ -420,15 +435,18 @@ class Rehearsal:
                 )
 
     def _boot_commands(self) -> list[list[str]]:
-        """What bootstrap.sh runs once packages are installed: `spotcr-agent bootstrap ...`, then the daemon."""
+        """bootstrap.sh's steps: the SSM agent, the agent asset installed, `spotcr-agent bootstrap ...`, the daemon."""
         agent = "/opt/spotcr/bin/spotcr-agent"
         names = self.cloud.names
+        asset_url = asset.publish(self.cloud.client("s3"), f"{names['checkpoint_bucket']}-assets")
         bootstrap = [agent, "bootstrap", "--bucket", names["checkpoint_bucket"], "--event-bus", names["event_bus_name"]]
         if self.options.storage == "efs":
             bootstrap += ["--efs-id", "fs-0rehearsal"]
         if self.options.storage == "fsx":
             bootstrap += ["--fsx-dns", "fs-0rehearsal.fsx.local", "--fsx-mount-name", "rehearsal"]
-        return [bootstrap, [agent, "daemon"]]
+        # First the SSM agent, as bootstrap.sh installs and starts it: until it registers, SSM refuses commands.
+        install = asset.install_command(asset_url, REGION)
+        return [[sys.executable, "-m", "rehearsal.ssm_agent"], install, bootstrap, [agent, "daemon"]]
 
     def _submit(self) -> str:
         """Submit the job the way a user does: launch an instance carrying the spotcr tags."""
@@ -543,6 +561,7 @@ class Rehearsal:
             "warning_to_running_s": self.recoveries_s,
             "final_dumps": self.watcher.final_dumps,
             "work_redone_s": self.watcher.work_redone_s,
+            "boot_to_ready_s": self.watcher.boot_to_ready_s,
             "command": command_tag(self.options),
             "result_file": self.options.result_file,
             "result": outcome.describe(outcome.result) if outcome else None,

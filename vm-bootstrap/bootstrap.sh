@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# spotcr job VM bootstrap (EC2 user data, Debian 12 AMI). Installs CRIU and the agent, reads the job from
-# the instance's tags (IMDSv2, instance metadata tags enabled), prepares its storage and starts the agent.
+# spotcr job VM bootstrap (EC2 user data, Debian 12 AMI). Installs and starts the SSM Agent, installs the
+# prebuilt agent and CRIU from the agent asset (no compiler, no pip), reads the job from the instance's tags
+# (IMDSv2, instance metadata tags enabled), prepares its storage, waits until SSM reaches the instance, and
+# starts the agent. Each step prints its duration on the console.
 #
 # Placeholders that infra/ substitutes before this becomes user data (an empty value means "not used"):
 #   __SPOTCR_AGENT_ASSET_URL__   s3://bucket/key.zip of the agent asset. The zip's root holds: spotcr_agent/,
-#                                spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-criu.sh,
-#                                criu-*.patch, requirements.txt (that is vm-bootstrap/ plus functions/spotcr_contracts/).
+#                                spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
+#                                criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages).
 #   __SPOTCR_BUCKET__            bucket of the job's checkpoints (s3 storage)
 #   __SPOTCR_EVENT_BUS__         EventBridge bus name for the agent's events
 #   __SPOTCR_EFS_ID__            EFS file system id (efs storage)
 #   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
 #   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
-# The instance role needs s3:GetObject on the asset (and on a job spec), the store's S3 actions, events:PutEvents.
-set -euo pipefail
+# The instance role needs s3:GetObject on the asset (and on a job spec), the store's S3 actions, events:PutEvents,
+# what SSM Agent needs for Run Command, and ssm:DescribeInstanceInformation (the readiness check).
+# Sourcing this file (tests) defines its functions and runs nothing.
+set -eEuo pipefail
 
 AGENT_ASSET_URL="__SPOTCR_AGENT_ASSET_URL__"
 BUCKET="__SPOTCR_BUCKET__"
@@ -21,62 +25,128 @@ EFS_ID="__SPOTCR_EFS_ID__"
 FSX_DNS="__SPOTCR_FSX_DNS__"
 FSX_MOUNT_NAME="__SPOTCR_FSX_MOUNT_NAME__"
 PREFIX=/opt/spotcr
+IMDS=${SPOTCR_IMDS_ENDPOINT:-http://169.254.169.254}
+EMPTY_SHA256=e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
 
 say() {
   echo "spotcr-bootstrap: $*"
   { echo "spotcr-bootstrap: $*" >/dev/console; } 2>/dev/null || true
 }
 
-step="start"
-on_error() {
-  local code=$?
-  say "FAILED at step '$step' (exit $code); see /var/log/cloud-init-output.log"
-  # Once the agent is installed it reports the failure on the bus itself; before that, the console says it.
-  if [[ -x "$PREFIX/bin/spotcr-agent" && "$step" != "agent-bootstrap" ]]; then
-    "$PREFIX/bin/spotcr-agent" bootstrap --event-bus "$EVENT_BUS" --report-failure "$step" || true
-  fi
-  exit "$code"
+imds() {
+  local token
+  token=$(curl -fsS --retry 3 -X PUT -H "X-aws-ec2-metadata-token-ttl-seconds: 300" "$IMDS/latest/api/token")
+  curl -fsS --retry 3 -H "X-aws-ec2-metadata-token: $token" "$IMDS/latest/$1"
 }
-trap on_error ERR
 
-step="packages"
-say "installing packages"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-# python3-venv: the agent's venv; awscli: fetches the asset; nfs-common: EFS over NFS 4.1 (amazon-efs-utils is not
-# packaged for Debian: where it is installed, mount -t efs -o tls is used instead); e2fsprogs: formats EBS volumes.
-# FSx for Lustre needs the Lustre client, which Debian does not ship: use an AMI that has it for fsx storage.
-apt-get install -y -qq python3-venv awscli unzip nfs-common e2fsprogs util-linux ca-certificates curl
+# GET an S3 object with SigV4 (curl signs it: no AWS CLI to install). Credentials as the SDKs find them:
+# the environment first, else the instance role from IMDS. AWS_ENDPOINT_URL is honoured as boto3 honours it.
+s3_get() {
+  local url=$1 dest=$2 region=$3
+  local path=${url#s3://}
+  local bucket=${path%%/*} key=${path#*/}
+  local id=${AWS_ACCESS_KEY_ID:-} secret=${AWS_SECRET_ACCESS_KEY:-} token=${AWS_SESSION_TOKEN:-}
+  if [[ -z "$id" ]]; then
+    local role
+    role=$(imds meta-data/iam/security-credentials/ | head -1)
+    { read -r id; read -r secret; read -r token; } < <(imds "meta-data/iam/security-credentials/$role" \
+      | python3 -c 'import json, sys; c = json.load(sys.stdin); print(c["AccessKeyId"], c["SecretAccessKey"], c["Token"], sep="\n")')
+  fi
+  local endpoint="https://$bucket.s3.$region.amazonaws.com"
+  [[ -n "${AWS_ENDPOINT_URL:-}" ]] && endpoint="${AWS_ENDPOINT_URL%/}/$bucket"
+  # The secret goes to curl on stdin, not on its command line.
+  {
+    echo "user = \"$id:$secret\""
+    [[ -n "$token" ]] && echo "header = \"x-amz-security-token: $token\""
+    echo "header = \"x-amz-content-sha256: $EMPTY_SHA256\""
+  } | curl -fsS --retry 5 --retry-all-errors --aws-sigv4 "aws:amz:$region:s3" -K - -o "$dest" "$endpoint/$key"
+}
 
-step="asset"
-say "fetching the agent from $AGENT_ASSET_URL"
-workdir=$(mktemp -d)
-aws s3 cp --only-show-errors "$AGENT_ASSET_URL" "$workdir/agent.zip"
-rm -rf "$PREFIX/lib.new"
-mkdir -p "$PREFIX/lib.new" "$PREFIX/bin"
-unzip -q "$workdir/agent.zip" -d "$PREFIX/lib.new"
-rm -rf "$PREFIX/lib"
-mv "$PREFIX/lib.new" "$PREFIX/lib"
-rm -rf "$workdir"
+missing_packages() {
+  # CRIU locks a job's TCP connections with iptables-restore; EFS is mounted over NFS 4.1.
+  command -v iptables-restore >/dev/null || echo iptables
+  if [[ -n "$EFS_ID" ]] && ! command -v mount.nfs4 >/dev/null; then echo nfs-common; fi
+}
 
-step="venv"
-say "creating $PREFIX/venv"
-python3 -m venv "$PREFIX/venv"
-"$PREFIX/venv/bin/pip" install -q --disable-pip-version-check -r "$PREFIX/lib/requirements.txt"
-install -m 0755 "$PREFIX/lib/bin/spotcr-agent" "$PREFIX/bin/spotcr-agent"
-install -m 0644 "$PREFIX/lib/spotcr-agent.service" /etc/systemd/system/spotcr-agent.service
+install_ssm_agent() {
+  local region=$1 arch
+  if systemctl is-active --quiet amazon-ssm-agent || systemctl is-active --quiet snap.amazon-ssm-agent.amazon-ssm-agent; then
+    return 0
+  fi
+  arch=$(dpkg --print-architecture)
+  # AWS's documented install for Debian: the package from the regional bucket.
+  curl -fsS --retry 5 --retry-all-errors -o /tmp/amazon-ssm-agent.deb \
+    "https://s3.$region.amazonaws.com/amazon-ssm-$region/latest/debian_$arch/amazon-ssm-agent.deb"
+  dpkg -i /tmp/amazon-ssm-agent.deb >/dev/null
+  rm -f /tmp/amazon-ssm-agent.deb
+  systemctl enable --now amazon-ssm-agent
+}
 
-step="criu"
-say "installing CRIU"
-bash "$PREFIX/lib/install-criu.sh"
+main() {
+  local step="start" started=$SECONDS mark=$SECONDS
+  on_error() {
+    local code=$?
+    say "FAILED at step '$step' (exit $code); see /var/log/cloud-init-output.log"
+    # Once the agent is installed it reports the failure on the bus itself; before that, the console says it.
+    if [[ -x "$PREFIX/bin/spotcr-agent" && "$step" != "agent-bootstrap" ]]; then
+      "$PREFIX/bin/spotcr-agent" bootstrap --event-bus "$EVENT_BUS" --report-failure "$step" || true
+    fi
+    exit "$code"
+  }
+  trap on_error ERR
+  done_step() { say "$step took $((SECONDS - mark)) s"; mark=$SECONDS; }
 
-step="agent-bootstrap"
-say "reading the job and preparing its storage"
-# On failure the agent itself publishes BootstrapFailed with the step and reason.
-"$PREFIX/bin/spotcr-agent" bootstrap --bucket "$BUCKET" --event-bus "$EVENT_BUS" --efs-id "$EFS_ID" \
-  --fsx-dns "$FSX_DNS" --fsx-mount-name "$FSX_MOUNT_NAME"
+  local region
+  region=$(imds meta-data/placement/region)
 
-step="service"
-systemctl daemon-reload
-systemctl enable --now spotcr-agent.service
-say "agent started"
+  step="ssm-agent"
+  say "installing and starting the SSM Agent (Debian's AMI has none; SSM delivers every spotcr command)"
+  install_ssm_agent "$region"
+  done_step
+
+  step="packages"
+  local missing
+  missing=$(missing_packages | xargs)
+  if [[ -n "$missing" ]]; then
+    say "installing $missing"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
+  done_step
+
+  step="asset"
+  say "fetching the agent from $AGENT_ASSET_URL"
+  local workdir
+  workdir=$(mktemp -d)
+  s3_get "$AGENT_ASSET_URL" "$workdir/agent.zip" "$region"
+  rm -rf "$PREFIX/lib.new"
+  mkdir -p "$PREFIX/lib.new"
+  python3 -m zipfile -e "$workdir/agent.zip" "$PREFIX/lib.new"
+  rm -rf "$PREFIX/lib" "$workdir"
+  mv "$PREFIX/lib.new" "$PREFIX/lib"
+  done_step
+
+  step="install"
+  say "installing the prebuilt CRIU and agent"
+  bash "$PREFIX/lib/install-artifact.sh" "$PREFIX/lib" "$PREFIX" --system
+  install -m 0644 "$PREFIX/lib/spotcr-agent.service" /etc/systemd/system/spotcr-agent.service
+  done_step
+
+  step="agent-bootstrap"
+  say "reading the job, preparing its storage, waiting for SSM to reach this instance"
+  # On failure the agent itself publishes BootstrapFailed with the step and reason.
+  "$PREFIX/bin/spotcr-agent" bootstrap --bucket "$BUCKET" --event-bus "$EVENT_BUS" --efs-id "$EFS_ID" \
+    --fsx-dns "$FSX_DNS" --fsx-mount-name "$FSX_MOUNT_NAME"
+  done_step
+
+  step="service"
+  systemctl daemon-reload
+  systemctl enable --now spotcr-agent.service
+  say "agent started, $((SECONDS - started)) s after the bootstrap began"
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  main "$@"
+fi

@@ -3,11 +3,14 @@
 # Debian 12's criu 3.17 fails `criu check` on recent kernels, so we build the pinned upstream
 # release from the source tarball Debian ships in its package pool, with one socket fix.
 # Idempotent: exits at once when a working CRIU >= 4 is already on PATH.
+# With SPOTCR_CRIU_BUILD_DIR set it only builds (criu and its cuda plugin) in that directory, installs
+# nothing and reuses an earlier build there: build-artifact.sh packages the result for job VMs.
 set -euo pipefail
 
 CRIU_VERSION=4.1.1
 CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
 PREFIX=${SPOTCR_CRIU_PREFIX:-/usr/local}
+BUILD_DIR=${SPOTCR_CRIU_BUILD_DIR:-}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 BUILD_DEPS=(build-essential pkg-config curl ca-certificates xz-utils python3 python3-protobuf
   libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
@@ -27,8 +30,12 @@ working_criu() {
   echo "$bin"
 }
 
-if bin=$(working_criu); then
+if [[ -z "$BUILD_DIR" ]] && bin=$(working_criu); then
   log "$("$bin" --version | head -1) at $bin passes 'criu check'; nothing to do"
+  exit 0
+fi
+if [[ -n "$BUILD_DIR" && -x "$BUILD_DIR/criu-$CRIU_VERSION/criu/criu" && -f "$BUILD_DIR/criu-$CRIU_VERSION/.spotcr-built" ]]; then
+  log "reusing the build in $BUILD_DIR/criu-$CRIU_VERSION"
   exit 0
 fi
 
@@ -47,28 +54,44 @@ debian_mirror() {
 }
 
 export DEBIAN_FRONTEND=noninteractive
-log "installing build dependencies"
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${BUILD_DEPS[@]}" "${RUN_DEPS[@]}" >/dev/null
+if dpkg -s "${BUILD_DEPS[@]}" "${RUN_DEPS[@]}" >/dev/null 2>&1; then
+  log "build dependencies already installed"
+else
+  log "installing build dependencies"
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${BUILD_DEPS[@]}" "${RUN_DEPS[@]}" >/dev/null
+fi
 
-if dpkg -s criu >/dev/null 2>&1; then
+if [[ -z "$BUILD_DIR" ]] && dpkg -s criu >/dev/null 2>&1; then
   log "removing the distribution's criu ($(dpkg-query -W -f='${Version}' criu)): it fails on this kernel"
   apt-get remove -y -qq criu >/dev/null
 fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+if [[ -n "$BUILD_DIR" ]]; then
+  mkdir -p "$BUILD_DIR"
+  rm -rf "$BUILD_DIR/criu-$CRIU_VERSION"
+fi
 tarball="criu_${CRIU_VERSION}.orig.tar.xz"
 log "fetching $tarball"
 curl -fsSL --retry 3 -o "$work/$tarball" "$(debian_mirror)/pool/main/c/criu/$tarball"
 echo "$CRIU_SHA256  $work/$tarball" | sha256sum -c --quiet - \
   || { log "checksum mismatch for $tarball"; exit 1; }
-tar -xJf "$work/$tarball" -C "$work"
-src="$work/criu-$CRIU_VERSION"
+src_root=${BUILD_DIR:-$work}
+tar -xJf "$work/$tarball" -C "$src_root"
+src="$src_root/criu-$CRIU_VERSION"
 patch -d "$src" -p1 --quiet < "$HERE/criu-4.1.1-eopnotsupp-sockopt.patch"
 
 log "building CRIU $CRIU_VERSION ($(nproc) cores)"
 make -C "$src" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
+if [[ -n "$BUILD_DIR" ]]; then
+  # The GPU plugin needs no CUDA headers to build (it talks to the driver at run time).
+  make -C "$src" -j"$(nproc)" cuda_plugin >>"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
+  touch "$src/.spotcr-built"
+  log "built CRIU $CRIU_VERSION in $src"
+  exit 0
+fi
 install -D -m 0755 "$src/criu/criu" "$PREFIX/sbin/criu"
 
 bin=$(working_criu) || { "$PREFIX/sbin/criu" check || true; log "built CRIU fails 'criu check'"; exit 1; }

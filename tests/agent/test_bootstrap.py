@@ -51,6 +51,8 @@ def _bootstrap(tmp_path, tags, spec=b"", **args):
         metadata=_metadata(tags),
         publisher=publisher,
         spec_reader=lambda uri: spec,
+        ping_status=lambda instance_id: "Online",
+        scratch_warning=lambda scratch_dir: None,
     )
     return code, results[0], publisher, environ
 

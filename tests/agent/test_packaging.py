@@ -22,10 +22,10 @@ PLACEHOLDERS = {
 def test_bootstrap_script_is_valid_bash_and_documents_every_placeholder():
     script = (VM / "bootstrap.sh").read_text()
     subprocess.run(["bash", "-n", str(VM / "bootstrap.sh")], check=True)
-    assert "set -euo pipefail" in script
+    assert "set -eEuo pipefail" in script
     used = set(re.findall(r'"(__SPOTCR_[A-Z_]+__)"', script))
     assert used == PLACEHOLDERS
-    header = script.split("set -euo pipefail")[0]
+    header = script.split("set -eEuo pipefail")[0]
     assert all(p in header for p in PLACEHOLDERS)
 
 
@@ -40,8 +40,20 @@ def test_bootstrap_script_calls_the_agent_with_flags_it_accepts():
 def test_launcher_and_unit_run_the_agent_where_the_ssm_documents_expect_it():
     assert AGENT_BIN == "/opt/spotcr/bin/spotcr-agent"
     launcher = (VM / "bin" / "spotcr-agent").read_text()
-    assert "exec /opt/spotcr/venv/bin/python -m spotcr_agent" in launcher
-    assert "PYTHONPATH=/opt/spotcr/lib" in launcher
+    assert "exec /usr/bin/python3 -m spotcr_agent" in launcher  # Debian 12's own python: nothing to install
+    assert "PYTHONPATH=/opt/spotcr/lib:/opt/spotcr/lib/python" in launcher
+    assert "PATH=/opt/spotcr/criu/bin:" in launcher  # the prebuilt CRIU
     unit = (VM / "spotcr-agent.service").read_text()
     assert f"ExecStart={AGENT_BIN} daemon" in unit
     assert "KillMode=process" in unit  # restarting the agent must never kill the job
+
+
+def test_bootstrap_installs_prebuilt_parts_and_the_ssm_agent_without_compiling():
+    script = (VM / "bootstrap.sh").read_text()
+    # AWS's documented SSM Agent install for Debian, from the instance's own region, started before the agent
+    assert "https://s3.$region.amazonaws.com/amazon-ssm-$region/latest/debian_$arch/amazon-ssm-agent.deb" in script
+    assert script.index('install_ssm_agent "$region"') < script.index('"$PREFIX/bin/spotcr-agent" bootstrap --bucket')
+    # CRIU and the agent's packages arrive prebuilt: no source build, pip, venv or build dependencies at boot
+    assert 'install-artifact.sh" "$PREFIX/lib" "$PREFIX" --system' in script
+    for compiling in ("install-criu.sh", "pip install", "venv", "build-essential", "make "):
+        assert compiling not in script

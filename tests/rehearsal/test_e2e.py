@@ -25,8 +25,13 @@ def test_a_job_interrupted_twice_ends_with_the_uninterrupted_result(storage, tmp
     )
     lines: list[str] = []
     # When its primary is interrupted, and then its backup
-    outcome = Rehearsal(options, echo=lines.append).run()
+    rehearsal = Rehearsal(options, echo=lines.append)
+    outcome = rehearsal.run()  # fails if anything but the checkpoints is left (the leak check)
     # Then it was restored twice and finished with the same result as a run that was never interrupted
     assert len(outcome.recoveries_s) == 2, "\n".join(lines)
     assert outcome.result == outcome.expected, "\n".join(lines)
     assert outcome.timeline_png.stat().st_size > 0
+    # And every VM got commands only after its SSM agent registered, and reported its boot-to-ready time
+    instances = set(rehearsal.cloud.vms)
+    assert {row["InstanceId"] for row in rehearsal.cloud.managed_instances.describe([])} == instances
+    assert set(rehearsal.watcher.boot_to_ready_s) == instances

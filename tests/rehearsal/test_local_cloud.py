@@ -1,16 +1,21 @@
 """The local cloud on its own: VMs boot in their own namespaces, SSM runs documents there, events route."""
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ClientError
 
+from rehearsal import ssm_agent
 from rehearsal.cloud import PREFIX, LocalCloud
 from rehearsal.timeline import Timeline
+from rehearsal.vm import REPO
 
 FAKE_AGENT = Path(__file__).with_name("fake_agent.py")
+EVENTS = Path(__file__).parents[1] / "events" / "ssm"
 
 
 def wait_for(predicate, timeout=15.0):
@@ -35,7 +40,8 @@ def cloud(tmp_path, events):
         timeline=Timeline(echo=None),
         schedule_every_s=0.5,
         on_event=events.append,
-        boot_commands=[["sleep", "infinity"]],
+        # The VM's boot starts the SSM agent stand-in, as bootstrap.sh starts amazon-ssm-agent.
+        boot_commands=[[sys.executable, "-m", ssm_agent.__name__], ["sleep", "infinity"]],
         agent_command=[sys.executable, str(FAKE_AGENT)],
         with_workflow=False,
     )
@@ -86,6 +92,7 @@ def test_imds_serves_the_instance_tags_and_the_spot_notice(cloud):
 @pytest.mark.criu
 def test_send_command_runs_the_document_in_the_target_vm(cloud):
     instance_id, _vm = launch(cloud, {"Name": "a"})
+    wait_for(lambda: cloud.managed_instances.online(instance_id))
     ssm = cloud.client("ssm")
     command_id = ssm.send_command(
         InstanceIds=[instance_id],
@@ -152,3 +159,51 @@ def test_an_ebs_volume_moves_between_vms_with_its_data(cloud):
     assert first.run(["test", "-e", link]).returncode == 1
     read = second.run(["sh", "-c", f"mount {link} /mnt/spotcr && cat /mnt/spotcr/f && umount /mnt/spotcr"])
     assert read.stdout == "kept\n", read.stderr
+
+
+@pytest.mark.criu
+def test_send_command_is_refused_until_the_vms_ssm_agent_registers(cloud):
+    # Given a running VM whose boot did not start the SSM agent stand-in
+    cloud.boot_commands = [["sleep", "infinity"]]
+    instance_id, vm = launch(cloud, {"Name": "no-agent"})
+    ssm = cloud.client("ssm")
+    checkpoint = {"JobId": ["demo"], "Generation": ["3"], "Kind": ["final"]}
+    # When a command is sent to it, Then SSM refuses it as AWS does
+    with pytest.raises(ClientError) as refused:
+        ssm.send_command(InstanceIds=[instance_id], DocumentName=f"{PREFIX}-checkpoint", Parameters=checkpoint)
+    # As AWS answers (tests/events/ssm/send-command-invalid-instance-id.json): same code, same message shape
+    published = json.loads((EVENTS / "send-command-invalid-instance-id.json").read_text())["Error"]
+    error = refused.value.response["Error"]
+    assert error["Code"] == published["Code"]
+    shape = re.escape(published["Message"]).replace("i\\-00903e1796f3b1cb6", "(i-[0-9a-f]+)")
+    assert re.fullmatch(shape.replace("775288309636", "[0-9]{12}"), error["Message"])
+    assert f"[[{instance_id}]]" in error["Message"]
+    assert (
+        ssm.describe_instance_information(Filters=[{"Key": "InstanceIds", "Values": [instance_id]}])[
+            "InstanceInformationList"
+        ]
+        == []
+    )
+    # When the stand-in registers the VM (what amazon-ssm-agent does once started)
+    registered = vm.run(["env", f"PYTHONPATH={REPO}", sys.executable, "-m", ssm_agent.__name__])
+    assert registered.returncode == 0, registered.stdout + registered.stderr
+    # Then the instance is Online and the command goes through
+    listed = ssm.describe_instance_information(Filters=[{"Key": "PingStatus", "Values": ["Online"]}])
+    assert [row["InstanceId"] for row in listed["InstanceInformationList"]] == [instance_id]
+    ssm.send_command(InstanceIds=[instance_id], DocumentName=f"{PREFIX}-checkpoint", Parameters=checkpoint)
+
+
+@pytest.mark.criu
+def test_a_terminated_instance_loses_its_ssm_connection(cloud):
+    instance_id, vm = launch(cloud, {"Name": "a"})
+    wait_for(lambda: cloud.managed_instances.online(instance_id))
+    cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    wait_for(lambda: vm.terminated)
+    info = cloud.client("ssm").describe_instance_information(Filters=[{"Key": "InstanceIds", "Values": [instance_id]}])
+    assert info["InstanceInformationList"][0]["PingStatus"] == "ConnectionLost"
+    with pytest.raises(ClientError, match="InvalidInstanceId"):
+        cloud.client("ssm").send_command(
+            InstanceIds=[instance_id],
+            DocumentName=f"{PREFIX}-status",
+            Parameters={"JobId": ["demo"]},
+        )

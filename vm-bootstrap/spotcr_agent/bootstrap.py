@@ -1,4 +1,5 @@
-"""`spotcr-agent bootstrap`: read the job from IMDS, fetch its spec, prepare its storage, write agent.json.
+"""`spotcr-agent bootstrap`: read the job from IMDS, fetch its spec, prepare its storage, write agent.json,
+then wait until SSM can reach this instance (readiness.py), so the agent's first event is answerable.
 
 A failure names its step, goes to the console, and is published as BootstrapFailed.
 """
@@ -15,7 +16,7 @@ from spotcr_contracts.events import BootstrapFailed
 from spotcr_contracts.tags import JobSpec, parse_job_tags
 
 from . import config as agent_config
-from . import storage
+from . import readiness, scratch, storage
 from .config import AgentConfig
 from .events import EventBridgePublisher, Publisher, now_iso
 from .imds import Imds, Metadata, instance_tags, require
@@ -111,9 +112,13 @@ def bootstrap(
     publisher: Publisher | None = None,
     spec_reader: Callable[[str], bytes] = fetch_spec,
     devices_dir: Path = Path("/dev/disk/by-id"),
+    ping_status: readiness.PingStatus | None = None,
+    scratch_warning: Callable[[Path], str | None] = scratch.capacity_warning,
 ) -> int:
     metadata = metadata or Imds(environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT))
     config: AgentConfig | None = None
+    waited_s = 0.0
+    warning: str | None = None
     try:
         if args.report_failure:
             raise BootstrapError(args.report_failure, "the bootstrap script failed at this step; see the console log")
@@ -130,6 +135,17 @@ def bootstrap(
             config.write(path)
         except OSError as error:
             raise BootstrapError("config", f"cannot write {path}: {error}") from error
+        warning = scratch_warning(config.scratch_dir)
+        if warning:
+            log.warning("this job may not be checkpointable on this instance: %s", warning)
+        try:
+            waited_s = readiness.wait_for_ssm(
+                config.instance_id,
+                ping_status or readiness.ssm_ping_status(config.region),
+                timeout_s=float(getattr(args, "ssm_wait_seconds", readiness.DEFAULT_WAIT_S)),
+            )
+        except readiness.NotReachable as error:
+            raise BootstrapError("ssm", str(error)) from error
     except BootstrapError as error:
         log.error("%s", error)
         region = config.region if config else _best_effort(metadata, "meta-data/placement/region")
@@ -146,7 +162,11 @@ def bootstrap(
         )
         print_result({"ok": False, "step": error.step, "error": error.reason})
         return 2 if error.step in ("tags", "spec") else 1
-    print_result({"ok": True, "config": str(path), "job_id": config.job_id, "mode": config.mode})
+    result: dict[str, Any] = {"ok": True, "config": str(path), "job_id": config.job_id, "mode": config.mode}
+    result["ssm_wait_s"] = round(waited_s, 2)
+    if warning:
+        result["scratch_warning"] = warning
+    print_result(result)
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import carry
+from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
 from .criu import Criu, CriuError
@@ -184,6 +185,7 @@ class Checkpointer:
         with exclusive(self.state.dir / "dump.lock"):
             pid, parent = self._running_job(generation)
             self._check_checkpointable(pid)
+            scratch_room.require_room(self.scratch_dir, pid, self.workdir)  # images and the work dir's copy
             meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
             with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
@@ -251,6 +253,7 @@ class Checkpointer:
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent = state.job_pid, state.last_checkpoint
             self._check_checkpointable(pid)
+            scratch_room.require_room(self.scratch_dir, pid)  # streamed or not, CRIU writes the images here
             meta = self._meta(checkpoint, generation, "final", parent, pid)
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     bootstrap.add_argument("--fsx-mount-name", default="", help="FSx for Lustre mount name (fsx storage)")
     bootstrap.add_argument("--scratch-dir", default="", help="local dir for periodic dumps (default <state>/scratch)")
     bootstrap.add_argument("--report-failure", metavar="STEP", default="", help="only publish that STEP failed")
+    bootstrap.add_argument(
+        "--ssm-wait-seconds", type=float, default=600.0, help="how long to wait for this instance's SSM Agent"
+    )
 
     commands.add_parser("daemon", help="the service: run or await the job, watch it, final dump on interruption")
 

@@ -1,0 +1,37 @@
+"""The agent asset's contents, staged as bootstrap.sh unpacks them (no CDK here: the rehearsal stages it too)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VM_BOOTSTRAP_DIR = REPO_ROOT / "vm-bootstrap"
+CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
+BUILD_DIR = REPO_ROOT / ".build"  # vm-bootstrap/build-artifact.sh (make artifacts) writes the prebuilt parts here
+_STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
+# Build-time files: a VM installs the prebuilt artifact instead.
+_BUILD_ONLY = shutil.ignore_patterns("install-criu.sh", "build-artifact.sh", "*.patch", "__pycache__", "*.pyc")
+
+
+class ArtifactMissing(FileNotFoundError):
+    pass
+
+
+def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir: Path = BUILD_DIR) -> Path:
+    """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, spotcr_contracts/, and the
+    prebuilt parts for `architecture`: criu/ (CRIU's tarball and sha256) and python/ (the agent's packages)."""
+    criu = sorted(build_dir.glob(f"spotcr-criu-*-{architecture}.tar.gz"))
+    python = build_dir / f"agent-python-{architecture}"
+    if len(criu) != 1 or not criu[0].with_name(criu[0].name + ".sha256").is_file() or not python.is_dir():
+        raise ArtifactMissing(
+            f"no prebuilt CRIU and agent packages for {architecture} in {build_dir}: run `make artifacts` "
+            f"on a Debian 12 {architecture} machine (vm-bootstrap/build-artifact.sh)"
+        )
+    shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_BUILD_ONLY, dirs_exist_ok=True)
+    shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)
+    (destination / "criu").mkdir(exist_ok=True)
+    for path in (criu[0], criu[0].with_name(criu[0].name + ".sha256")):
+        shutil.copy2(path, destination / "criu" / path.name)
+    shutil.copytree(python, destination / "python", dirs_exist_ok=True)
+    return destination

@@ -1,0 +1,163 @@
+"""What a job VM installs instead of compiling: the prebuilt CRIU artifact, the agent bundle, the signed S3 fetch."""
+
+import hashlib
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import threading
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+
+from infra.agent_bundle import BUILD_DIR, ArtifactMissing, stage_agent_bundle
+
+VM = Path(__file__).parents[2] / "vm-bootstrap"
+ARCH = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """The agent bundle as the stack uploads it (needs `make artifacts`, which `make test` runs)."""
+    return stage_agent_bundle(tmp_path_factory.mktemp("asset") / "bundle", ARCH)
+
+
+def test_the_bundle_carries_the_prebuilt_parts_and_no_build_scripts(bundle):
+    names = {path.name for path in bundle.iterdir()}
+    assert {"spotcr_agent", "spotcr_contracts", "bin", "install-artifact.sh", "criu", "python"} <= names
+    assert not {"install-criu.sh", "build-artifact.sh"} & names
+    assert not list(bundle.glob("*.patch"))
+    tarball = next((bundle / "criu").glob(f"spotcr-criu-*-{ARCH}.tar.gz"))
+    recorded = (bundle / "criu" / f"{tarball.name}.sha256").read_text().split()[0]
+    assert recorded == hashlib.sha256(tarball.read_bytes()).hexdigest()
+    assert (bundle / "python" / "boto3").is_dir() and list((bundle / "python").glob("zstandard/backend_c*.so"))
+
+
+def test_a_missing_artifact_is_named_with_how_to_build_it(tmp_path):
+    with pytest.raises(ArtifactMissing, match=r"no prebuilt CRIU and agent packages for arm64 .* `make artifacts`"):
+        stage_agent_bundle(tmp_path / "bundle", "arm64", build_dir=BUILD_DIR)
+
+
+@pytest.mark.criu
+def test_the_artifact_installs_without_a_compiler_and_passes_criu_check(bundle, tmp_path):
+    # Given the bundle unpacked as on a VM, When install-artifact.sh installs it into a private prefix
+    prefix = tmp_path / "opt-spotcr"
+    installed = subprocess.run(
+        ["bash", str(bundle / "install-artifact.sh"), str(bundle), str(prefix)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stderr
+    criu = prefix / "criu" / "bin" / "criu"
+    # Then its CRIU finds its libraries beside it with no environment, and works on this kernel
+    linked = subprocess.run(["ldd", str(criu)], capture_output=True, text=True, check=True).stdout
+    assert f"libprotobuf-c.so.1 => {prefix}/criu/bin/../lib/libprotobuf-c.so.1" in linked
+    check = subprocess.run(["env", "-i", str(criu), "check"], capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert (prefix / "bin" / "spotcr-agent").stat().st_mode & 0o111
+
+
+def test_a_tampered_artifact_is_refused(bundle, tmp_path):
+    copy = shutil.copytree(bundle, tmp_path / "bundle")
+    tarball = next((copy / "criu").glob("*.tar.gz"))
+    with tarfile.open(tarball, "w:gz") as archive:
+        archive.addfile(tarfile.TarInfo("spotcr-criu/VERSION"))
+    refused = subprocess.run(
+        ["bash", str(copy / "install-artifact.sh"), str(copy), str(tmp_path / "prefix")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert refused.returncode == 1
+    assert "checksum mismatch" in refused.stderr
+    assert not (tmp_path / "prefix" / "criu").exists()
+
+
+class _Capture(http.server.BaseHTTPRequestHandler):
+    seen: ClassVar[list[tuple[str, dict[str, str]]]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, dict(self.headers.items())))
+        body = b"PK-the-asset"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_bootstraps_s3_fetch_is_signed_as_aws_signs(tmp_path):
+    # Given an endpoint that records requests, and temporary credentials
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    environ = {
+        "PATH": os.environ["PATH"],
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "ASIAEXAMPLEKEY",
+        "AWS_SECRET_ACCESS_KEY": "secret/example+key",
+        "AWS_SESSION_TOKEN": "session-token-example",
+    }
+    try:
+        # When bootstrap.sh's s3_get fetches the asset
+        fetched = subprocess.run(
+            [
+                "bash",
+                "-c",
+                f'source {VM / "bootstrap.sh"} && s3_get s3://assets-bucket/abc/agent.zip "$1" eu-west-1',
+                "-",
+                str(tmp_path / "agent.zip"),
+            ],
+            env=environ,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        server.shutdown()
+    assert fetched.returncode == 0, fetched.stderr
+    assert (tmp_path / "agent.zip").read_bytes() == b"PK-the-asset"
+    path, headers = _Capture.seen[-1]
+    lower = {k.lower(): v for k, v in headers.items()}
+    # Then the request carries the session token and a SigV4 signature that botocore computes the same way
+    assert lower["x-amz-security-token"] == "session-token-example"
+    credential, signed, signature = (
+        part.strip().split("=", 1)[1] for part in lower["authorization"].split(" ", 1)[1].split(",")
+    )
+    assert credential.startswith("ASIAEXAMPLEKEY/") and credential.endswith("/eu-west-1/s3/aws4_request")
+    assert {"host", "x-amz-content-sha256", "x-amz-date", "x-amz-security-token"} <= set(signed.split(";"))
+    request = AWSRequest(method="GET", url=endpoint + path, headers={h: lower[h] for h in signed.split(";")})
+    request.context["timestamp"] = lower["x-amz-date"]
+    auth = S3SigV4Auth(Credentials("ASIAEXAMPLEKEY", "secret/example+key", "session-token-example"), "s3", "eu-west-1")
+    auth._modify_request_before_signing = lambda request: None
+    expected = auth.signature(auth.string_to_sign(request, auth.canonical_request(request)), request)
+    assert signature == expected
+
+
+def test_the_bundles_python_packages_serve_every_aws_service_the_agent_calls(bundle):
+    # Given the services the agent's code makes clients for, and those the artifact keeps botocore models of
+    called = set()
+    for source in (VM / "spotcr_agent").rglob("*.py"):
+        called |= set(re.findall(r'client\(\s*"([a-z0-9-]+)"', source.read_text()))
+    script = (VM / "build-artifact.sh").read_text()
+    kept = set(re.search(r'AGENT_SERVICES="([^"]+)"', script).group(1).split())  # type: ignore[union-attr]
+    assert called and called <= kept
+    # Then Debian's python3 runs the agent's imports from the bundle alone, with zstandard's C backend
+    probe = "import boto3, zstandard; [boto3.client(s, region_name='us-east-1') for s in %r]; print(zstandard.backend)"
+    ran = subprocess.run(
+        ["env", "-i", f"PYTHONPATH={bundle / 'python'}", "/usr/bin/python3", "-c", probe % sorted(called)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ran.stdout.strip() == "cext", ran.stderr

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Builds what a job VM installs instead of compiling (make artifacts): CRIU with its plugin and the Debian 12
+# libraries it links against, as one tarball with its sha256, and the agent's Python packages for Debian 12's
+# python3 (3.11). For the machine's own architecture: amd64 here; for arm64 run the same on an arm64 Debian 12.
+# Output under .build/ (or $1): spotcr-criu-<version>-<arch>.tar.gz{,.sha256} and agent-python-<arch>/.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+OUT=${1:-$(dirname "$HERE")/.build}
+PYTHON=${PYTHON:-python3}
+ARCH=$(dpkg --print-architecture)
+CRIU_VERSION=$(sed -n 's/^CRIU_VERSION=//p' "$HERE/install-criu.sh")
+NAME="spotcr-criu-$CRIU_VERSION-$ARCH"
+# Libraries every Debian 12 system has (glibc's own): the VM's are used, never a copy.
+AGENT_SERVICES="s3 ssm events sts"  # the AWS services the agent calls (sts: credential chains)
+SYSTEM_LIBS='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux[^.]*)\.so'
+
+log() { echo "build-artifact: $*" >&2; }
+# The Debian package (and version) a library comes from, for the record: merged /usr means either path.
+debian_package() {
+  local real candidate owner
+  real=$(realpath "$1")
+  for candidate in "$1" "$real" "/usr${real#/usr}" "${real#/usr}"; do
+    owner=$(dpkg -S "$candidate" 2>/dev/null | head -1 | cut -d: -f1) && [[ -n "$owner" ]] && break
+  done
+  [[ -n "$owner" ]] && dpkg-query -W -f='${binary:Package} ${Version}\n' "$owner"
+  return 0
+}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+tarball="$OUT/$NAME.tar.gz"
+if [[ -f "$tarball" && -f "$tarball.sha256" && "$tarball" -nt "$HERE/install-criu.sh" && "$tarball" -nt "$0" ]]; then
+  log "$NAME.tar.gz is up to date"
+else
+  command -v patchelf >/dev/null || { apt-get update -qq && apt-get install -y -qq patchelf >/dev/null; }
+  SPOTCR_CRIU_BUILD_DIR="$OUT/criu-build" bash "$HERE/install-criu.sh"
+  src="$OUT/criu-build/criu-$CRIU_VERSION"
+  stage="$OUT/stage/$NAME"
+  rm -rf "$OUT/stage"
+  mkdir -p "$stage/bin" "$stage/lib/criu"
+  install -m 0755 "$src/criu/criu" "$stage/bin/criu"
+  install -m 0644 "$src/plugins/cuda/cuda_plugin.so" "$stage/lib/criu/"
+  : >"$stage/DEBIAN-PACKAGES"
+  while read -r lib; do
+    [[ $(basename "$lib") =~ $SYSTEM_LIBS ]] && continue
+    cp -L "$lib" "$stage/lib/"
+    debian_package "$lib" >>"$stage/DEBIAN-PACKAGES"
+  done < <(ldd "$src/criu/criu" | awk '$2 == "=>" && $3 ~ /^\// {print $3}')
+  sort -u -o "$stage/DEBIAN-PACKAGES" "$stage/DEBIAN-PACKAGES"
+  # DT_RPATH (not RUNPATH) so the libraries' own dependencies are found beside them too; nothing in the
+  # environment changes, so the processes CRIU starts (action scripts, iptables) see the VM's own libraries.
+  patchelf --force-rpath --set-rpath '$ORIGIN/../lib' "$stage/bin/criu"
+  echo "$CRIU_VERSION" >"$stage/VERSION"
+  env -i "$stage/bin/criu" --version | grep -q "Version: $CRIU_VERSION" \
+    || { log "the packaged criu does not run"; exit 1; }
+  tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$OUT/stage" -cf - "$NAME" \
+    | gzip -n -6 >"$tarball.tmp"
+  mv "$tarball.tmp" "$tarball"
+  (cd "$OUT" && sha256sum "$NAME.tar.gz" >"$NAME.tar.gz.sha256")
+  rm -rf "$OUT/stage"
+  log "$tarball ($(du -h "$tarball" | cut -f1)), sha256 $(cut -d' ' -f1 "$tarball.sha256")"
+fi
+
+python_dir="$OUT/agent-python-$ARCH"
+if [[ -d "$python_dir" && "$python_dir" -nt "$HERE/requirements.txt" && "$python_dir" -nt "$0" ]]; then
+  log "agent-python-$ARCH is up to date"
+else
+  rm -rf "$python_dir.new"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    --platform "manylinux2014_$(uname -m)" --python-version 3.11 --implementation cp \
+    --target "$python_dir.new" -r "$HERE/requirements.txt"
+  # Only what the agent uses: botocore's models of the services it calls (a test checks the agent's clients
+  # against AGENT_SERVICES), zstandard's C backend. 59 MB becomes about 12, which every VM downloads and unpacks.
+  for dir in "$python_dir.new"/botocore/data/*/; do
+    [[ " $AGENT_SERVICES " == *" $(basename "$dir") "* ]] || rm -rf "$dir"
+  done
+  rm -f "$python_dir.new"/zstandard/_cffi.*.so "$python_dir.new"/zstandard/backend_cffi.py
+  strip --strip-unneeded "$python_dir.new"/zstandard/*.so  # its debug symbols are 10 of its 11 MB
+  rm -rf "$python_dir" && mv "$python_dir.new" "$python_dir"
+  log "$python_dir ($(du -sh "$python_dir" | cut -f1))"
+fi
