@@ -26,10 +26,6 @@ class CapacityUnavailable(Exception):
     """RunInstances found no capacity for this candidate; the workflow moves down the list."""
 
 
-class NoCheckpoint(Exception):
-    """There is no committed checkpoint to restore for this attempt."""
-
-
 class HandOverTimedOut(Exception):
     """The EBS volume did not reach the backup in time; the workflow marks the job FAILED and notifies."""
 
@@ -252,9 +248,9 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     record = _current(deps, job_id, generation)
     if record.backup_instance_id is None:
         raise ValueError(f"job {job_id} has no backup instance to restore on")
+    # The agent walks back from this one through every older committed checkpoint; with none it restarts the job
+    # from the beginning (unless its tags turn that off). A second attempt starts the walk one checkpoint back.
     checkpoint_id = record.checkpoint_id if attempt == "newest" else record.previous_checkpoint_id
-    if attempt != "newest" and not checkpoint_id:
-        raise NoCheckpoint(f"job {job_id} has no earlier checkpoint to restore")
     # Token first, then the command: the agent's answer always finds the token (or the token finds the answer).
     rendezvous.wait_for(deps, job_id, "restore", generation, token, reset=True)
     values = {"JobId": job_id, "Generation": str(generation), "CheckpointId": checkpoint_id or ""}
@@ -269,7 +265,7 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     if record.backup_instance_id is None or record.backup_az is None:
         raise ValueError(f"job {job_id} has no backup to finish on")
     backup = deps.cloud.describe_instance(record.backup_instance_id)
-    restored = record.arrival("restore") or {}
+    restored = (record.arrival("restore") or {}).get("output") or {}
     values: dict[str, Any] = {
         "status": Status.RUNNING.value,
         "instance_id": record.backup_instance_id,
@@ -300,28 +296,46 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
             deps.metric("LostWorkSeconds", "Seconds", max((warned - taken).total_seconds(), 0.0))
     deps.metric("RecoveriesSucceeded", "Count", 1)
     logger.info("job recovered", job_id=job_id, generation=generation, instance_id=record.backup_instance_id)
+    if restored and not restored.get("checkpoint_id"):
+        why = restored.get("skipped") or "no committed checkpoint"
+        message = f"spotcr job {job_id} restarted from the beginning on {record.backup_instance_id}: {why}"
+        deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {job_id} restarted", message[:4000])
     return {"job_id": job_id, "generation": generation, "instance_id": record.backup_instance_id}
 
 
 def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> dict[str, Any]:
-    """Recovery gave up: the job is FAILED, its backup (if any) terminated; the workflow then notifies."""
+    """Recovery gave up: the job is FAILED, its backup (if any) terminated; the workflow then notifies.
+
+    Only a job still RECOVERING this generation is failed: one that ended meanwhile keeps its own end."""
     record = deps.registry.get(job_id)
-    reason = f"recovery of generation {generation} failed: {error}: {cause}"[:1024]
+    reason = f"recovery of generation {generation} failed: {error}: {readable_cause(cause)}"[:1024]
     updated = deps.registry.update(
         job_id,
         {"status": Status.FAILED.value, "reason": reason, "updated_at": deps.iso_now()},
         remove=("next_checkpoint_at",),
-        condition="#generation = :g",
-        condition_values={":g": generation},
+        condition="#generation = :g AND #status = :recovering",
+        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
     )
     if updated is None:
         logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
-        return {"job_id": job_id, "marked_failed": False, "message": reason}
+        return {"job_id": job_id, "marked_failed": False, "message": f"spotcr job {job_id}: {reason}"}
     if record and record.backup_instance_id:
         deps.cloud.terminate_instance(record.backup_instance_id)
     deps.metric("RecoveriesFailed", "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
     return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
+
+
+def readable_cause(cause: str) -> str:
+    """A Lambda error's cause is a JSON document with a stack trace: keep its type and message, never the trace."""
+    try:
+        document = json.loads(cause)
+    except ValueError:
+        return cause[:500]
+    if isinstance(document, dict) and "errorMessage" in document:
+        kind = str(document.get("errorType") or "Error")
+        return f"{kind}: {document['errorMessage']}"[:500]
+    return cause[:500]
 
 
 def on_recovery_ended(deps: Deps, execution: str, status: str, execution_input: str | None) -> dict[str, Any]:

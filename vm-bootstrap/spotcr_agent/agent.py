@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotcr_contracts.events import (
+    UNKNOWN_EXIT_CODE,
     AgentEvent,
     AgentReady,
     CheckpointCompleted,
@@ -31,8 +32,6 @@ from .runner import JobFiles, job_alive, start_job
 from .state import StaleGeneration, StateFile, admit, exclusive
 
 log = logging.getLogger(__name__)
-
-UNKNOWN_EXIT_CODE = -1  # the job's PID 1 was killed, so no exit code was recorded
 
 
 class WrongJob(ValueError):
