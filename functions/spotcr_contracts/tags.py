@@ -19,6 +19,7 @@ FALLBACK_TYPES = "spotcr:fallback-types"
 COMMAND = "spotcr:command"
 SPEC = "spotcr:spec"
 WORKDIR = "spotcr:workdir"
+RESTART_FROM_SCRATCH = "spotcr:restart-from-scratch"  # true (default) | false: with no checkpoint, start over
 ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
@@ -37,6 +38,11 @@ _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")
+_ASCII_NUMBER = re.compile(r"^[0-9]{1,10}$")  # str.isdigit() also accepts superscripts and full-width digits
+# Restore replaces the work dir with the checkpoint's: it must be the job's own directory, never one the system
+# needs. These, and anything under the first group, are refused.
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/boot", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr")
+SYSTEM_DIRS = ("/", "/home", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/var/lib", "/var/lib/spotcr", "/mnt")  # noqa: S108
 _SHELL_SYNTAX = re.compile(r"[;&|<>`$\\]|\$\(")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -63,6 +69,7 @@ class JobSpec:
     workdir: str | None = None
     mode: str = "run"
     generation: int = 0
+    restart_from_scratch: bool = True
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def to_tags(self) -> dict[str, str]:
@@ -82,6 +89,8 @@ class JobSpec:
             tags[SPEC] = self.spec_uri
         if self.workdir:
             tags[WORKDIR] = self.workdir
+        if not self.restart_from_scratch:
+            tags[RESTART_FROM_SCRATCH] = "false"
         return tags
 
 
@@ -118,8 +127,9 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     if not command and spec_uri is None:
         raise InvalidJobTags(COMMAND, f"a job needs {COMMAND} or {SPEC}")
     workdir = tags.get(WORKDIR)
-    if workdir is not None and (not _WORKDIR.match(workdir) or "/../" in workdir + "/"):
-        raise InvalidJobTags(WORKDIR, "must be an absolute path of letters, digits, '.', '_', '-' and '/'")
+    if workdir is not None and (problem := workdir_problem(workdir)):
+        raise InvalidJobTags(WORKDIR, problem)
+    restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -131,8 +141,21 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         workdir=workdir,
         mode=mode,
         generation=generation,
+        restart_from_scratch=restart,
         extra=extra,
     )
+
+
+def workdir_problem(workdir: str) -> str | None:
+    """Why a path cannot be a job's work dir (restore replaces that whole tree), or None when it can."""
+    if not _WORKDIR.match(workdir) or "/../" in workdir + "/" or "/./" in workdir + "/":
+        return "must be an absolute path of letters, digits, '.', '_', '-' and '/'"
+    normal = workdir.rstrip("/") or "/"
+    while "//" in normal:
+        normal = normal.replace("//", "/")
+    if normal in SYSTEM_DIRS or any(normal == t or normal.startswith(t + "/") for t in SYSTEM_TREES):
+        return f"{workdir!r} is a system directory; restore replaces the work dir, so use the job's own (e.g. /opt/job)"
+    return None
 
 
 def parse_command(value: str, tag: str = COMMAND) -> tuple[str, ...]:
@@ -159,12 +182,21 @@ def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: 
     raw = tags.get(tag)
     if raw is None:
         return default
-    if not raw.isdigit() or len(raw) > 10:
+    if not _ASCII_NUMBER.match(raw):
         raise InvalidJobTags(tag, f"must be a whole number, got {raw[:32]!r}")
     value = int(raw)
     if not low <= value <= high:
         raise InvalidJobTags(tag, f"must be between {low} and {high}, got {value}")
     return value
+
+
+def _parse_bool(tags: Mapping[str, str], tag: str, *, default: bool) -> bool:
+    raw = tags.get(tag)
+    if raw is None:
+        return default
+    if raw not in ("true", "false"):
+        raise InvalidJobTags(tag, f"must be true or false, got {raw[:32]!r}")
+    return raw == "true"
 
 
 def _parse_fallback_types(raw: str) -> tuple[str, ...]:

@@ -136,8 +136,8 @@ class Checkpointer:
                 )
             except CriuError as error:
                 raise CheckpointError(f"{error.reason}; CRIU log: {scratch / 'logs' / 'dump.log'}") from error
-        # The job runs again: from here on only the network waits.
-        result = self.store.commit(scratch / "images", meta, extra_files=workdir_files(self.workdir, snapshot))
+            # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
+            result = self.store.commit(scratch / "images", meta, extra_files=workdir_files(self.workdir, snapshot))
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:

@@ -59,6 +59,7 @@ class AgentConfig:
     imds_endpoint: str = DEFAULT_IMDS_ENDPOINT
     criu_bin: str = "criu"
     keep_checkpoints: int = 3
+    restart_from_scratch: bool = True  # with no restorable checkpoint, a backup starts the job over
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
@@ -82,7 +83,7 @@ class AgentConfig:
         return values
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> AgentConfig:
+    def from_json(cls, data: Mapping[str, Any]) -> AgentConfig:  # noqa: PLR0912 (one branch per field type)
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -93,6 +94,10 @@ class AgentConfig:
             if kind == "Path":
                 _expect(name, value, str)
                 values[name] = Path(value)
+            elif kind == "bool":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{name}: must be true or false, got {type(value).__name__}")
+                values[name] = value
             elif kind == "int":
                 _expect(name, value, int)
                 values[name] = value

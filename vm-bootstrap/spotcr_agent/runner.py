@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotcr_contracts.tags import workdir_problem
+
 CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every checkpoint
 WRAPPER = 'f=$1; shift; "$@"; echo $? >> "$f"'
 MAX_SPEC_BYTES = 64 * 1024
@@ -60,6 +62,8 @@ def parse_job_spec(text: str | bytes) -> JobDefinition:
         not isinstance(workdir, str) or not workdir.startswith("/") or ".." in Path(workdir).parts or "\x00" in workdir
     ):
         raise InvalidJobSpec("workdir: must be an absolute path without '..'")
+    if workdir is not None and (problem := workdir_problem(workdir)):
+        raise InvalidJobSpec(f"workdir: {problem}")
     env = data.get("env", {})
     if not isinstance(env, dict):
         raise InvalidJobSpec("env: must be an object of strings")
