@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from spotcr_agent import daemon
 from spotcr_agent.checkpoint import CheckpointError
-from spotcr_agent.runner import JobError, checkpointable_problem
+from spotcr_agent.runner import checkpointable_problem
 from spotcr_agent.store import CheckpointStore
 
 from .conftest import (
@@ -48,8 +48,10 @@ def test_a_job_that_exits_at_once_is_reported_and_cannot_be_checkpointed(tmp_pat
 
 def test_a_command_that_does_not_exist_is_refused_before_starting(tmp_path, publisher):
     agent = make_agent(make_config(tmp_path, command=("no-such-program", "--x")), publisher)
-    with pytest.raises(JobError, match="'no-such-program' is not an executable file"):
-        agent.start_job()
+    assert agent.start_job() is None
+    [failed] = publisher.of("BootstrapFailed")
+    assert "'no-such-program' is not an executable file" in failed.reason
+    assert publisher.of("JobStarted") == []
 
 
 def test_a_job_with_a_terminal_is_refused_with_the_reason(tmp_path, publisher):
