@@ -15,7 +15,7 @@ from spotcr_functions.cloud import CAPACITY_ERRORS, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
-from spotcr_functions.registry import StaleGeneration
+from spotcr_functions.registry import WAIT_KEYS, StaleGeneration
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -41,8 +41,7 @@ def on_interruption_warning(deps: Deps, instance_id: str, warned_at: str) -> dic
     """Fence the generation, order the final dump, start the recovery workflow. Duplicates do nothing more."""
     record = deps.registry.by_instance(instance_id)
     if record is None:
-        logger.info("interruption warning for an instance that runs no job", instance_id=instance_id)
-        return {"action": "ignored", "reason": "no job on this instance"}
+        return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
     bumped = _bump(deps, record, instance_id, warned_at)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
@@ -55,10 +54,7 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     """The missed-warning case: the job's current instance went away and no warning started recovery."""
     record = deps.registry.by_instance(instance_id)
     if record is None:
-        logger.info(
-            "instance went down but runs no job (or was replaced already)", instance_id=instance_id, state=state
-        )
-        return {"action": "ignored", "reason": "no job on this instance"}
+        return on_backup_down(deps, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     if record.status not in ACTIVE:
         return _already_recovering(deps, record.job_id, instance_id)
     bumped = _bump(deps, record, instance_id, at)
@@ -357,3 +353,31 @@ def on_recovery_ended(deps: Deps, execution: str, status: str, execution_input: 
 def checkpoint_time(checkpoint_id: str) -> datetime:
     """Checkpoint ids start with the unix milliseconds they were taken at."""
     return datetime.fromtimestamp(int(checkpoint_id.split("-", 1)[0]) / 1000, UTC)
+
+
+def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_dump: bool) -> dict[str, Any]:
+    """A backup interrupted or gone while its recovery still runs starts a new cycle from the newest checkpoint.
+
+    Backups are first-class: the instance is found by its spotcr:job tag (the job's current instance is still
+    the old primary until Finish), the generation is bumped from the recovering one, the old workflow's waits
+    are released, and a warning orders the backup's own final dump: its agent takes it as soon as it runs the job.
+    """
+    instance = deps.cloud.describe_instance(instance_id)
+    job_id = instance.tags.get(tags.JOB) if instance else None
+    record = deps.registry.get(job_id) if job_id else None
+    if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
+        logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
+        return {"action": "ignored", "reason": "no job on this instance"}
+    if record.backup_instance_id != instance_id:
+        return _already_recovering(deps, record.job_id, instance_id)
+    bumped = deps.registry.bump_backup(record, at)
+    if bumped is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    for key in WAIT_KEYS:
+        token = record.token(key)
+        if token and token.get("generation") == record.generation:
+            deps.cloud.complete_task(str(token["token"]), {}, error="StaleGeneration", cause=f"backup lost: {reason}")
+    logger.warning("the backup went away during its recovery; a new cycle starts", job_id=record.job_id, reason=reason)
+    ordered = final_dump and _order_final_dump(deps, bumped, instance_id, at)
+    _start(deps, bumped, instance_id, reason=f"backup-{reason}", final_dump=ordered)
+    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": ordered}

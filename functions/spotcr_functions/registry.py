@@ -163,6 +163,27 @@ class Registry:
                 return bumped
         return None
 
+    def bump_backup(self, seen: JobRecord, at: str) -> JobRecord | None:
+        """The fencing write for a backup lost while it restores: generation+1, recovering from that backup."""
+        waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
+        return self.update(
+            seen.job_id,
+            {
+                "generation": seen.generation + 1,
+                "recovering_from": seen.backup_instance_id,
+                "interrupted_at": at,
+                "updated_at": at,
+            },
+            # The handed-over EBS volume (if any) stays named: it holds the job's data and moves on from the backup.
+            remove=("backup_instance_id", "backup_az", "handover_snapshot_id", *waits),
+            condition="#generation = :g AND #status = :recovering AND backup_instance_id = :b",
+            condition_values={
+                ":g": seen.generation,
+                ":recovering": Status.RECOVERING.value,
+                ":b": seen.backup_instance_id,
+            },
+        )
+
     def end(self, seen: JobRecord, status: Status, values: Mapping[str, Any]) -> JobRecord | None:
         """Mark the job COMPLETED or FAILED if it is still exactly as `seen` (None when it moved: re-read, retry)."""
         backup = "backup_instance_id = :b" if seen.backup_instance_id else "attribute_not_exists(backup_instance_id)"

@@ -241,3 +241,41 @@ def test_a_lambda_error_cause_is_read_without_its_stack_trace() -> None:
     )
     assert recovery.readable_cause(cause) == "ValueError: job j has no backup instance to restore on"
     assert recovery.readable_cause("RestoreFailed on the backup") == "RestoreFailed on the backup"
+
+
+@pytest.mark.parametrize("event", ["spot-interruption-warning", "state-change-terminated"])
+def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane, event: str) -> None:
+    # Given a recovery whose backup was ordered to restore the newest checkpoint
+    primary = plane.start_job("second-1")
+    periodic = _commit(plane, "second-1", primary, 0, "periodic")
+    route(ec2_event("state-change-terminated", primary))
+    backup = _backup(plane, "second-1")
+    route(agent_event(events.AgentReady("second-1", backup, 1, now_iso(), mode="restore")))
+    plane.wait_until(lambda: plane.sent_commands("restore"), "the first restore")
+
+    # When that backup is warned (or terminated) before its restore completes
+    route(ec2_event(event, backup))
+
+    # Then a new cycle starts from it at the next generation; a warning orders the backup's own final dump
+    record = plane.wait_until(lambda: (r := plane.job("second-1")).generation == 2 and r, "the new generation")
+    assert (record.status, record.recovering_from) == (Status.RECOVERING, backup)
+    dumps = [c for c in plane.sent_commands("checkpoint") if c["instances"] == [backup]]
+    if event == "spot-interruption-warning":
+        assert [d["parameters"] for d in dumps] == [{"JobId": "second-1", "Generation": "2", "Kind": "final"}]
+        plane.wait_for_token("second-1", "final-dump")
+        restored = _commit(plane, "second-1", backup, 2, "final")
+    else:
+        assert dumps == []
+        restored = periodic
+    second = plane.wait_until(
+        lambda: (b := plane.job("second-1").backup_instance_id) and b != backup and b, "the second backup"
+    )
+    route(agent_event(events.AgentReady("second-1", second, 2, now_iso(), mode="restore")))
+    plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
+    [again] = [c for c in plane.sent_commands("restore") if c["instances"] == [second]]
+    assert again["parameters"]["CheckpointId"] == restored
+    route(agent_event(events.RestoreCompleted("second-1", second, 2, now_iso(), checkpoint_id=restored)))
+    plane.wait_until(lambda: plane.job("second-1").status == Status.RUNNING, "the job to run again")
+    job = plane.job("second-1")
+    assert (job.instance_id, job.generation) == (second, 2)
+    assert len(plane.executions()) == 2

@@ -117,12 +117,15 @@ class Restorer:
                     continue
                 start_time = process_start_time(pid) or 0
                 with self.state.locked() as state:
-                    admit(state, generation)
+                    # The job runs here now, whatever generation was admitted meanwhile: a warning that came
+                    # during the restore (a newer generation) has its final dump waiting on the dump lock.
+                    state.generation = max(state.generation, generation)
                     state.job_id = self.job_id
                     state.job_pid, state.job_start_time = pid, start_time
                     state.job_status, state.exit_code = "running", None
                     state.last_checkpoint = candidate
-                    state.final_dumps = {}  # a new run of the job here: it may need a final dump of its own
+                    # A new run of the job here: earlier final dumps are not its own; one asked meanwhile is.
+                    state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
                 if failures:
                     log.warning("restored the older checkpoint %s because %s", candidate, "; ".join(failures))
                 return RestoreOutcome(
