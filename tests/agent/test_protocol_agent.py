@@ -301,3 +301,27 @@ def test_bootstrap_waits_for_the_job_tag_added_to_a_running_instance(tmp_path):
     # Then it waited for the tag and the job is the one tagged
     assert (config.job_id, config.command) == ("late-1", ("python3", "sim.py"))
     assert len(polls) == 2
+
+
+def test_a_backup_warned_while_it_restores_takes_its_final_dump_once_the_job_runs(tmp_path, publisher, monkeypatch):
+    # Given a backup whose agent sees the interruption notice before its restore has brought the job back
+    agent = make_agent(make_config(tmp_path, "backup", mode="restore"), publisher)
+    notice = FakeMetadata({"meta-data/spot/instance-action": '{"action":"terminate"}'})
+    dumps = []
+    monkeypatch.setattr(agent, "checkpoint", lambda kind, generation: dumps.append((kind, generation)))
+
+    # When the daemon polls before and after the restore
+    before = daemon._check_interruption(agent, notice)
+    job = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        with agent.state.locked() as state:
+            state.generation, state.job_status = 1, "running"
+            state.job_pid, state.job_start_time = job.pid, process_start_time(job.pid) or 0
+        after = daemon._check_interruption(agent, notice)
+    finally:
+        job.kill()
+        job.wait()
+
+    # Then it kept watching, and took the final dump as soon as the restored job ran
+    assert (before, after) == (False, True)
+    assert dumps == [("final", 1)]
