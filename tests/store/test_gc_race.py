@@ -7,7 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotcr_agent.store import CheckpointStore
+import pytest
+from spotcr_agent.store import CheckpointStore, CorruptCheckpoint
 
 from .support import MiB, checkpoint_id, meta, random_bytes
 
@@ -102,3 +103,36 @@ def test_a_prune_sees_a_commit_in_flight_and_deletes_nothing(store: CheckpointSt
     assert (pruned.deleted_checkpoints, pruned.deleted_chunks) == ([], 0)
     later = store.prune(keep=1, grace_seconds=0, commit_timeout_s=0)
     assert later.deleted_checkpoints == [checkpoint_id(1)] and later.deleted_chunks > 0
+
+
+def test_a_fresh_full_checkpoint_heals_a_damaged_chunk_every_checkpoint_shares(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    # Given three periodic checkpoints of the same content (one full, then two that reuse its chunks)
+    store.full_every = 3
+    for n in (1, 2, 3):
+        result = store.commit(_images(tmp_path / f"img{n}", 1, 2), meta(n, parent=n - 1 if n > 1 else None))
+    assert [store.load(checkpoint_id(n)).since_full for n in (1, 2, 3)] == [0, 1, 2]
+    assert result.chunks_uploaded == 0
+
+    # When a chunk all three share is damaged in the store (bit rot, a bad write)
+    shared = sorted(store.load(checkpoint_id(1)).chunk_hashes())[0]
+    store.backend.put(f"jobs/{store.job_id}/chunks/{shared[:2]}/{shared}", b"damaged")
+    with pytest.raises(CorruptCheckpoint):
+        store.fetch(checkpoint_id(1), tmp_path / "broken")
+
+    # Then the next periodic checkpoint is a fresh full one: it sends every chunk again, and that rewrite
+    # makes every older checkpoint that shares the chunk restorable again
+    fourth = store.commit(_images(tmp_path / "img4", 1, 2), meta(4, parent=3))
+    assert store.load(checkpoint_id(4)).since_full == 0
+    assert fourth.chunks_uploaded == fourth.chunks_total
+    for n in (1, 4):
+        store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
+        assert (tmp_path / f"restore{n}/images/pages-1.img").read_bytes() == random_bytes(MiB, seed=1)
+
+
+def test_a_final_dump_always_deduplicates(store: CheckpointStore, tmp_path: Path) -> None:
+    store.full_every = 1
+    store.commit(_images(tmp_path / "img1", 1), meta(1))
+    final = store.commit(_images(tmp_path / "img2", 1), meta(2, parent=1, kind="final"))
+    assert final.chunks_uploaded == 0

@@ -17,7 +17,8 @@ died leaves its marker: a commit waits at most SWEEP_WAIT_S for it, and a live p
 half of that after writing its marker (both measured on monotonic clocks, never compared across machines).
 
 A shared chunk is not a single point of failure: a commit re-sends every chunk of its parent that the store no
-longer holds, instead of trusting the parent's manifest.
+longer holds, instead of trusting the parent's manifest; and every `full_every`-th periodic checkpoint sends
+every chunk afresh, which rewrites (heals) a damaged shared chunk for every checkpoint that uses it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (start
 SWEEP_WAIT_S = 120.0  # the longest a commit waits for a prune in flight (a dead pruner's marker stays)
 SWEEP_POLL_S = 0.5
 DELETE_BATCH = 500
+FULL_EVERY = 10  # every 10th periodic checkpoint sends all its chunks again (final dumps always deduplicate)
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,10 @@ class CheckpointStore:
         workers: int = 16,
         compression_level: int = 1,
         chunking: Chunking | None = None,
+        full_every: int = FULL_EVERY,
     ) -> None:
         self.backend = backend
+        self.full_every = full_every
         self.job_id = check_job_id(job_id)
         self.workers = workers
         self.compression_level = compression_level
@@ -166,7 +170,10 @@ class CheckpointStore:
         still_writing: Callable[[], bool] | None,
         started: float,
     ) -> CommitResult:
-        known = self._known_chunks(meta.parent)
+        known, parent_since_full = self._known_chunks(meta.parent)
+        since_full = parent_since_full + 1 if known else 0
+        if meta.kind == "periodic" and since_full >= self.full_every:
+            known, since_full = set(), 0  # a fresh full checkpoint: every chunk is written again
         tails: dict[str, _FileTail] = {}
         try:
             with _Uploader(self.backend, self._prefix, known, self.workers, self.compression_level) as uploader:
@@ -202,6 +209,7 @@ class CheckpointStore:
             files=files,
             compression=f"zstd-{self.compression_level}",
             chunking=self.chunking.describe(),
+            since_full=since_full,
         )
         document = manifest.to_json()
         self.backend.flush()
@@ -360,25 +368,27 @@ class CheckpointStore:
                             tails[path] = _FileTail(path, source, self.chunking, self.compression_level)
         return sum(tail.pump(uploader) for tail in tails.values())
 
-    def _known_chunks(self, parent: str | None) -> set[str]:
-        """Chunks committed by the parent (else the newest checkpoint): sent once, never again.
+    def _known_chunks(self, parent: str | None) -> tuple[set[str], int]:
+        """Chunks committed by the parent (else the newest checkpoint): sent once, never again; and the parent's
+        `since_full`.
 
         The parent is the checkpoint the job was restored from or last committed, so its chunks were verified or
         just written; a newer one may hold a damaged chunk a restore fell back from, which must be sent afresh.
         """
         ids = self.checkpoint_ids()
         source = parent if parent and parent in ids else (ids[0] if ids else None)
-        sources = {source} if source else set()
-        known: set[str] = set()
-        for checkpoint_id in sources:
-            # A manifest this agent cannot read only costs dedup, never correctness.
-            with contextlib.suppress(CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
-                known |= self.load(checkpoint_id).chunk_hashes()
+        if source is None:
+            return set(), 0
+        try:
+            manifest = self.load(source)
+        except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
+            return set(), 0  # a manifest this agent cannot read only costs dedup, never correctness
+        known = manifest.chunk_hashes()
         if not known:
-            return known
+            return known, manifest.since_full
         # Rely only on chunks the store still holds: one listing, and a lost chunk is sent afresh.
         stored = {obj.key.rsplit("/", 1)[-1] for obj in self.backend.scan(self._prefix + "chunks/")}
-        return known & stored
+        return known & stored, manifest.since_full
 
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints, newest first, from one listing: no manifest is read."""
