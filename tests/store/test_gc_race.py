@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,22 @@ def test_a_final_dump_always_deduplicates(store: CheckpointStore, tmp_path: Path
     store.commit(_images(tmp_path / "img1", 1), meta(1))
     final = store.commit(_images(tmp_path / "img2", 1), meta(2, parent=1, kind="final"))
     assert final.chunks_uploaded == 0
+
+
+def test_a_dead_pruners_marker_does_not_hold_commits_back(tmp_path: Path) -> None:
+    # Given a store where a pruner died (its VM terminated) long ago, leaving its sweep marker
+    store = CheckpointStore.for_directory(tmp_path / "mnt", "job-store-test")
+    (tmp_path / "mnt").mkdir()
+    marker = tmp_path / "mnt/jobs/job-store-test/sweeps/dead"
+    marker.parent.mkdir(parents=True)
+    marker.write_bytes(b"")
+    os.utime(marker, (time.time() - 3600, time.time() - 3600))
+    waits: list[float] = []
+    store.sleep = waits.append
+
+    # When a checkpoint is committed
+    store.commit(_images(tmp_path / "img", 1), meta(1))
+
+    # Then the commit did not wait, and the dead marker is gone
+    assert waits == []
+    assert not marker.exists()

@@ -13,8 +13,9 @@ writes its `sweeps/` marker, then looks for `commits/` markers right before dele
 one. With strongly consistent listings (S3, a file system) one of the two always sees the other: either prune
 sees the commit and deletes nothing, or the commit's marker came after prune's look, hence after prune's
 marker, and the commit waits until prune is done, then relies only on chunks that still exist. A pruner that
-died leaves its marker: a commit waits at most SWEEP_WAIT_S for it, and a live pruner never deletes later than
-half of that after writing its marker (both measured on monotonic clocks, never compared across machines).
+died (its VM terminated) leaves its marker: a live pruner never deletes later than SWEEP_LEASE_S / 2 after it
+started (its own monotonic clock), so a commit treats a sweep marker older than SWEEP_LEASE_S than its own
+marker as dead and removes it. Both ages are the store's own timestamps, never two VMs' clocks compared.
 
 A shared chunk is not a single point of failure: a commit re-sends every chunk of its parent that the store no
 longer holds, instead of trusting the parent's manifest; and every `full_every`-th periodic checkpoint sends
@@ -60,7 +61,7 @@ INLINE_MAX = 64 * 1024  # files up to this size travel inside the manifest inste
 READ_BLOCK = 4 * 1024 * 1024
 POLL_SECONDS = 0.02  # how often a file CRIU is still writing is checked for new bytes
 GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (started within this) may use
-SWEEP_WAIT_S = 120.0  # the longest a commit waits for a prune in flight (a dead pruner's marker stays)
+SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
 SWEEP_POLL_S = 0.5
 DELETE_BATCH = 500
 FULL_EVERY = 10  # every 10th periodic checkpoint sends all its chunks again (final dumps always deduplicate)
@@ -106,7 +107,7 @@ class CheckpointStore:
         self.chunking = chunking or Chunking()
         self._prefix = f"jobs/{job_id}/"
         self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
-        self.sweep_wait_s = SWEEP_WAIT_S
+        self.sweep_lease_s = SWEEP_LEASE_S
 
     @classmethod
     def for_s3(
@@ -157,7 +158,7 @@ class CheckpointStore:
         marker = self._commit_marker(meta.checkpoint_id)
         self.backend.put(marker, b"")
         try:
-            self._wait_for_sweeps()
+            self._wait_for_sweeps(marker)
             return self._commit(image_dir, meta, extra_files, still_writing, started)
         finally:
             self.backend.delete([marker])
@@ -321,17 +322,20 @@ class CheckpointStore:
             return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
         keys = dead + [self._manifest_key(c) for c in doomed] + garbage
         for start in range(0, len(keys), DELETE_BATCH):
-            if time.monotonic() - started > self.sweep_wait_s / 2:
+            if time.monotonic() - started > self.sweep_lease_s / 2:
                 raise StoreError("prune ran out of its time; a waiting commit may go on, so it stops deleting")
             self.backend.delete(keys[start : start + DELETE_BATCH])
         return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
 
-    def _wait_for_sweeps(self) -> None:
-        """Hold a commit while a prune is in flight (its marker exists), at most sweep_wait_s."""
-        deadline = time.monotonic() + self.sweep_wait_s
-        while next(iter(self.backend.scan(self._prefix + "sweeps/")), None) is not None:
-            if time.monotonic() > deadline:
-                return  # that pruner is dead or past its own deadline: it deletes nothing more
+    def _wait_for_sweeps(self, marker: str) -> None:
+        """Hold a commit while a live prune is in flight (its marker exists); remove a dead pruner's marker."""
+        deadline = time.monotonic() + self.sweep_lease_s
+        while sweeps := list(self.backend.scan(self._prefix + "sweeps/")):
+            mine = next((c.modified for c in self.backend.scan(self._prefix + "commits/") if c.key == marker), None)
+            dead = [s.key for s in sweeps if mine is not None and mine - s.modified >= self.sweep_lease_s]
+            self.backend.delete(dead)
+            if len(dead) == len(sweeps) or time.monotonic() > deadline:
+                return  # what is left cannot delete anything any more: its pruner is past its own deadline
             self.sleep(SWEEP_POLL_S)
 
     def _commit_marker(self, checkpoint_id: str) -> str:
