@@ -123,11 +123,13 @@ class Registry:
             carried = {event_attribute("final-dump"): {**early, "generation": generation + 1}} if early else {}
             arrival = record.arrival("final-dump")
             if arrival:
-                same_arrival = "event_final_dump.#ag = :ag AND event_final_dump.#ao.checkpoint_id = :ac"
-                arrival_values = {
-                    ":ag": arrival.get("generation"),
-                    ":ac": (arrival.get("output") or {}).get("checkpoint_id", ""),
-                }
+                checkpoint = (arrival.get("output") or {}).get("checkpoint_id")
+                same_arrival = "event_final_dump.#ag = :ag AND " + (
+                    "event_final_dump.#ao.checkpoint_id = :ac"
+                    if checkpoint
+                    else "attribute_not_exists(event_final_dump.#ao.checkpoint_id)"
+                )
+                arrival_values = {":ag": arrival.get("generation"), **({":ac": checkpoint} if checkpoint else {})}
             else:
                 same_arrival, arrival_values = "attribute_not_exists(event_final_dump)", {}
             waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))

@@ -279,3 +279,23 @@ def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane,
     job = plane.job("second-1")
     assert (job.instance_id, job.generation) == (second, 2)
     assert len(plane.executions()) == 2
+
+
+def test_a_failed_early_final_dump_does_not_stop_the_warning_from_recovering(plane: ControlPlane) -> None:
+    # Given a primary whose own final dump (IMDS notice) failed and was reported before the warning
+    primary = plane.start_job("failed-early-1")
+    periodic = _commit(plane, "failed-early-1", primary, 0, "periodic")
+    failed = events.CheckpointFailed("failed-early-1", primary, 0, now_iso(), kind="final", reason="CRIU: dump failed")
+    route(agent_event(failed))
+
+    # When the warning comes
+    route(ec2_event("spot-interruption-warning", primary))
+
+    # Then recovery starts at the next generation and restores the newest periodic checkpoint
+    assert plane.job("failed-early-1").generation == 1
+    backup = _backup(plane, "failed-early-1")
+    route(agent_event(events.AgentReady("failed-early-1", backup, 1, now_iso(), mode="restore")))
+    plane.wait_for_token("failed-early-1", "final-dump")
+    route(agent_event(events.CheckpointFailed("failed-early-1", primary, 1, now_iso(), kind="final", reason="x")))
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    assert restore["parameters"]["CheckpointId"] == periodic
