@@ -325,3 +325,28 @@ def test_a_backup_warned_while_it_restores_takes_its_final_dump_once_the_job_run
     # Then it kept watching, and took the final dump as soon as the restored job ran
     assert (before, after) == (False, True)
     assert dumps == [("final", 1)]
+
+
+def test_a_warning_during_the_restore_keeps_the_restored_job_and_its_final_dump_order(tmp_path):
+    # Given a backup restoring at generation 1, warned meanwhile: the final-dump command admitted generation 2
+    # and marked its dump as being taken (it then waits for the dump lock the restore holds)
+    clock = [0.0]
+    store = _WalkStore({"0001-g1-periodic": "ok"}, clock)
+    restorer = _restorer(tmp_path, store, clock)
+
+    class _WarnedDuringRestore(_FakeCriu):
+        def restore(self, images, logs):
+            with restorer.state.locked() as state:
+                state.generation = 2
+                state.final_dumps["2"] = FinalDump("running", os.getpid())
+            return super().restore(images, logs)
+
+    restorer.criu = cast(Any, _WarnedDuringRestore())
+
+    # When the restore completes
+    outcome = restorer.restore(1)
+
+    # Then the job is recorded as running here (the final dump can take it), and the final dump order stands
+    state = restorer.state.read()
+    assert (outcome.checkpoint_id, state.job_status, state.generation) == ("0001-g1-periodic", "running", 2)
+    assert state.final_dumps["2"].status == "running"
