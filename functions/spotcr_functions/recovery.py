@@ -304,7 +304,8 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
 
     Only a job still RECOVERING this generation is failed: one that ended meanwhile keeps its own end."""
     record = deps.registry.get(job_id)
-    reason = f"recovery of generation {generation} failed: {error}: {readable_cause(cause)}"[:1024]
+    detail = readable_cause(cause)
+    reason = f"recovery of generation {generation} failed: {error}{': ' + detail if detail else ''}"[:1024]
     updated = deps.registry.update(
         job_id,
         {"status": Status.FAILED.value, "reason": reason, "updated_at": deps.iso_now()},
