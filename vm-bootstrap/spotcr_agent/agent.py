@@ -106,7 +106,8 @@ class Agent:
             if reported is None:
                 self.emit(JobExited, generation, exit_code=exit_code)
             if kind == "final" and exit_code == UNKNOWN_EXIT_CODE:
-                self.emit(CheckpointFailed, generation, kind=kind, reason=f"the job is not running: {exit_code}")
+                reason = "the job's processes are gone with no exit code recorded (the VM stopped under it)"
+                self.emit(CheckpointFailed, generation, kind=kind, reason=reason)
             raise CheckpointError(f"the job is not running: it exited with code {exit_code}")
         try:
             checkpointer = Checkpointer(
@@ -192,7 +193,7 @@ class Agent:
             state.job_id = self.config.job_id
             state.job_pid, state.job_start_time = job.pid, job.start_time
             state.job_status, state.exit_code, state.last_checkpoint = "running", None, None
-            state.final_dumps = {}
+            state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
         return RestoreOutcome(
             checkpoint_id="",
             generation=generation,
