@@ -106,6 +106,10 @@ class RestoreFailed(AgentEvent):
     criu_log: str = ""  # where CRIU's whole log was kept in the job's storage (s3://... or a path)
 
 
+# The job's PID 1 was gone with no exit code recorded: the VM stopped or restarted under it, the job did not end.
+UNKNOWN_EXIT_CODE = -1
+
+
 @dataclass(frozen=True)
 class JobExited(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "JobExited"

@@ -20,6 +20,7 @@ COMMAND = "spotcr:command"
 SPEC = "spotcr:spec"
 WORKDIR = "spotcr:workdir"
 TCP = "spotcr:tcp"
+RESTART_FROM_SCRATCH = "spotcr:restart-from-scratch"  # true (default) | false: with no checkpoint, start over
 ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
@@ -42,6 +43,11 @@ _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")
+_ASCII_NUMBER = re.compile(r"^[0-9]{1,10}$")  # str.isdigit() also accepts superscripts and full-width digits
+# Restore replaces the work dir with the checkpoint's: it must be the job's own directory, never one the system
+# needs. These, and anything under the first group, are refused.
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/boot", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/usr")
+SYSTEM_DIRS = ("/", "/home", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/var/lib", "/var/lib/spotcr", "/mnt")  # noqa: S108
 _SHELL_SYNTAX = re.compile(r"[;&|<>`$\\]|\$\(")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -69,6 +75,7 @@ class JobSpec:
     mode: str = "run"
     generation: int = 0
     tcp: str = DEFAULT_TCP
+    restart_from_scratch: bool = True
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -92,6 +99,8 @@ class JobSpec:
             tags[WORKDIR] = self.workdir
         if self.tcp != DEFAULT_TCP:
             tags[TCP] = self.tcp
+        if not self.restart_from_scratch:
+            tags[RESTART_FROM_SCRATCH] = "false"
         return tags
 
 
@@ -128,11 +137,12 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     if not command and spec_uri is None:
         raise InvalidJobTags(COMMAND, f"a job needs {COMMAND} or {SPEC}")
     workdir = tags.get(WORKDIR)
-    if workdir is not None and (not _WORKDIR.match(workdir) or "/../" in workdir + "/"):
-        raise InvalidJobTags(WORKDIR, "must be an absolute path of letters, digits, '.', '_', '-' and '/'")
     tcp = tags.get(TCP, DEFAULT_TCP)
     if tcp not in TCP_POLICIES:
         raise InvalidJobTags(TCP, f"unknown policy {tcp[:32]!r}; one of {', '.join(TCP_POLICIES)}")
+    if workdir is not None and (problem := workdir_problem(workdir)):
+        raise InvalidJobTags(WORKDIR, problem)
+    restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -145,9 +155,22 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         mode=mode,
         generation=generation,
         tcp=tcp,
+        restart_from_scratch=restart,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )
+
+
+def workdir_problem(workdir: str) -> str | None:
+    """Why a path cannot be a job's work dir (restore replaces that whole tree), or None when it can."""
+    if not _WORKDIR.match(workdir) or "/../" in workdir + "/" or "/./" in workdir + "/":
+        return "must be an absolute path of letters, digits, '.', '_', '-' and '/'"
+    normal = workdir.rstrip("/") or "/"
+    while "//" in normal:
+        normal = normal.replace("//", "/")
+    if normal in SYSTEM_DIRS or any(normal == t or normal.startswith(t + "/") for t in SYSTEM_TREES):
+        return f"{workdir!r} is a system directory; restore replaces the work dir, so use the job's own (e.g. /opt/job)"
+    return None
 
 
 def parse_command(value: str, tag: str = COMMAND) -> tuple[str, ...]:
@@ -174,12 +197,21 @@ def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: 
     raw = tags.get(tag)
     if raw is None:
         return default
-    if not raw.isdigit() or len(raw) > 10:
+    if not _ASCII_NUMBER.match(raw):
         raise InvalidJobTags(tag, f"must be a whole number, got {raw[:32]!r}")
     value = int(raw)
     if not low <= value <= high:
         raise InvalidJobTags(tag, f"must be between {low} and {high}, got {value}")
     return value
+
+
+def _parse_bool(tags: Mapping[str, str], tag: str, *, default: bool) -> bool:
+    raw = tags.get(tag)
+    if raw is None:
+        return default
+    if raw not in ("true", "false"):
+        raise InvalidJobTags(tag, f"must be true or false, got {raw[:32]!r}")
+    return raw == "true"
 
 
 def _parse_fallback_types(raw: str) -> tuple[str, ...]:

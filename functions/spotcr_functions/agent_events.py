@@ -11,6 +11,7 @@ from spotcr_functions import jobs, rendezvous
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
+from spotcr_functions.registry import WAIT_KEYS
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -25,7 +26,9 @@ def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     if record is None:
         logger.info("agent event for an unknown job", job_id=event.job_id, detail_type=event.DETAIL_TYPE)
         return {"action": "ignored", "reason": "unknown job"}
-    if event.generation != record.generation and not _last_checkpoint_of_interrupted_primary(record, event):
+    if event.generation != record.generation and not (
+        _last_checkpoint_of_interrupted_primary(record, event) or _exit_of_interrupted_primary(record, event)
+    ):
         # A zombie primary (lower generation) must never move the job; a higher one cannot come from spotcr.
         logger.warning(
             "agent event from another generation ignored",
@@ -47,6 +50,16 @@ def _last_checkpoint_of_interrupted_primary(record: JobRecord, event: events.Age
     warning bumped it; while the job recovers, that checkpoint is exactly the one recovery wants."""
     return (
         isinstance(event, events.CheckpointCompleted)
+        and record.status == Status.RECOVERING
+        and event.generation == record.generation - 1
+        and event.instance_id == record.recovering_from
+    )
+
+
+def _exit_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
+    """The job ended on the primary just before the warning: that exit is the last thing its generation did."""
+    return (
+        isinstance(event, events.JobExited)
         and record.status == Status.RECOVERING
         and event.generation == record.generation - 1
         and event.instance_id == record.recovering_from
@@ -90,7 +103,8 @@ def _checkpoint_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str
     if event.kind == "final":
         deps.metric("FinalDumpSeconds", "Seconds", event.seconds)
         deps.metric("FinalDumpBytes", "Bytes", event.bytes_uploaded)
-        rendezvous.arrive(deps, record.job_id, "final-dump", record.generation, {"checkpoint_id": event.checkpoint_id})
+        output = {"checkpoint_id": event.checkpoint_id, "instance_id": event.instance_id}
+        rendezvous.arrive(deps, record.job_id, "final-dump", record.generation, output)
     elif record.status == Status.CHECKPOINTING:
         _set_status(deps, record, Status.RUNNING, expect=Status.CHECKPOINTING)
     return {"action": "checkpoint", "committed": committed, "checkpoint_id": event.checkpoint_id}
@@ -109,7 +123,12 @@ def _checkpoint_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, A
 
 def _restore_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     deps.metric("RestoreSeconds", "Seconds", event.seconds)
-    output = {"checkpoint_id": event.checkpoint_id, "instance_id": event.instance_id, "pid": event.pid}
+    output = {
+        "checkpoint_id": event.checkpoint_id,
+        "instance_id": event.instance_id,
+        "pid": event.pid,
+        "skipped": event.skipped,
+    }
     rendezvous.arrive(deps, record.job_id, "restore", record.generation, output)
     return {"action": "restored"}
 
@@ -121,11 +140,67 @@ def _restore_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]
 
 
 def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
-    if event.instance_id != record.instance_id or record.status not in ACTIVE:
-        return {"action": "ignored", "reason": f"job is {record.status} on {record.instance_id}"}
+    """Exactly one end: the first write that finds the job still running on the exit's instance ends it.
+
+    The write is conditional on the record as read; when anything moved in between (a periodic dump claimed,
+    a checkpoint recorded, a restore finished) it is retried against the fresh record, never dropped. A record
+    already COMPLETED or FAILED is never written again, so duplicates and late copies change nothing.
+    """
     status = Status.COMPLETED if event.exit_code == 0 else Status.FAILED
-    _set_status(deps, record, status, exit_code=event.exit_code, reason=f"job exited with code {event.exit_code}")
-    return {"action": status.value.lower()}
+    reason = f"job exited with code {event.exit_code} on {event.instance_id}"
+    seen: JobRecord | None = record
+    for _ in range(MAX_END_ATTEMPTS):
+        if seen is None:
+            break
+        why = exit_ends_job(seen, event)
+        if why is None:
+            return {"action": "ignored", "reason": f"job is {seen.status} on {seen.instance_id}"}
+        values = {"exit_code": event.exit_code, "reason": reason, "updated_at": deps.iso_now()}
+        ended = deps.registry.end(seen, status, values)
+        if ended is not None:
+            logger.info("job ended", job_id=seen.job_id, status=status.value, exit_code=event.exit_code, how=why)
+            if seen.status == Status.RECOVERING:
+                _stop_recovery(deps, ended, event.instance_id, reason)
+            return {"action": status.value.lower()}
+        seen = deps.registry.get(record.job_id)
+    logger.error("job exit could not be recorded", job_id=record.job_id, exit_code=event.exit_code)
+    raise RuntimeError(f"job {record.job_id}: exit with code {event.exit_code} could not be recorded")
+
+
+MAX_END_ATTEMPTS = 8
+
+
+def exit_ends_job(record: JobRecord, event: events.JobExited) -> str | None:
+    """Whether this exit ends the job as the record stands; the reason, or None when it must be ignored."""
+    if record.status in (Status.COMPLETED, Status.FAILED):
+        return None
+    if record.status in ACTIVE:
+        same = event.instance_id == record.instance_id and event.generation == record.generation
+        return "on its instance" if same else None
+    # RECOVERING: the backup ran the restored job and it ended before Finish; or the primary's job ended just
+    # before the warning (a recorded exit code: -1 is a VM that stopped, whose job recovery must bring back).
+    if event.instance_id == record.backup_instance_id and event.generation == record.generation:
+        return "on the backup right after its restore"
+    interrupted = event.instance_id == record.recovering_from and event.generation in (
+        record.generation - 1,
+        record.generation,
+    )
+    if interrupted and event.exit_code != events.UNKNOWN_EXIT_CODE:
+        return "on the interrupted primary before its final dump"
+    return None
+
+
+def _stop_recovery(deps: Deps, record: JobRecord, ran_on: str, reason: str) -> None:
+    """The job ended while a recovery ran: stop the workflow's waits and release a backup that never ran it.
+
+    Tokens stored after the end are refused by the registry (a wait needs a RECOVERING job), so every wait of
+    this generation is either in `record` (ALL_NEW of the end write) or never starts."""
+    for key in WAIT_KEYS:
+        token = record.token(key)
+        if token and token.get("generation") == record.generation:
+            deps.cloud.complete_task(str(token["token"]), {}, error="StaleGeneration", cause=f"the job ended: {reason}")
+    if record.backup_instance_id and record.backup_instance_id != ran_on:
+        deps.cloud.terminate_instance(record.backup_instance_id)
 
 
 def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str) -> bool:

@@ -71,7 +71,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="interruption",
         handler="spotcr_functions.handlers.interruption.handler",
         description="Spot interruption warning: fence the generation, order the final dump, start recovery.",
-        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, SEND_COMMAND, START_RECOVERY),
+        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, SEND_COMMAND, START_RECOVERY, EC2_DESCRIBE, TASK_CALLBACK),
         rules=(Rule("spot-interruption-warning", _ec2(INTERRUPTION_WARNING)),),
     ),
     Function(
@@ -95,6 +95,7 @@ FUNCTIONS: tuple[Function, ...] = (
             START_RECOVERY,
             SEND_COMMAND,
             READ_JOB_SPECS,
+            TASK_CALLBACK,
         ),
         rules=(
             Rule(
@@ -135,8 +136,18 @@ FUNCTIONS: tuple[Function, ...] = (
         name="agent-events",
         handler="spotcr_functions.handlers.agent_events.handler",
         description="Agent lifecycle events: update the job registry and resume waiting workflows.",
-        # Registering a job whose JobStarted came first needs what registration needs.
-        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, TASK_CALLBACK, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES),
+        # Registering a job whose JobStarted came first needs what registration needs; a job that ends during
+        # its recovery terminates the backup that never ran it (EC2_LAUNCH covers terminating backups).
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            IDEMPOTENCY,
+            TASK_CALLBACK,
+            EC2_DESCRIBE,
+            EC2_TAG,
+            EC2_VOLUMES,
+            EC2_LAUNCH,
+        ),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
     ),
     Function(
@@ -179,7 +190,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="finish-recovery",
         handler="spotcr_functions.handlers.workflow.finish",
         description="Recovery step: the backup is the job's current instance, the job RUNNING again.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE),
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, PUBLISH_FAILURE),
         workflow_step=True,
     ),
     Function(

@@ -15,7 +15,7 @@ from spotcr_functions.cloud import CAPACITY_ERRORS, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
-from spotcr_functions.registry import StaleGeneration
+from spotcr_functions.registry import WAIT_KEYS, StaleGeneration
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -24,10 +24,6 @@ MAX_CANDIDATES = 40
 
 class CapacityUnavailable(Exception):
     """RunInstances found no capacity for this candidate; the workflow moves down the list."""
-
-
-class NoCheckpoint(Exception):
-    """There is no committed checkpoint to restore for this attempt."""
 
 
 class HandOverTimedOut(Exception):
@@ -45,8 +41,7 @@ def on_interruption_warning(deps: Deps, instance_id: str, warned_at: str) -> dic
     """Fence the generation, order the final dump, start the recovery workflow. Duplicates do nothing more."""
     record = deps.registry.by_instance(instance_id)
     if record is None:
-        logger.info("interruption warning for an instance that runs no job", instance_id=instance_id)
-        return {"action": "ignored", "reason": "no job on this instance"}
+        return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
     bumped = _bump(deps, record, instance_id, warned_at)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
@@ -59,10 +54,7 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     """The missed-warning case: the job's current instance went away and no warning started recovery."""
     record = deps.registry.by_instance(instance_id)
     if record is None:
-        logger.info(
-            "instance went down but runs no job (or was replaced already)", instance_id=instance_id, state=state
-        )
-        return {"action": "ignored", "reason": "no job on this instance"}
+        return on_backup_down(deps, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     if record.status not in ACTIVE:
         return _already_recovering(deps, record.job_id, instance_id)
     bumped = _bump(deps, record, instance_id, at)
@@ -252,9 +244,9 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     record = _current(deps, job_id, generation)
     if record.backup_instance_id is None:
         raise ValueError(f"job {job_id} has no backup instance to restore on")
+    # The agent walks back from this one through every older committed checkpoint; with none it restarts the job
+    # from the beginning (unless its tags turn that off). A second attempt starts the walk one checkpoint back.
     checkpoint_id = record.checkpoint_id if attempt == "newest" else record.previous_checkpoint_id
-    if attempt != "newest" and not checkpoint_id:
-        raise NoCheckpoint(f"job {job_id} has no earlier checkpoint to restore")
     # Token first, then the command: the agent's answer always finds the token (or the token finds the answer).
     rendezvous.wait_for(deps, job_id, "restore", generation, token, reset=True)
     values = {"JobId": job_id, "Generation": str(generation), "CheckpointId": checkpoint_id or ""}
@@ -269,7 +261,7 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     if record.backup_instance_id is None or record.backup_az is None:
         raise ValueError(f"job {job_id} has no backup to finish on")
     backup = deps.cloud.describe_instance(record.backup_instance_id)
-    restored = record.arrival("restore") or {}
+    restored = (record.arrival("restore") or {}).get("output") or {}
     values: dict[str, Any] = {
         "status": Status.RUNNING.value,
         "instance_id": record.backup_instance_id,
@@ -300,28 +292,47 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
             deps.metric("LostWorkSeconds", "Seconds", max((warned - taken).total_seconds(), 0.0))
     deps.metric("RecoveriesSucceeded", "Count", 1)
     logger.info("job recovered", job_id=job_id, generation=generation, instance_id=record.backup_instance_id)
+    if restored and not restored.get("checkpoint_id"):
+        why = restored.get("skipped") or "no committed checkpoint"
+        message = f"spotcr job {job_id} restarted from the beginning on {record.backup_instance_id}: {why}"
+        deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {job_id} restarted", message[:4000])
     return {"job_id": job_id, "generation": generation, "instance_id": record.backup_instance_id}
 
 
 def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> dict[str, Any]:
-    """Recovery gave up: the job is FAILED, its backup (if any) terminated; the workflow then notifies."""
+    """Recovery gave up: the job is FAILED, its backup (if any) terminated; the workflow then notifies.
+
+    Only a job still RECOVERING this generation is failed: one that ended meanwhile keeps its own end."""
     record = deps.registry.get(job_id)
-    reason = f"recovery of generation {generation} failed: {error}: {cause}"[:1024]
+    detail = readable_cause(cause)
+    reason = f"recovery of generation {generation} failed: {error}{': ' + detail if detail else ''}"[:1024]
     updated = deps.registry.update(
         job_id,
         {"status": Status.FAILED.value, "reason": reason, "updated_at": deps.iso_now()},
         remove=("next_checkpoint_at",),
-        condition="#generation = :g",
-        condition_values={":g": generation},
+        condition="#generation = :g AND #status = :recovering",
+        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
     )
     if updated is None:
         logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
-        return {"job_id": job_id, "marked_failed": False, "message": reason}
+        return {"job_id": job_id, "marked_failed": False, "message": f"spotcr job {job_id}: {reason}"}
     if record and record.backup_instance_id:
         deps.cloud.terminate_instance(record.backup_instance_id)
     deps.metric("RecoveriesFailed", "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
     return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
+
+
+def readable_cause(cause: str) -> str:
+    """A Lambda error's cause is a JSON document with a stack trace: keep its type and message, never the trace."""
+    try:
+        document = json.loads(cause)
+    except ValueError:
+        return cause[:500]
+    if isinstance(document, dict) and "errorMessage" in document:
+        kind = str(document.get("errorType") or "Error")
+        return f"{kind}: {document['errorMessage']}"[:500]
+    return cause[:500]
 
 
 def on_recovery_ended(deps: Deps, execution: str, status: str, execution_input: str | None) -> dict[str, Any]:
@@ -343,3 +354,31 @@ def on_recovery_ended(deps: Deps, execution: str, status: str, execution_input: 
 def checkpoint_time(checkpoint_id: str) -> datetime:
     """Checkpoint ids start with the unix milliseconds they were taken at."""
     return datetime.fromtimestamp(int(checkpoint_id.split("-", 1)[0]) / 1000, UTC)
+
+
+def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_dump: bool) -> dict[str, Any]:
+    """A backup interrupted or gone while its recovery still runs starts a new cycle from the newest checkpoint.
+
+    Backups are first-class: the instance is found by its spotcr:job tag (the job's current instance is still
+    the old primary until Finish), the generation is bumped from the recovering one, the old workflow's waits
+    are released, and a warning orders the backup's own final dump: its agent takes it as soon as it runs the job.
+    """
+    instance = deps.cloud.describe_instance(instance_id)
+    job_id = instance.tags.get(tags.JOB) if instance else None
+    record = deps.registry.get(job_id) if job_id else None
+    if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
+        logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
+        return {"action": "ignored", "reason": "no job on this instance"}
+    if record.backup_instance_id != instance_id:
+        return _already_recovering(deps, record.job_id, instance_id)
+    bumped = deps.registry.bump_backup(record, at)
+    if bumped is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    for key in WAIT_KEYS:
+        token = record.token(key)
+        if token and token.get("generation") == record.generation:
+            deps.cloud.complete_task(str(token["token"]), {}, error="StaleGeneration", cause=f"backup lost: {reason}")
+    logger.warning("the backup went away during its recovery; a new cycle starts", job_id=record.job_id, reason=reason)
+    ordered = final_dump and _order_final_dump(deps, bumped, instance_id, at)
+    _start(deps, bumped, instance_id, reason=f"backup-{reason}", final_dump=ordered)
+    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": ordered}

@@ -71,9 +71,11 @@ class Registry:
         remove: tuple[str, ...] = (),
         condition: str | None = None,
         condition_values: Mapping[str, Any] | None = None,
+        *,
+        extra_names: Mapping[str, str] | None = None,
     ) -> JobRecord | None:
         """One conditional UpdateItem; returns the new record, or None when the condition failed."""
-        names: dict[str, str] = {}
+        names: dict[str, str] = dict(extra_names or {})
         values: dict[str, Any] = dict(condition_values or {})
         clauses = []
         for index, (attribute, value) in enumerate((set_values or {}).items()):
@@ -105,31 +107,98 @@ class Registry:
         return JobRecord.from_item(response["Attributes"])
 
     def bump_generation(self, job_id: str, instance_id: str, generation: int, at: str) -> JobRecord | None:
-        """The fencing write: generation+1 once per interrupted instance, only while that instance is current."""
+        """The fencing write: generation+1 once per interrupted instance, only while that instance is current.
+
+        An early final dump (the agent took it on its own IMDS notice and it was recorded before this write) is
+        kept: its arrival moves to the new generation, so recovery restores it at once instead of waiting for a
+        final dump that was already taken. The write is conditional on the arrival it read, and re-read on a race.
+        """
+        for _ in range(5):
+            record = self.get(job_id)
+            if record is None or record.instance_id != instance_id or record.generation != generation:
+                return None
+            if record.status not in ACTIVE or record.recovering_from == instance_id:
+                return None
+            early = _early_final_dump(record, instance_id)
+            carried = {event_attribute("final-dump"): {**early, "generation": generation + 1}} if early else {}
+            arrival = record.arrival("final-dump")
+            if arrival:
+                checkpoint = (arrival.get("output") or {}).get("checkpoint_id")
+                same_arrival = "event_final_dump.#ag = :ag AND " + (
+                    "event_final_dump.#ao.checkpoint_id = :ac"
+                    if checkpoint
+                    else "attribute_not_exists(event_final_dump.#ao.checkpoint_id)"
+                )
+                arrival_values = {":ag": arrival.get("generation"), **({":ac": checkpoint} if checkpoint else {})}
+            else:
+                same_arrival, arrival_values = "attribute_not_exists(event_final_dump)", {}
+            waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
+            bumped = self.update(
+                job_id,
+                {
+                    "generation": generation + 1,
+                    "status": Status.RECOVERING.value,
+                    "recovering_from": instance_id,
+                    "interrupted_at": at,
+                    "updated_at": at,
+                    **carried,
+                },
+                remove=(
+                    "next_checkpoint_at",
+                    "backup_instance_id",
+                    "backup_az",
+                    "handover_snapshot_id",
+                    "handover_volume_id",
+                    *(w for w in waits if w not in carried),
+                ),
+                condition="#instance = :instance AND #generation = :generation AND #status = :status "
+                "AND (attribute_not_exists(recovering_from) OR recovering_from <> :instance) AND " + same_arrival,
+                condition_values={
+                    ":instance": instance_id,
+                    ":generation": generation,
+                    ":status": record.status.value,
+                    **arrival_values,
+                },
+                extra_names={"#ag": "generation", "#ao": "output"} if arrival else None,
+            )
+            if bumped is not None:
+                return bumped
+        return None
+
+    def bump_backup(self, seen: JobRecord, at: str) -> JobRecord | None:
+        """The fencing write for a backup lost while it restores: generation+1, recovering from that backup."""
+        waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
         return self.update(
-            job_id,
+            seen.job_id,
             {
-                "generation": generation + 1,
-                "status": Status.RECOVERING.value,
-                "recovering_from": instance_id,
+                "generation": seen.generation + 1,
+                "recovering_from": seen.backup_instance_id,
                 "interrupted_at": at,
                 "updated_at": at,
             },
-            remove=(
-                "next_checkpoint_at",
-                "backup_instance_id",
-                "backup_az",
-                "handover_snapshot_id",
-                "handover_volume_id",
-                *(token_attribute(k) for k in WAIT_KEYS),
-                *(event_attribute(k) for k in WAIT_KEYS),
-            ),
-            condition="#instance = :instance AND #generation = :generation AND #status IN (:p, :r, :c) "
-            "AND (attribute_not_exists(recovering_from) OR recovering_from <> :instance)",
+            # The handed-over EBS volume (if any) stays named: it holds the job's data and moves on from the backup.
+            remove=("backup_instance_id", "backup_az", "handover_snapshot_id", *waits),
+            condition="#generation = :g AND #status = :recovering AND backup_instance_id = :b",
             condition_values={
-                ":instance": instance_id,
-                ":generation": generation,
-                **{f":{s.value[0].lower()}": s.value for s in ACTIVE},
+                ":g": seen.generation,
+                ":recovering": Status.RECOVERING.value,
+                ":b": seen.backup_instance_id,
+            },
+        )
+
+    def end(self, seen: JobRecord, status: Status, values: Mapping[str, Any]) -> JobRecord | None:
+        """Mark the job COMPLETED or FAILED if it is still exactly as `seen` (None when it moved: re-read, retry)."""
+        backup = "backup_instance_id = :b" if seen.backup_instance_id else "attribute_not_exists(backup_instance_id)"
+        return self.update(
+            seen.job_id,
+            {"status": status.value, **values},
+            remove=("next_checkpoint_at",),
+            condition=f"#generation = :g AND #status = :s AND #instance = :i AND {backup}",
+            condition_values={
+                ":g": seen.generation,
+                ":s": seen.status.value,
+                ":i": seen.instance_id,
+                **({":b": seen.backup_instance_id} if seen.backup_instance_id else {}),
             },
         )
 
@@ -157,8 +226,8 @@ class Registry:
             job_id,
             {token_attribute(key): {"token": token, "generation": generation}},
             remove=(event_attribute(key),) if reset else (),
-            condition="#generation = :g",
-            condition_values={":g": generation},
+            condition="#generation = :g AND #status = :recovering",
+            condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
         )
         if record is None:
             raise StaleGeneration(f"job {job_id} is no longer at generation {generation}")
@@ -172,3 +241,12 @@ class Registry:
             condition="#generation = :g",
             condition_values={":g": generation},
         )
+
+
+def _early_final_dump(record: JobRecord, instance_id: str) -> dict[str, Any] | None:
+    """The final dump `instance_id` committed at the generation being bumped, if it arrived before the bump."""
+    arrival = record.arrival("final-dump")
+    if not arrival or arrival.get("error") or arrival.get("generation") != record.generation:
+        return None
+    output = arrival.get("output") or {}
+    return arrival if output.get("instance_id") == instance_id and output.get("checkpoint_id") else None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from spotcr_agent import daemon
 from spotcr_agent.checkpoint import CheckpointError
-from spotcr_agent.runner import JobError, checkpointable_problem
+from spotcr_agent.runner import checkpointable_problem
 from spotcr_agent.store import CheckpointStore
 
 from .conftest import (
@@ -39,16 +39,19 @@ def test_a_job_that_exits_at_once_is_reported_and_cannot_be_checkpointed(tmp_pat
     assert wait_for_exit(agent) == 4
     assert [e.exit_code for e in publisher.of("JobExited")] == [4]
     assert "no input file" in (agent.config.workdir / ".spotcr" / "stderr.log").read_text()
-    # And a checkpoint says why there is nothing to dump
+    # And a checkpoint says why there is nothing to dump, and reports the exit again (not a failed dump)
     with pytest.raises(CheckpointError, match="the job is not running: it exited with code 4"):
         agent.checkpoint("periodic", 1)
-    assert "exited with code 4" in publisher.of("CheckpointFailed")[0].reason
+    assert [e.exit_code for e in publisher.of("JobExited")] == [4, 4]
+    assert publisher.of("CheckpointFailed") == []
 
 
 def test_a_command_that_does_not_exist_is_refused_before_starting(tmp_path, publisher):
     agent = make_agent(make_config(tmp_path, command=("no-such-program", "--x")), publisher)
-    with pytest.raises(JobError, match="'no-such-program' is not an executable file"):
-        agent.start_job()
+    assert agent.start_job() is None
+    [failed] = publisher.of("BootstrapFailed")
+    assert "'no-such-program' is not an executable file" in failed.reason
+    assert publisher.of("JobStarted") == []
 
 
 def test_a_job_with_a_terminal_is_refused_with_the_reason(tmp_path, publisher):

@@ -65,7 +65,8 @@ def test_killed_commit_is_not_listed_and_previous_checkpoint_restores(store: Che
     store.fetch(checkpoint_id(1), tmp_path / "restore")
     assert (tmp_path / "restore/images/pages-1.img").read_bytes() == random_bytes(2 * MiB, seed=30)
 
-    # And the orphaned chunks are collected once past the grace period, the committed ones are not
-    pruned = store.prune(keep=1, grace_seconds=0)
+    # And the orphaned chunks are collected once they and the dead commit are past the grace period (here: none),
+    # the committed ones are not
+    pruned = store.prune(keep=1, grace_seconds=0, commit_timeout_s=0)
     assert pruned.deleted_chunks >= 2
     assert {o.key for o in store.backend.scan(f"jobs/{JOB}/chunks/")} == chunks_before

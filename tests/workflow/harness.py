@@ -17,8 +17,10 @@ from typing import Any
 
 import boto3
 from moto.awslambda_simple.models import LambdaSimpleBackend
+from moto.core.responses import EmptyResult
 from moto.events.models import EventPattern
 from moto.ssm.models import Command as MotoCommand
+from moto.stepfunctions.responses import StepFunctionResponse
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import catalog, registry_schema
@@ -77,6 +79,14 @@ def _targets_only(self: Any) -> list[str]:
 
 
 _moto_targets = MotoCommand._get_instance_ids_from_targets
+
+
+def _send_task_failure_with_cause(self: Any) -> Any:
+    """moto 5's SendTaskFailure drops `cause`; AWS keeps it, and notifications are built from it."""
+    self.stepfunction_backend.send_task_failure(
+        self._get_param("taskToken"), error=self._get_param("error"), cause=self._get_param("cause")
+    )
+    return EmptyResult()
 
 
 def function_arn(name: str) -> str:
@@ -144,6 +154,7 @@ class ControlPlane:
     def __init__(self, monkeypatch: Any, final_dump_wait_s: int = 30, restore_wait_s: int = 30) -> None:
         monkeypatch.setattr(LambdaSimpleBackend, "invoke", _moto_lambda_invoke)
         monkeypatch.setattr(MotoCommand, "_get_instance_ids_from_targets", _targets_only)
+        monkeypatch.setattr(StepFunctionResponse, "send_task_failure", _send_task_failure_with_cause)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()
         self.ec2 = boto3.client("ec2", region_name=REGION)

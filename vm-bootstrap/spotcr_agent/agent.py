@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from spotcr_contracts.events import (
+    UNKNOWN_EXIT_CODE,
     AgentEvent,
     AgentReady,
+    BootstrapFailed,
     CheckpointCompleted,
     CheckpointFailed,
     JobExited,
@@ -29,13 +33,13 @@ from .criu import Criu
 from .events import Publisher, now_iso
 from .host import HostInfo, read_host
 from .restore import RestoreError, RestoreOutcome, Restorer
-from .runner import JobFiles, job_alive, start_job
+from .runner import JobError, JobFiles, job_alive, start_job
 from .state import StaleGeneration, StateFile, admit, exclusive
 
 log = logging.getLogger(__name__)
 
-UNKNOWN_EXIT_CODE = -1  # the job's PID 1 was killed, so no exit code was recorded
 LOG_TAIL_CHARS = 4000  # an event's log tail: EventBridge entries stay far below their 256 KiB limit
+COMMAND_NOT_STARTED = 127  # as a shell reports a command it could not run
 
 
 class WrongJob(ValueError):
@@ -78,10 +82,13 @@ class Agent:
         self.publisher.publish(event)
 
     def ready(self) -> None:
+        """The daemon starts (again): it serves the newest generation it admitted, which a bump may have raised
+        above the tag it booted with; a restart after a bump is not a stale command."""
         with self.state.locked() as state:
-            admit(state, self.config.generation)
+            admit(state, max(state.generation, self.config.generation))
             state.job_id = self.config.job_id
-        self.emit(AgentReady, self.config.generation, mode=self.config.mode)
+            generation = state.generation
+        self.emit(AgentReady, generation, mode=self.config.mode)
 
     def fence(self, generation: int) -> None:
         """Refuse a stale generation before touching the job or its storage."""
@@ -100,7 +107,22 @@ class Agent:
         )
 
     def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
+        """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead.
+
+        Every dump order after the job's end re-sends its exit, so a lost or unrecorded JobExited is healed by
+        the scheduler's next order: the control plane records the end once and stops ordering dumps."""
         self.fence(generation)
+        reported = self.watch_job()
+        with self.state.locked() as state:
+            exited = state.job_status == "exited"
+            exit_code = state.exit_code
+        if exited and exit_code is not None:
+            if reported is None:
+                self.emit(JobExited, generation, exit_code=exit_code)
+            if kind == "final" and exit_code == UNKNOWN_EXIT_CODE:
+                reason = "the job's processes are gone with no exit code recorded (the VM stopped under it)"
+                self.emit(CheckpointFailed, generation, kind=kind, reason=reason)
+            raise CheckpointError(f"the job is not running: it exited with code {exit_code}")
         try:
             checkpointer = Checkpointer(
                 job_id=self.config.job_id,
@@ -126,7 +148,8 @@ class Agent:
                     CheckpointFailed, generation, kind=kind, reason=str(error)[:1000], log_tail=tail, criu_log=kept
                 )
             raise
-        if not outcome.already_taken:
+        # A final dump this VM took on its own notice is reported again to the generation that now asks for it.
+        if not outcome.already_taken or generation > outcome.generation:
             log.info("checkpoint %s committed in %.2f s", outcome.checkpoint_id, outcome.seconds)
             self.emit(
                 CheckpointCompleted,
@@ -155,7 +178,12 @@ class Agent:
                 host=self.host,
                 tcp=self.config.tcp,
             )
-            outcome = restorer.restore(generation, checkpoint_id)
+            try:
+                outcome = restorer.restore(generation, checkpoint_id)
+            except RestoreError as error:
+                if not (error.nothing_restorable and self.config.restart_from_scratch):
+                    raise
+                outcome = self._start_from_scratch(generation, str(error))
         except Exception as error:
             log.error("restore failed: %s", error)
             if not _is_fencing(error):
@@ -192,6 +220,30 @@ class Agent:
             log.warning("could not keep CRIU's log in the job's storage: %s", error)
             return ""
 
+    def _start_from_scratch(self, generation: int, why: str) -> RestoreOutcome:
+        """No checkpoint can ever be restored: the job starts over from the beginning (the user is told)."""
+        started = time.monotonic()
+        log.warning("no checkpoint to restore (%s); starting the job from the beginning", why)
+        with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
+            admit(state, generation)
+            if state.job_status == "running" and job_alive(state.job_pid, state.job_start_time):
+                raise RestoreError(f"the job already runs on this VM (pid {state.job_pid}); it never runs twice")
+            shutil.rmtree(self.config.workdir, ignore_errors=True)  # what a failed restore may have placed
+            job = start_job(self.config.command, self.config.workdir, {**self.job_env, **self.config.env})
+            if job.launcher is not None:
+                self._launchers.append(job.launcher)
+            state.job_id = self.config.job_id
+            state.job_pid, state.job_start_time = job.pid, job.start_time
+            state.job_status, state.exit_code, state.last_checkpoint = "running", None, None
+            state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
+        return RestoreOutcome(
+            checkpoint_id="",
+            generation=generation,
+            seconds=round(time.monotonic() - started, 3),
+            pid=job.pid,
+            skipped=f"{why}: started from the beginning"[:1000],
+        )
+
     def release(self, generation: int) -> str:
         with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
             admit(state, generation)
@@ -222,19 +274,33 @@ class Agent:
         return status
 
     def start_job(self) -> int | None:
-        """Start the job unless this VM already started it (a job never runs twice); returns its PID."""
-        generation = self.config.generation
+        """Start the job unless this VM already started it (a job never runs twice); returns its PID.
+
+        A job that cannot start (a missing program, an unusable work dir) is recorded as ended here and reported
+        as BootstrapFailed with the reason, so the control plane marks it FAILED instead of leaving it PENDING."""
         with self.state.locked() as state:
-            admit(state, generation)
+            admit(state, max(state.generation, self.config.generation))
+            generation = state.generation
             if state.job_status != "none":
                 log.info("the job was already started here (%s); not starting it again", state.job_status)
                 return None
             env = {**self.job_env, **self.config.env}
-            job = start_job(self.config.command, self.config.workdir, env)
-            if job.launcher is not None:
-                self._launchers.append(job.launcher)
-            state.job_id = self.config.job_id
-            state.job_pid, state.job_start_time, state.job_status = job.pid, job.start_time, "running"
+            try:
+                job = start_job(self.config.command, self.config.workdir, env)
+            except (JobError, OSError) as error:
+                state.job_id = self.config.job_id
+                state.job_status, state.exit_code = "exited", COMMAND_NOT_STARTED
+                reason = str(error)
+            else:
+                reason = ""
+                if job.launcher is not None:
+                    self._launchers.append(job.launcher)
+                state.job_id = self.config.job_id
+                state.job_pid, state.job_start_time, state.job_status = job.pid, job.start_time, "running"
+        if reason:
+            log.error("job %s could not start: %s", self.config.job_id, reason)
+            self.emit(BootstrapFailed, generation, step="start-job", reason=reason[:1000])
+            return None
         log.info("job %s started as pid %d", self.config.job_id, job.pid)
         self.emit(JobStarted, generation, pid=job.pid)
         return job.pid

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from spotcr_contracts.events import BootstrapFailed
-from spotcr_contracts.tags import JobSpec, parse_job_tags
+from spotcr_contracts.tags import JOB, JobSpec, parse_job_tags
 
 from . import config as agent_config
 from . import readiness, scratch, storage
@@ -41,11 +42,15 @@ def fetch_spec(uri: str) -> bytes:
     return body
 
 
+TAG_POLL_S = 5.0
+
+
 def build_config(
     metadata: Metadata,
     args: argparse.Namespace,
     environ: Mapping[str, str],
     spec_reader: Callable[[str], bytes] = fetch_spec,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> AgentConfig:
     """Everything the agent needs to know, from IMDS, the instance's tags and the bootstrap flags."""
     step = "imds"
@@ -55,7 +60,7 @@ def build_config(
         context["availability_zone"] = require(metadata, "meta-data/placement/availability-zone")
         context["region"] = metadata.get("meta-data/placement/region") or context["availability_zone"][:-1]
         step = "tags"
-        job = parse_job_tags(instance_tags(metadata))
+        job = parse_job_tags(wait_for_job_tag(metadata, sleep))
         step = "spec"
         definition = JobDefinition(command=job.command, workdir=job.workdir)
         if job.spec_uri:
@@ -64,6 +69,18 @@ def build_config(
         return _config(job, definition, context, args, environ)
     except Exception as error:
         raise BootstrapError(step, str(error)) from error
+
+
+def wait_for_job_tag(metadata: Metadata, sleep: Callable[[float], None]) -> dict[str, str]:
+    """The instance's tags once `spotcr:job` is among them: a user may add it to an instance already running
+    from the launch template, and the job starts then (IMDS shows tag changes)."""
+    tags = instance_tags(metadata)
+    if JOB not in tags:
+        log.info("no %s tag on this instance yet; waiting for one", JOB)
+    while JOB not in tags:
+        sleep(TAG_POLL_S)
+        tags = instance_tags(metadata)
+    return tags
 
 
 def _config(
@@ -93,6 +110,7 @@ def _config(
         "env": dict(definition.env),
         "interval_s": job.interval_s,
         "tcp": job.tcp,
+        "restart_from_scratch": job.restart_from_scratch,
         "state_dir": state_dir,
         "imds_endpoint": environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT),
     }

@@ -196,9 +196,9 @@ class Checkpointer:
                 except CriuError as error:
                     at_freeze.raise_own_error()
                     raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
-        # The job runs again: from here on only the network waits.
-        extra = self._carried(scratch, snapshot, copied=scratch / "carried")
-        result = self.store.commit(scratch / "images", meta, extra_files=extra)
+            # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
+            extra = self._carried(scratch, snapshot, copied=scratch / "carried")
+            result = self.store.commit(scratch / "images", meta, extra_files=extra)
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:

@@ -68,6 +68,7 @@ class AgentConfig:
     local_dirs: tuple[str, ...] = LOCAL_DIRS  # VM-local places carried whole with every checkpoint
     image_dirs: tuple[str, ...] = IMAGE_DIRS  # the AMI's system: checked at restore, never carried
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB  # a checkpoint fails, naming the biggest, above this
+    restart_from_scratch: bool = True  # with no restorable checkpoint, a backup starts the job over
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
@@ -100,7 +101,7 @@ class AgentConfig:
         return values
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> AgentConfig:
+    def from_json(cls, data: Mapping[str, Any]) -> AgentConfig:  # noqa: PLR0912 (one branch per field type)
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -111,6 +112,10 @@ class AgentConfig:
             if kind == "Path":
                 _expect(name, value, str)
                 values[name] = Path(value)
+            elif kind == "bool":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{name}: must be true or false, got {type(value).__name__}")
+                values[name] = value
             elif kind == "int":
                 _expect(name, value, int)
                 values[name] = value

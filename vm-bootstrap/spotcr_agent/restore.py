@@ -1,7 +1,14 @@
-"""Restoring the job from a committed checkpoint, newest first, falling back to older ones."""
+"""Restoring the job from a committed checkpoint, newest first, walking back through every older one.
+
+The walk: the checkpoint the control plane names (else the newest committed), then every older committed one,
+newest first. A store error that may pass (an outage, a throttle) is retried on the same checkpoint with
+backoff; a checkpoint that is damaged, missing or incompatible is skipped. Only when the walk finds nothing
+restorable for such reasons (or nothing committed at all) may the caller start the job from the beginning.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -21,24 +28,34 @@ from .host import HostInfo
 from .runner import job_alive, process_start_time
 from .state import StateFile, admit, exclusive
 from .store import Manifest
-from .store.errors import StoreError
+from .store.errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3
+STORE_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # 15.5 s of retries: a store brownout of 12 s does not fail a restore
+PERMANENT_STORE_ERRORS = (CorruptCheckpoint, CheckpointNotFound, UnsupportedManifest)
 
 
 class RestoreError(RuntimeError):
     """No checkpoint could be restored; the message gives each attempt's reason, log_tail the last CRIU log's end."""
 
     def __init__(
-        self, message: str, checkpoint_id: str = "", log_tail: str = "", logs: Mapping[str, str] | None = None
+        self,
+        message: str,
+        checkpoint_id: str = "",
+        log_tail: str = "",
+        logs: Mapping[str, str] | None = None,
+        *,
+        nothing_restorable: bool = False,
     ) -> None:
         super().__init__(message)
         self.checkpoint_id = checkpoint_id
         self.log_tail = log_tail
         # Checkpoint id -> CRIU's whole restore log, kept in the job's storage by the agent.
         self.logs = dict(logs or {})
+        # True when the store answered and no committed checkpoint can ever be restored here (none, or all
+        # damaged or incompatible); False when an outage may have hidden a good one.
+        self.nothing_restorable = nothing_restorable
 
 
 class Incompatible(RuntimeError):
@@ -131,6 +148,8 @@ class Restorer:
     criu: Criu
     host: Callable[[], HostInfo]
     tcp: str = DEFAULT_TCP  # AgentConfig.tcp
+    backoff_s: tuple[float, ...] = STORE_BACKOFF_S
+    sleep: Callable[[float], None] = time.sleep
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         started = time.monotonic()
@@ -144,24 +163,29 @@ class Restorer:
             failures: list[str] = []
             logs: dict[str, str] = {}
             log_tail = ""
-            for candidate in candidates[:MAX_ATTEMPTS]:
+            transient = False
+            for candidate in candidates:
                 try:
-                    pid = self._restore_one(candidate, host)
+                    pid = self._with_retries(functools.partial(self._restore_one, candidate, host))
                 except (StoreError, Incompatible, CriuError, OSError) as error:
                     reason = error.reason if isinstance(error, CriuError) else str(error)
                     if isinstance(error, CriuError):
                         logs[candidate], log_tail = error.log, error.log_tail
+                    transient |= isinstance(error, StoreError) and not isinstance(error, PERMANENT_STORE_ERRORS)
                     log.warning("restoring checkpoint %s failed: %s", candidate, reason)
                     failures.append(f"{candidate}: {reason}")
                     continue
                 start_time = process_start_time(pid) or 0
                 with self.state.locked() as state:
-                    admit(state, generation)
+                    # The job runs here now, whatever generation was admitted meanwhile: a warning that came
+                    # during the restore (a newer generation) has its final dump waiting on the dump lock.
+                    state.generation = max(state.generation, generation)
                     state.job_id = self.job_id
                     state.job_pid, state.job_start_time = pid, start_time
                     state.job_status, state.exit_code = "running", None
                     state.last_checkpoint = candidate
-                    state.final_dumps = {}  # a new run of the job here: it may need a final dump of its own
+                    # A new run of the job here: earlier final dumps are not its own; one asked meanwhile is.
+                    state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
                 if failures:
                     log.warning("restored the older checkpoint %s because %s", candidate, "; ".join(failures))
                 return RestoreOutcome(
@@ -171,15 +195,36 @@ class Restorer:
                     pid=pid,
                     skipped="; ".join(failures),
                 )
-        raise RestoreError("no checkpoint could be restored: " + "; ".join(failures), candidates[0], log_tail, logs)
+        if not candidates:
+            raise RestoreError(f"job {self.job_id} has no committed checkpoint", nothing_restorable=True)
+        raise RestoreError(
+            "no checkpoint could be restored: " + "; ".join(failures),
+            candidates[0],
+            log_tail,
+            logs,
+            nothing_restorable=not transient,
+        )
 
     def _candidates(self, checkpoint_id: str | None) -> list[str]:
-        if checkpoint_id:
-            return [checkpoint_id]
-        candidates = self.store.checkpoint_ids()
-        if not candidates:
-            raise RestoreError(f"job {self.job_id} has no committed checkpoint to restore")
-        return candidates
+        """The named checkpoint (else the newest), then every older committed one, newest first."""
+        committed = self._with_retries(self.store.checkpoint_ids)
+        if not checkpoint_id:
+            return committed
+        return [checkpoint_id, *(c for c in committed if c < checkpoint_id)]
+
+    def _with_retries(self, action: Callable[[], Any]) -> Any:
+        """Run a store action, retrying errors that may pass (not a damaged or missing checkpoint) with backoff."""
+        for delay in (*self.backoff_s, None):
+            try:
+                return action()
+            except PERMANENT_STORE_ERRORS:
+                raise
+            except StoreError as error:
+                if delay is None:
+                    raise
+                log.warning("the checkpoint store failed (%s); retrying in %.1f s", error, delay)
+                self.sleep(delay)
+        raise AssertionError("unreachable")
 
     def _restore_one(self, checkpoint_id: str, host: HostInfo) -> int:
         dest = self.scratch_dir / f"restore-{checkpoint_id}"

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotcr_contracts.tags import workdir_problem
+
 CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every checkpoint
 # Descriptors opened outside the job's mount namespace cannot be dumped with it: reopen stdio inside.
 WRAPPER = 'exec </dev/null >>"$1" 2>>"$2"; f=$3; shift 3; "$@"; echo $? >> "$f"'
@@ -66,6 +68,8 @@ def parse_job_spec(text: str | bytes) -> JobDefinition:
         not isinstance(workdir, str) or not workdir.startswith("/") or ".." in Path(workdir).parts or "\x00" in workdir
     ):
         raise InvalidJobSpec("workdir: must be an absolute path without '..'")
+    if workdir is not None and (problem := workdir_problem(workdir)):
+        raise InvalidJobSpec(f"workdir: {problem}")
     env = data.get("env", {})
     if not isinstance(env, dict):
         raise InvalidJobSpec("env: must be an object of strings")

@@ -59,4 +59,4 @@ def finish(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
 @metrics.log_metrics
 def fail(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     error = event.get("error") or {}
-    return recovery.fail(_edge.deps(), *_job(event), str(error.get("Error", "")), str(error.get("Cause", ""))[:500])
+    return recovery.fail(_edge.deps(), *_job(event), str(error.get("Error", "")), str(error.get("Cause") or ""))

@@ -141,6 +141,7 @@ class Manifest:
     chunking: Mapping[str, Any] = field(default_factory=dict)
     format: int = FORMAT_VERSION
     hash: str = HASH_ALGORITHM
+    since_full: int = 0  # commits since the last one that sent every chunk afresh (0: this one did)
 
     @property
     def bytes_total(self) -> int:
@@ -168,6 +169,7 @@ class Manifest:
             "compression": self.compression,
             "chunking": dict(self.chunking),
             "files": [f.to_dict() for f in self.files],
+            "since_full": self.since_full,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -203,6 +205,7 @@ class Manifest:
                 compression=str(doc["compression"]),
                 chunking=dict(doc["chunking"]),
                 files=tuple(_file_from_dict(f) for f in doc["files"]),
+                since_full=int(doc.get("since_full", 0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpoint(checkpoint_id, f"manifest is malformed ({type(e).__name__}: {e})") from e

@@ -3,6 +3,23 @@
 Layout under the bucket or mount root:
   jobs/<job_id>/chunks/<h[:2]>/<h>                    zstd-compressed chunk whose raw bytes hash to h (sha256)
   jobs/<job_id>/checkpoints/<checkpoint_id>.json      manifest; a checkpoint without one does not exist
+  jobs/<job_id>/commits/<checkpoint_id>               a commit in flight (removed once its manifest is written)
+  jobs/<job_id>/sweeps/<uuid>                         a prune in flight (removed when it is done)
+
+Garbage collection never loses a committed checkpoint. The invariant: prune deletes a chunk only if no
+committed manifest it read references it AND no commit was in flight when it last looked. A commit writes its
+`commits/` marker before it decides anything about chunks, then waits while a `sweeps/` marker exists; prune
+writes its `sweeps/` marker, then looks for `commits/` markers right before deleting and gives up if it finds
+one. With strongly consistent listings (S3, a file system) one of the two always sees the other: either prune
+sees the commit and deletes nothing, or the commit's marker came after prune's look, hence after prune's
+marker, and the commit waits until prune is done, then relies only on chunks that still exist. A pruner that
+died (its VM terminated) leaves its marker: a live pruner never deletes later than SWEEP_LEASE_S / 2 after it
+started (its own monotonic clock), so a commit treats a sweep marker older than SWEEP_LEASE_S than its own
+marker as dead and removes it. Both ages are the store's own timestamps, never two VMs' clocks compared.
+
+A shared chunk is not a single point of failure: a commit re-sends every chunk of its parent that the store no
+longer holds, instead of trusting the parent's manifest; and every `full_every`-th periodic checkpoint sends
+every chunk afresh, which rewrites (heals) a damaged shared chunk for every checkpoint that uses it.
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ import resource
 import stat
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -43,6 +61,10 @@ INLINE_MAX = 64 * 1024  # files up to this size travel inside the manifest inste
 READ_BLOCK = 4 * 1024 * 1024
 POLL_SECONDS = 0.02  # how often a file CRIU is still writing is checked for new bytes
 GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (started within this) may use
+SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
+SWEEP_POLL_S = 0.5
+DELETE_BATCH = 500
+FULL_EVERY = 10  # every 10th periodic checkpoint sends all its chunks again (final dumps always deduplicate)
 
 
 @dataclass(frozen=True)
@@ -75,13 +97,17 @@ class CheckpointStore:
         workers: int = 16,
         compression_level: int = 1,
         chunking: Chunking | None = None,
+        full_every: int = FULL_EVERY,
     ) -> None:
         self.backend = backend
+        self.full_every = full_every
         self.job_id = check_job_id(job_id)
         self.workers = workers
         self.compression_level = compression_level
         self.chunking = chunking or Chunking()
         self._prefix = f"jobs/{job_id}/"
+        self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
+        self.sweep_lease_s = SWEEP_LEASE_S
 
     @classmethod
     def for_s3(
@@ -129,7 +155,26 @@ class CheckpointStore:
             raise StoreError(f"image directory {image_dir} does not exist")
         self.backend.check()
         _allow_many_open_files()
-        known = self._known_chunks(meta.parent)
+        marker = self._commit_marker(meta.checkpoint_id)
+        self.backend.put(marker, b"")
+        try:
+            self._wait_for_sweeps(marker)
+            return self._commit(image_dir, meta, extra_files, still_writing, started)
+        finally:
+            self.backend.delete([marker])
+
+    def _commit(
+        self,
+        image_dir: Path,
+        meta: CheckpointMeta,
+        extra_files: Mapping[str, Path] | None,
+        still_writing: Callable[[], bool] | None,
+        started: float,
+    ) -> CommitResult:
+        known, parent_since_full = self._known_chunks(meta.parent)
+        since_full = parent_since_full + 1 if known else 0
+        if meta.kind == "periodic" and since_full >= self.full_every:
+            known, since_full = set(), 0  # a fresh full checkpoint: every chunk is written again
         tails: dict[str, _FileTail] = {}
         try:
             with _Uploader(self.backend, self._prefix, known, self.workers, self.compression_level) as uploader:
@@ -165,6 +210,7 @@ class CheckpointStore:
             files=files,
             compression=f"zstd-{self.compression_level}",
             chunking=self.chunking.describe(),
+            since_full=since_full,
         )
         document = manifest.to_json()
         self.backend.flush()
@@ -232,14 +278,26 @@ class CheckpointStore:
                 os.close(fd)
         return manifest
 
-    def prune(self, keep: int, grace_seconds: float = GRACE_SECONDS) -> PruneResult:
+    def prune(
+        self, keep: int, grace_seconds: float = GRACE_SECONDS, commit_timeout_s: float = GRACE_SECONDS
+    ) -> PruneResult:
         """Keep the newest `keep` checkpoints; delete older ones and the chunks no remaining checkpoint uses.
 
-        A running commit dedups against the newest manifest it saw and uploads chunks before its manifest
-        exists, so a manifest stays until its successor is grace_seconds old and a chunk until it is.
+        Safe against concurrent commits by the marker protocol in the module docstring. A restore may still be
+        reading an older manifest, so a manifest stays until its successor is grace_seconds old, a chunk until
+        it is. A commit marker older than commit_timeout_s is a commit that died (killed mid-upload): ignored.
         """
         if keep < 1:
             raise ValueError("prune keeps at least the newest checkpoint")
+        started = time.monotonic()
+        sweep = f"{self._prefix}sweeps/{uuid.uuid4().hex}"
+        self.backend.put(sweep, b"")
+        try:
+            return self._sweep(keep, grace_seconds, commit_timeout_s, started)
+        finally:
+            self.backend.delete([sweep])
+
+    def _sweep(self, keep: int, grace_seconds: float, commit_timeout_s: float, started: float) -> PruneResult:
         now = time.time()
         ids = self.checkpoint_ids()
         kept, doomed = list(ids[:keep]), []
@@ -251,15 +309,37 @@ class CheckpointStore:
         referenced: set[str] = set()
         for checkpoint_id in kept:
             referenced |= self.load(checkpoint_id).chunk_hashes()
-        self.backend.delete([self._manifest_key(c) for c in doomed])
         garbage, freed = [], 0
         for obj in self.backend.scan(self._prefix + "chunks/"):
             name = obj.key.rsplit("/", 1)[-1]
             if name not in referenced and now - obj.modified >= grace_seconds:
                 garbage.append(obj.key)
                 freed += obj.size
-        self.backend.delete(garbage)
+        # The last look before deleting: a commit in flight may rely on any of these chunks.
+        commits = list(self.backend.scan(self._prefix + "commits/"))
+        dead = [c.key for c in commits if time.time() - c.modified >= commit_timeout_s]
+        if len(dead) < len(commits):
+            return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
+        keys = dead + [self._manifest_key(c) for c in doomed] + garbage
+        for start in range(0, len(keys), DELETE_BATCH):
+            if time.monotonic() - started > self.sweep_lease_s / 2:
+                raise StoreError("prune ran out of its time; a waiting commit may go on, so it stops deleting")
+            self.backend.delete(keys[start : start + DELETE_BATCH])
         return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
+
+    def _wait_for_sweeps(self, marker: str) -> None:
+        """Hold a commit while a live prune is in flight (its marker exists); remove a dead pruner's marker."""
+        deadline = time.monotonic() + self.sweep_lease_s
+        while sweeps := list(self.backend.scan(self._prefix + "sweeps/")):
+            mine = next((c.modified for c in self.backend.scan(self._prefix + "commits/") if c.key == marker), None)
+            dead = [s.key for s in sweeps if mine is not None and mine - s.modified >= self.sweep_lease_s]
+            self.backend.delete(dead)
+            if len(dead) == len(sweeps) or time.monotonic() > deadline:
+                return  # what is left cannot delete anything any more: its pruner is past its own deadline
+            self.sleep(SWEEP_POLL_S)
+
+    def _commit_marker(self, checkpoint_id: str) -> str:
+        return f"{self._prefix}commits/{check_checkpoint_id(checkpoint_id)}"
 
     def _download(self, checkpoint_id: str, spots: Mapping[str, list[tuple[int, int, int, str]]]) -> None:
         def fetch_chunk(digest: str, places: list[tuple[int, int, int, str]]) -> None:
@@ -292,21 +372,27 @@ class CheckpointStore:
                             tails[path] = _FileTail(path, source, self.chunking, self.compression_level)
         return sum(tail.pump(uploader) for tail in tails.values())
 
-    def _known_chunks(self, parent: str | None) -> set[str]:
-        """Chunks committed by the parent (else the newest checkpoint): sent once, never again.
+    def _known_chunks(self, parent: str | None) -> tuple[set[str], int]:
+        """Chunks committed by the parent (else the newest checkpoint): sent once, never again; and the parent's
+        `since_full`.
 
         The parent is the checkpoint the job was restored from or last committed, so its chunks were verified or
         just written; a newer one may hold a damaged chunk a restore fell back from, which must be sent afresh.
         """
         ids = self.checkpoint_ids()
         source = parent if parent and parent in ids else (ids[0] if ids else None)
-        sources = {source} if source else set()
-        known: set[str] = set()
-        for checkpoint_id in sources:
-            # A manifest this agent cannot read only costs dedup, never correctness.
-            with contextlib.suppress(CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
-                known |= self.load(checkpoint_id).chunk_hashes()
-        return known
+        if source is None:
+            return set(), 0
+        try:
+            manifest = self.load(source)
+        except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
+            return set(), 0  # a manifest this agent cannot read only costs dedup, never correctness
+        known = manifest.chunk_hashes()
+        if not known:
+            return known, manifest.since_full
+        # Rely only on chunks the store still holds: one listing, and a lost chunk is sent afresh.
+        stored = {obj.key.rsplit("/", 1)[-1] for obj in self.backend.scan(self._prefix + "chunks/")}
+        return known & stored, manifest.since_full
 
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints, newest first, from one listing: no manifest is read."""

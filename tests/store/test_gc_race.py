@@ -1,0 +1,159 @@
+"""Garbage collection against a concurrent commit, the interleaving forced: no committed checkpoint loses a chunk."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from spotcr_agent.store import CheckpointStore, CorruptCheckpoint
+
+from .support import MiB, checkpoint_id, meta, random_bytes
+
+
+def _images(root: Path, *seeds: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for path in root.iterdir():
+        path.unlink()
+    for seed in seeds:
+        (root / f"pages-{seed}.img").write_bytes(random_bytes(MiB, seed=seed))
+    return root
+
+
+def test_prune_never_deletes_a_chunk_a_concurrent_commit_relies_on(
+    make_store: Callable[..., CheckpointStore], tmp_path: Path
+) -> None:
+    # Given checkpoint 1 with files A and X, and checkpoint 2 with A only: X's chunks are garbage once 1 goes
+    pruner, committer = make_store(), make_store()  # two VMs on one store
+    pruner.commit(_images(tmp_path / "img1", 1, 2), meta(1))
+    pruner.commit(_images(tmp_path / "img2", 1), meta(2, parent=1))
+    x_chunks = pruner.load(checkpoint_id(1)).chunk_hashes() - pruner.load(checkpoint_id(2)).chunk_hashes()
+    assert x_chunks
+
+    # When prune has listed X's chunks as garbage and is about to delete them, a commit of A and X (parent 2,
+    # which lacks X) runs: it sends X again and commits; only then does prune go on
+    commit_waits_or_ends = threading.Event()
+    commit_done = threading.Event()
+    errors: list[BaseException] = []
+
+    def sleep(seconds: float) -> None:
+        commit_waits_or_ends.set()  # the commit holds back while the prune is in flight
+        threading.Event().wait(0.01)
+
+    committer.sleep = sleep
+
+    def commit() -> None:
+        try:
+            committer.commit(_images(tmp_path / "img3", 1, 2), meta(3, parent=2))
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            commit_done.set()
+            commit_waits_or_ends.set()
+
+    original_delete = pruner.backend.delete
+    racing = threading.Thread(target=commit)
+
+    def delete(keys: list[str]) -> Any:
+        if any("/chunks/" in key for key in keys) and not racing.is_alive() and not commit_done.is_set():
+            racing.start()
+            assert commit_waits_or_ends.wait(60), "the racing commit neither finished nor waited"
+        return original_delete(keys)
+
+    pruner.backend.delete = delete  # type: ignore[method-assign]
+    pruner.prune(keep=1, grace_seconds=0)
+    assert commit_done.wait(60)
+    racing.join()
+    assert errors == []
+
+    # Then every committed checkpoint restores: X's chunks are in the store again
+    assert checkpoint_id(3) in pruner.checkpoint_ids()
+    manifest = pruner.fetch(checkpoint_id(3), tmp_path / "restore")
+    assert manifest.chunk_hashes() >= x_chunks
+    assert (tmp_path / "restore/images/pages-2.img").read_bytes() == random_bytes(MiB, seed=2)
+
+
+def test_a_commit_resends_a_parent_chunk_the_store_lost(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given a checkpoint, one of whose chunks was lost from the store (deleted by hand, an old bug, expiry)
+    store.commit(_images(tmp_path / "img1", 1, 2), meta(1))
+    lost = sorted(store.load(checkpoint_id(1)).chunk_hashes())[0]
+    store.backend.delete([f"jobs/{store.job_id}/chunks/{lost[:2]}/{lost}"])
+
+    # When the next checkpoint, with the same content, is committed with it as parent
+    result = store.commit(_images(tmp_path / "img2", 1, 2), meta(2, parent=1))
+
+    # Then the lost chunk was sent again, and the new checkpoint restores
+    assert result.chunks_uploaded >= 1
+    store.fetch(checkpoint_id(2), tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == random_bytes(MiB, seed=1)
+
+
+def test_a_prune_sees_a_commit_in_flight_and_deletes_nothing(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given garbage, and a commit that has announced itself but not yet written its manifest
+    store.commit(_images(tmp_path / "img1", 1, 2), meta(1))
+    store.commit(_images(tmp_path / "img2", 1), meta(2, parent=1))
+    store.backend.put(f"jobs/{store.job_id}/commits/{checkpoint_id(3)}", b"")
+
+    # When prune runs
+    pruned = store.prune(keep=1, grace_seconds=0)
+
+    # Then it deletes nothing; once that commit is presumed dead, it does
+    assert (pruned.deleted_checkpoints, pruned.deleted_chunks) == ([], 0)
+    later = store.prune(keep=1, grace_seconds=0, commit_timeout_s=0)
+    assert later.deleted_checkpoints == [checkpoint_id(1)] and later.deleted_chunks > 0
+
+
+def test_a_fresh_full_checkpoint_heals_a_damaged_chunk_every_checkpoint_shares(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    # Given three periodic checkpoints of the same content (one full, then two that reuse its chunks)
+    store.full_every = 3
+    for n in (1, 2, 3):
+        result = store.commit(_images(tmp_path / f"img{n}", 1, 2), meta(n, parent=n - 1 if n > 1 else None))
+    assert [store.load(checkpoint_id(n)).since_full for n in (1, 2, 3)] == [0, 1, 2]
+    assert result.chunks_uploaded == 0
+
+    # When a chunk all three share is damaged in the store (bit rot, a bad write)
+    shared = sorted(store.load(checkpoint_id(1)).chunk_hashes())[0]
+    store.backend.put(f"jobs/{store.job_id}/chunks/{shared[:2]}/{shared}", b"damaged")
+    with pytest.raises(CorruptCheckpoint):
+        store.fetch(checkpoint_id(1), tmp_path / "broken")
+
+    # Then the next periodic checkpoint is a fresh full one: it sends every chunk again, and that rewrite
+    # makes every older checkpoint that shares the chunk restorable again
+    fourth = store.commit(_images(tmp_path / "img4", 1, 2), meta(4, parent=3))
+    assert store.load(checkpoint_id(4)).since_full == 0
+    assert fourth.chunks_uploaded == fourth.chunks_total
+    for n in (1, 4):
+        store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
+        assert (tmp_path / f"restore{n}/images/pages-1.img").read_bytes() == random_bytes(MiB, seed=1)
+
+
+def test_a_final_dump_always_deduplicates(store: CheckpointStore, tmp_path: Path) -> None:
+    store.full_every = 1
+    store.commit(_images(tmp_path / "img1", 1), meta(1))
+    final = store.commit(_images(tmp_path / "img2", 1), meta(2, parent=1, kind="final"))
+    assert final.chunks_uploaded == 0
+
+
+def test_a_dead_pruners_marker_does_not_hold_commits_back(tmp_path: Path) -> None:
+    # Given a store where a pruner died (its VM terminated) long ago, leaving its sweep marker
+    store = CheckpointStore.for_directory(tmp_path / "mnt", "job-store-test")
+    (tmp_path / "mnt").mkdir()
+    marker = tmp_path / "mnt/jobs/job-store-test/sweeps/dead"
+    marker.parent.mkdir(parents=True)
+    marker.write_bytes(b"")
+    os.utime(marker, (time.time() - 3600, time.time() - 3600))
+    waits: list[float] = []
+    store.sleep = waits.append
+
+    # When a checkpoint is committed
+    store.commit(_images(tmp_path / "img", 1), meta(1))
+
+    # Then the commit did not wait, and the dead marker is gone
+    assert waits == []
+    assert not marker.exists()
