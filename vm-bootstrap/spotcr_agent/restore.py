@@ -53,8 +53,8 @@ class RestoreError(RuntimeError):
         self.log_tail = log_tail
         # Checkpoint id -> CRIU's whole restore log, kept in the job's storage by the agent.
         self.logs = dict(logs or {})
-        # True when the store answered and no committed checkpoint can ever be restored here (none, or all
-        # damaged or incompatible); False when an outage may have hidden a good one.
+        # True when the store answered that no committed checkpoint exists or every one is damaged; False when
+        # an outage may hide a good one, or CRIU or this host failed (the checkpoint may restore elsewhere).
         self.nothing_restorable = nothing_restorable
 
 
@@ -171,7 +171,9 @@ class Restorer:
                     reason = error.reason if isinstance(error, CriuError) else str(error)
                     if isinstance(error, CriuError):
                         logs[candidate], log_tail = error.log, error.log_tail
-                    transient |= isinstance(error, StoreError) and not isinstance(error, PERMANENT_STORE_ERRORS)
+                    # Only a store that says the data is gone makes a start from scratch right; a CRIU or host
+                    # failure here says nothing about the checkpoint, and an outage may hide a good one.
+                    transient |= not isinstance(error, PERMANENT_STORE_ERRORS)
                     log.warning("restoring checkpoint %s failed: %s", candidate, reason)
                     failures.append(f"{candidate}: {reason}")
                     continue
