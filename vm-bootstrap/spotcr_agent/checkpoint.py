@@ -306,7 +306,7 @@ class Checkpointer:
         if problem:
             raise CheckpointError(problem)
         self._scan = carry.scan_job(pid)
-        problem = carry.unsupported_problem(self._scan)
+        problem = carry.unsupported_problem(self._scan) or carry.vm_bound_listeners(self._scan)
         if problem:
             raise CheckpointError(problem)
         problem = carry.too_big(carry.local_inventory(self._layout, self._scan), self.local_files_limit_mb << 20)
