@@ -40,6 +40,7 @@ def _one(root: Path, mode: str, gib: float, store: CheckpointStore, storage: str
         state_dir=root / "state",
         command=(sys.executable, str(MEMJOB), str(gib), "0.05"),
         final_dump=mode,
+        local_dirs=(),  # the benchmark's job runs on this host, whose /tmp is everyone's, not a job VM's own
     )
     agent = Agent(config=config, publisher=_Quiet(), job_env=base_job_env(os.environ), store_factory=lambda _: store)
     agent.start_job()

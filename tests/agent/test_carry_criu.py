@@ -151,3 +151,19 @@ def test_a_jvm_with_default_flags_comes_back_on_a_fresh_vm(bare_vm, storage):
     assert backup.agent("wait-exit", "60")["exit_code"] == 0
     sums = [int(line.split()[2]) for line in backup.progress()]
     assert sums == [sum(s * s for s in range(step + 1)) for step in range(60)]
+
+
+def test_a_listener_on_the_vm_s_own_address_is_refused_at_the_checkpoint(bare_vm, storage):
+    # Given a job listening on its VM's private address, which no backup will have
+    vm = bare_vm(shared_storage=storage)
+    job = JobVM(vm, command=(sys.executable, str(JOBS / "listener.py"), "7412", vm.address))
+    job.agent("start")
+    wait_for(lambda: len(job.progress()) >= 2, what="the job to listen")
+
+    # When a checkpoint is asked for, then it is refused before the dump, naming the address and what to do
+    failed = job.agent("checkpoint", "periodic", "1", check=False)
+    assert not failed["ok"]
+    assert f"it listens on {vm.address}:7412, an address only this VM has" in failed["error"]
+    assert "0.0.0.0" in failed["error"]
+    assert job.events("CheckpointCompleted") == []
+    assert [e["reason"] for e in job.events("CheckpointFailed")] == [failed["error"]]

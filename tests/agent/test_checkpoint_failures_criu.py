@@ -184,3 +184,23 @@ def test_a_failure_while_the_job_is_frozen_fails_the_dump_and_the_job_runs_on(tm
         wait_for(lambda: len(progress_lines(agent.config.workdir)) > before, what="the job to run on")
     finally:
         kill_tree(pid)
+
+
+def test_a_job_holding_a_file_in_the_agent_s_own_directories_is_refused_before_the_dump(tmp_path, publisher):
+    # Given a job that holds a file in the agent's scratch dir, which no checkpoint carries
+    config = make_config(tmp_path)
+    held = config.scratch_dir / "not-the-job-s.bin"
+    held.parent.mkdir(parents=True)
+    held.write_bytes(b"x")
+    command = (sys.executable, str(JOBS / "holds.py"), "read", str(held), "300")
+    agent = make_agent(make_config(tmp_path, command=command), publisher)
+    pid = agent.start_job()
+    try:
+        wait_for(lambda: progress_lines(agent.config.workdir), what="the job to open the file")
+        # When its final dump is asked for, then it is refused before CRIU stops the job
+        with pytest.raises(CheckpointError, match=f"it holds {held}, inside the agent's own directories"):
+            agent.checkpoint("final", 1)
+        before = len(progress_lines(agent.config.workdir))
+        wait_for(lambda: len(progress_lines(agent.config.workdir)) > before, what="the job to run on")
+    finally:
+        kill_tree(pid)

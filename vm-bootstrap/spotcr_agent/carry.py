@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
+import ipaddress
 import os
 import shutil
 import socket
@@ -330,6 +331,23 @@ def unsupported_problem(scan: JobScan) -> str | None:
     if not scan.unsupported:
         return None
     return "the job cannot be checkpointed: " + "; ".join(scan.unsupported[:5])
+
+
+def vm_bound_listeners(scan: JobScan) -> str | None:
+    """Listeners bound to this VM's own address, which no backup has (each gets a new private address): a restore
+    there could not bind them, so the checkpoint is refused; wildcard and loopback listeners restore anywhere."""
+    bound = []
+    for listener in scan.listening:
+        address, port = listener.rsplit(" ", 1)
+        parsed = ipaddress.ip_address(address)
+        if not (parsed.is_unspecified or parsed.is_loopback):
+            bound.append(f"{address}:{port}" if parsed.version == 4 else f"[{address}]:{port}")
+    if not bound:
+        return None
+    return (
+        f"the job cannot be checkpointed: it listens on {', '.join(bound[:3])}, an address only this VM has, so no "
+        "backup could restore it; have the job listen on 0.0.0.0 or :: (all addresses) or on 127.0.0.1"
+    )
 
 
 def address_here(address: str) -> bool:

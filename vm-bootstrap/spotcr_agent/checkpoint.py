@@ -309,9 +309,12 @@ class Checkpointer:
         if problem:
             raise CheckpointError(problem)
         self._scan = carry.scan_job(pid)
-        problem = carry.unsupported_problem(self._scan)
+        problem = carry.unsupported_problem(self._scan) or carry.vm_bound_listeners(self._scan)
         if problem:
             raise CheckpointError(problem)
+        for path, use in self._scan.files.items():
+            if self._layout.place(path, use) == "excluded":
+                raise CheckpointError(_agent_own(path))
         problem = carry.too_big(carry.local_inventory(self._layout, self._scan), self.local_files_limit_mb << 20)
         if problem:
             raise CheckpointError(problem)
@@ -369,7 +372,7 @@ class Checkpointer:
         for path, use in sorted(scan.files.items()):
             place = layout.place(path, use)
             if place == "excluded":
-                raise CheckpointError(f"the job holds {path}, inside the agent's own directories; it cannot be carried")
+                raise CheckpointError(_agent_own(path))
             if place == "image":
                 with contextlib.suppress(IsADirectoryError):
                     images.append(carry.identity(path))
@@ -440,6 +443,10 @@ def _scratch(path: Path) -> Iterator[Path]:
             shutil.rmtree(path / name, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _agent_own(path: str) -> str:
+    return f"the job cannot be checkpointed: it holds {path}, inside the agent's own directories, which are not carried"
 
 
 def _not_running(status: str, exit_code: int | None) -> str:
