@@ -144,7 +144,7 @@ class _WalkStore:
 
 
 class _FakeCriu:
-    def restore(self, images, logs):
+    def restore(self, images, logs, **options):
         return os.getpid()
 
 
@@ -222,6 +222,10 @@ class _LockProbeCriu:
     def dump(self, pid, images, logs, *, leave_running, **options):
         images.mkdir(parents=True, exist_ok=True)
         (images / "pages-1.img").write_bytes(b"x" * 10)
+        # As CRIU does while the job is frozen: the agent's post-dump script records what the job holds.
+        script = options.get("action_script")
+        if script is not None:
+            subprocess.run(["sh", str(script)], env={**os.environ, "CRTOOLS_SCRIPT_ACTION": "post-dump"}, check=True)
         return 0.01
 
 
@@ -252,9 +256,16 @@ class _LockProbeStore:
 
 def test_a_periodic_dump_commits_inside_the_dump_lock(tmp_path):
     # Given a running job (its own session, as spotcr starts jobs)
-    job = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    job = subprocess.Popen(
+        ["sleep", "30"],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         config = make_config(tmp_path)
+        Path(config.workdir).mkdir(parents=True)
         state_dir = Path(config.state_dir)
         store = _LockProbeStore(state_dir / "dump.lock")
         checkpointer = Checkpointer(
@@ -335,7 +346,7 @@ def test_a_warning_during_the_restore_keeps_the_restored_job_and_its_final_dump_
     restorer = _restorer(tmp_path, store, clock)
 
     class _WarnedDuringRestore(_FakeCriu):
-        def restore(self, images, logs):
+        def restore(self, images, logs, **options):
             with restorer.state.locked() as state:
                 state.generation = 2
                 state.final_dumps["2"] = FinalDump("running", os.getpid())
