@@ -64,7 +64,7 @@ class Function:
     workflow_step: bool = False  # invoked by the recovery state machine
     timeout_s: int = 30
     memory_mb: int = 256
-    reserved_concurrency: bool = False  # the stack reserves concurrency (a setting) so a burst elsewhere cannot starve it
+    reserved_concurrency: bool = False  # the stack reserves some (a setting): a burst elsewhere cannot starve it
     extra: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -109,7 +109,7 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="state-change",
         handler="spotcr_functions.handlers.state_change.handler",
-        description="Instance state changes: register jobs on running, recover on a missed warning, tidy finished jobs.",
+        description="Instance state changes: register jobs, recover on a missed warning, tidy finished jobs.",
         capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, START_RECOVERY),
         rules=(
             Rule(
@@ -160,7 +160,7 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="plan-recovery",
         handler="spotcr_functions.handlers.workflow.plan",
-        description="Recovery step: the backup candidates (same type spot per stack subnet, fallback types, on-demand).",
+        description="Recovery step: backup candidates (spot per stack subnet, fallback types, on-demand last).",
         capabilities=(JOBS_READ, EC2_DESCRIBE),
         workflow_step=True,
     ),
@@ -176,7 +176,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="await-agent-event",
         handler="spotcr_functions.handlers.workflow.await_agent_event",
         description="Recovery step: store the task token that an agent event (final dump, backup ready) resumes.",
-        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK),
+        capabilities=(JOBS_WRITE, TASK_CALLBACK),
         workflow_step=True,
     ),
     Function(
