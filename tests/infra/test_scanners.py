@@ -28,7 +28,7 @@ CHECKOV_ACKNOWLEDGED = {
     "CKV_AWS_119": "The tables are encrypted with the AWS-managed key; a customer key would add cost and a key policy "
     "without changing who can read them (the IAM grants decide that).",
     "CKV_AWS_158": "CloudWatch Logs encrypts every log group at rest; the logs hold job names and ids, no secrets.",
-    "CKV_AWS_173": "Function environment variables hold resource names only (no secrets); Lambda encrypts them at rest.",
+    "CKV_AWS_173": "Function environment variables hold resource names, no secrets; Lambda encrypts them at rest.",
     "CKV_AWS_18": "The access-log bucket itself: logging it into itself would loop.",
     "CKV_AWS_21": "The access-log bucket itself: log objects are written once and expire; versioning adds nothing.",
     "CKV_AWS_27": "The dead-letter queue uses SQS-managed encryption (SqsManagedSseEnabled), which this checkov "
@@ -136,7 +136,7 @@ def test_checkov_finds_nothing_unacknowledged(default_synth: Synth, tmp_path: Pa
     env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
     run = subprocess.run(
         [str(REPO_ROOT / ".venv" / "bin" / "checkov"), "-f", str(template), "--framework", "cloudformation"]
-        + ["--output", "json", "--quiet", "--skip-download"],
+        + ["--output", "json", "--quiet", "--skip-download"],  # noqa: RUF005 (one argument list, two lines)
         capture_output=True,
         text=True,
         timeout=600,
