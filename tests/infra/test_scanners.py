@@ -49,6 +49,7 @@ PARLIAMENT_ACKNOWLEDGED = {
     "on the resources it creates only under the ec2:LaunchTemplate condition, in two statements.",
 }
 
+CHECKOV = (str(REPO_ROOT / ".venv" / "bin" / "checkov"), "--skip-download")  # offline: no guideline lookup
 ACCOUNT, REGION = "123456789012", "us-east-1"
 # What GetAtt <Resource>.Arn becomes, by resource type, so that parliament sees ARNs of the right shape.
 ARN_FORMATS = {
@@ -135,8 +136,7 @@ def test_checkov_finds_nothing_unacknowledged(default_synth: Synth, tmp_path: Pa
     template.write_text(json.dumps(default_synth.template.to_json()))
     env = {**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"}
     run = subprocess.run(
-        [str(REPO_ROOT / ".venv" / "bin" / "checkov"), "-f", str(template), "--framework", "cloudformation"]
-        + ["--output", "json", "--quiet", "--skip-download"],  # noqa: RUF005 (one argument list, two lines)
+        [*CHECKOV, "-f", str(template), "--framework", "cloudformation", "--output", "json", "--quiet"],
         capture_output=True,
         text=True,
         timeout=600,
