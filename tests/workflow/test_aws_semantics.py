@@ -132,6 +132,7 @@ def test_retiring_a_primary_that_still_runs_the_job_waits_for_it_to_be_gone(
     primary = plane.start_job("woke-1")
     _commit(plane, "woke-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary, **{"instance-action": "hibernate"}))
+    plane.wait_for_token("woke-1", "final-dump")  # the workflow runs (so the harness can stop it cleanly)
     record = plane.job("woke-1")
     monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
     # When the restore step retires it, Then it refuses to restore while the primary runs
@@ -148,6 +149,7 @@ def test_capacity_reservation_warning_recovers_like_the_spot_warning(plane: Cont
     [dump] = plane.sent_commands("checkpoint")
     assert dump["parameters"] == {"JobId": "cr-1", "Generation": "1", "Kind": "final"}
     assert plane.executions()[0]["name"].startswith("cr-1-g1-")
+    plane.wait_for_token("cr-1", "final-dump")
 
 
 def test_backups_launch_only_in_the_stacks_subnets(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
