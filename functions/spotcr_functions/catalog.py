@@ -82,7 +82,7 @@ STATE_CHANGE = "EC2 Instance State-change Notification"
 TAG_CHANGE = "Tag Change on Resource"
 EXECUTION_STATUS_CHANGE = "Step Functions Execution Status Change"
 
-# Registering a job may wait for its EBS volume (cloud.VOLUME_WAIT_SECONDS); its functions outlast that wait.
+# Registering a job (or failing a hand-over) may wait for an EBS volume (cloud.VOLUME_WAIT_SECONDS): outlast it.
 REGISTERING_TIMEOUT_S = VOLUME_WAIT_SECONDS + 30
 # Final states whose execution may have left the job RECOVERING (no Catch ran, or the Catch itself failed).
 ENDED_STATUSES = ("FAILED", "TIMED_OUT", "ABORTED")
@@ -206,6 +206,7 @@ FUNCTIONS: tuple[Function, ...] = (
         handler="spotcr_functions.handlers.recovery_ended.handler",
         description="A recovery that failed past its Catch, timed out or was aborted: mark the job FAILED, notify.",
         capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES, PUBLISH_FAILURE),
+        timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
         rules=(
             Rule(
                 "recovery-ended",
@@ -223,6 +224,7 @@ FUNCTIONS: tuple[Function, ...] = (
         description="Recovery step: mark the job FAILED, terminate its backup, delete what the hand-over made.",
         capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES),
         workflow_step=True,
+        timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
     ),
 )
 

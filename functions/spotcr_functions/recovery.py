@@ -398,10 +398,10 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
     if updated is None:
         logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
         return {"job_id": job_id, "marked_failed": False, "message": reason}
-    if record and record.backup_instance_id:
-        deps.cloud.terminate_instance(record.backup_instance_id)
     if record:
         _tidy_failed(deps, record)
+    if record and record.backup_instance_id:
+        deps.cloud.terminate_instance(record.backup_instance_id)
     deps.metric("RecoveriesFailed", "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
     return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
@@ -411,12 +411,26 @@ def _tidy_failed(deps: Deps, record: JobRecord) -> None:
     """A failed recovery leaves the job's checkpoints (on the original volume for EBS) and nothing else."""
     if record.handover_snapshot_id:
         deps.cloud.delete_snapshot(record.handover_snapshot_id)
-    if record.handover_volume_id and not deps.cloud.delete_volume(record.handover_volume_id):
-        logger.warning("hand-over volume still attached; not deleted", volume_id=record.handover_volume_id)
+    if record.handover_volume_id and record.handover_volume_id != record.volume_id:
+        _delete_volume_now(deps, record.handover_volume_id)
     try:
         _retire_primary(deps, record)
     except PrimaryStillRunning:
         logger.info("interrupted instance is terminating", instance_id=record.recovering_from)
+
+
+def _delete_volume_now(deps: Deps, volume_id: str) -> None:
+    """Detach (from the backup, about to be terminated) and delete a volume the failed hand-over created."""
+    volume = deps.cloud.volume(volume_id)
+    if volume is None:
+        return
+    attachments = [a for a in volume.get("Attachments", []) if a.get("State") in ("attaching", "attached")]
+    for attachment in attachments:
+        deps.cloud.detach_volume(volume_id, attachment["InstanceId"])
+    if attachments:
+        deps.cloud.wait_volume_available(volume_id)
+    if not deps.cloud.delete_volume(volume_id):
+        logger.warning("hand-over volume still attached; not deleted", volume_id=volume_id)
 
 
 def on_recovery_ended(

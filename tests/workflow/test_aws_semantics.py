@@ -338,3 +338,38 @@ def test_a_completed_jobs_volume_goes_with_its_instance_unless_kept(
     remaining = {v["VolumeId"] for v in plane.ec2.describe_volumes()["Volumes"]}
     assert (volume in remaining) == keep
     assert plane.job("fin-1").status == Status.COMPLETED
+
+
+def test_a_failed_cross_az_recovery_keeps_the_jobs_volume_and_deletes_what_the_move_made(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an EBS job moved to AZ b through a snapshot, whose only checkpoint then fails to restore
+    primary = plane.start_job("mvf-1", **{tag_names.STORAGE: "ebs"})
+    original_volume = str(plane.job("mvf-1").volume_id)
+    only = _commit(plane, "mvf-1", primary, 0, "periodic")
+    original = InstanceBackend.run_instances
+
+    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("subnet_id") == plane.subnets["us-east-1a"]:
+            raise _Refused("InsufficientInstanceCapacity")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    route(ec2_event("state-change-terminated", primary))
+    backup = _backup(plane, "mvf-1")
+    route(agent_event(events.AgentReady("mvf-1", backup, 1, now_iso(), mode="restore")))
+    plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    moved = plane.job("mvf-1")
+    assert moved.handover_volume_id and moved.handover_snapshot_id
+
+    # When the restore fails and there is no earlier checkpoint
+    route(agent_event(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt")))
+
+    # Then the job is FAILED, its own volume (with its checkpoints) kept, the hand-over volume and snapshot gone
+    assert plane.wait_for_execution()["status"] == "FAILED"
+    job = plane.job("mvf-1")
+    assert (job.status, job.volume_id) == (Status.FAILED, original_volume)
+    volumes = {v["VolumeId"] for v in plane.ec2.describe_volumes()["Volumes"]}
+    assert original_volume in volumes and moved.handover_volume_id not in volumes
+    assert plane.ec2.describe_snapshots(Filters=[{"Name": "tag:spotcr:job", "Values": ["mvf-1"]}])["Snapshots"] == []
+    assert _state(plane, backup) == "terminated"
