@@ -45,11 +45,17 @@ class Instance:
     vpc_id: str
     tags: Mapping[str, str]
     spot_request_id: str = ""
+    launched_at: str = ""  # ISO time of the last start: a stopped instance started again gets a new one
 
 
 def client_token(*parts: str | None) -> str:
     """An EC2 ClientToken for these parts: the same parts give the same token, and EC2 allows 64 characters."""
     return hashlib.sha256("|".join(part or "" for part in parts).encode()).hexdigest()[:48]
+
+
+def _iso(value: Any) -> str:
+    """boto3 parses LaunchTime into an aware datetime; the record keeps ISO text."""
+    return value.isoformat().replace("+00:00", "Z") if hasattr(value, "isoformat") else str(value or "")
 
 
 def error_code(error: ClientError) -> str:
@@ -102,6 +108,7 @@ class Cloud:
                     vpc_id=raw.get("VpcId", ""),
                     tags={t["Key"]: t["Value"] for t in raw.get("Tags", [])},
                     spot_request_id=raw.get("SpotInstanceRequestId", ""),
+                    launched_at=_iso(raw.get("LaunchTime")),
                 )
         return None
 

@@ -11,7 +11,7 @@ from botocore.exceptions import ClientError
 from spotcr_contracts import commands, tags
 
 from spotcr_functions import rendezvous
-from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, client_token, error_code
+from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -321,11 +321,19 @@ def _retire_primary(deps: Deps, record: JobRecord) -> None:
         deps.cloud.cancel_spot_request(instance.spot_request_id)
     deps.cloud.terminate_instance(instance_id)
     logger.info("interrupted instance terminated", job_id=record.job_id, instance_id=instance_id, was=instance.state)
-    if instance.state in NOT_RUNNING_STATES or _final_dump_committed(record):
+    if instance.state in NOT_RUNNING_STATES or (_final_dump_committed(record) and not _restarted(instance, record)):
         return
     after = deps.cloud.describe_instance(instance_id)
     if after is not None and after.state != "terminated":
         raise PrimaryStillRunning(f"job {record.job_id}: interrupted instance {instance_id} is {after.state}")
+
+
+def _restarted(instance: Instance, record: JobRecord) -> bool:
+    """Started again after the warning (EC2 restarts a stopped spot instance): the final dump no longer proves the
+    job is gone from it, since the agent may have started or resumed the job there."""
+    if not instance.launched_at or not record.interrupted_at:
+        return False
+    return parse_time(instance.launched_at) > parse_time(record.interrupted_at)
 
 
 def _final_dump_committed(record: JobRecord) -> bool:

@@ -140,6 +140,36 @@ def test_retiring_a_primary_that_still_runs_the_job_waits_for_it_to_be_gone(
         recovery._retire_primary(_edge.deps(), record)
 
 
+@pytest.mark.parametrize(("launched_at", "waits"), [("2999-01-01T00:00:00Z", True), ("2000-01-01T00:00:00Z", False)])
+def test_a_primary_started_again_after_its_final_dump_is_still_waited_for(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch, launched_at: str, waits: bool
+) -> None:
+    # Given a final dump committed at the new generation, and a primary still running whose termination takes a
+    # while, started again after the warning (EC2 restarting a stopped spot instance) or not
+    primary = plane.start_job("again-2")
+    route(ec2_event("spot-interruption-warning", primary, **{"instance-action": "stop"}))
+    plane.wait_for_token("again-2", "final-dump")
+    _commit(plane, "again-2", primary, 1, "final")
+    record = plane.job("again-2")
+    monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
+    original = Cloud.describe_instance
+
+    def describe_instance(self: Cloud, instance_id: str) -> Instance | None:
+        found = original(self, instance_id)
+        if found is not None and instance_id == primary:
+            return Instance(**{**found.__dict__, "launched_at": launched_at})
+        return found
+
+    monkeypatch.setattr(Cloud, "describe_instance", describe_instance)
+    # When the restore step retires it, Then only a primary started again is waited for: there the final dump no
+    # longer proves the job is gone
+    if waits:
+        with pytest.raises(recovery.PrimaryStillRunning, match=primary):
+            recovery._retire_primary(_edge.deps(), record)
+    else:
+        recovery._retire_primary(_edge.deps(), record)
+
+
 def test_capacity_reservation_warning_recovers_like_the_spot_warning(plane: ControlPlane) -> None:
     primary = plane.start_job("cr-1")
     _commit(plane, "cr-1", primary, 0, "periodic")
