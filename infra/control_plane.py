@@ -150,10 +150,11 @@ class FunctionEnvironment:
     values: Mapping[str, str]
 
     def variables(self, function: catalog.Function) -> dict[str, str]:
-        missing = set(config.ENV) - set(self.values)
+        names = {**config.ENV, **config.OPTIONAL_TEXT_ENV}
+        missing = set(names) - set(self.values)
         if missing:
             raise KeyError(f"no value for function setting(s): {', '.join(sorted(missing))}")
-        variables = {config.ENV[key]: value for key, value in self.values.items()}
+        variables = {names[key]: value for key, value in self.values.items()}
         variables["POWERTOOLS_SERVICE_NAME"] = SERVICE_NAME
         variables["POWERTOOLS_METRICS_NAMESPACE"] = METRICS_NAMESPACE
         variables.update(function.extra)
@@ -174,6 +175,7 @@ class Functions(Construct):
         grant_targets: grants.GrantTargets,
     ) -> None:
         super().__init__(scope, construct_id)
+        self._state_machine_arn = grant_targets.state_machine_arn
         code = lambda_.Code.from_asset(
             str(FUNCTIONS_DIR),
             exclude=["**/__pycache__", "**/*.pyc", "**/.mypy_cache", "**/.pytest_cache", "**/tests", "*.txt"],
@@ -221,6 +223,9 @@ class Functions(Construct):
                 dead_letter_queue=registry.dead_letters,
                 retry_attempts=2,
                 max_event_age=EVENT_MAX_AGE,
+                reserved_concurrent_executions=(
+                    settings.interruption_concurrency or None if spec.reserved_concurrency else None
+                ),
             )
             acknowledge(
                 function,
@@ -262,7 +267,7 @@ class Functions(Construct):
             f"Rule-{spec.name}",
             description=f"spotcr {spec.name}",
             event_bus=registry.agent_bus if spec.agent_bus else None,
-            event_pattern=event_pattern(spec.pattern),
+            event_pattern=event_pattern(spec.pattern_for(self._state_machine_arn) or {}),
             targets=[target],
         )
 

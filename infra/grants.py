@@ -62,7 +62,7 @@ def _jobs_read(t: GrantTargets) -> list[Grant]:
     return [
         Grant(
             iam.PolicyStatement(
-                actions=["dynamodb:GetItem", "dynamodb:BatchGetItem", "dynamodb:Query"],
+                actions=["dynamodb:GetItem", "dynamodb:Query"],
                 resources=[t.jobs_table_arn, *indexes],
             )
         )
@@ -73,12 +73,7 @@ def _jobs_write(t: GrantTargets) -> list[Grant]:
     return [
         Grant(
             iam.PolicyStatement(
-                actions=[
-                    "dynamodb:PutItem",
-                    "dynamodb:UpdateItem",
-                    "dynamodb:DeleteItem",
-                    "dynamodb:ConditionCheckItem",
-                ],
+                actions=["dynamodb:PutItem", "dynamodb:UpdateItem"],
                 resources=[t.jobs_table_arn],
             )
         )
@@ -116,11 +111,10 @@ def _command_results(t: GrantTargets) -> list[Grant]:
     return [
         Grant(
             iam.PolicyStatement(
-                actions=["ssm:GetCommandInvocation", "ssm:ListCommandInvocations"],
+                actions=["ssm:GetCommandInvocation"],
                 resources=["*"],
             ),
-            "GetCommandInvocation and ListCommandInvocations support no resource-level permissions; "
-            "both are read-only.",
+            "GetCommandInvocation supports no resource-level permissions; it is read-only.",
         )
     ]
 
@@ -131,8 +125,6 @@ def _ec2_describe(t: GrantTargets) -> list[Grant]:
             iam.PolicyStatement(
                 actions=[
                     "ec2:DescribeInstances",
-                    "ec2:DescribeTags",
-                    "ec2:DescribeInstanceTypes",
                     "ec2:DescribeSubnets",
                     "ec2:DescribeVolumes",
                     "ec2:DescribeSnapshots",
@@ -194,15 +186,6 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
         ),
         Grant(
             iam.PolicyStatement(
-                actions=["ec2:TerminateInstances"],
-                resources=[_arn(t, "ec2", "instance", "*")],
-                conditions={"StringEquals": {"aws:ResourceTag/aws:ec2launchtemplate:id": t.launch_template_id}},
-            ),
-            "A backup that failed to restore is terminated; EC2 tags every instance launched from a template "
-            "with aws:ec2launchtemplate:id, so only instances from spotcr's template qualify.",
-        ),
-        Grant(
-            iam.PolicyStatement(
                 actions=["iam:PassRole"],
                 resources=[t.job_role_arn],
                 conditions={"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
@@ -210,6 +193,30 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
         ),
     ]
     return grants
+
+
+def _ec2_terminate(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:TerminateInstances"],
+                resources=[_arn(t, "ec2", "instance", "*")],
+                conditions={"StringEquals": {"aws:ResourceTag/aws:ec2launchtemplate:id": t.launch_template_id}},
+            ),
+            "Backups that failed and interrupted (stopped, hibernated) job instances are terminated; EC2 tags every "
+            "instance launched from a template with aws:ec2launchtemplate:id, so only instances from spotcr's "
+            "template qualify.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CancelSpotInstanceRequests"],
+                resources=[_arn(t, "ec2", "spot-instances-request", "*")],
+            ),
+            "The persistent spot request of an interrupted job instance (its id read from that instance) is "
+            "cancelled so EC2 does not start it again; users create these requests, so they carry no spotcr tag. "
+            "Cancelling only stops future launches.",
+        ),
+    ]
 
 
 def _ec2_volumes(t: GrantTargets) -> list[Grant]:
@@ -240,11 +247,21 @@ def _ec2_volumes(t: GrantTargets) -> list[Grant]:
         ),
         Grant(
             iam.PolicyStatement(
-                actions=["ec2:CreateSnapshot", "ec2:DeleteSnapshot"],
+                actions=["ec2:CreateSnapshot"],
                 resources=[snapshot],
                 conditions={"StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"}},
             ),
-            "Snapshots that move a job volume across zones get ids at run time; they must carry spotcr:job.",
+            "Snapshots that move a job volume across zones get ids at run time; they are created tagged spotcr:job.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:DeleteSnapshot"],
+                resources=[snapshot],
+                # DeleteSnapshot carries no request tags: the snapshot's own tag (set at creation) is what qualifies.
+                conditions=_EC2_JOB_CONDITION,
+            ),
+            "A hand-over snapshot is deleted once the volume made from it is committed; only snapshots tagged "
+            "spotcr:job qualify.",
         ),
         Grant(
             iam.PolicyStatement(
@@ -265,7 +282,7 @@ def _task_callback(t: GrantTargets) -> list[Grant]:
     return [
         Grant(
             iam.PolicyStatement(
-                actions=["states:SendTaskSuccess", "states:SendTaskFailure", "states:SendTaskHeartbeat"],
+                actions=["states:SendTaskSuccess", "states:SendTaskFailure"],
                 resources=[t.state_machine_arn],
             )
         )
@@ -284,16 +301,15 @@ def _publish_failure(t: GrantTargets) -> list[Grant]:
     ]
 
 
-def _read_job_specs(t: GrantTargets) -> list[Grant]:
-    resources = [f"arn:{cdk.Aws.PARTITION}:s3:::{t.checkpoint_bucket_name}/specs/*"]
-    resources += [f"arn:{cdk.Aws.PARTITION}:s3:::{bucket}/*" for bucket in t.job_spec_buckets]
-    return [
-        Grant(
-            iam.PolicyStatement(actions=["s3:GetObject"], resources=resources),
-            "Job specs are objects named by users in their spotcr:spec tag, read only under specs/ of the "
-            "checkpoint bucket or in buckets the deployer listed in job_spec_buckets.",
-        )
-    ]
+def job_specs(checkpoint_bucket_name: str, job_spec_buckets: Iterable[str]) -> Grant:
+    """For the job VMs' role: the agent on the VM reads the spec its spotcr:spec tag names (no function does)."""
+    resources = [f"arn:{cdk.Aws.PARTITION}:s3:::{checkpoint_bucket_name}/specs/*"]
+    resources += [f"arn:{cdk.Aws.PARTITION}:s3:::{bucket}/*" for bucket in job_spec_buckets]
+    return Grant(
+        iam.PolicyStatement(actions=["s3:GetObject"], resources=resources),
+        "Job specs are objects named by users in their spotcr:spec tag, read by the job VM only under specs/ of "
+        "the checkpoint bucket or in buckets the deployer listed in job_spec_buckets.",
+    )
 
 
 CAPABILITIES: dict[str, Callable[[GrantTargets], list[Grant]]] = {
@@ -305,11 +321,11 @@ CAPABILITIES: dict[str, Callable[[GrantTargets], list[Grant]]] = {
     catalog.EC2_DESCRIBE: _ec2_describe,
     catalog.EC2_TAG: _ec2_tag,
     catalog.EC2_LAUNCH: _ec2_launch,
+    catalog.EC2_TERMINATE: _ec2_terminate,
     catalog.EC2_VOLUMES: _ec2_volumes,
     catalog.START_RECOVERY: _start_recovery,
     catalog.TASK_CALLBACK: _task_callback,
     catalog.PUBLISH_FAILURE: _publish_failure,
-    catalog.READ_JOB_SPECS: _read_job_specs,
 }
 
 

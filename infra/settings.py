@@ -73,6 +73,8 @@ class Settings:
     job_spec_buckets: tuple[str, ...] = ()
     alarm_email: str | None = None
     powertools_layer_version: int | None = None
+    keep_finished_volumes: bool = False  # a completed EBS job's volume is deleted with its instance unless true
+    interruption_concurrency: int = 10  # reserved for the interruption function; 0 reserves none
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -191,4 +193,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "job_spec_buckets": _list(_BUCKET),
     "alarm_email": _text(),
     "powertools_layer_version": _number(1, 10_000),
+    "keep_finished_volumes": _flag,
+    "interruption_concurrency": _number(0, 1000),
 }

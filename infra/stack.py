@@ -13,6 +13,7 @@ from infra.control_plane import FunctionEnvironment, Functions, Registry
 from infra.monitoring import Monitoring
 from infra.network import Network
 from infra.settings import Settings
+from infra.spot_role import SpotServiceLinkedRole
 from infra.storage import Storage
 from infra.vm_launch import BOOTSTRAP_SCRIPT, VmLaunch
 from infra.workflow import RECOVERY_ASL, Workflow, recovery_state_machine_name, state_machine_arn
@@ -35,6 +36,7 @@ class SpotcrStack(Stack):
             description="spotcr: run long jobs on EC2 Spot without losing work (CRIU checkpoints, automatic recovery)",
         )
         network = Network(self, "Network", settings=settings)
+        SpotServiceLinkedRole(self, "SpotServiceLinkedRole")
         storage = Storage(self, "Storage", settings=settings, network=network)
         registry = Registry(self, "Registry", settings=settings)
         vm = VmLaunch(
@@ -71,6 +73,7 @@ class SpotcrStack(Stack):
             "checkpoint_bucket": storage.bucket.bucket_name,
             "launch_template_id": targets.launch_template_id,
             "subnet_ids": Fn.join(",", [subnet.subnet_id for subnet in network.subnets]),
+            "keep_finished_volumes": "true" if settings.keep_finished_volumes else "false",
             **{f"{name}_document": document for name, document in documents.items()},
         }
         functions = Functions(
@@ -78,7 +81,9 @@ class SpotcrStack(Stack):
             "Functions",
             settings=settings,
             registry=registry,
-            environment=FunctionEnvironment({key: value for key, value in values.items() if key in config.ENV}),
+            environment=FunctionEnvironment(
+                {key: value for key, value in values.items() if key in config.ENV or key in config.OPTIONAL_TEXT_ENV}
+            ),
             grant_targets=targets,
         )
 

@@ -17,6 +17,7 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 from spotcr_contracts import commands
 
+from infra import grants
 from infra.agent_bundle import VM_BOOTSTRAP_DIR, stage_agent_bundle
 from infra.nag import acknowledge, acknowledge_wildcard_resource
 from infra.network import Network
@@ -85,6 +86,8 @@ class VmLaunch(Construct):
         )
         self._grant_ssm_agent()
         self._grant_job_storage(storage)
+        # The agent on the VM reads the job spec its spotcr:spec tag names; no function does.
+        grants.apply(self.job_role, [grants.job_specs(storage.bucket.bucket_name, settings.job_spec_buckets)])
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
                 actions=["s3:GetObject"],
@@ -185,14 +188,12 @@ class VmLaunch(Construct):
         # An instance role cannot be narrowed per job (instance tags do not reach the role session), so every
         # job VM may use jobs/*; the agent itself only ever touches jobs/<its job>/.
         objects = storage.bucket.arn_for_objects(f"{JOBS_PREFIX}*")
-        specs = storage.bucket.arn_for_objects(f"{SPECS_PREFIX}*")
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
                 actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
                 resources=[objects],
             )
         )
-        self.job_role.add_to_principal_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[specs]))
         # IfExists: the store's HeadBucket is authorized as ListBucket and carries no prefix.
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
@@ -205,9 +206,6 @@ class VmLaunch(Construct):
             self.job_role,
             objects,
             "Job VMs write checkpoints under jobs/ (jobs/<job_id>/...); an instance role cannot be scoped to one job.",
-        )
-        acknowledge_wildcard_resource(
-            self.job_role, specs, "Job VMs read the job spec their spotcr:spec tag names under specs/."
         )
         if storage.file_system is not None:
             self.job_role.add_to_principal_policy(

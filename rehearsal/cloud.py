@@ -327,7 +327,8 @@ class LocalCloud:
                         Name=rule_name, ScheduleExpression=f"rate({rule.schedule_minutes} minute)", EventBusName=bus
                     )
                 else:
-                    events.put_rule(Name=rule_name, EventPattern=json.dumps(rule.pattern), EventBusName=bus)
+                    pattern = rule.pattern_for(state_machine_arn)
+                    events.put_rule(Name=rule_name, EventPattern=json.dumps(pattern), EventBusName=bus)
                 events.put_targets(
                     Rule=rule_name,
                     EventBusName=bus,

@@ -6,11 +6,14 @@ events with the same patterns. Add a function here and both follow.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from spotcr_contracts import events, tags
+
+from spotcr_functions.cloud import VOLUME_WAIT_SECONDS
 
 # What a function may call; infra/ turns each into the narrowest IAM grant it can.
 JOBS_READ = "jobs:read"
@@ -20,14 +23,18 @@ SEND_COMMAND = "ssm:send-command"  # only spotcr's documents, only to instances 
 COMMAND_RESULTS = "ssm:command-results"
 EC2_DESCRIBE = "ec2:describe"
 EC2_TAG = "ec2:tag"  # spotcr:error on job instances
-EC2_LAUNCH = "ec2:launch"  # RunInstances from the launch template, PassRole for the job profile, terminate backups
-EC2_VOLUMES = "ec2:volumes"  # attach, detach, snapshot, create volume
+EC2_LAUNCH = "ec2:launch"  # RunInstances from the launch template, PassRole for the job profile
+EC2_TERMINATE = "ec2:terminate"  # terminate job instances of the launch template, cancel their spot requests
+EC2_VOLUMES = "ec2:volumes"  # attach, detach, snapshot, create and delete job volumes and snapshots
 START_RECOVERY = "states:start-recovery"
 TASK_CALLBACK = "states:callback"
 PUBLISH_FAILURE = "sns:publish"
-READ_JOB_SPECS = "s3:read-job-specs"
 
 SCHEDULE_EVERY_MINUTES = 1
+
+
+# In a rule pattern, stands for the ARN of the stack's own recovery state machine; pattern_for() puts it in.
+RECOVERY_STATE_MACHINE = "${RecoveryStateMachineArn}"
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,13 @@ class Rule:
     pattern: Mapping[str, Any] | None = None
     schedule_minutes: int | None = None
     agent_bus: bool = False
+
+    def pattern_for(self, recovery_state_machine_arn: str) -> dict[str, Any] | None:
+        """The pattern as deployed: RECOVERY_STATE_MACHINE replaced by the stack's state machine ARN."""
+        if self.pattern is None:
+            return None
+        text = json.dumps(self.pattern).replace(RECOVERY_STATE_MACHINE, recovery_state_machine_arn)
+        return dict(json.loads(text))
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class Function:
     workflow_step: bool = False  # invoked by the recovery state machine
     timeout_s: int = 30
     memory_mb: int = 256
+    reserved_concurrency: bool = False  # the stack reserves some (a setting): a burst elsewhere cannot starve it
     extra: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -61,18 +76,28 @@ def _ec2(detail_type: str, detail: Mapping[str, Any] | None = None) -> dict[str,
 
 
 INTERRUPTION_WARNING = "EC2 Spot Instance Interruption Warning"
+CAPACITY_RESERVATION_WARNING = "EC2 Capacity Reservation Instance Interruption Warning"
 REBALANCE_RECOMMENDATION = "EC2 Instance Rebalance Recommendation"
 STATE_CHANGE = "EC2 Instance State-change Notification"
 TAG_CHANGE = "Tag Change on Resource"
 EXECUTION_STATUS_CHANGE = "Step Functions Execution Status Change"
 
+# Registering a job (or failing a hand-over) may wait for an EBS volume (cloud.VOLUME_WAIT_SECONDS): outlast it.
+REGISTERING_TIMEOUT_S = VOLUME_WAIT_SECONDS + 30
+# Final states whose execution may have left the job RECOVERING (no Catch ran, or the Catch itself failed).
+ENDED_STATUSES = ("FAILED", "TIMED_OUT", "ABORTED")
+
 FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="interruption",
         handler="spotcr_functions.handlers.interruption.handler",
-        description="Spot interruption warning: fence the generation, order the final dump, start recovery.",
+        description="Spot or capacity-reservation interruption warning: fence, order the final dump, start recovery.",
         capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, SEND_COMMAND, START_RECOVERY, EC2_DESCRIBE, TASK_CALLBACK),
-        rules=(Rule("spot-interruption-warning", _ec2(INTERRUPTION_WARNING)),),
+        rules=(
+            Rule("spot-interruption-warning", _ec2(INTERRUPTION_WARNING)),
+            Rule("capacity-reservation-interruption-warning", _ec2(CAPACITY_RESERVATION_WARNING)),
+        ),
+        reserved_concurrency=True,
     ),
     Function(
         name="rebalance",
@@ -84,7 +109,7 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="state-change",
         handler="spotcr_functions.handlers.state_change.handler",
-        description="Instance state changes: register tagged jobs on running, recover on a missed warning.",
+        description="Instance state changes: register jobs, recover on a missed warning, tidy finished jobs.",
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
@@ -93,8 +118,6 @@ FUNCTIONS: tuple[Function, ...] = (
             EC2_TAG,
             EC2_VOLUMES,
             START_RECOVERY,
-            SEND_COMMAND,
-            READ_JOB_SPECS,
             TASK_CALLBACK,
         ),
         rules=(
@@ -103,12 +126,13 @@ FUNCTIONS: tuple[Function, ...] = (
                 _ec2(STATE_CHANGE, {"state": ["running", "stopping", "stopped", "shutting-down", "terminated"]}),
             ),
         ),
+        timeout_s=REGISTERING_TIMEOUT_S,
     ),
     Function(
         name="tag-change",
         handler="spotcr_functions.handlers.tag_change.handler",
         description="spotcr:job added to a running instance: register the job.",
-        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, READ_JOB_SPECS),
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES),
         rules=(
             Rule(
                 "job-tag-added",
@@ -123,6 +147,7 @@ FUNCTIONS: tuple[Function, ...] = (
                 },
             ),
         ),
+        timeout_s=REGISTERING_TIMEOUT_S,
     ),
     Function(
         name="scheduler",
@@ -137,23 +162,15 @@ FUNCTIONS: tuple[Function, ...] = (
         handler="spotcr_functions.handlers.agent_events.handler",
         description="Agent lifecycle events: update the job registry and resume waiting workflows.",
         # Registering a job whose JobStarted came first needs what registration needs; a job that ends during
-        # its recovery terminates the backup that never ran it (EC2_LAUNCH covers terminating backups).
-        capabilities=(
-            JOBS_READ,
-            JOBS_WRITE,
-            IDEMPOTENCY,
-            TASK_CALLBACK,
-            EC2_DESCRIBE,
-            EC2_TAG,
-            EC2_VOLUMES,
-            EC2_LAUNCH,
-        ),
+        # its recovery terminates the backup that never ran it.
+        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, EC2_TERMINATE),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
+        timeout_s=REGISTERING_TIMEOUT_S,
     ),
     Function(
         name="plan-recovery",
         handler="spotcr_functions.handlers.workflow.plan",
-        description="Recovery step: the backup candidates (same type spot per subnet, fallback types, on-demand).",
+        description="Recovery step: backup candidates (spot per stack subnet, fallback types, on-demand last).",
         capabilities=(JOBS_READ, EC2_DESCRIBE),
         workflow_step=True,
     ),
@@ -161,14 +178,15 @@ FUNCTIONS: tuple[Function, ...] = (
         name="launch-backup",
         handler="spotcr_functions.handlers.workflow.launch_backup",
         description="Recovery step: launch one backup candidate; CapacityUnavailable moves down the list.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH),
+        # A backup launched for a generation that moved on meanwhile is terminated at once.
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH, EC2_TERMINATE),
         workflow_step=True,
     ),
     Function(
         name="await-agent-event",
         handler="spotcr_functions.handlers.workflow.await_agent_event",
         description="Recovery step: store the task token that an agent event (final dump, backup ready) resumes.",
-        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK),
+        capabilities=(JOBS_WRITE, TASK_CALLBACK),
         workflow_step=True,
     ),
     Function(
@@ -182,29 +200,30 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="restore-job",
         handler="spotcr_functions.handlers.workflow.restore",
-        description="Recovery step: order the restore on the backup and wait for the agent's answer.",
-        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND),
+        description="Recovery step: retire the interrupted instance, order the restore, wait for the agent's answer.",
+        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND, EC2_DESCRIBE, EC2_TERMINATE),
         workflow_step=True,
     ),
     Function(
         name="finish-recovery",
         handler="spotcr_functions.handlers.workflow.finish",
-        description="Recovery step: the backup is the job's current instance, the job RUNNING again.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, PUBLISH_FAILURE),
+        description="Recovery step: the backup is the job's current instance; a volume a move replaced is deleted.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_VOLUMES, PUBLISH_FAILURE),
         workflow_step=True,
     ),
     Function(
         name="recovery-ended",
         handler="spotcr_functions.handlers.recovery_ended.handler",
-        description="A recovery that timed out or was aborted runs no Catch: mark the job FAILED and notify.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH, PUBLISH_FAILURE),
+        description="A recovery that failed past its Catch, timed out or was aborted: mark the job FAILED, notify.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES, PUBLISH_FAILURE),
+        timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
         rules=(
             Rule(
                 "recovery-ended",
                 {
                     "source": ["aws.states"],
                     "detail-type": [EXECUTION_STATUS_CHANGE],
-                    "detail": {"status": ["TIMED_OUT", "ABORTED"]},
+                    "detail": {"status": list(ENDED_STATUSES), "stateMachineArn": [RECOVERY_STATE_MACHINE]},
                 },
             ),
         ),
@@ -212,9 +231,10 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="fail-recovery",
         handler="spotcr_functions.handlers.workflow.fail",
-        description="Recovery step: mark the job FAILED and terminate its backup.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH),
+        description="Recovery step: mark the job FAILED, terminate its backup, delete what the hand-over made.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES),
         workflow_step=True,
+        timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
     ),
 )
 

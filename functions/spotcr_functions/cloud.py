@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -12,7 +12,8 @@ from typing import Any
 from botocore.exceptions import ClientError
 from spotcr_contracts.commands import Command
 
-# RunInstances errors that mean "no capacity here": try the next candidate.
+# RunInstances errors that concern this candidate only (type, subnet, market): try the next one. Names from the
+# EC2 API error-code reference; tests/events/run-instances-errors.json holds each with AWS's documented meaning.
 CAPACITY_ERRORS = frozenset(
     {
         "InsufficientInstanceCapacity",
@@ -21,8 +22,15 @@ CAPACITY_ERRORS = frozenset(
         "Unsupported",
         "InsufficientCapacity",
         "InsufficientHostCapacity",
+        "InvalidParameterValue",  # e.g. a fallback type of another architecture than the AMI
+        "VcpuLimitExceeded",
+        "InsufficientFreeAddressesInSubnet",
+        "AuthFailure.ServiceLinkedRoleCreationNotPermitted",  # no AWSServiceRoleForEC2Spot: on-demand still works
     }
 )
+# Instance states in which nothing of the job can run: a stopped instance runs no process until started again.
+NOT_RUNNING_STATES = frozenset({"stopped", "terminated"})
+VOLUME_WAIT_SECONDS = 60  # the volume_available waiter below: 2 s x 30 attempts
 # SendTaskSuccess/Failure on a token that is finished already: the other side of the rendezvous won.
 FINISHED_TOKEN_ERRORS = frozenset({"TaskTimedOut", "InvalidToken", "TaskDoesNotExist"})
 
@@ -36,11 +44,18 @@ class Instance:
     subnet_id: str
     vpc_id: str
     tags: Mapping[str, str]
+    spot_request_id: str = ""
+    launched_at: str = ""  # ISO time of the last start: a stopped instance started again gets a new one
 
 
 def client_token(*parts: str | None) -> str:
     """An EC2 ClientToken for these parts: the same parts give the same token, and EC2 allows 64 characters."""
     return hashlib.sha256("|".join(part or "" for part in parts).encode()).hexdigest()[:48]
+
+
+def _iso(value: Any) -> str:
+    """boto3 parses LaunchTime into an aware datetime; the record keeps ISO text."""
+    return value.isoformat().replace("+00:00", "Z") if hasattr(value, "isoformat") else str(value or "")
 
 
 def error_code(error: ClientError) -> str:
@@ -92,16 +107,19 @@ class Cloud:
                     subnet_id=raw.get("SubnetId", ""),
                     vpc_id=raw.get("VpcId", ""),
                     tags={t["Key"]: t["Value"] for t in raw.get("Tags", [])},
+                    spot_request_id=raw.get("SpotInstanceRequestId", ""),
+                    launched_at=_iso(raw.get("LaunchTime")),
                 )
         return None
 
     def tag_instance(self, instance_id: str, tags: Mapping[str, str]) -> None:
         self.ec2.create_tags(Resources=[instance_id], Tags=[{"Key": k, "Value": v} for k, v in tags.items()])
 
-    def subnets(self, vpc_id: str) -> list[tuple[str, str]]:
-        """(subnet id, AZ) of every subnet in the VPC."""
-        response = self.ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc_id]}])
-        return sorted((s["SubnetId"], s["AvailabilityZone"]) for s in response["Subnets"])
+    def subnets(self, subnet_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(subnet id, AZ) of these subnets, in the order given."""
+        response = self.ec2.describe_subnets(SubnetIds=list(subnet_ids))
+        zones = {s["SubnetId"]: s["AvailabilityZone"] for s in response["Subnets"]}
+        return [(subnet_id, zones[subnet_id]) for subnet_id in subnet_ids if subnet_id in zones]
 
     def run_instance(
         self,
@@ -147,6 +165,33 @@ class Cloud:
             if not error_code(error).startswith("InvalidInstanceID"):
                 raise
 
+    def cancel_spot_request(self, request_id: str) -> None:
+        """A persistent request relaunches or restarts its instance when capacity returns; cancel it first."""
+        try:
+            self.ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=[request_id])
+        except ClientError as error:
+            if not error_code(error).startswith("InvalidSpotInstanceRequestID"):
+                raise
+
+    def delete_volume(self, volume_id: str) -> bool:
+        """Delete a job volume; False while it is still attached (VolumeInUse). A missing one counts as deleted."""
+        try:
+            self.ec2.delete_volume(VolumeId=volume_id)
+        except ClientError as error:
+            code = error_code(error)
+            if code == "VolumeInUse":
+                return False
+            if not code.startswith("InvalidVolume.NotFound"):
+                raise
+        return True
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        try:
+            self.ec2.delete_snapshot(SnapshotId=snapshot_id)
+        except ClientError as error:
+            if not error_code(error).startswith("InvalidSnapshot.NotFound"):
+                raise
+
     def volume(self, volume_id: str) -> dict[str, Any] | None:
         try:
             volumes = self.ec2.describe_volumes(VolumeIds=[volume_id])["Volumes"]
@@ -176,7 +221,7 @@ class Cloud:
 
     def wait_volume_available(self, volume_id: str) -> None:
         self.ec2.get_waiter("volume_available").wait(
-            VolumeIds=[volume_id], WaiterConfig={"Delay": 2, "MaxAttempts": 30}
+            VolumeIds=[volume_id], WaiterConfig={"Delay": 2, "MaxAttempts": VOLUME_WAIT_SECONDS // 2}
         )
 
     def attach_volume(self, volume_id: str, instance_id: str) -> None:

@@ -31,6 +31,11 @@ OPTIONAL_ENV = {
     "ebs_volume_gib": "SPOTCR_EBS_VOLUME_GIB",
     "ebs_handover_s": "SPOTCR_EBS_HANDOVER_SECONDS",
 }
+# Optional text settings the stack sets: where backups may launch, and whether a completed job keeps its EBS volume.
+OPTIONAL_TEXT_ENV = {
+    "subnet_ids": "SPOTCR_SUBNET_IDS",  # comma list; empty: a backup may only launch in its job's own subnet
+    "keep_finished_volumes": "SPOTCR_KEEP_FINISHED_VOLUMES",  # "true": a completed EBS job's volume is kept
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class Settings:
     poll_s: int = 5
     ebs_volume_gib: int = 100
     ebs_handover_s: int = 3600  # from the warning; a first snapshot of a large volume can take tens of minutes
+    subnet_ids: tuple[str, ...] = ()
+    keep_finished_volumes: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -66,4 +73,12 @@ class Settings:
                 if not raw.isdigit() or int(raw) < 1:
                     raise RuntimeError(f"{name} must be a positive whole number, got {raw[:32]!r}")
                 values[key] = int(raw)
-        return cls(**values)  # type: ignore[arg-type]
+        subnets = environ.get(OPTIONAL_TEXT_ENV["subnet_ids"], "")
+        keep = environ.get(OPTIONAL_TEXT_ENV["keep_finished_volumes"], "false").strip().lower()
+        if keep not in ("true", "false"):
+            raise RuntimeError(f"{OPTIONAL_TEXT_ENV['keep_finished_volumes']} must be true or false, got {keep[:32]!r}")
+        return cls(
+            **values,  # type: ignore[arg-type]
+            subnet_ids=tuple(s.strip() for s in subnets.split(",") if s.strip()),
+            keep_finished_volumes=keep == "true",
+        )

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from decimal import Decimal
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,7 +110,8 @@ class InstanceDetail(_Detail):
 
 
 class InterruptionDetail(InstanceDetail):
-    instance_action: str = Field(alias="instance-action")
+    # AWS defines exactly these three; anything else is not an interruption warning this parser knows.
+    instance_action: Literal["terminate", "stop", "hibernate"] = Field(alias="instance-action")
 
 
 class StateChangeDetail(InstanceDetail):
@@ -125,9 +126,13 @@ class TagChangeDetail(_Detail):
 
 
 class ExecutionStatusDetail(_Detail):
+    execution_arn: str = Field(alias="executionArn")
+    state_machine_arn: str = Field(alias="stateMachineArn")
     name: str
-    status: str
+    status: Literal["RUNNING", "SUCCEEDED", "FAILED", "TIMED_OUT", "ABORTED", "PENDING_REDRIVE"]
     input: str | None = None
+    error: str | None = None
+    cause: str | None = None
 
 
 class RecoveryEnded(EventBridgeModel):
@@ -137,6 +142,9 @@ class RecoveryEnded(EventBridgeModel):
 
 
 class InterruptionWarning(EventBridgeModel):
+    """EC2 Spot Instance Interruption Warning, and EC2 Capacity Reservation Instance Interruption Warning (same
+    detail: instance-id, instance-action, plus instance-termination-time and azId, which recovery does not need)."""
+
     detail: InterruptionDetail
 
 

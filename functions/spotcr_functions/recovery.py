@@ -11,7 +11,7 @@ from botocore.exceptions import ClientError
 from spotcr_contracts import commands, tags
 
 from spotcr_functions import rendezvous
-from spotcr_functions.cloud import CAPACITY_ERRORS, client_token, error_code
+from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -30,6 +30,10 @@ class HandOverTimedOut(Exception):
     """The EBS volume did not reach the backup in time; the workflow marks the job FAILED and notifies."""
 
 
+class PrimaryStillRunning(Exception):
+    """The interrupted instance may still run the job; the workflow retries the restore until it is terminated."""
+
+
 def execution_name(record: JobRecord) -> str:
     """One name per interruption, stable for its duplicates. Step Functions keeps a name 90 days, and a job name
     registered again after it finished restarts at generation 0, so the interruption itself is in the name."""
@@ -37,8 +41,15 @@ def execution_name(record: JobRecord) -> str:
     return f"{record.job_id[:56]}-g{record.generation}-{digest[:8]}"  # Step Functions allows 80 characters
 
 
-def on_interruption_warning(deps: Deps, instance_id: str, warned_at: str) -> dict[str, Any]:
-    """Fence the generation, order the final dump, start the recovery workflow. Duplicates do nothing more."""
+def on_interruption_warning(
+    deps: Deps, instance_id: str, warned_at: str, action: str = "terminate", source: str = "spot"
+) -> dict[str, Any]:
+    """Fence the generation, order the final dump, start the recovery workflow. Duplicates do nothing more.
+
+    terminate, stop and hibernate are recovered alike: a stopped or hibernated instance keeps the job's processes (in
+    RAM for hibernate) and EC2 may start it again later, so the workflow terminates it before the backup restores
+    (see _retire_primary). Hibernation may begin with no two-minute notice, so the final dump may not come.
+    """
     record = deps.registry.by_instance(instance_id)
     if record is None:
         return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
@@ -46,8 +57,14 @@ def on_interruption_warning(deps: Deps, instance_id: str, warned_at: str) -> dic
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
     final_dump = _order_final_dump(deps, bumped, instance_id, warned_at)
-    _start(deps, bumped, instance_id, reason="interruption-warning", final_dump=final_dump)
-    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": final_dump}
+    _start(deps, bumped, instance_id, reason=f"{source}-interruption:{action}", final_dump=final_dump)
+    return {
+        "action": "recovering",
+        "job_id": bumped.job_id,
+        "generation": bumped.generation,
+        "final_dump": final_dump,
+        "instance_action": action,
+    }
 
 
 def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[str, Any]:
@@ -55,6 +72,8 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     record = deps.registry.by_instance(instance_id)
     if record is None:
         return on_backup_down(deps, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
+    if record.status == Status.COMPLETED and state == "terminated":
+        return _delete_finished_volume(deps, record)
     if record.status not in ACTIVE:
         return _already_recovering(deps, record.job_id, instance_id)
     bumped = _bump(deps, record, instance_id, at)
@@ -63,6 +82,24 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     logger.warning("instance went down without a warning; recovering from the newest checkpoint", job_id=record.job_id)
     _start(deps, bumped, instance_id, reason=f"missed-warning:{state}", final_dump=False)
     return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": False}
+
+
+def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
+    """A completed EBS job's volume goes with its instance, unless the deployment keeps finished volumes."""
+    if record.storage != "ebs" or not record.volume_id or deps.settings.keep_finished_volumes:
+        return {"action": "ignored", "reason": "job completed; nothing to delete"}
+    if not deps.cloud.delete_volume(record.volume_id):
+        logger.warning("finished job's volume still attached; kept", job_id=record.job_id, volume_id=record.volume_id)
+        return {"action": "ignored", "reason": f"volume {record.volume_id} still attached"}
+    deps.registry.update(
+        record.job_id,
+        {"updated_at": deps.iso_now()},
+        remove=("volume_id",),
+        condition="#generation = :g",
+        condition_values={":g": record.generation},
+    )
+    logger.info("finished job's volume deleted", job_id=record.job_id, volume_id=record.volume_id)
+    return {"action": "volume-deleted", "job_id": record.job_id, "volume_id": record.volume_id}
 
 
 def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord | None:
@@ -126,17 +163,21 @@ def _current(deps: Deps, job_id: str, generation: int) -> JobRecord:
 def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     """Backup candidates: the job's type as spot in each subnet (its own first), then fallback types, then on-demand."""
     record = _current(deps, job_id, generation)
-    subnets = [(record.subnet_id, record.az)]
-    if record.vpc_id:
-        subnets += [s for s in deps.cloud.subnets(record.vpc_id) if s[0] != record.subnet_id]
+    stack_subnets = deps.settings.subnet_ids
+    if not stack_subnets:
+        subnets = [(record.subnet_id, record.az)]
+    else:
+        # Only the stack's subnets have the routes and endpoints a job VM needs; the job's own comes first.
+        subnets = deps.cloud.subnets(sorted(stack_subnets, key=lambda s: s != record.subnet_id))
+        if not subnets:
+            raise ValueError(f"none of the stack's subnets exists: {', '.join(stack_subnets)}")
+    home = subnets[0]
     candidates = [
         {"instance_type": instance_type, "subnet_id": subnet_id, "az": az, "spot": True}
         for instance_type in (record.instance_type, *record.fallback_types)
         for subnet_id, az in subnets
     ][: MAX_CANDIDATES - 1]
-    candidates.append(
-        {"instance_type": record.instance_type, "subnet_id": record.subnet_id, "az": record.az, "spot": False}
-    )
+    candidates.append({"instance_type": record.instance_type, "subnet_id": home[0], "az": home[1], "spot": False})
     return {"storage": record.storage, "candidates": candidates, "candidate_count": len(candidates)}
 
 
@@ -247,12 +288,49 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     # The agent walks back from this one through every older committed checkpoint; with none it restarts the job
     # from the beginning (unless its tags turn that off). A second attempt starts the walk one checkpoint back.
     checkpoint_id = record.checkpoint_id if attempt == "newest" else record.previous_checkpoint_id
+    _retire_primary(deps, record)
     # Token first, then the command: the agent's answer always finds the token (or the token finds the answer).
     rendezvous.wait_for(deps, job_id, "restore", generation, token, reset=True)
     values = {"JobId": job_id, "Generation": str(generation), "CheckpointId": checkpoint_id or ""}
     deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, record.backup_instance_id, values)
     logger.info("restore ordered", job_id=job_id, instance_id=record.backup_instance_id, checkpoint_id=checkpoint_id)
     return {"checkpoint_id": checkpoint_id}
+
+
+def _retire_primary(deps: Deps, record: JobRecord) -> None:
+    """The job never runs in two places: before the backup restores, the interrupted instance is terminated and its
+    persistent spot request cancelled, so a stopped or hibernated primary that EC2 starts again later cannot resume
+    the job (hibernation resumes its processes from RAM before any agent could fence them). The restore waits
+    until the primary is gone unless nothing of the job can run there: it is stopped or terminated, or its final
+    dump (which ends the job's processes) committed at this generation."""
+    instance_id = record.recovering_from
+    if not instance_id or instance_id == record.backup_instance_id:
+        return
+    instance = deps.cloud.describe_instance(instance_id)
+    if instance is None or instance.state == "terminated":
+        return
+    if instance.spot_request_id:
+        deps.cloud.cancel_spot_request(instance.spot_request_id)
+    deps.cloud.terminate_instance(instance_id)
+    logger.info("interrupted instance terminated", job_id=record.job_id, instance_id=instance_id, was=instance.state)
+    if instance.state in NOT_RUNNING_STATES or (_final_dump_committed(record) and not _restarted(instance, record)):
+        return
+    after = deps.cloud.describe_instance(instance_id)
+    if after is not None and after.state != "terminated":
+        raise PrimaryStillRunning(f"job {record.job_id}: interrupted instance {instance_id} is {after.state}")
+
+
+def _restarted(instance: Instance, record: JobRecord) -> bool:
+    """Started again after the warning (EC2 restarts a stopped spot instance): the final dump no longer proves the
+    job is gone from it, since the agent may have started or resumed the job there."""
+    if not instance.launched_at or not record.interrupted_at:
+        return False
+    return parse_time(instance.launched_at) > parse_time(record.interrupted_at)
+
+
+def _final_dump_committed(record: JobRecord) -> bool:
+    arrival = record.arrival("final-dump") or {}
+    return arrival.get("generation") == record.generation and not arrival.get("error")
 
 
 def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
@@ -282,6 +360,8 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     )
     if updated is None:
         raise StaleGeneration(f"job {job_id} moved on before its recovery finished")
+    if record.handover_volume_id and record.volume_id and record.handover_volume_id != record.volume_id:
+        _delete_replaced(deps, job_id, record.volume_id, record.handover_snapshot_id)
     now = deps.now()
     if record.interrupted_at:
         warned = parse_time(record.interrupted_at)
@@ -297,6 +377,15 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         message = f"spotcr job {job_id} restarted from the beginning on {record.backup_instance_id}: {why}"
         deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {job_id} restarted", message[:4000])
     return {"job_id": job_id, "generation": generation, "instance_id": record.backup_instance_id}
+
+
+def _delete_replaced(deps: Deps, job_id: str, volume_id: str, snapshot_id: str | None) -> None:
+    """The new volume is committed as the job's: the volume it replaced and the snapshot that carried it go."""
+    if snapshot_id:
+        deps.cloud.delete_snapshot(snapshot_id)
+    if not deps.cloud.delete_volume(volume_id):
+        logger.warning("replaced volume still attached; not deleted", job_id=job_id, volume_id=volume_id)
+    logger.info("replaced volume and snapshot deleted", job_id=job_id, volume_id=volume_id, snapshot_id=snapshot_id)
 
 
 def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> dict[str, Any]:
@@ -316,6 +405,8 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
     if updated is None:
         logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
         return {"job_id": job_id, "marked_failed": False, "message": f"spotcr job {job_id}: {reason}"}
+    if record:
+        _tidy_failed(deps, record)
     if record and record.backup_instance_id:
         deps.cloud.terminate_instance(record.backup_instance_id)
     deps.metric("RecoveriesFailed", "Count", 1)
@@ -335,8 +426,41 @@ def readable_cause(cause: str) -> str:
     return cause[:500]
 
 
-def on_recovery_ended(deps: Deps, execution: str, status: str, execution_input: str | None) -> dict[str, Any]:
-    """A recovery that timed out or was aborted runs no Catch, so the job would stay RECOVERING: fail it, notify."""
+def _tidy_failed(deps: Deps, record: JobRecord) -> None:
+    """A failed recovery leaves the job's checkpoints (on the original volume for EBS) and nothing else."""
+    if record.handover_snapshot_id:
+        deps.cloud.delete_snapshot(record.handover_snapshot_id)
+    if record.handover_volume_id and record.handover_volume_id != record.volume_id:
+        _delete_volume_now(deps, record.handover_volume_id)
+    try:
+        _retire_primary(deps, record)
+    except PrimaryStillRunning:
+        logger.info("interrupted instance is terminating", instance_id=record.recovering_from)
+
+
+def _delete_volume_now(deps: Deps, volume_id: str) -> None:
+    """Detach (from the backup, about to be terminated) and delete a volume the failed hand-over created."""
+    volume = deps.cloud.volume(volume_id)
+    if volume is None:
+        return
+    attachments = [a for a in volume.get("Attachments", []) if a.get("State") in ("attaching", "attached")]
+    for attachment in attachments:
+        deps.cloud.detach_volume(volume_id, attachment["InstanceId"])
+    if attachments:
+        deps.cloud.wait_volume_available(volume_id)
+    if not deps.cloud.delete_volume(volume_id):
+        logger.warning("hand-over volume still attached; not deleted", volume_id=volume_id)
+
+
+def on_recovery_ended(
+    deps: Deps, state_machine_arn: str, execution: str, status: str, execution_input: str | None
+) -> dict[str, Any]:
+    """A recovery that timed out, was aborted, or failed past its Catch (States.Runtime, States.DataLimitExceeded,
+    or MarkFailed itself failing) leaves the job RECOVERING: fail it, terminate its backup, notify."""
+    if state_machine_arn != deps.settings.recovery_state_machine_arn:
+        return {"action": "ignored", "reason": "not this stack's recovery state machine"}
+    if status not in ("FAILED", "TIMED_OUT", "ABORTED"):
+        return {"action": "ignored", "reason": f"execution {status}"}
     try:
         payload = json.loads(execution_input or "")
         job_id, generation = str(payload["job_id"]), int(payload["generation"])

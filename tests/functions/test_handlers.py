@@ -228,3 +228,13 @@ def test_agent_vectors_parse_and_reach_the_handler(plane: ControlPlane, path: Pa
     [(function, result)] = route(event)
     assert function == "agent-events"
     assert result == {"action": "ignored", "reason": "unknown job"}
+
+
+def test_function_settings_name_the_bad_value() -> None:
+    from spotcr_functions.config import ENV, OPTIONAL_TEXT_ENV, Settings
+
+    base = {name: "x" for name in ENV.values()}
+    settings = Settings.from_env({**base, OPTIONAL_TEXT_ENV["subnet_ids"]: "subnet-a, subnet-b,"})
+    assert settings.subnet_ids == ("subnet-a", "subnet-b") and settings.keep_finished_volumes is False
+    with pytest.raises(RuntimeError, match=OPTIONAL_TEXT_ENV["keep_finished_volumes"]):
+        Settings.from_env({**base, OPTIONAL_TEXT_ENV["keep_finished_volumes"]: "yes"})

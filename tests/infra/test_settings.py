@@ -22,8 +22,11 @@ def test_command_line_strings_are_parsed() -> None:
             "efs": "true",
             "fsx": "SCRATCH_2",
             "root_volume_gib": "40",
+            "keep_finished_volumes": "true",
+            "interruption_concurrency": "0",
         }
     )
+    assert settings.keep_finished_volumes is True and settings.interruption_concurrency == 0
     assert settings.subnet_ids == ("subnet-0aaaaaaaaaaaaaaa1", "subnet-0bbbbbbbbbbbbbbb2")
     assert settings.availability_zones == ("us-east-1a", "us-east-1b")
     assert settings.efs is True and settings.fsx == "SCRATCH_2" and settings.root_volume_gib == 40
@@ -45,6 +48,8 @@ def test_command_line_strings_are_parsed() -> None:
         ({"alarm_email": "nobody"}, "alarm_email"),
         ({"ami_id": "debian"}, "ami_id"),
         ({"vpcid": "vpc-0123456789abcdef0"}, "vpcid"),
+        ({"keep_finished_volumes": "maybe"}, "keep_finished_volumes"),
+        ({"interruption_concurrency": "-1"}, "interruption_concurrency"),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(values: dict, named: str) -> None:

@@ -14,11 +14,14 @@ from cdk_nag import AwsSolutionsChecks
 from constructs import IConstruct
 from spotcr_contracts import commands, tags
 from spotcr_functions import catalog, config, registry_schema
+from spotcr_functions.cloud import VOLUME_WAIT_SECONDS
 
 from infra.settings import POWERTOOLS_LAYER_NAME
 from infra.workflow import RECOVERY_ASL, asl_variables
 from tests.infra.conftest import REPO_ROOT, Synth
+from tests.infra.test_least_privilege import reachable
 
+WAITER = "spotcr_functions.cloud.Cloud.wait_volume_available"
 POWERTOOLS_RELEASE = importlib.metadata.version("aws-lambda-powertools")
 
 # Actions allowed on Resource "*": their services offer no resource-level permissions.
@@ -106,8 +109,15 @@ def test_nag_reports_no_unacknowledged_finding(default_synth: Synth, custom_synt
         assert list(report.violations) == []
 
 
+def catalog_functions(synth: Synth) -> dict[str, Any]:
+    """The catalog's functions (CDK's AwsCustomResource provider, which runs at deploy time only, left out)."""
+    handlers = {f.handler for f in catalog.FUNCTIONS}
+    functions = synth.of_type("AWS::Lambda::Function").items()
+    return {k: v for k, v in functions if v["Properties"]["Handler"] in handlers}
+
+
 def test_a_named_powertools_layer_version_replaces_the_ssm_lookup(custom_synth: Synth) -> None:
-    layers = {_flat(f["Properties"]["Layers"]) for f in custom_synth.of_type("AWS::Lambda::Function").values()}
+    layers = {_flat(f["Properties"]["Layers"]) for f in catalog_functions(custom_synth).values()}
     assert len(layers) == 1
     assert f"017000801446:layer:{POWERTOOLS_LAYER_NAME}:52" in layers.pop()
 
@@ -115,12 +125,16 @@ def test_a_named_powertools_layer_version_replaces_the_ssm_lookup(custom_synth: 
 def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -> None:
     functions = default_synth.of_type("AWS::Lambda::Function")
     by_handler = {f["Properties"]["Handler"]: f["Properties"] for f in functions.values()}
-    assert set(by_handler) == {f.handler for f in catalog.FUNCTIONS}
+    assert set(by_handler) - {"index.handler"} == {f.handler for f in catalog.FUNCTIONS}
     for spec in catalog.FUNCTIONS:
         props = by_handler[spec.handler]
         assert props["Runtime"] == "python3.12"
         assert props["Architectures"] == ["arm64"]
         assert props["Timeout"] == spec.timeout_s
+        if spec.reserved_concurrency:
+            assert props["ReservedConcurrentExecutions"] == 10
+        else:
+            assert "ReservedConcurrentExecutions" not in props
         assert props["MemorySize"] == spec.memory_mb
         assert props["TracingConfig"] == {"Mode": "Active"}
         assert props["LoggingConfig"]["LogFormat"] == "JSON"
@@ -152,7 +166,18 @@ def test_each_rule_pattern_equals_the_catalog(default_synth: Synth) -> None:
                 unit = "minute" if rule.schedule_minutes == 1 else "minutes"
                 assert f"rate({rule.schedule_minutes} {unit})" in schedules
                 continue
-            matching = [r for r in rules.values() if r["Properties"].get("EventPattern") == dict(rule.pattern or {})]
+            # The recovery-ended rule names the stack's own state machine (spotcr-recovery), not every one.
+            deployed = {
+                id_: json.loads(
+                    re.sub(
+                        r'\{"Fn::Join": [^]]*\]\]\}',
+                        lambda m: '"ARN"' if "spotcr-recovery" in m.group(0) else m.group(0),
+                        json.dumps(r["Properties"].get("EventPattern")),
+                    )
+                )
+                for id_, r in rules.items()
+            }
+            matching = [r for id_, r in rules.items() if deployed[id_] == rule.pattern_for("ARN")]
             assert matching, f"no rule with the pattern of {rule.name}: {patterns}"
             on_agent_bus = [r for r in matching if r["Properties"].get("EventBusName") == {"Ref": bus_id}]
             assert bool(on_agent_bus) == rule.agent_bus, rule.name
@@ -455,3 +480,60 @@ def test_dashboard_shows_every_metric_the_functions_emit(default_synth: Synth) -
     body = "".join(part for part in dashboard["Properties"]["DashboardBody"]["Fn::Join"][1] if isinstance(part, str))
     missing = {name for name in emitted if f'["spotcr","{name}","service","spotcr"' not in body}
     assert not missing, f"metrics not on the dashboard: {missing}"
+
+
+def test_job_spec_buckets_are_granted_to_the_job_vms_not_to_functions(custom_synth: Synth) -> None:
+    by_role = statements_by_role(custom_synth)
+    job_role = logical_id(custom_synth, child(custom_synth, "VmLaunch", "JobRole"))
+    reads = [_flat(s["Resource"]) for s in statements_with(by_role[job_role], "s3:GetObject")]
+    assert any("my-job-specs/*" in r for r in reads)
+    for spec in catalog.FUNCTIONS:
+        assert not statements_with(by_role[function_role(custom_synth, spec.name)], "s3:GetObject"), spec.name
+
+
+def test_only_the_launcher_may_run_instances_or_pass_the_job_role(default_synth: Synth) -> None:
+    by_role = statements_by_role(default_synth)
+    for spec in catalog.FUNCTIONS:
+        statements = by_role[function_role(default_synth, spec.name)]
+        escalating = statements_with(statements, "ec2:RunInstances") + statements_with(statements, "iam:PassRole")
+        assert bool(escalating) == (spec.name == "launch-backup"), spec.name
+
+
+def test_delete_snapshot_is_conditioned_on_the_snapshots_own_tag(default_synth: Synth) -> None:
+    # DeleteSnapshot carries no request tags: a RequestTag condition could never match.
+    deleters = [f for f in catalog.FUNCTIONS if catalog.EC2_VOLUMES in f.capabilities]
+    by_role = statements_by_role(default_synth)
+    for spec in deleters:
+        [statement] = statements_with(by_role[function_role(default_synth, spec.name)], "ec2:DeleteSnapshot")
+        assert statement["Condition"] == {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}
+
+
+def test_functions_outlast_the_volume_waiter_they_may_run(default_synth: Synth) -> None:
+    waiters = [f for f in catalog.FUNCTIONS if WAITER in reachable(f.handler)]
+    assert {f.name for f in waiters} >= {"state-change", "tag-change", "agent-events"}
+    timeouts = {
+        p["Handler"]: p["Timeout"] for p in (f["Properties"] for f in catalog_functions(default_synth).values())
+    }
+    for spec in waiters:
+        assert timeouts[spec.handler] >= VOLUME_WAIT_SECONDS + 10, spec.name
+
+
+def test_functions_get_the_stacks_subnets(default_synth: Synth) -> None:
+    subnets = {logical_id(default_synth, s) for s in default_synth.stack.node.find_all() if _is_subnet(s)}
+    assert len(subnets) == 2
+    for props in (f["Properties"] for f in catalog_functions(default_synth).values()):
+        value = _flat(props["Environment"]["Variables"][config.OPTIONAL_TEXT_ENV["subnet_ids"]])
+        assert {ref for ref in subnets if ref in value} == subnets
+        assert props["Environment"]["Variables"][config.OPTIONAL_TEXT_ENV["keep_finished_volumes"]] == "false"
+
+
+def _is_subnet(construct: Any) -> bool:
+    return getattr(construct, "cfn_resource_type", None) == "AWS::EC2::Subnet"
+
+
+def test_the_stack_creates_or_checks_the_spot_service_linked_role(default_synth: Synth) -> None:
+    calls = [
+        _flat(r["Properties"].get("Create", "")) for r in default_synth.resources.values() if r["Type"] == "Custom::AWS"
+    ]
+    assert any("createServiceLinkedRole" in c and "spot.amazonaws.com" in c and "InvalidInput" in c for c in calls)
+    assert any("getRole" in c and "AWSServiceRoleForEC2Spot" in c for c in calls)

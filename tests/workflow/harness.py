@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -24,7 +25,7 @@ from moto.stepfunctions.responses import StepFunctionResponse
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import catalog, registry_schema
-from spotcr_functions.config import ENV, OPTIONAL_ENV
+from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
@@ -128,11 +129,13 @@ def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """Deliver an event as EventBridge would: to every catalog function whose rule pattern matches it."""
     delivered = []
     on_agent_bus = event.get("source") == events.SOURCE
+    state_machine_arn = os.environ.get(ENV["recovery_state_machine_arn"], "")
     for function in catalog.FUNCTIONS:
         for rule in function.rules:
-            if rule.pattern is None or rule.agent_bus != on_agent_bus:
+            pattern = rule.pattern_for(state_machine_arn)
+            if pattern is None or rule.agent_bus != on_agent_bus:
                 continue
-            if EventPattern.load(json.dumps(rule.pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
+            if EventPattern.load(json.dumps(pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
                 result = handler_for(function)(json.loads(json.dumps(event)), FakeContext(function_name=function.name))
                 delivered.append((function.name, result))
     return delivered
@@ -217,6 +220,9 @@ class ControlPlane:
         }
         for key, name in ENV.items():
             monkeypatch.setenv(name, settings[key])
+        # The stack's subnets: the two job subnets, not every subnet of the VPC (see test_placement).
+        self.vpc_id = vpc_id
+        monkeypatch.setenv(OPTIONAL_TEXT_ENV["subnet_ids"], ",".join(self.subnets.values()))
         timing: dict[str, int] = {
             "final_dump_wait_s": final_dump_wait_s,
             "restore_wait_s": restore_wait_s,

@@ -30,3 +30,34 @@ def test_standard_workflow_with_a_timeout_and_known_capabilities() -> None:
     assert set(catalog.WORKFLOW_CAPABILITIES) <= vocabulary
     for function in catalog.FUNCTIONS:
         assert set(function.capabilities) <= vocabulary, function.name
+
+
+def _states() -> dict[str, dict]:
+    return dict(json.loads(ASL.read_text())["States"])
+
+
+def test_retries_name_errors_the_integration_raises() -> None:
+    # The optimized SNS integration raises SNS.<exception>; the AWS SDK integration for SSM raises Ssm.<exception>.
+    prefixes = {"arn:aws:states:::sns:publish": "SNS.", "arn:aws:states:::aws-sdk:ssm:": "Ssm."}
+    checked = 0
+    for name, state in _states().items():
+        for resource, prefix in prefixes.items():
+            if str(state.get("Resource", "")).startswith(resource):
+                for retry in state.get("Retry", []):
+                    assert all(e.startswith(prefix) for e in retry["ErrorEquals"]), name
+                    checked += 1
+    assert checked >= 3
+
+
+def test_marking_the_job_failed_has_a_catch_that_ends_the_execution_failed() -> None:
+    states = _states()
+    [catch] = states["MarkFailed"]["Catch"]
+    assert catch["ErrorEquals"] == ["States.ALL"]
+    assert states[catch["Next"]]["Type"] == "Fail"
+
+
+def test_only_a_reported_restore_failure_tries_the_previous_checkpoint() -> None:
+    # After a timeout the first restore may still run on the backup: a second one would race it.
+    catches = {c["Next"]: c["ErrorEquals"] for c in _states()["Restore"]["Catch"]}
+    assert catches["RestorePrevious"] == ["RestoreFailed"]
+    assert catches["MarkFailed"] == ["States.ALL"]

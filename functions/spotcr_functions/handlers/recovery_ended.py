@@ -1,4 +1,4 @@
-"""A recovery workflow that timed out or was aborted → the job is FAILED and the failure topic told."""
+"""A recovery workflow that failed, timed out or was aborted → the job is FAILED and the failure topic told."""
 
 from __future__ import annotations
 
@@ -20,4 +20,4 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     if ended is None:
         return {"action": "ignored", "reason": "malformed execution status change"}
     detail = ended.detail
-    return recovery.on_recovery_ended(_edge.deps(), detail.name, detail.status, detail.input)
+    return recovery.on_recovery_ended(_edge.deps(), detail.state_machine_arn, detail.name, detail.status, detail.input)
