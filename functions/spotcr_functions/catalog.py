@@ -118,6 +118,7 @@ FUNCTIONS: tuple[Function, ...] = (
             EC2_TAG,
             EC2_VOLUMES,
             START_RECOVERY,
+            SEND_COMMAND,
             TASK_CALLBACK,
         ),
         rules=(

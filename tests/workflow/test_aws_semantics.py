@@ -316,6 +316,9 @@ def test_a_failed_execution_whose_catch_ran_is_not_failed_twice(plane: ControlPl
     route(agent_event(events.AgentReady("twice-1", backup, 1, now_iso(), mode="restore")))
     plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     route(agent_event(events.RestoreFailed("twice-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt")))
+    # (the second attempt walks again from the previous checkpoint; with none, from the newest)
+    plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
+    route(agent_event(events.RestoreFailed("twice-1", backup, 1, now_iso(), checkpoint_id="", reason="corrupt")))
     assert plane.wait_for_execution()["status"] == "FAILED"
     assert plane.job("twice-1").status == Status.FAILED
     first = plane.notifications()
@@ -392,8 +395,10 @@ def test_a_failed_cross_az_recovery_keeps_the_jobs_volume_and_deletes_what_the_m
     moved = plane.job("mvf-1")
     assert moved.handover_volume_id and moved.handover_snapshot_id
 
-    # When the restore fails and there is no earlier checkpoint
+    # When both restore attempts fail and there is no earlier checkpoint
     route(agent_event(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt")))
+    plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
+    route(agent_event(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id="", reason="corrupt")))
 
     # Then the job is FAILED, its own volume (with its checkpoints) kept, the hand-over volume and snapshot gone
     assert plane.wait_for_execution()["status"] == "FAILED"
