@@ -1,8 +1,8 @@
 """A job that talks to itself over TCP through its VM's address, as a client of a local service (redis) would.
 
-Listens on 0.0.0.0:PORT and keeps one established connection to ADDRESS:PORT; each step sends a ping and reads
-the pong. A connection that breaks (after a restore where the address is gone) is reported in progress.log and
-made again through 127.0.0.1, as a client reconnects after a network blip.
+Listens on LISTEN:PORT (default 0.0.0.0) and keeps one established connection to ADDRESS:PORT; each step sends a
+ping and reads the pong. A connection that breaks (after a restore that closed it) is reported in progress.log and
+made again (through 127.0.0.1 when listening on all addresses), as a client reconnects after a network blip.
 """
 
 import socket
@@ -10,9 +10,10 @@ import sys
 import time
 
 address, port, steps, step_seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+listen = sys.argv[5] if len(sys.argv) > 5 else "0.0.0.0"
 server = socket.socket()
 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("0.0.0.0", port))
+server.bind((listen, port))
 server.listen()
 
 
@@ -40,6 +41,6 @@ with open("progress.log", "a") as progress:
             progress.write(f"step {step} reconnect after {type(error).__name__}\n")
             client.close()
             accepted.close()
-            client, accepted = connect("127.0.0.1")
+            client, accepted = connect("127.0.0.1" if listen == "0.0.0.0" else listen)
         progress.flush()
         time.sleep(step_seconds)
