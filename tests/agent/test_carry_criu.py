@@ -88,13 +88,14 @@ def test_files_in_vm_local_places_come_back_on_a_fresh_vm(bare_vm, storage, kind
     assert [e["checkpoint_id"] for e in primary.events("CheckpointCompleted")] == [outcome["checkpoint_id"]]
 
 
-def _tcp_job(bare_vm, storage, same_vm, tcp="established", listen="0.0.0.0", kind="final"):
+def _tcp_job(bare_vm, storage, same_vm, tcp="established", listen="0.0.0.0", kind="final", outside=""):
     """A job holding a listener and an established connection through its VM's address, checkpointed and
-    restored on another VM (another address) or on the same VM (the same address); the backup and its progress."""
+    restored on another VM (another address) or on the same VM (the same address); the backup and its progress.
+    outside: host:port of a peer outside the job it also keeps a connection to."""
     port = 7411
     primary_vm = bare_vm(shared_storage=storage)
     listen = primary_vm.address if listen == "vm" else listen
-    command = (sys.executable, str(JOBS / "tcp_pair.py"), primary_vm.address, str(port), "60", "0.05", listen)
+    command = (sys.executable, str(JOBS / "tcp_pair.py"), primary_vm.address, str(port), "60", "0.05", listen, outside)
     primary = JobVM(primary_vm, command=command, tcp=tcp)
     primary.agent("start")
     wait_for(lambda: len(primary.progress()) >= 5, what="the job to talk to itself")
@@ -137,6 +138,29 @@ def test_a_job_listening_and_connected_to_itself_on_its_vm_address_keeps_its_con
     assert [line for line in lines if "reconnect" in line] == []
     # And once the job has ended, the address is no longer shadowed on the backup
     assert old_address not in _loopback_addresses(backup.vm)
+
+
+def test_a_connection_from_the_vm_s_address_to_a_peer_outside_the_job_is_reset_and_the_job_s_own_is_kept(
+    bare_vm, storage
+):
+    # Given a service on another VM, and a job connected to itself over its VM's address and to that service
+    peer = bare_vm()
+    script = f"setsid {sys.executable} {JOBS / 'echo_server.py'} 7413 >/dev/null 2>&1 < /dev/null &"
+    assert peer.run(["sh", "-c", script]).returncode == 0
+    dial = f"import socket; socket.create_connection(('{peer.address}', 7413))"
+    wait_for(lambda: peer.run([sys.executable, "-c", dial]).returncode == 0, what="the service to listen")
+
+    # When the job is restored on a VM with another address, where the service's replies cannot reach the old one
+    backup, _ = _tcp_job(bare_vm, storage, same_vm=False, listen="vm", outside=f"{peer.address}:7413")
+
+    # Then the job sees only its connection to the service reset (before it resumed), dials it again, and ends;
+    # its connection to itself came back intact
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    lines = backup.progress()
+    assert [line for line in lines if "reconnect" in line] == []
+    resets = [line for line in lines if "outside reset" in line]
+    assert len(resets) == 1 and resets[0].endswith("ConnectionAbortedError"), resets
+    assert len(lines) == 61
 
 
 def test_the_close_policy_closes_connections_when_the_backup_has_another_address(bare_vm, storage):
