@@ -3,6 +3,8 @@
 import os
 import subprocess
 
+import pytest
+from spotcr_agent import aliases
 from spotcr_agent.aliases import outside_connections, wanted
 from spotcr_agent.carry import JobScan, vm_bound_listeners
 from spotcr_agent.criu import _reset_script
@@ -59,3 +61,49 @@ def test_the_reset_script_destroys_each_connection_only_before_the_job_resumes(t
     assert subprocess.run([str(script)], env=env, check=False).returncode == 0
     env["CRTOOLS_SCRIPT_ACTION"] = "pre-resume"
     assert subprocess.run([str(script)], env=env, check=False, capture_output=True).returncode != 0
+
+
+class _FakeIp:
+    """`ip addr add/del` on a loopback of its own: what the agent added, and failures on demand."""
+
+    def __init__(self, here=(), refuse=()):
+        self.loopback: set[str] = set()
+        self.here = set(here)
+        self.refuse = set(refuse)
+
+    def __call__(self, *args, binary="ip"):
+        verb, address = args[1], args[2].split("/")[0]
+        if address in self.refuse:
+            raise aliases.AliasError(f"ip addr {verb} {address} failed: Operation not permitted")
+        (self.loopback.add if verb == "add" else self.loopback.discard)(address)
+        return ""
+
+    def address_here(self, address):
+        return address in self.here or address in self.loopback
+
+
+def _fake_ip(monkeypatch, **options):
+    ip = _FakeIp(**options)
+    monkeypatch.setattr(aliases, "_ip", ip)
+    monkeypatch.setattr(aliases.carry, "address_here", ip.address_here)
+    return ip
+
+
+def test_a_restore_removes_the_earlier_restore_s_aliases_and_adds_only_what_this_vm_lacks(tmp_path, monkeypatch):
+    ip = _fake_ip(monkeypatch, here={"10.0.1.7"})
+    assert aliases.keep(tmp_path, ["10.0.0.5"]) == ["10.0.0.5"]
+    # When a later restore on this VM keeps another address, and one this VM has itself
+    assert aliases.keep(tmp_path, ["10.0.0.6", "10.0.1.7"]) == ["10.0.0.6"]
+    # Then only the new one is on loopback, and it is what a later checkpoint counts as this VM's
+    assert ip.loopback == {"10.0.0.6"}
+    assert aliases.added(tmp_path) == ["10.0.0.6"]
+    # And when the job ends, none is left
+    aliases.release(tmp_path)
+    assert ip.loopback == set() and aliases.added(tmp_path) == []
+
+
+def test_an_address_that_cannot_be_added_leaves_no_alias_and_names_the_address(tmp_path, monkeypatch):
+    ip = _fake_ip(monkeypatch, refuse={"10.0.0.6"})
+    with pytest.raises(aliases.AliasError, match=r"10\.0\.0\.6"):
+        aliases.keep(tmp_path, ["10.0.0.5", "10.0.0.6"])
+    assert ip.loopback == set() and aliases.added(tmp_path) == []
