@@ -27,8 +27,8 @@ MODE = "spotcr:mode"
 GENERATION = "spotcr:generation"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
-# What a restore does with the job's TCP connections: established (kept where the backup has the checkpoint's
-# address, else closed: the job sees a reset) or close (always closed).
+# What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
+# loopback, so listeners and connections within the job come back; others are reset) or close (always closed).
 TCP_POLICIES = ("established", "close")
 DEFAULT_TCP = "established"
 MODES = ("run", "restore")

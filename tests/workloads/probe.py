@@ -8,7 +8,8 @@ Runs inside the job's VM (its /proc); prints one JSON line {"held": {check: deta
   threads:N           a process of the job has at least N threads
   processes:NAME:N    at least N processes of the job have a name starting with NAME
   tcp:PORT            an established TCP connection from or to PORT in the job's network namespace
-  tcp-vm:PORT         the same, on the VM's own address (not loopback): one that cannot survive a move as it is
+  tcp-vm:PORT         the same, on the VM's own address (not loopback)
+  listen-vm:          a process of the job listens on the VM's own address (not loopback, not all addresses)
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 from spotcr_agent.runner import process_tree
 from spotcr_agent.state import StateFile
 
-ESTABLISHED = "01"
+ESTABLISHED, LISTEN = "01", "0A"
+LOOPBACK_OR_ANY = ("0100007F", "00000000", "00000000000000000000000001000000", "00000000000000000000000000000000")
 
 
 def _links(pid: int) -> list[tuple[str, Path]]:
@@ -79,6 +81,14 @@ def _check(tree: list[int], check: str) -> str | None:
                         on_loopback = local.startswith(("0100007F", "00000000000000000000000001000000"))
                         if state == ESTABLISHED and int(arg) in ports and not (kind == "tcp-vm" and on_loopback):
                             return f"established {local} {remote}"
+            elif kind == "listen-vm":
+                sockets = {target[8:-1] for target, _ in _links(pid) if target.startswith("socket:[")}
+                for table in ("tcp", "tcp6"):
+                    for line in (proc / "net" / table).read_text().splitlines()[1:]:
+                        fields = line.split()
+                        local, state, inode = fields[1], fields[3], fields[9]
+                        if state == LISTEN and inode in sockets and local.rsplit(":", 1)[0] not in LOOPBACK_OR_ANY:
+                            return f"{pid} listens on {local}"
             else:
                 raise SystemExit(f"unknown check {check!r}")
         except (OSError, ValueError):

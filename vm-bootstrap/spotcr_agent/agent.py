@@ -25,7 +25,7 @@ from spotcr_contracts.events import (
     RestoreFailed,
 )
 
-from . import storage
+from . import aliases, storage
 from .carry import Layout
 from .checkpoint import Checkpointer, CheckpointError, CheckpointOutcome, Store, keep_criu_log, kept_criu_logs
 from .config import AgentConfig
@@ -136,6 +136,7 @@ class Agent:
                 keep_checkpoints=self.config.keep_checkpoints,
                 layout=self.layout(),
                 local_files_limit_mb=self.config.local_files_limit_mb,
+                tcp=self.config.tcp,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:
@@ -229,6 +230,7 @@ class Agent:
             if state.job_status == "running" and job_alive(state.job_pid, state.job_start_time):
                 raise RestoreError(f"the job already runs on this VM (pid {state.job_pid}); it never runs twice")
             shutil.rmtree(self.config.workdir, ignore_errors=True)  # what a failed restore may have placed
+            aliases.release(self.config.state_dir)
             job = start_job(self.config.command, self.config.workdir, {**self.job_env, **self.config.env})
             if job.launcher is not None:
                 self._launchers.append(job.launcher)
@@ -320,6 +322,7 @@ class Agent:
             generation = state.generation
             exit_code = state.exit_code
         log.info("job %s exited with code %d", self.config.job_id, exit_code)
+        aliases.release(self.config.state_dir)  # the old VM's address is no longer the job's to shadow
         self.emit(JobExited, generation, exit_code=exit_code)
         return exit_code
 

@@ -130,6 +130,8 @@ class JobScan:
     deleted: list[str] = field(default_factory=list)  # unlinked files: CRIU carries them in its images
     established: list[str] = field(default_factory=list)  # local addresses of established TCP connections
     listening: list[str] = field(default_factory=list)  # "address port" of listening TCP sockets
+    # "local-address local-port remote-address remote-port" of each established TCP connection
+    connections: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -138,6 +140,7 @@ class JobScan:
             "deleted": self.deleted,
             "established": self.established,
             "listening": self.listening,
+            "connections": self.connections,
             "unsupported": self.unsupported,
         }
 
@@ -148,6 +151,7 @@ class JobScan:
             deleted=list(data["deleted"]),
             established=list(data["established"]),
             listening=list(data["listening"]),
+            connections=list(data.get("connections", [])),  # checkpoints before it was recorded have none
             unsupported=list(data["unsupported"]),
         )
 
@@ -312,10 +316,13 @@ def _tcp_endpoints(pid: int, sockets: set[str], scan: JobScan) -> None:
             address, port = _endpoint(parts[1], family)
             if parts[3] == TCP_ESTABLISHED:
                 scan.established.append(address)
+                remote, remote_port = _endpoint(parts[2], family)
+                scan.connections.append(f"{address} {port} {remote} {remote_port}")
             elif parts[3] == TCP_LISTEN:
                 scan.listening.append(f"{address} {port}")
     scan.established = sorted(set(scan.established))
     scan.listening = sorted(set(scan.listening))
+    scan.connections = sorted(set(scan.connections))
 
 
 def _endpoint(text: str, family: int) -> tuple[str, int]:
@@ -333,9 +340,12 @@ def unsupported_problem(scan: JobScan) -> str | None:
     return "the job cannot be checkpointed: " + "; ".join(scan.unsupported[:5])
 
 
-def vm_bound_listeners(scan: JobScan) -> str | None:
-    """Listeners bound to this VM's own address, which no backup has (each gets a new private address): a restore
-    there could not bind them, so the checkpoint is refused; wildcard and loopback listeners restore anywhere."""
+def vm_bound_listeners(scan: JobScan, tcp: str) -> str | None:
+    """Listeners bound to this VM's own address, which no backup has (each gets a new private address). Under the
+    established policy the restore keeps that address on the backup's loopback (aliases.py), so they come back;
+    under close it does not, so the checkpoint is refused. Wildcard and loopback listeners restore anywhere."""
+    if tcp != "close":
+        return None
     bound = []
     for listener in scan.listening:
         address, port = listener.rsplit(" ", 1)
@@ -345,8 +355,9 @@ def vm_bound_listeners(scan: JobScan) -> str | None:
     if not bound:
         return None
     return (
-        f"the job cannot be checkpointed: it listens on {', '.join(bound[:3])}, an address only this VM has, so no "
-        "backup could restore it; have the job listen on 0.0.0.0 or :: (all addresses) or on 127.0.0.1"
+        f"the job cannot be checkpointed: it listens on {', '.join(bound[:3])}, an address only this VM has, and "
+        "its TCP policy (spotcr:tcp) is close, so no backup could restore it; have the job listen on 0.0.0.0 or :: "
+        "(all addresses) or on 127.0.0.1, or use spotcr:tcp=established (the backup then keeps this address)"
     )
 
 

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import carry
+from spotcr_contracts.tags import DEFAULT_TCP
+
+from . import aliases, carry
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -150,6 +152,7 @@ class Checkpointer:
     clock: Callable[[], float] = time.time
     layout: Layout | None = None  # where VM-local, image and storage files are; None: the work dir is all there is
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB
+    tcp: str = DEFAULT_TCP  # AgentConfig.tcp: under close, a listener on the VM's own address cannot come back
     _scan: JobScan = field(default_factory=JobScan)
 
     def __post_init__(self) -> None:
@@ -309,7 +312,7 @@ class Checkpointer:
         if problem:
             raise CheckpointError(problem)
         self._scan = carry.scan_job(pid)
-        problem = carry.unsupported_problem(self._scan) or carry.vm_bound_listeners(self._scan)
+        problem = carry.unsupported_problem(self._scan) or carry.vm_bound_listeners(self._scan, self.tcp)
         if problem:
             raise CheckpointError(problem)
         for path, use in self._scan.files.items():
@@ -390,6 +393,8 @@ class Checkpointer:
             "scan": scan.to_json(),
             "entries": [e.to_json() for e in entries],
             "image_files": images,
+            # The addresses a restore may keep on its loopback for the job's sockets (aliases.py), and no other.
+            "vm_addresses": aliases.vm_addresses(self.state.dir),
         }
         (scratch / carry.RECORD).write_text(json.dumps(record))
         files[carry.RECORD] = scratch / carry.RECORD

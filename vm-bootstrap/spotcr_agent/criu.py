@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,10 +169,12 @@ class Criu:
         self.finish_dump(process, log_dir)
         return time.monotonic() - started
 
-    def restore(self, images_dir: Path, log_dir: Path, *, tcp_close: bool = False) -> int:
+    def restore(self, images_dir: Path, log_dir: Path, *, tcp_close: bool = False, reset: Sequence[str] = ()) -> int:
         """Restore detached (-d) into a fresh PID namespace; returns the host PID of the job's PID 1.
 
         tcp_close: the job's TCP connections come back closed (it sees them reset) instead of re-established.
+        reset: connections ("local-address port remote-address port") destroyed before the job resumes, so that
+        the job sees them reset and the others come back established.
         """
         log_dir.mkdir(parents=True, exist_ok=True)
         pidfile = log_dir / "restore.pid"
@@ -179,7 +182,31 @@ class Criu:
         argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
         tcp = "--tcp-close" if tcp_close else "--tcp-established"
         argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(pidfile)]
+        if reset:
+            argv += ["--action-script", str(_reset_script(log_dir / "reset.sh", reset))]
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise failure("restore", log_dir / "restore.log", result.stderr)
         return int(pidfile.read_text().strip())
+
+
+def _endpoint(address: str, port: str) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _reset_script(path: Path, connections: Sequence[str]) -> Path:
+    """CRIU's action script that destroys the given connections (sock_destroy, as `ss -K`) before the job resumes;
+    it fails the restore, naming the connection, where the kernel cannot (no CONFIG_INET_DIAG_DESTROY)."""
+    lines = ["#!/bin/sh", '[ "$CRTOOLS_SCRIPT_ACTION" = pre-resume ] || exit 0']
+    for connection in connections:
+        local, local_port, remote, remote_port = connection.split()
+        match = f"state established src {_endpoint(local, local_port)} dst {_endpoint(remote, remote_port)}"
+        lines.append(f"ss -K -tn {match} >/dev/null || exit 1")
+        lines.append(
+            f'[ -z "$(ss -tnH {match})" ] || '
+            f'{{ echo "Error (spotcr): cannot reset the connection {connection}: '
+            'the kernel lacks sock_destroy (CONFIG_INET_DIAG_DESTROY)" >&2; exit 1; }'
+        )
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o755)
+    return path

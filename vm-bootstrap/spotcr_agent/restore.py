@@ -20,7 +20,7 @@ from typing import Any
 
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import carry
+from . import aliases, carry
 from .carry import Entry
 from .checkpoint import Store
 from .criu import Criu, CriuError
@@ -167,7 +167,7 @@ class Restorer:
             for candidate in candidates:
                 try:
                     pid = self._with_retries(functools.partial(self._restore_one, candidate, host))
-                except (StoreError, Incompatible, CriuError, OSError) as error:
+                except (StoreError, Incompatible, CriuError, OSError, aliases.AliasError) as error:
                     reason = error.reason if isinstance(error, CriuError) else str(error)
                     if isinstance(error, CriuError):
                         logs[candidate], log_tail = error.log, error.log_tail
@@ -232,29 +232,37 @@ class Restorer:
         dest = self.scratch_dir / f"restore-{checkpoint_id}"
         shutil.rmtree(dest, ignore_errors=True)
         created: list[str] = []
+        kept: list[str] = []
         try:
             manifest = self.store.fetch(checkpoint_id, dest)
             check_compatible(manifest, host)
             record = _record(dest)
             if record is not None:
                 check_image(record)
+                # The checkpoint VM's address the job's sockets were bound to, kept on this VM's loopback.
+                kept = aliases.keep(self.state.dir, aliases.wanted(record, self.tcp))
                 check_listeners(record)
             self._place_workdir(dest / "workdir")
             if record is not None:
                 created = carry.put_back([Entry.from_json(e) for e in record["entries"]], dest)
             check_open_files(manifest, record)
             tcp_close = close_connections(record, self.tcp)
+            reset = [] if tcp_close or record is None else aliases.outside_connections(record, kept)
             if tcp_close:
                 log.info(
                     "the job's TCP connections come back closed (policy %s, or their address is not here)", self.tcp
                 )
+            elif reset:
+                log.info("connections from the old VM's address to peers outside the job are reset: %s", reset)
             pid = self.criu.restore(
-                dest / "images", self.scratch_dir / f"restore-{checkpoint_id}.logs", tcp_close=tcp_close
+                dest / "images", self.scratch_dir / f"restore-{checkpoint_id}.logs", tcp_close=tcp_close, reset=reset
             )
-            created = []
+            created, kept = [], []
             return pid
         finally:
             carry.take_back(created)
+            if kept:
+                aliases.release(self.state.dir)  # a failed restore leaves no alias behind
             shutil.rmtree(dest, ignore_errors=True)
 
     def _place_workdir(self, fetched: Path) -> None:
