@@ -295,6 +295,7 @@ class Agent:
                 state.job_id = self.config.job_id
                 state.job_status, state.exit_code = "exited", COMMAND_NOT_STARTED
                 reason = str(error)
+                state.result_error = f"the job never started: {reason}"[:1000]  # no work to keep
             else:
                 reason = ""
                 if job.launcher is not None:
@@ -342,8 +343,8 @@ class Agent:
 
     @staticmethod
     def _result_due(state: AgentState) -> bool:
-        """An end this VM recorded (a job that could not start has no work to keep) whose result was not tried."""
-        ended = state.job_status == "exited" and state.exit_code is not None and state.job_pid != 0
+        """An end this VM recorded whose result was not tried yet."""
+        ended = state.job_status == "exited" and state.exit_code is not None
         return ended and not state.result and not state.result_error
 
     def _commit_result(self, exit_code: int, generation: int) -> tuple[str, str]:
