@@ -20,6 +20,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from spotcr_agent.result import ResultError, fetch_result_file
+from spotcr_agent.store.backends import S3Backend
+from spotcr_agent.store.errors import StoreError
 from spotcr_contracts import events as agent_events
 from spotcr_contracts import tags
 from spotcr_functions import catalog
@@ -291,6 +294,15 @@ def reference_result(
         return path.read_bytes()
 
 
+def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str) -> bytes:
+    """One file of a finished job's result, read from the store as a user would (s3://bucket/.../manifest.json)."""
+    if not location.startswith("s3://"):
+        raise RehearsalFailed(f"the job's result is at {location}, not in the checkpoint bucket")
+    bucket = location.removeprefix("s3://").partition("/")[0]
+    backend = S3Backend(bucket, client=cloud.client("s3"))
+    return fetch_result_file(backend, job_id, PurePosixPath(result_file).as_posix())
+
+
 class Rehearsal:
     def __init__(self, options: Options, echo: Callable[[str], None] | None = None) -> None:
         self.options = options
@@ -386,7 +398,7 @@ class Rehearsal:
             raise RehearsalFailed(
                 f"the job exited with {exited.exit_code} on {exited.instance_id}{stderr_tail(vm, self.workdir)}"
             )
-        result = self._result(exited.instance_id)
+        result = self._result(exited)
         reference.join(options.timeout_s)
         if "error" in expected_box:
             raise expected_box["error"]
@@ -540,16 +552,18 @@ class Rehearsal:
         threading.Thread(target=terminate, name=f"terminate-{instance_id}", daemon=True).start()
         return warned
 
-    def _result(self, instance_id: str) -> bytes:
-        vm = self.cloud.vms[instance_id]
-        result_file = self.options.result_file
-        path = vm.host_path(f"{self.workdir}/{result_file}")
-        deadline = time.monotonic() + 10
-        while not path.is_file():
-            if time.monotonic() > deadline:
-                raise RehearsalFailed(f"the job left no {result_file} in its work dir on {instance_id}")
-            time.sleep(0.1)
-        return path.read_bytes()
+    def _result(self, exited: agent_events.JobExited) -> bytes:
+        """The result file as the agent committed it to the store, where a user finds it (not from the VM)."""
+        if not exited.result:
+            raise RehearsalFailed(
+                f"the job's result was not stored when it ended on {exited.instance_id}: {exited.result_error}"
+            )
+        try:
+            return committed_result(self.cloud, exited.result, exited.job_id, self.options.result_file)
+        except (ResultError, StoreError) as error:
+            raise RehearsalFailed(
+                f"{self.options.result_file} of the stored result ({exited.result}): {error}"
+            ) from None
 
     def _write_timeline(self) -> None:
         outcome = self.outcome

@@ -114,6 +114,8 @@ UNKNOWN_EXIT_CODE = -1
 class JobExited(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "JobExited"
     exit_code: int = 0
+    result: str = ""  # where the job's final work dir was committed (its result manifest); empty: not stored
+    result_error: str = ""  # why the result could not be stored; the VM is then left running with the work dir
 
 
 EVENT_TYPES: dict[str, type[AgentEvent]] = {

@@ -108,6 +108,11 @@ def is_job(tags: Mapping[str, str]) -> bool:
     return JOB in tags
 
 
+def launched_by_spotcr(tags: Mapping[str, str]) -> bool:
+    """A backup spotcr launched (and may terminate), never an instance the user launched."""
+    return tags.get(MODE) == "restore"
+
+
 def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     """Read a job from instance tags; raises InvalidJobTags naming the first bad tag."""
     for key, value in tags.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from aws_lambda_powertools import Logger
-from spotcr_contracts import events
+from spotcr_contracts import events, tags
 
 from spotcr_functions import jobs, rendezvous
 from spotcr_functions.deps import Deps
@@ -154,14 +154,20 @@ def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
             break
         why = exit_ends_job(seen, event)
         if why is None:
+            if _ended_by(seen, event):
+                # A redelivered copy of the exit that ended the job: finish what its first delivery may not have.
+                return {"action": "ignored", "reason": "job ended already", "vm": _release_vm(deps, seen, event)}
             return {"action": "ignored", "reason": f"job is {seen.status} on {seen.instance_id}"}
-        values = {"exit_code": event.exit_code, "reason": reason, "updated_at": deps.iso_now()}
+        kept = "" if event.result else f"; result not stored ({event.result_error or 'no reason given'})"
+        values = {"exit_code": event.exit_code, "reason": reason + kept, "updated_at": deps.iso_now()}
+        if event.result:
+            values["result"] = event.result
         ended = deps.registry.end(seen, status, values)
         if ended is not None:
             logger.info("job ended", job_id=seen.job_id, status=status.value, exit_code=event.exit_code, how=why)
             if seen.status == Status.RECOVERING:
                 _stop_recovery(deps, ended, event.instance_id, reason)
-            return {"action": status.value.lower()}
+            return {"action": status.value.lower(), "vm": _release_vm(deps, ended, event)}
         seen = deps.registry.get(record.job_id)
     logger.error("job exit could not be recorded", job_id=record.job_id, exit_code=event.exit_code)
     raise RuntimeError(f"job {record.job_id}: exit with code {event.exit_code} could not be recorded")
@@ -188,6 +194,33 @@ def exit_ends_job(record: JobRecord, event: events.JobExited) -> str | None:
     if interrupted and event.exit_code != events.UNKNOWN_EXIT_CODE:
         return "on the interrupted primary before its final dump"
     return None
+
+
+def _ended_by(record: JobRecord, event: events.JobExited) -> bool:
+    """The record's end is this exit (same code, and its result, if stored, is the one recorded)."""
+    ended = record.status in (Status.COMPLETED, Status.FAILED) and record.exit_code == event.exit_code
+    return ended and (record.result or "") == event.result
+
+
+def _release_vm(deps: Deps, record: JobRecord, event: events.JobExited) -> str:
+    """Terminate the VM the job ended on once its result is stored, if spotcr launched it (a backup).
+
+    Never the user's own instance. Without a stored result the work dir on the VM is the only copy of the
+    job's output: the VM is left running and the record's reason says so."""
+    if not event.result:
+        logger.error(
+            "the job's result is not stored; its VM is left running with the work dir",
+            job_id=record.job_id,
+            instance_id=event.instance_id,
+            result_error=event.result_error,
+        )
+        return f"kept {event.instance_id}: result not stored"
+    instance = deps.cloud.describe_instance(event.instance_id)
+    if instance is None or not tags.launched_by_spotcr(instance.tags):
+        return f"kept {event.instance_id}: not launched by spotcr"
+    deps.cloud.terminate_instance(event.instance_id)
+    logger.info("backup terminated: the job ended and its result is stored", job_id=record.job_id, result=event.result)
+    return f"terminated {event.instance_id}"
 
 
 def _stop_recovery(deps: Deps, record: JobRecord, ran_on: str, reason: str) -> None:

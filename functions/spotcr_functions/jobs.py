@@ -26,7 +26,7 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
     if instance.state != "running":
         logger.info("job instance is not running yet", instance_id=instance_id, state=instance.state)
         return {"registered": False, "reason": f"instance is {instance.state}"}
-    if instance.tags.get(tags.MODE) == "restore":
+    if tags.launched_by_spotcr(instance.tags):
         # A backup launched by the recovery workflow: the job is registered already and the workflow owns it.
         return {"registered": False, "reason": "backup launched by spotcr"}
     try:

@@ -53,6 +53,7 @@ class JobRecord:
     handover_snapshot_id: str | None = None
     handover_volume_id: str | None = None
     exit_code: int | None = None
+    result: str | None = None  # where the finished job's result (its final work dir) is stored
     reason: str | None = None
     updated_at: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # token_* and event_* attributes

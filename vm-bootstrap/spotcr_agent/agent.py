@@ -25,7 +25,7 @@ from spotcr_contracts.events import (
     RestoreFailed,
 )
 
-from . import aliases, storage
+from . import aliases, result, storage
 from .carry import Layout
 from .checkpoint import Checkpointer, CheckpointError, CheckpointOutcome, Store, keep_criu_log, kept_criu_logs
 from .config import AgentConfig
@@ -34,7 +34,8 @@ from .events import Publisher, now_iso
 from .host import HostInfo, read_host
 from .restore import RestoreError, RestoreOutcome, Restorer
 from .runner import JobError, JobFiles, job_alive, start_job
-from .state import StaleGeneration, StateFile, admit, exclusive
+from .state import AgentState, StaleGeneration, StateFile, admit, exclusive
+from .store.backends import Backend
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Agent:
     job_env: dict[str, str]
     criu: Criu = field(default_factory=Criu)
     store_factory: Callable[[AgentConfig], Store] = storage.open_store
+    result_backend: Callable[[AgentConfig, Backend], Backend] = storage.result_backend
     _store: Store | None = None
     _launchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -116,9 +118,10 @@ class Agent:
         with self.state.locked() as state:
             exited = state.job_status == "exited"
             exit_code = state.exit_code
+            stored = {"result": state.result, "result_error": state.result_error}
         if exited and exit_code is not None:
             if reported is None:
-                self.emit(JobExited, generation, exit_code=exit_code)
+                self.emit(JobExited, generation, exit_code=exit_code, **stored)
             if kind == "final" and exit_code == UNKNOWN_EXIT_CODE:
                 reason = "the job's processes are gone with no exit code recorded (the VM stopped under it)"
                 self.emit(CheckpointFailed, generation, kind=kind, reason=reason)
@@ -237,6 +240,7 @@ class Agent:
             state.job_id = self.config.job_id
             state.job_pid, state.job_start_time = job.pid, job.start_time
             state.job_status, state.exit_code, state.last_checkpoint = "running", None, None
+            state.result, state.result_error = "", ""
             state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
         return RestoreOutcome(
             checkpoint_id="",
@@ -293,6 +297,7 @@ class Agent:
                 state.job_id = self.config.job_id
                 state.job_status, state.exit_code = "exited", COMMAND_NOT_STARTED
                 reason = str(error)
+                state.result_error = f"the job never started: {reason}"[:1000]  # no work to keep
             else:
                 reason = ""
                 if job.launcher is not None:
@@ -308,23 +313,53 @@ class Agent:
         return job.pid
 
     def watch_job(self) -> int | None:
-        """If the job has ended, record it and report JobExited (not after a final dump); returns its exit code."""
+        """If the job has ended, record it, commit its work dir as its result and report JobExited with where
+        the result is (not after a final dump); returns its exit code when this call reported it.
+
+        The result is committed before JobExited, so the control plane may let go of this VM once it reads the
+        event; a commit that fails is reported with its reason instead, and the VM keeps the work dir."""
         self._launchers = [launcher for launcher in self._launchers if launcher.poll() is None]
         with self.state.locked() as state:
-            if state.job_status != "running" or job_alive(state.job_pid, state.job_start_time):
+            if state.job_status == "running" and not job_alive(state.job_pid, state.job_start_time):
+                final = state.final_dump()
+                if final is not None and final.status in ("running", "done"):
+                    return None  # CRIU stopped the job for its final dump: it continues on another VM
+                code = JobFiles(self.config.workdir).read_exit_code()
+                state.exit_code = UNKNOWN_EXIT_CODE if code is None else code
+                state.job_status = "exited"
+                log.info("job %s exited with code %d", self.config.job_id, state.exit_code)
+            if not self._result_due(state):
                 return None
-            final = state.final_dump()
-            if final is not None and final.status in ("running", "done"):
-                return None  # CRIU stopped the job for its final dump: it continues on another VM
-            code = JobFiles(self.config.workdir).read_exit_code()
-            state.exit_code = UNKNOWN_EXIT_CODE if code is None else code
-            state.job_status = "exited"
-            generation = state.generation
-            exit_code = state.exit_code
-        log.info("job %s exited with code %d", self.config.job_id, exit_code)
+        # One commit at a time: the daemon and a dump order's process may both see the end.
+        with exclusive(self.config.state_dir / "result.lock"):
+            with self.state.locked() as state:
+                if not self._result_due(state):
+                    return None
+                generation, exit_code = state.generation, state.exit_code
+            assert exit_code is not None  # _result_due
+            location, error = self._commit_result(exit_code, generation)
+            with self.state.locked() as state:
+                state.result, state.result_error = location, error
         aliases.release(self.config.state_dir)  # the old VM's address is no longer the job's to shadow
-        self.emit(JobExited, generation, exit_code=exit_code)
+        self.emit(JobExited, generation, exit_code=exit_code, result=location, result_error=error)
         return exit_code
+
+    @staticmethod
+    def _result_due(state: AgentState) -> bool:
+        """An end this VM recorded whose result was not tried yet."""
+        ended = state.job_status == "exited" and state.exit_code is not None
+        return ended and not state.result and not state.result_error
+
+    def _commit_result(self, exit_code: int, generation: int) -> tuple[str, str]:
+        """(where the result is, ""), or ("", why it is not stored): a failure must not hide the job's end."""
+        try:
+            backend = self.result_backend(self.config, self.store().backend)
+            location = result.commit_result(backend, self.config.job_id, self.config.workdir, exit_code, generation)
+        except Exception as error:
+            log.error("the job's result could not be stored: %s", error)
+            return "", f"{type(error).__name__}: {error}"[:1000]
+        log.info("the job's result is stored at %s", location)
+        return location, ""
 
 
 def _is_fencing(error: Exception) -> bool:

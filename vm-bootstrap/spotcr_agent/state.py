@@ -47,6 +47,8 @@ class AgentState:
     job_status: str = "none"  # none | running | exited | checkpointed
     exit_code: int | None = None
     last_checkpoint: str | None = None
+    result: str = ""  # where the ended job's work dir was committed as its result
+    result_error: str = ""  # why it could not be; with `result`, empty until the commit was tried
     # The final dumps of the job's run on this VM, by the generation that asked (JSON keys are strings).
     final_dumps: dict[str, FinalDump] = field(default_factory=dict)
 

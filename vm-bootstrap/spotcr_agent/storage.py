@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import AgentConfig
 from .store import CheckpointStore
+from .store.backends import Backend, S3Backend
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,14 @@ def open_store(config: AgentConfig) -> CheckpointStore:
             f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
         )
     return CheckpointStore.for_directory(config.mount_point, config.job_id)
+
+
+def result_backend(config: AgentConfig, job_storage: Backend) -> Backend:
+    """Where a finished job's result goes: the checkpoint bucket, which outlives a finished job's EBS volume
+    (deleted with it unless kept); without a bucket (an agent run by hand), the job's own storage."""
+    if config.storage == "s3" or not config.bucket:
+        return job_storage
+    return S3Backend(config.bucket, region=config.region or None)
 
 
 def find_ebs_device(volume_id: str, devices_dir: Path, wait_s: float = DEVICE_WAIT_S) -> Path:

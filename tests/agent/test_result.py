@@ -1,0 +1,144 @@
+"""A finished job's work dir is committed as its result, whole, before the agent reports JobExited."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from spotcr_agent import result, storage
+from spotcr_agent.checkpoint import CheckpointError
+from spotcr_agent.runner import process_start_time
+from spotcr_agent.store.backends import DirectoryBackend, ObjectNotFound, S3Backend
+from spotcr_agent.store.errors import StoreUnavailable
+
+from .conftest import FakePublisher, make_agent, make_config, wait_for
+
+WRITE_RESULT = "import pathlib; pathlib.Path('out').mkdir(); pathlib.Path('out/result.txt').write_text('42\\n')"
+
+
+class ReadingPublisher(FakePublisher):
+    """Reads the committed result at the moment JobExited is published: what the control plane could see."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.backend = backend
+        self.seen_at_exit = None
+
+    def publish(self, event):
+        if event.DETAIL_TYPE == "JobExited":
+            self.seen_at_exit = result.fetch_result_file(self.backend, event.job_id, "out/result.txt")
+        return super().publish(event)
+
+
+def _ended(tmp_path, publisher, code=0, **overrides):
+    config = make_config(tmp_path, command=(sys.executable, "-c", f"{WRITE_RESULT}; raise SystemExit({code})"))
+    agent = make_agent(config, publisher)
+    for name, value in overrides.items():
+        setattr(agent, name, value)
+    agent.ready()
+    pid = agent.start_job()
+    start_time = agent.state.read().job_start_time
+    wait_for(lambda: process_start_time(pid) != start_time, what="the job to end")
+    return agent
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_result_is_committed_before_job_exited(tmp_path, code):
+    # Given a job that writes out/result.txt and exits (with any code)
+    backend = DirectoryBackend(tmp_path / "store")
+    publisher = ReadingPublisher(backend)
+    agent = _ended(tmp_path, publisher, code)
+
+    # When the agent notices the end
+    assert agent.watch_job() == code
+
+    # Then the result was readable in the store when JobExited went out, and the event says where it is
+    assert publisher.seen_at_exit == b"42\n"
+    [exited] = publisher.of("JobExited")
+    assert (exited.exit_code, exited.result_error) == (code, "")
+    assert exited.result == str(tmp_path / "store" / "jobs" / "job-1" / "result" / "manifest.json")
+    manifest = result.read_manifest(backend, "job-1")
+    assert manifest.exit_code == code
+    assert manifest.files["out/result.txt"]["size"] == 3
+
+    # And a later dump order re-sends the same end with the same result, committing nothing again
+    with pytest.raises(CheckpointError):
+        agent.checkpoint("periodic", 1)
+    assert [e.result for e in publisher.of("JobExited")] == [exited.result, exited.result]
+    assert result.read_manifest(backend, "job-1").attempt == manifest.attempt
+
+
+class BrokenBackend(DirectoryBackend):
+    """The store refuses writes after `allowed` puts (credentials gone, bucket policy, disk full)."""
+
+    def __init__(self, root: Path, allowed: int) -> None:
+        super().__init__(root)
+        self.allowed = allowed
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.allowed <= 0:
+            raise StoreUnavailable(f"access denied writing {key}")
+        self.allowed -= 1
+        super().put(key, data)
+
+
+def test_a_failed_upload_is_reported_and_never_presented_as_a_result(tmp_path, publisher):
+    # Given a store that takes the first file of the result and then refuses every write
+    broken = BrokenBackend(tmp_path / "store", allowed=1)
+    agent = _ended(tmp_path, publisher, 0, result_backend=lambda config, job_storage: broken)
+
+    # When the agent notices the end
+    agent.watch_job()
+
+    # Then JobExited says the result is not stored, and why; no manifest makes the partial upload look complete
+    [exited] = publisher.of("JobExited")
+    assert exited.result == ""
+    assert "access denied" in exited.result_error
+    with pytest.raises(ObjectNotFound, match=r"manifest\.json"):
+        result.read_manifest(broken, "job-1")
+    # And a dump order re-sends the same failure (the control plane then keeps the VM with its work dir)
+    with pytest.raises(CheckpointError):
+        agent.checkpoint("periodic", 1)
+    assert [e.result_error for e in publisher.of("JobExited")] == [exited.result_error] * 2
+
+
+def test_a_commit_cut_short_is_cleared_by_the_next_one_and_a_damaged_file_is_refused(tmp_path):
+    # Given a work dir and a commit that died after its first file
+    workdir = tmp_path / "work"
+    (workdir / "sub").mkdir(parents=True)
+    (workdir / "a.txt").write_text("a")
+    (workdir / "sub" / "b.bin").write_bytes(b"\x00" * 1000)
+    broken = BrokenBackend(tmp_path / "store", allowed=1)
+    with pytest.raises(StoreUnavailable):
+        result.commit_result(broken, "job-1", workdir, 0, 1, clock=lambda: 1.0)
+
+    # When the commit runs again
+    backend = DirectoryBackend(tmp_path / "store")
+    location = result.commit_result(backend, "job-1", workdir, 0, 1, clock=lambda: 2.0)
+
+    # Then only its own files and manifest are left, and each file reads back as committed
+    prefix = result.result_prefix("job-1")
+    assert sorted(obj.key for obj in backend.scan(prefix)) == [
+        f"{prefix}0000000002000-g1/a.txt",
+        f"{prefix}0000000002000-g1/sub/b.bin",
+        f"{prefix}manifest.json",
+    ]
+    assert location.endswith("jobs/job-1/result/manifest.json")
+    assert result.fetch_result_file(backend, "job-1", "sub/b.bin") == b"\x00" * 1000
+    # And a file changed after the commit is refused, never returned as the result
+    (tmp_path / "store" / prefix / "0000000002000-g1" / "a.txt").write_text("b")
+    with pytest.raises(result.ResultError, match=r"a\.txt does not match"):
+        result.fetch_result_file(backend, "job-1", "a.txt")
+    with pytest.raises(result.ResultError, match=r"has no missing\.txt"):
+        result.fetch_result_file(backend, "job-1", "missing.txt")
+
+
+def test_an_ebs_jobs_result_goes_to_the_checkpoint_bucket_which_outlives_its_volume(tmp_path):
+    job_storage = DirectoryBackend(tmp_path / "store")
+    ebs = make_config(tmp_path, storage="ebs", bucket="spotcr-checkpoints")
+    backend = storage.result_backend(ebs, job_storage)
+    assert isinstance(backend, S3Backend)
+    assert backend.bucket == "spotcr-checkpoints"
+    # Without a bucket (an agent run by hand) the job's own storage takes it
+    assert storage.result_backend(make_config(tmp_path, storage="ebs"), job_storage) is job_storage
