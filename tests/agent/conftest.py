@@ -39,6 +39,14 @@ class FakeMetadata:
 
 
 @pytest.fixture
+def storage(tmp_path):
+    """The job's storage, shared by the bare VMs of a test (each sees it at its mount point)."""
+    path = tmp_path / "storage"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
 def publisher():
     return FakePublisher()
 
