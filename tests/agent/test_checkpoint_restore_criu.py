@@ -7,21 +7,13 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from .conftest import compute_command, free_port, wait_for
-from .vm_agent import WORKDIR, JobVM
+from .vm_agent import JobVM, reference_output
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
 
-def reference_output(vm, megabytes, steps):
-    """(progress.log, stdout) of an uninterrupted run, on a VM of its own."""
-    script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
-    result = vm.run(["sh", "-c", script, "reference", *compute_command(megabytes, steps, 0)], timeout_s=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return (vm.host_path(WORKDIR) / "progress.log").read_text(), result.stdout
-
-
 def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agent_env=None):
-    expected = reference_output(bare_vm(), megabytes, steps)
+    expected = reference_output(bare_vm(), compute_command(megabytes, steps, 0))
     # Given a job running on the primary VM
     primary = JobVM(
         bare_vm(shared_storage=storage), command=compute_command(megabytes, steps, 0.1), agent_env=agent_env

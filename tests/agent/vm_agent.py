@@ -167,6 +167,14 @@ class JobVM:
         return [event for event in map(json.loads, lines) if event["type"] == detail_type]
 
 
+def reference_output(vm, command):
+    """(progress.log, stdout) of an uninterrupted run, on a VM of its own."""
+    script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
+    result = vm.run(["sh", "-c", script, "reference", *command], timeout_s=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return (vm.host_path(WORKDIR) / "progress.log").read_text(), result.stdout
+
+
 def reference_run(vm, command):
     """What an uninterrupted run writes, on a fresh VM of its own."""
     script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
