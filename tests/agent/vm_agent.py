@@ -162,9 +162,13 @@ class JobVM:
         return path.read_text().splitlines() if path.exists() else []
 
     def events(self, detail_type):
+        return [event for event in self.all_events() if event["type"] == detail_type]
+
+    def all_events(self):
+        """Every event the agent on this VM published, in order."""
         path = self.vm.dir("etc") / "events.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
-        return [event for event in map(json.loads, lines) if event["type"] == detail_type]
+        return [json.loads(line) for line in lines]
 
 
 def reference_output(vm, command):
