@@ -95,7 +95,7 @@ def test_two_triggers_for_one_interruption_take_one_final_dump(bare_vm, storage,
 
 @pytest.mark.parametrize("damage", ["chunk", "manifest"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(bare_vm, storage, damage):
-    expected, _ = reference_output(bare_vm(), compute_command(32, 40, 0))
+    expected, _ = reference_output(bare_vm, compute_command(32, 40, 0))
     # Given two periodic checkpoints of a running job, the newer one's chunk or manifest corrupted in the store
     primary = JobVM(bare_vm(shared_storage=storage), command=compute_command(32, 40, 0.1))
     primary.agent("start")

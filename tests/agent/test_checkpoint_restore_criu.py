@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
 
 def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agent_env=None):
-    expected = reference_output(bare_vm(), compute_command(megabytes, steps, 0))
+    expected = reference_output(bare_vm, compute_command(megabytes, steps, 0))
     # Given a job running on the primary VM
     primary = JobVM(
         bare_vm(shared_storage=storage), command=compute_command(megabytes, steps, 0.1), agent_env=agent_env

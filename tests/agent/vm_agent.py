@@ -171,12 +171,18 @@ class JobVM:
         return [json.loads(line) for line in lines]
 
 
-def reference_output(vm, command):
-    """(progress.log, stdout) of an uninterrupted run, on a VM of its own."""
-    script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
-    result = vm.run(["sh", "-c", script, "reference", *command], timeout_s=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return (vm.host_path(WORKDIR) / "progress.log").read_text(), result.stdout
+_REFERENCES = {}  # command -> (progress.log, stdout): the same for every run of a deterministic job
+
+
+def reference_output(boot, command):
+    """(progress.log, stdout) of an uninterrupted run, on a VM of its own (`boot()` gives one), once a session."""
+    if command not in _REFERENCES:
+        vm = boot()
+        script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
+        result = vm.run(["sh", "-c", script, "reference", *command], timeout_s=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        _REFERENCES[command] = ((vm.host_path(WORKDIR) / "progress.log").read_text(), result.stdout)
+    return _REFERENCES[command]
 
 
 def reference_run(vm, command):
