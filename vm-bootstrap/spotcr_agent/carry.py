@@ -8,8 +8,8 @@ Every file the job holds open or mapped is in one of these places:
 - VM-local places (/tmp, /var/tmp, /dev/shm): carried whole, since a job also keeps closed files there
   (`sort` spills); any other file the job writes, or reads but that was made after boot, is carried alone.
 A restore never replaces or removes a file that was there before it: a fresh VM has none of the carried ones.
-Unlinked files travel inside CRIU's images (ghost files, link remaps). Kernel objects CRIU cannot dump are named
-before the dump.
+Unlinked files travel inside CRIU's images (ghost files, link remaps). Kernel objects CRIU cannot dump, and SQLite
+databases written in rollback-journal mode (which cannot be written again after a restore), are named before the dump.
 """
 
 from __future__ import annotations
