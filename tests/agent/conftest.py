@@ -2,7 +2,6 @@ import contextlib
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,14 @@ class FakeMetadata:
 
 
 @pytest.fixture
+def storage(tmp_path):
+    """The job's storage, shared by the bare VMs of a test (each sees it at its mount point)."""
+    path = tmp_path / "storage"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
 def publisher():
     return FakePublisher()
 
@@ -58,7 +65,7 @@ def make_config(tmp_path, name="vm1", **overrides):
         "scratch_dir": tmp_path / name / "scratch",
         "mount_point": tmp_path / "store",
         "command": compute_command(),
-        # On the host, /tmp and /dev/shm are everyone's: only tests on a LocalVM carry VM-local places whole.
+        # For the tests with fakes on the host, where /tmp and /dev/shm are everyone's (jobs on bare VMs carry them).
         "local_dirs": (),
     }
     values.update(overrides)
@@ -82,44 +89,10 @@ def wait_for(predicate, timeout=30.0, interval=0.05, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def wait_for_exit(agent, timeout=60.0):
-    """Watch the job as the daemon does until it ends; its exit code."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        code = agent.watch_job()
-        if code is not None:
-            return code
-        time.sleep(0.05)
-    raise AssertionError(f"the job did not end within {timeout} s")
-
-
-def progress_lines(workdir):
-    path = Path(workdir) / "progress.log"
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def kill_tree(pid):
     """SIGKILL the job's PID 1: the kernel then kills its whole PID namespace."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, 9)
-
-
-@pytest.fixture(scope="session")
-def reference_output(tmp_path_factory):
-    """What an uninterrupted run of the compute job writes, per (megabytes, steps)."""
-    cache = {}
-
-    def run(megabytes=200, steps=30):
-        key = (megabytes, steps)
-        if key not in cache:
-            workdir = tmp_path_factory.mktemp("reference")
-            result = subprocess.run(
-                compute_command(megabytes, steps, 0), cwd=workdir, capture_output=True, text=True, check=True
-            )
-            cache[key] = ((workdir / "progress.log").read_text(), result.stdout)
-        return cache[key]
-
-    return run
 
 
 @pytest.fixture(scope="session")
@@ -133,30 +106,3 @@ def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_s3():
-    """A moto S3 server on loopback; yields the environment that points boto3 at it."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield env
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()

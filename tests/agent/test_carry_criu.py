@@ -2,64 +2,16 @@
 /tmp, /var/tmp and /dev/shm, its own /var/lib/spotcr, its own network namespace and address, and the job's
 storage at /mnt/spotcr. The agent runs inside them as on a job VM."""
 
-import json
+import re
 import sys
-from pathlib import Path
 
 import pytest
-from spotcr_agent.config import AgentConfig
 from spotcr_agent.store import CheckpointStore
 
 from .conftest import JOBS, wait_for
+from .vm_agent import JobVM, reference_run
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
-
-ROOT = Path(__file__).parents[2]
-WORKDIR = "/var/lib/spotcr/work/job-1"
-
-
-@pytest.fixture
-def storage(tmp_path):
-    path = tmp_path / "storage"
-    path.mkdir()
-    return path
-
-
-class JobVM:
-    """A bare VM with the agent's config in /etc/spotcr, driven through tests/agent/vm_agent.py."""
-
-    def __init__(self, vm, generation=1, mode="run", **config):
-        self.vm = vm
-        values = {"job_id": "job-1", "instance_id": vm.instance_id, "storage": "efs", "generation": generation}
-        AgentConfig(**values, mode=mode, **config).write(vm.dir("etc") / "agent.json")
-
-    def agent(self, *op, check=True):
-        argv = ["env", f"PYTHONPATH={ROOT}:{ROOT / 'functions'}:{ROOT / 'vm-bootstrap'}"]
-        result = self.vm.run([*argv, sys.executable, "-m", "tests.agent.vm_agent", *op], timeout_s=180)
-        if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(op)} on {self.vm.instance_id} failed: {result.stdout}{result.stderr}")
-        return json.loads(result.stdout.strip().splitlines()[-1])
-
-    @property
-    def workdir(self):
-        return self.vm.host_path(WORKDIR)
-
-    def progress(self):
-        path = self.workdir / "progress.log"
-        return path.read_text().splitlines() if path.exists() else []
-
-    def events(self, detail_type):
-        path = self.vm.dir("etc") / "events.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [event for event in map(json.loads, lines) if event["type"] == detail_type]
-
-
-def reference_run(vm, command):
-    """What an uninterrupted run writes, on a fresh VM of its own."""
-    script = f'mkdir -p {WORKDIR} && cd {WORKDIR} && exec "$@"'
-    result = vm.run(["sh", "-c", script, "reference", *command], timeout_s=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return vm.host_path(WORKDIR)
 
 
 @pytest.mark.parametrize("kind", ["periodic", "final"])
@@ -225,3 +177,43 @@ def test_a_listener_on_the_vm_s_own_address_is_refused_at_the_checkpoint_under_t
     assert "0.0.0.0" in failed["error"]
     assert job.events("CheckpointCompleted") == []
     assert [e["reason"] for e in job.events("CheckpointFailed")] == [failed["error"]]
+
+
+def test_a_sqlite_database_in_rollback_journal_mode_is_refused_at_the_checkpoint(bare_vm, storage):
+    # Given a job writing a SQLite database in the default rollback-journal mode, which no restore can write again
+    job = JobVM(
+        bare_vm(shared_storage=storage), command=(sys.executable, str(JOBS / "sqlite_db.py"), "delete", "600", "0.05")
+    )
+    job.agent("start")
+    wait_for(lambda: len(job.progress()) >= 3, what="the job to write rows")
+
+    # When a checkpoint is asked for, then it is refused before the dump, naming the process, the file and the fix
+    failed = job.agent("checkpoint", "periodic", "1", check=False)
+    assert not failed["ok"]
+    assert re.search(
+        r"pid \d+ \(python[^)]*\)(, host pid \d+)? holds the SQLite database \S+/rows\.db in rollback-journal",
+        failed["error"],
+    ), failed["error"]
+    assert "PRAGMA journal_mode=WAL" in failed["error"]
+    assert job.events("CheckpointCompleted") == []
+    assert [e["reason"] for e in job.events("CheckpointFailed")] == [failed["error"]]
+    before = len(job.progress())
+    wait_for(lambda: len(job.progress()) > before, what="the job to run on, never frozen")
+
+
+def test_a_sqlite_database_in_wal_mode_is_checkpointed_and_restored_on_a_fresh_vm(bare_vm, storage):
+    # Given a job writing a SQLite database in WAL mode
+    command = (sys.executable, str(JOBS / "sqlite_db.py"), "wal", "60", "0.05")
+    primary = JobVM(bare_vm(shared_storage=storage), command=command)
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, what="the job to write rows")
+
+    # When it is final-dumped and restored on a fresh VM with another address
+    outcome = primary.agent("checkpoint", "final", "1")
+    primary.vm.terminate()
+    backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
+    assert backup.agent("restore", "2")["checkpoint_id"] == outcome["checkpoint_id"]
+
+    # Then it writes on there and ends with every row written once
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    assert backup.progress()[-1] == "step 59 rows 60"

@@ -1,83 +1,94 @@
-"""The agent's whole path with the real CRIU: run, checkpoint, lose the VM, restore elsewhere, same output."""
+"""The agent's whole path with the real CRIU: run, checkpoint, lose the VM, restore elsewhere, same output.
 
-import os
-import signal
+Each VM is a bare local VM (rehearsal.vm) with its own /tmp, /dev/shm, /proc and address; the agent runs in it."""
 
+import boto3
 import pytest
-from spotcr_agent.runner import job_alive
-from spotcr_agent.store import CheckpointStore, DirectoryBackend, StoreError
+from moto.server import ThreadedMotoServer
 
-from .conftest import compute_command, kill_tree, make_agent, make_config, progress_lines, wait_for, wait_for_exit
+from .conftest import compute_command, free_port, wait_for
+from .vm_agent import JobVM, reference_output
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
 
-def _interrupt_and_restore(tmp_path, publisher, store, reference_output, kind, megabytes=200, steps=50):
+def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agent_env=None):
+    expected = reference_output(bare_vm, compute_command(megabytes, steps, 0))
     # Given a job running on the primary VM
-    command = compute_command(megabytes, steps, 0.1)
-    primary = make_agent(make_config(tmp_path, "primary", command=command), publisher, store)
-    primary.ready()
-    pid = primary.start_job()
-    workdir = primary.config.workdir
-    wait_for(lambda: len(progress_lines(workdir)) >= 5, what="progress")
+    primary = JobVM(
+        bare_vm(shared_storage=storage), command=compute_command(megabytes, steps, 0.1), agent_env=agent_env
+    )
+    primary.agent("start")
+    wait_for(lambda: len(primary.progress()) >= 5, what="progress")
 
-    # When it is checkpointed, then its VM is lost (the old PID stays taken while the backup restores)
-    outcome = primary.checkpoint(kind, 1)
+    # When it is checkpointed, then its VM is lost and a VM with another address restores it
+    outcome = primary.agent("checkpoint", kind, "1")
     if kind == "periodic":
-        assert job_alive(pid, primary.state.read().job_start_time)
-        wait_for(lambda: len(progress_lines(workdir)) >= 8, what="progress after the periodic dump")
-        os.kill(pid, signal.SIGSTOP)
-    backup = make_agent(make_config(tmp_path, "backup", generation=2, mode="restore"), publisher, store)
-    restored = backup.restore(2)
+        assert primary.agent("status")["job_alive"]
+        wait_for(lambda: len(primary.progress()) >= 8, what="progress after the periodic dump")
+    primary.vm.terminate()
+    backup_vm = bare_vm(shared_storage=storage)
+    assert backup_vm.address != primary.vm.address
+    backup = JobVM(backup_vm, generation=2, mode="restore", agent_env=agent_env)
+    restored = backup.agent("restore", "2")
 
-    # Then the job continues from the checkpoint in a fresh PID namespace and ends as an uninterrupted run
-    assert restored.checkpoint_id == outcome.checkpoint_id
-    assert restored.pid != pid
-    kill_tree(pid)
-    assert wait_for_exit(backup) == 0
-    progress, stdout = reference_output(megabytes, steps)
-    assert (workdir / "progress.log").read_text() == progress
-    assert (workdir / ".spotcr" / "stdout.log").read_text() == stdout
-    completed = publisher.of("CheckpointCompleted")
-    assert [e.checkpoint_id for e in completed] == [outcome.checkpoint_id]
-    assert completed[0].bytes_total > megabytes << 20
-    assert [e.checkpoint_id for e in publisher.of("RestoreCompleted")] == [outcome.checkpoint_id]
-    assert [e.exit_code for e in publisher.of("JobExited")] == [0]
-
-
-def test_periodic_checkpoint_restores_on_a_directory_store(tmp_path, publisher, reference_output):
-    (tmp_path / "store").mkdir()
-    store = CheckpointStore.for_directory(tmp_path / "store", "job-1")
-    _interrupt_and_restore(tmp_path, publisher, store, reference_output, "periodic")
+    # Then the job continues from the checkpoint there and ends as an uninterrupted run
+    assert restored["checkpoint_id"] == outcome["checkpoint_id"]
+    assert backup.agent("wait-exit", "60")["exit_code"] == 0
+    progress, stdout = expected
+    assert (backup.workdir / "progress.log").read_text() == progress
+    assert (backup.workdir / ".spotcr" / "stdout.log").read_text() == stdout
+    completed = primary.events("CheckpointCompleted")
+    assert [e["checkpoint_id"] for e in completed] == [outcome["checkpoint_id"]]
+    assert completed[0]["bytes_total"] > megabytes << 20
+    assert [e["checkpoint_id"] for e in backup.events("RestoreCompleted")] == [outcome["checkpoint_id"]]
+    assert [e["exit_code"] for e in backup.events("JobExited")] == [0]
+    assert primary.events("JobExited") == []
+    return primary, backup
 
 
-def test_final_dump_restores_on_a_directory_store(tmp_path, publisher, reference_output):
-    (tmp_path / "store").mkdir()
-    store = CheckpointStore.for_directory(tmp_path / "store", "job-1")
-    _interrupt_and_restore(tmp_path, publisher, store, reference_output, "final")
+def test_periodic_checkpoint_restores_on_a_directory_store(bare_vm, storage):
+    _interrupt_and_restore(bare_vm, storage, "periodic")
 
 
-def test_periodic_checkpoint_restores_on_s3(tmp_path, publisher, reference_output, moto_s3):
-    import boto3
+def test_final_dump_restores_on_a_directory_store(bare_vm, storage):
+    _interrupt_and_restore(bare_vm, storage, "final")
 
-    boto3.client("s3").create_bucket(Bucket="spotcr-test")
-    store = CheckpointStore.for_s3("spotcr-test", "job-1")
+
+@pytest.fixture
+def s3_for_vms(vm_network):
+    """A moto S3 server on the VM network's gateway, which every bare VM reaches; the agent's environment for it."""
+    port = free_port()
+    server = ThreadedMotoServer(ip_address=vm_network.gateway, port=port)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{vm_network.gateway}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        yield env
+    finally:
+        server.stop()
+
+
+def test_periodic_checkpoint_restores_on_s3(bare_vm, storage, s3_for_vms):
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_for_vms["AWS_ENDPOINT_URL"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    s3.create_bucket(Bucket="spotcr-test")
+    agent_env = {**s3_for_vms, "SPOTCR_TEST_STORE": "s3:spotcr-test"}
     # moto ingests about 70 MiB/s: a smaller job, long enough to outlive the upload and show it ran on meanwhile
-    _interrupt_and_restore(tmp_path, publisher, store, reference_output, "periodic", megabytes=64, steps=40)
+    _interrupt_and_restore(bare_vm, storage, "periodic", megabytes=64, steps=40, agent_env=agent_env)
+    # And the checkpoint went to the bucket
+    assert s3.list_objects_v2(Bucket="spotcr-test")["KeyCount"] > 0
 
 
-class _StreamingBreaks(CheckpointStore):
-    """A store whose upload breaks off while CRIU still writes the final dump (a network blip)."""
-
-    def commit(self, image_dir, meta, extra_files=None, still_writing=None):
-        if still_writing is not None:
-            raise StoreError("connection reset while streaming the final dump")
-        return super().commit(image_dir, meta, extra_files)
-
-
-def test_a_final_dump_whose_streaming_breaks_is_shipped_from_scratch_and_restores(
-    tmp_path, publisher, reference_output
-):
-    (tmp_path / "store").mkdir()
-    store = _StreamingBreaks(DirectoryBackend(tmp_path / "store"), "job-1")
-    _interrupt_and_restore(tmp_path, publisher, store, reference_output, "final", megabytes=64)
+def test_a_final_dump_whose_streaming_breaks_is_shipped_from_scratch_and_restores(bare_vm, storage):
+    # The store's upload breaks off while CRIU still writes the final dump (a network blip): tests.agent.vm_agent
+    _interrupt_and_restore(bare_vm, storage, "final", megabytes=64, agent_env={"SPOTCR_TEST_STORE": "streaming-breaks"})

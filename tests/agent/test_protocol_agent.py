@@ -184,7 +184,9 @@ def test_restore_walks_back_through_every_checkpoint_through_a_store_brownout(tm
 
 def test_with_no_checkpoint_the_backup_starts_the_job_from_the_beginning(tmp_path, publisher):
     # Given a backup whose store holds no checkpoint of the job
-    config = make_config(tmp_path, "backup", mode="restore", command=(sys.executable, "-c", "pass"))
+    # (a job that outlives the call, so its PID is seen: one that ends at once is recorded with PID 0)
+    job = (sys.executable, "-c", "import time; time.sleep(3)")
+    config = make_config(tmp_path, "backup", mode="restore", command=job)
     agent = make_agent(config, publisher)
 
     # When the restore is ordered

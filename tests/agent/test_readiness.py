@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,9 @@ from botocore.stub import Stubber
 from spotcr_agent import readiness, scratch
 from spotcr_agent.bootstrap import bootstrap
 
-from .conftest import FakePublisher, compute_command, kill_tree, make_agent, make_config, wait_for
+from .conftest import FakePublisher, compute_command, kill_tree, wait_for
 from .test_bootstrap import _args, _metadata
+from .vm_agent import JobVM
 
 TAGS = {"spotcr:job": "nightly-sim", "spotcr:command": "python3 sim.py"}
 
@@ -109,28 +109,23 @@ def test_the_dump_estimate_counts_the_job_trees_anonymous_memory():
 
 @pytest.mark.criu
 @pytest.mark.usefixtures("criu_available")
-def test_a_dump_that_cannot_fit_on_scratch_is_refused_before_the_freeze(tmp_path, publisher):
-    # Given a running job of 48 MiB and a scratch disk of 16 MiB (a real tmpfs)
-    small = tmp_path / f"scratch-{uuid.uuid4().hex[:8]}"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "spotcr-test-scratch", str(small)], check=True)
-    try:
-        config = make_config(tmp_path, scratch_dir=small, command=compute_command(megabytes=48, steps=300))
-        agent = make_agent(config, publisher)
-        pid = agent.start_job()
-        try:
-            wait_for(lambda: scratch.dump_estimate(pid) > 48 << 20, what="the job to touch its memory")
-            # When a periodic checkpoint is asked for, Then it is refused with both figures and an event
-            with pytest.raises(Exception, match="not enough local scratch for the dump"):
-                agent.checkpoint("periodic", 1)
-            reason = publisher.of("CheckpointFailed")[0].reason
-            assert "GiB free" in reason and str(small) in reason
-            # And the job was never frozen or killed: it still runs
-            assert agent.status()["job_alive"]
-        finally:
-            kill_tree(pid)
-    finally:
-        subprocess.run(["umount", str(small)], check=True)
+def test_a_dump_that_cannot_fit_on_scratch_is_refused_before_the_freeze(bare_vm, storage):
+    # Given a job of 48 MiB on a bare VM whose scratch disk is 16 MiB (a real tmpfs, mounted in the VM only)
+    vm = bare_vm(shared_storage=storage)
+    small = "/var/lib/spotcr/small-scratch"
+    vm.host_path(small).mkdir(parents=True)
+    mount = vm.run(["mount", "-t", "tmpfs", "-o", "size=16m", "spotcr-test-scratch", small])
+    assert mount.returncode == 0, mount.stderr
+    job = JobVM(vm, scratch_dir=Path(small), command=compute_command(megabytes=48, steps=300))
+    job.agent("start")
+    wait_for(job.progress, what="the job to touch its memory")  # compute.py fills its memory before its first step
+    # When a periodic checkpoint is asked for, Then it is refused with both figures and an event
+    failed = job.agent("checkpoint", "periodic", "1", check=False)
+    assert "not enough local scratch for the dump" in failed["error"], failed
+    reason = job.events("CheckpointFailed")[0]["reason"]
+    assert "GiB free" in reason and small in reason
+    # And the job was never frozen or killed: it still runs
+    assert job.agent("status")["job_alive"]
 
 
 EVENTS = Path(__file__).parents[1] / "events" / "ssm"

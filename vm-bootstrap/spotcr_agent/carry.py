@@ -8,8 +8,8 @@ Every file the job holds open or mapped is in one of these places:
 - VM-local places (/tmp, /var/tmp, /dev/shm): carried whole, since a job also keeps closed files there
   (`sort` spills); any other file the job writes, or reads but that was made after boot, is carried alone.
 A restore never replaces or removes a file that was there before it: a fresh VM has none of the carried ones.
-Unlinked files travel inside CRIU's images (ghost files, link remaps). Kernel objects CRIU cannot dump are named
-before the dump.
+Unlinked files travel inside CRIU's images (ghost files, link remaps). Kernel objects CRIU cannot dump, and SQLite
+databases written in rollback-journal mode (which cannot be written again after a restore), are named before the dump.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ KERNEL_DIRS = ("/proc", "/sys", "/dev")  # CRIU restores these descriptors itsel
 SHM_DIR = "/dev/shm"  # noqa: S108 - a path the job uses, not one spotcr writes temp files to
 RECORD = "carried.json"  # inside the checkpoint: what was carried and checked; old checkpoints have none
 SAMPLE = 64 << 10  # bytes hashed at each end of an image file (ELF headers and build-id notes sit at the start)
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 # anon_inode kinds CRIU 4.1 dumps (criu/files.c, dump_one_file); any other one fails the dump.
 DUMPABLE_ANON = ("[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]")
@@ -190,21 +191,27 @@ def scan_job(pid: int) -> JobScan:
     """Everything the job's processes hold, read from /proc (the job is frozen, or about to be)."""
     scan = JobScan()
     sockets: dict[str, int] = {}  # inode -> the process holding it
+    held: set[str] = set()
+    writers: dict[str, tuple[int, str]] = {}  # path -> (process, its /proc fd link) of files open for writing
     for member in process_tree(pid):
-        for target, writes in _fd_targets(member):
+        for fd, target, writes in _fd_targets(member):
             _note(scan, member, target, writes, sockets)
+            held.add(target)
+            if writes and target.startswith("/"):
+                writers.setdefault(target, (member, f"/proc/{member}/fd/{fd}"))
         for target, writes in _mapped(member):
             _note(scan, member, target, writes, sockets)
     if sockets:
         _tcp_endpoints(pid, set(sockets), scan)
         _undumpable_sockets(pid, sockets, scan)
+    scan.unsupported.extend(_rollback_journal_databases(writers, held))
     scan.deleted = sorted(set(scan.deleted))
     scan.unsupported = sorted(set(scan.unsupported))
     return scan
 
 
-def _fd_targets(pid: int) -> Iterable[tuple[str, bool]]:
-    """(target, opened for writing) of each descriptor."""
+def _fd_targets(pid: int) -> Iterable[tuple[str, str, bool]]:
+    """(fd, target, opened for writing) of each descriptor."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -215,7 +222,31 @@ def _fd_targets(pid: int) -> Iterable[tuple[str, bool]]:
             flags = Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        yield target, int(flags, 8) & os.O_ACCMODE != os.O_RDONLY
+        yield fd, target, int(flags, 8) & os.O_ACCMODE != os.O_RDONLY
+
+
+def _rollback_journal_databases(writers: Mapping[str, tuple[int, str]], held: set[str]) -> list[str]:
+    """SQLite databases written in rollback-journal mode (no <db>-wal held): SQLite checks its database file's
+    inode, and every restored file is a new one, so after a restore each write fails with 'attempt to write a
+    readonly database'. WAL mode does not have that check."""
+    problems = []
+    for path, (holder, link) in sorted(writers.items()):
+        if path.endswith(" (deleted)") or f"{path}-wal" in held:
+            continue
+        try:
+            if not stat.S_ISREG(os.stat(link).st_mode):
+                continue  # never open a FIFO or a device: that could block or act
+            with open(link, "rb") as database:  # through /proc: the file the job holds, whatever its path shows
+                header = database.read(len(SQLITE_HEADER))
+        except OSError:
+            continue
+        if header == SQLITE_HEADER:
+            problems.append(
+                f"{describe_process(holder)} holds the SQLite database {path} in rollback-journal mode, which "
+                "cannot be written after a restore (SQLite finds a new inode: 'attempt to write a readonly "
+                "database'); switch it to WAL once with PRAGMA journal_mode=WAL"
+            )
+    return problems
 
 
 def _mapped(pid: int) -> Iterable[tuple[str, bool]]:
