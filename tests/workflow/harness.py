@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -18,6 +19,7 @@ from typing import Any
 
 import boto3
 from moto.awslambda_simple.models import LambdaSimpleBackend
+from moto.core.botocore_stubber import BotocoreStubber
 from moto.core.responses import EmptyResult
 from moto.events.models import EventPattern
 from moto.ssm.models import Command as MotoCommand
@@ -72,6 +74,21 @@ def _moto_lambda_invoke(
         response_headers["x-amz-function-error"] = "Unhandled"
         return json.dumps({"errorType": type(error).__name__, "errorMessage": str(error)}).encode()
     return json.dumps(result).encode()
+
+
+# In-process moto is not thread-safe, and the workflow engine runs in threads of its own: one request at a time.
+# Re-entrant, since a Lambda invoke runs its handler (and the handler's own requests) inside the engine's request.
+_MOTO = threading.RLock()
+_moto_process_request = BotocoreStubber.process_request
+
+
+def _serialized_process_request(self: Any, request: Any) -> Any:
+    if not _MOTO.acquire(timeout=60):
+        raise RuntimeError("a moto request waited 60 s for another one: a handler blocked inside a request?")
+    try:
+        return _moto_process_request(self, request)
+    finally:
+        _MOTO.release()
 
 
 def _targets_only(self: Any) -> list[str]:
@@ -155,6 +172,7 @@ class ControlPlane:
     """The deployed control plane, in moto. Build it inside mock_aws(config=MOTO_CONFIG)."""
 
     def __init__(self, monkeypatch: Any, final_dump_wait_s: int = 30, restore_wait_s: int = 30) -> None:
+        monkeypatch.setattr(BotocoreStubber, "process_request", _serialized_process_request)
         monkeypatch.setattr(LambdaSimpleBackend, "invoke", _moto_lambda_invoke)
         monkeypatch.setattr(MotoCommand, "_get_instance_ids_from_targets", _targets_only)
         monkeypatch.setattr(StepFunctionResponse, "send_task_failure", _send_task_failure_with_cause)
@@ -260,15 +278,7 @@ class ControlPlane:
 
     def job(self, job_id: str) -> JobRecord:
         table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
-        for _ in range(5):
-            try:
-                return JobRecord.from_item(table.get_item(Key={"job_id": job_id})["Item"])
-            except RuntimeError as error:
-                # In-process moto is not thread-safe: a read can meet the workflow engine's write of the same item.
-                if "changed size during iteration" not in str(error):
-                    raise
-                time.sleep(0.01)
-        raise AssertionError(f"could not read job {job_id} from moto")
+        return JobRecord.from_item(table.get_item(Key={"job_id": job_id})["Item"])
 
     def instance_tags(self, instance_id: str) -> dict[str, str]:
         reservations = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
