@@ -10,7 +10,7 @@ export CDK_DISABLE_VERSION_CHECK := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 CDK := npx --no-install cdk --no-notices
 
-.PHONY: setup criu artifacts workload-deps lint test demo bench synth deploy destroy lock clean
+.PHONY: where setup criu artifacts workload-deps lint test demo bench synth deploy destroy lock clean
 
 setup: $(VENV)/.installed node_modules/.installed criu artifacts
 
@@ -44,10 +44,14 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
 	$(VENV)/bin/mypy $(PYTHON_DIRS)
 
-test: setup workload-deps lint
+# Local VMs mount an empty tmpfs on these (as a fresh EC2 VM has): a checkout there would vanish inside them.
+where:
+	@case "$(CURDIR)/" in /tmp/* | /var/tmp/* | /dev/shm/*) echo "spotcr: the checkout $(CURDIR) is under /tmp, /var/tmp or /dev/shm, which every local VM replaces with an empty tmpfs; clone it elsewhere (e.g. under \$$HOME)" >&2; exit 2;; esac
+
+test: where setup workload-deps lint
 	$(PY) -m pytest
 
-demo: setup
+demo: where setup
 	$(PY) -m rehearsal $(ARGS)
 
 bench: setup
