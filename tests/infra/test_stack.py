@@ -24,13 +24,8 @@ from tests.infra.test_least_privilege import reachable
 WAITER = "spotcr_functions.cloud.Cloud.wait_volume_available"
 POWERTOOLS_RELEASE = importlib.metadata.version("aws-lambda-powertools")
 
-# Actions allowed on Resource "*": their services offer no resource-level permissions.
-STAR_RESOURCE_ACTIONS = {
-    "xray:PutTraceSegments",
-    "xray:PutTelemetryRecords",
-    "ssm:GetCommandInvocation",
-    "ssm:ListCommandInvocations",
-    "ssm:DescribeInstanceInformation",
+# What SSM Agent polls for Run Command: these services offer no resource-level permissions.
+SSM_AGENT_CHANNEL_ACTIONS = {
     "ec2messages:AcknowledgeMessage",
     "ec2messages:DeleteMessage",
     "ec2messages:FailMessage",
@@ -39,6 +34,15 @@ STAR_RESOURCE_ACTIONS = {
     "ec2messages:SendReply",
     "ssmmessages:CreateControlChannel",
     "ssmmessages:OpenControlChannel",
+}
+# Actions allowed on Resource "*": their services offer no resource-level permissions.
+STAR_RESOURCE_ACTIONS = {
+    "xray:PutTraceSegments",
+    "xray:PutTelemetryRecords",
+    "ssm:GetCommandInvocation",
+    "ssm:ListCommandInvocations",
+    "ssm:DescribeInstanceInformation",
+    *SSM_AGENT_CHANNEL_ACTIONS,
     "ec2:DescribeInstances",
     "ec2:DescribeTags",
     "ec2:DescribeInstanceTypes",

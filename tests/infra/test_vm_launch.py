@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 from tests.infra.conftest import Synth
-from tests.infra.test_stack import child, logical_id, statements_by_role
+from tests.infra.test_stack import SSM_AGENT_CHANNEL_ACTIONS, child, logical_id, statements_by_role
 
-SSM_AGENT_ACTIONS = {
-    "ssm:UpdateInstanceInformation",
-    "ec2messages:AcknowledgeMessage",
-    "ec2messages:DeleteMessage",
-    "ec2messages:FailMessage",
-    "ec2messages:GetEndpoint",
-    "ec2messages:GetMessages",
-    "ec2messages:SendReply",
-    "ssmmessages:CreateControlChannel",
-    "ssmmessages:OpenControlChannel",
-}
+SSM_AGENT_ACTIONS = {"ssm:UpdateInstanceInformation", *SSM_AGENT_CHANNEL_ACTIONS}
 
 
 def test_job_role_has_the_run_command_part_of_the_ssm_core_policy_and_the_readiness_check(
