@@ -1,0 +1,313 @@
+"""The planning model behind `spotcr plan`: formulas only, no I/O.
+
+Two models live here:
+- the original research's long-running model (HADS-CheckRec, Teylo et al. 2020): a run of W hours of work,
+  checkpointed every H hours, each checkpoint stopping the job for S seconds (CRIU writing straight to the
+  storage, as the research measured it), G GB kept for a month;
+- spotcr's planner: the Young/Daly interval for the job's periodic checkpoints, the final dump projected
+  against the two-minute notice, and the expected overhead and cost of one run on each storage.
+
+The README's "Planning a job" section states every formula and default below, with its source.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from spotcr_contracts.tags import STORAGES
+from spotcr_functions.config import Settings
+
+MIB_PER_GIB = 1024.0
+HOURS_PER_MONTH = 730.0  # AWS bills GB-month as 730 hours
+NOTICE_S = 120.0  # the spot interruption warning comes two minutes before the action (REFERENCE.md)
+
+
+# How long the control plane waits for the final dump: the notice less the time to order it (its one home).
+FINAL_DUMP_BUDGET_S = float(Settings.final_dump_wait_s)
+
+
+class PlanInputError(ValueError):
+    """A plan input is out of range or unknown; the message names it."""
+
+
+@dataclass(frozen=True)
+class Source:
+    value: float
+    source: str
+
+
+# Storage write/read rates per VM (MiB/s) when no probe result is given. Sources: /work/shared/REFERENCE.md.
+DEFAULT_WRITE_MIB_S: Mapping[str, Source] = {
+    "s3": Source(
+        35.3,
+        "S3 via s3fs-fuse, 1 VM: Rodamilans & Borin 2020 (36 MB/s in HADS-CheckRec); a lower bound "
+        "for spotcr's parallel PUTs: run `spotcr probe`",
+    ),
+    "ebs": Source(125.0, "EBS gp3 baseline, 125 MiB/s (AWS); HADS-CheckRec measured ~139 MB/s on EBS SSD"),
+    "efs": Source(90.6, "EFS, 1 VM: Rodamilans & Borin 2020 (~98 MB/s in HADS-CheckRec)"),
+    "fsx": Source(173.2, "FSx for Lustre 1.2 TiB, 1 VM: Rodamilans & Borin 2020"),
+}
+DEFAULT_READ_MIB_S: Mapping[str, Source] = {
+    storage: Source(rate.value, "no published read figure: taken equal to the write rate")
+    for storage, rate in DEFAULT_WRITE_MIB_S.items()
+}
+DEFAULT_LOCAL_DUMP_MIB_S = Source(
+    1190.0, "CRIU periodic dump to local scratch, job frozen 0.86 s for 1 GiB: README benchmarks, case (p)"
+)
+DEFAULT_PIPELINE_MIB_S = Source(
+    217.0,
+    "the agent's chunk+hash+compress+put path into a directory, 0.5 GiB in 2.36 s on 2 loaded cores: "
+    "README benchmarks, final-dump",
+)
+DEFAULT_BOOT_S = Source(
+    90.0,
+    "backup VM from RunInstances to a registered SSM Agent: running in 5-20 s, SSM Agent 30 s to minutes "
+    "(REFERENCE.md, AWS facts)",
+)
+# USD per GB-month, us-east-1. S3, EBS and EFS: the research's prices (REFERENCE.md). FSx: AWS's price list.
+DEFAULT_STORAGE_PRICE: Mapping[str, Source] = {
+    "s3": Source(0.023, "S3 Standard, HADS-CheckRec (April 2020)"),
+    "ebs": Source(0.10, "EBS SSD per provisioned GB, HADS-CheckRec (April 2020)"),
+    "efs": Source(0.30, "EFS frequent access, HADS-CheckRec (April 2020)"),
+    "fsx": Source(0.14, "FSx for Lustre SCRATCH_2 per provisioned GB, AWS price list us-east-1 (not in the research)"),
+}
+# Storage billed by provisioned size, not by bytes stored: the stack's defaults.
+PROVISIONED_GIB: Mapping[str, Source] = {
+    "ebs": Source(100.0, "ebs_volume_gib, the stack's default EBS volume"),
+    "fsx": Source(1200.0, "fsx_storage_gib, the stack's default FSx size"),
+}
+
+# AWS Spot Instance Advisor "frequency of interruption": the share of instances interrupted in a month.
+# A band counts as its upper edge (">20%" as 25%), and a monthly share p becomes a rate per hour,
+# lambda = -ln(1 - p) / 730, so that 1 - exp(-lambda * 730) = p.
+BANDS: Mapping[str, float] = {"<5%": 0.05, "5-10%": 0.10, "10-15%": 0.15, "15-20%": 0.20, ">20%": 0.25}
+
+
+def band_rate_per_hour(band: str) -> float:
+    share = BANDS[band]
+    return -math.log(1.0 - share) / HOURS_PER_MONTH
+
+
+def parse_rate(text: str) -> tuple[float, str]:
+    """An interruption rate: a number of interruptions per hour, or a Spot Instance Advisor band."""
+    cleaned = text.strip().replace(" ", "")
+    if cleaned in BANDS:
+        return band_rate_per_hour(cleaned), f"Spot Instance Advisor band {cleaned} per month"
+    if re.fullmatch(r"[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?", cleaned):
+        rate = float(cleaned)
+        if rate <= 0:
+            raise PlanInputError(f"interruption rate must be above 0 per hour, got {text!r}")
+        return rate, "given, per hour"
+    raise PlanInputError(
+        f"interruption rate {text[:32]!r} is neither a number per hour nor a Spot Instance Advisor band "
+        f"({', '.join(BANDS)})"
+    )
+
+
+def check_storage(storage: str) -> str:
+    if storage not in STORAGES:
+        raise PlanInputError(f"unknown storage {storage[:32]!r}; one of {', '.join(STORAGES)}")
+    return storage
+
+
+def positive(name: str, value: float, *, zero_ok: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise PlanInputError(f"{name} must be {'0 or more' if zero_ok else 'above 0'}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ResearchRun:
+    """The research's long-running model, exactly:
+
+    checkpoints   = ceil(W / H) - 1        one at the end of every interval but the last (the work is done then)
+    total_hours   = W + checkpoints * S / 3600   the job is stopped while each checkpoint is written
+    total_cost    = total_hours * P + G * X      the VM for the whole run, G GB kept for the month
+    """
+
+    work_hours: float
+    interval_hours: float
+    dump_seconds: float
+    stored_gb: float
+    vm_price_hour: float
+    storage_price_gb_month: float
+
+    def __post_init__(self) -> None:
+        positive("--work-hours", self.work_hours)
+        positive("--interval-hours", self.interval_hours)
+        positive("--dump-seconds", self.dump_seconds, zero_ok=True)
+        positive("--stored-gb", self.stored_gb, zero_ok=True)
+        positive("--vm-price-hour", self.vm_price_hour, zero_ok=True)
+        positive("--storage-price-gb-month", self.storage_price_gb_month, zero_ok=True)
+
+    @property
+    def checkpoints(self) -> int:
+        return max(0, math.ceil(self.work_hours / self.interval_hours) - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        checkpoint_hours = self.checkpoints * self.dump_seconds / 3600.0
+        total_hours = self.work_hours + checkpoint_hours
+        vm_cost = total_hours * self.vm_price_hour
+        storage_cost = self.stored_gb * self.storage_price_gb_month
+        return {
+            "model": "research",
+            "inputs": asdict(self),
+            "checkpoints": self.checkpoints,
+            "checkpoint_hours": checkpoint_hours,
+            "total_hours": total_hours,
+            "checkpoint_share": checkpoint_hours / total_hours,
+            "vm_cost": vm_cost,
+            "storage_cost": storage_cost,
+            "total_cost": vm_cost + storage_cost,
+        }
+
+
+def young_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young (1974): T = sqrt(2 C M)."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly (2006), the higher-order refinement of Young's interval (work between checkpoints):
+
+    T = sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C   for C < 2M, else T = M.
+    """
+    if checkpoint_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = checkpoint_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - checkpoint_s
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Throughputs for one storage, MiB/s, each with where it came from."""
+
+    write: Source
+    read: Source
+    pipeline: Source
+    local_dump: Source
+
+    @property
+    def effective_write(self) -> float:
+        """The final dump and the upload go through the agent's pipeline into the storage: the slower bounds it."""
+        return min(self.write.value, self.pipeline.value)
+
+
+@dataclass(frozen=True)
+class JobPlanInput:
+    memory_gib: float
+    dirty_gib_per_min: float
+    rate_per_hour: float
+    rate_source: str
+    work_hours: float
+    vm_price_hour: float
+    on_demand_price_hour: float | None = None
+    stored_gib: float | None = None  # None: the job's memory (one full image; later ones are deduplicated)
+    storage_price: Mapping[str, Source] = field(default_factory=lambda: dict(DEFAULT_STORAGE_PRICE))
+    boot: Source = DEFAULT_BOOT_S
+    interval_s: float | None = None  # None: Daly's interval
+
+    def __post_init__(self) -> None:
+        positive("--memory-gib", self.memory_gib)
+        positive("--dirty-gib-per-min", self.dirty_gib_per_min, zero_ok=True)
+        positive("--interruption-rate", self.rate_per_hour)
+        positive("--work-hours", self.work_hours)
+        positive("--vm-price-hour", self.vm_price_hour, zero_ok=True)
+        if self.on_demand_price_hour is not None:
+            positive("--on-demand-price-hour", self.on_demand_price_hour, zero_ok=True)
+        if self.stored_gib is not None:
+            positive("--stored-gib", self.stored_gib, zero_ok=True)
+        if self.interval_s is not None:
+            positive("--interval", self.interval_s)
+
+
+def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any]:
+    """The plan for one storage. Times in seconds, work in seconds of the job's own progress.
+
+    C  = memory / local dump rate          the job's freeze per periodic checkpoint (images go to local scratch,
+                                           the upload runs while the job does)
+    U  = memory / effective write rate      a full upload; the interval must be longer than it
+    M  = 1 / rate                           mean time between interruptions
+    T  = Daly(C, M)                         the interval (Young's sqrt(2CM) is shown beside it)
+    final dump after t seconds of work since the last checkpoint:
+       F(t) = memory / local dump rate + min(memory, dirty * t) / effective write rate
+       it fits when F(t) <= budget (the notice less the control plane's margin); t_fit solves F(t) = budget
+    expected work lost per interruption, the interruption uniform over the interval:
+       L = (T^2 - t_fit^2) / (2 T) when t_fit < T, else 0        (Young/Daly assume L = T / 2: no final dump)
+    restart R = final dump (or a failed one: the budget) + boot + memory / read rate
+    overhead per hour of work = C / T + rate * (L + R)       (first order: time lost, as a share of the work)
+    """
+    memory_mib = job.memory_gib * MIB_PER_GIB
+    mtbf_s = 3600.0 / job.rate_per_hour
+    freeze_s = memory_mib / rates.local_dump.value
+    upload_s = memory_mib / rates.effective_write
+    young_s = young_interval_s(freeze_s, mtbf_s)
+    daly_s = daly_interval_s(freeze_s, mtbf_s)
+    interval_s = job.interval_s if job.interval_s is not None else daly_s
+    dirty_mib_s = job.dirty_gib_per_min * MIB_PER_GIB / 60.0
+    worst_changed_mib = min(memory_mib, dirty_mib_s * interval_s)
+    final_worst_s = freeze_s + worst_changed_mib / rates.effective_write
+    final_first_s = freeze_s + memory_mib / rates.effective_write
+    room_mib = (FINAL_DUMP_BUDGET_S - freeze_s) * rates.effective_write
+    if room_mib <= 0:
+        fit_s = 0.0
+    elif room_mib >= memory_mib or dirty_mib_s == 0:
+        fit_s = math.inf
+    else:
+        fit_s = room_mib / dirty_mib_s
+    lost_s = (interval_s**2 - fit_s**2) / (2.0 * interval_s) if fit_s < interval_s else 0.0
+    restore_s = memory_mib / rates.read.value
+    final_s = final_worst_s if final_worst_s <= FINAL_DUMP_BUDGET_S else FINAL_DUMP_BUDGET_S
+    restart_s = final_s + job.boot.value + restore_s
+    per_work_s = freeze_s / interval_s + (lost_s + restart_s) / mtbf_s
+    no_final_per_work_s = freeze_s / interval_s + (interval_s / 2.0 + job.boot.value + restore_s) / mtbf_s
+    run_hours = job.work_hours * (1.0 + per_work_s)
+    stored_gib = job.stored_gib if job.stored_gib is not None else job.memory_gib
+    billed_gib = max(stored_gib, PROVISIONED_GIB[storage].value) if storage in PROVISIONED_GIB else stored_gib
+    price = job.storage_price[storage]
+    storage_cost = billed_gib * price.value * run_hours / HOURS_PER_MONTH  # AWS bills EBS and S3 "GB" as GiB
+    vm_cost = run_hours * job.vm_price_hour
+    result: dict[str, Any] = {
+        "storage": storage,
+        "rates_mib_s": {
+            "write": asdict(rates.write),
+            "read": asdict(rates.read),
+            "pipeline": asdict(rates.pipeline),
+            "local_dump": asdict(rates.local_dump),
+        },
+        "checkpoint_freeze_s": freeze_s,
+        "full_upload_s": upload_s,
+        "interval": {
+            "method": "Daly 2006 higher-order" if job.interval_s is None else "given",
+            "seconds": interval_s,
+            "young_s": young_s,
+            "daly_s": daly_s,
+            "shorter_than_upload": interval_s < upload_s,
+        },
+        "final_dump": {
+            "budget_s": FINAL_DUMP_BUDGET_S,
+            "notice_s": NOTICE_S,
+            "worst_s": final_worst_s,
+            "first_s": final_first_s,
+            "fits": final_worst_s <= FINAL_DUMP_BUDGET_S,
+            "first_fits": final_first_s <= FINAL_DUMP_BUDGET_S,
+            "fits_until_s": None if math.isinf(fit_s) else fit_s,
+        },
+        "expected_lost_work_per_interruption_s": lost_s,
+        "restart_s": restart_s,
+        "overhead": per_work_s,
+        "overhead_without_final_dump": no_final_per_work_s,
+        "run_hours": run_hours,
+        "storage_billed_gib": billed_gib,
+        "storage_price_gb_month": asdict(price),
+        "vm_cost": vm_cost,
+        "storage_cost": storage_cost,
+        "total_cost": vm_cost + storage_cost,
+    }
+    if job.on_demand_price_hour is not None:
+        result["on_demand_cost"] = job.work_hours * job.on_demand_price_hour
+    return result

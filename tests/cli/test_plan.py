@@ -1,0 +1,221 @@
+"""`spotcr plan`: the research's long-running model against hand computations, and the job planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_CLI = str(Path(__file__).resolve().parents[2] / "cli")
+if _CLI not in sys.path:  # harmless where pyproject's pythonpath already holds cli/
+    sys.path.insert(0, _CLI)
+
+from spotcr_cli import model, plan  # noqa: E402
+
+
+def spotcr(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="spotcr")
+    plan.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def run_json(capsys, argv: list[str]) -> dict:
+    args = spotcr(["plan", *argv, "--json"])
+    assert args.func(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def research_argv(work, interval, dump, stored, vm, price) -> list[str]:
+    return [
+        "--work-hours", str(work), "--interval-hours", str(interval), "--dump-seconds", str(dump),
+        "--stored-gb", str(stored), "--vm-price-hour", str(vm), "--storage-price-gb-month", str(price),
+    ]  # fmt: skip
+
+
+# The research's published figures (/work/shared/REFERENCE.md, "Measured in the original" and "Prices used by the
+# original"): the 7,751.68 MB task's checkpoint took 215.68 s on S3 (s3fs-fuse), 55.81 s on EBS and 78.72 s on EFS;
+# storage cost $0.023 (S3), $0.10 (EBS) and $0.30 (EFS) per GB-month. The VM, a c3.2xlarge, at $0.42 per hour:
+# AWS's on-demand Linux price in us-east-1 (REFERENCE.md gives no VM price; any P enters the same way).
+TASK_GB = 7.75168  # 7,751.68 MB
+
+
+def test_research_model_s3_matches_the_hand_computation(capsys):
+    """24 h of work, a checkpoint every hour, on S3.
+
+    checkpoints = ceil(24 / 1) - 1 = 23 (none at the end of the last hour: the work is done)
+    checkpoint time = 23 * 215.68 s = 4960.64 s = 1.377956 h
+    total_hours = 24 + 1.377956 = 25.377956 h
+    total_cost = 25.377956 * 0.42 + 7.75168 * 0.023 = 10.658741 + 0.178289 = 10.837030
+    """
+    result = run_json(capsys, research_argv(24, 1, 215.68, TASK_GB, 0.42, 0.023))
+
+    assert result["checkpoints"] == 23
+    assert result["total_hours"] == pytest.approx(25.377956, abs=1e-6)
+    assert result["total_cost"] == pytest.approx(10.837030, abs=1e-6)
+
+
+def test_research_model_ebs_and_efs_match_the_hand_computation(capsys):
+    """The same run on EBS and on EFS.
+
+    EBS: 23 * 55.81 s = 1283.63 s = 0.356564 h; total 24.356564 h;
+         cost 24.356564 * 0.42 + 7.75168 * 0.10 = 10.229757 + 0.775168 = 11.004925
+    EFS: 23 * 78.72 s = 1810.56 s = 0.502933 h; total 24.502933 h;
+         cost 24.502933 * 0.42 + 7.75168 * 0.30 = 10.291232 + 2.325504 = 12.616736
+    """
+    ebs = run_json(capsys, research_argv(24, 1, 55.81, TASK_GB, 0.42, 0.10))
+    efs = run_json(capsys, research_argv(24, 1, 78.72, TASK_GB, 0.42, 0.30))
+
+    assert (ebs["checkpoints"], efs["checkpoints"]) == (23, 23)
+    assert ebs["total_hours"] == pytest.approx(24.356564, abs=1e-6)
+    assert ebs["total_cost"] == pytest.approx(11.004925, abs=1e-6)
+    assert efs["total_hours"] == pytest.approx(24.502933, abs=1e-6)
+    assert efs["total_cost"] == pytest.approx(12.616736, abs=1e-6)
+
+
+def test_research_model_counts_only_intervals_that_end_before_the_work(capsys):
+    """10 h of work every 3 h on EBS: checkpoints at 3, 6 and 9 h, so ceil(10 / 3) - 1 = 3.
+
+    3 * 55.81 s = 167.43 s = 0.046508 h; total 10.046508 h; cost 10.046508 * 0.42 + 0.775168 = 4.994702.
+    An interval at least as long as the work takes no checkpoint at all.
+    """
+    result = run_json(capsys, research_argv(10, 3, 55.81, TASK_GB, 0.42, 0.10))
+    single = run_json(capsys, research_argv(2, 2, 55.81, TASK_GB, 0.42, 0.10))
+
+    assert result["checkpoints"] == 3
+    assert result["total_hours"] == pytest.approx(10.046508, abs=1e-6)
+    assert result["total_cost"] == pytest.approx(4.994702, abs=1e-6)
+    assert single["checkpoints"] == 0
+    assert single["total_hours"] == 2.0
+
+
+def test_research_model_prints_a_table_without_json(capsys):
+    args = spotcr(["plan", *research_argv(24, 1, 215.68, TASK_GB, 0.42, 0.023)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints" in out and "23" in out and "$10.8370" in out
+
+
+REST = ["--dirty-gib-per-min", "1", "--work-hours", "5", "--vm-price-hour", "0.1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (research_argv(24, 0, 55.81, 1, 0.42, 0.1), "--interval-hours must be above 0"),
+        (research_argv(-1, 1, 55.81, 1, 0.42, 0.1), "--work-hours must be above 0"),
+        (research_argv(24, 1, -5, 1, 0.42, 0.1), "--dump-seconds must be 0 or more"),
+        (["--work-hours", "24", "--interval-hours", "1"], "also needs --dump-seconds"),
+        (["--memory-gib", "4", "--interval-hours", "1"], "not both"),
+        (["--memory-gib", "4"], "needs --dirty-gib-per-min"),
+        (["--memory-gib", "4", *REST, "--interruption-rate", "30-40%"], "neither a number per hour nor a Spot"),
+        (["--memory-gib", "0", *REST, "--interruption-rate", "0.1"], "--memory-gib must be above 0"),
+        (["--memory-gib", "4", *REST, "--interruption-rate", "0.1", "--storage-price", "tape=1"], "unknown storage"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(capsys, argv, message):
+    args = spotcr(["plan", *argv])
+
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unknown_storage_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        spotcr(["plan", "--storage", "tape"])
+    assert "invalid choice: 'tape'" in capsys.readouterr().err
+
+
+def test_a_band_is_its_monthly_share_as_a_rate_per_hour():
+    rate, source = model.parse_rate("10-15%")
+
+    assert 1 - math.exp(-rate * 730) == pytest.approx(0.15)
+    assert "band 10-15%" in source
+    assert model.parse_rate(" <5% ")[0] < model.parse_rate(">20%")[0]
+    assert model.parse_rate("0.02") == (0.02, "given, per hour")
+
+
+def test_young_and_daly_intervals():
+    # C = 60 s, M = 10 h: Young sqrt(2 * 60 * 36000) = 2078.46 s; Daly's refinement subtracts C and adds
+    # sqrt(2CM) * (sqrt(C/2M)/3 + (C/2M)/9) with C/2M = 1/1200: 2078.46 * (1 + 0.009623 + 0.0000926) - 60.
+    assert model.young_interval_s(60, 36000) == pytest.approx(2078.4610, abs=1e-3)
+    assert model.daly_interval_s(60, 36000) == pytest.approx(2078.4610 * (1 + 0.0096225 + 0.00009259) - 60, abs=1e-2)
+    assert model.daly_interval_s(100, 40) == 40  # C >= 2M: checkpoint once per mean time between failures
+
+
+JOB = [
+    "--memory-gib", "16", "--dirty-gib-per-min", "0.5", "--interruption-rate", "0.05",
+    "--work-hours", "48", "--vm-price-hour", "0.2", "--on-demand-price-hour", "0.68",
+]  # fmt: skip
+
+
+def test_job_plan_covers_every_storage_with_defaults_and_their_sources(capsys):
+    result = run_json(capsys, JOB)
+
+    assert [p["storage"] for p in result["storages"]] == ["s3", "ebs", "efs", "fsx"]
+    for p in result["storages"]:
+        freeze = 16 * 1024 / model.DEFAULT_LOCAL_DUMP_MIB_S.value
+        assert p["checkpoint_freeze_s"] == pytest.approx(freeze)
+        assert p["interval"]["daly_s"] == pytest.approx(model.daly_interval_s(freeze, 3600 / 0.05))
+        assert p["interval"]["seconds"] == p["interval"]["daly_s"]
+        assert p["rates_mib_s"]["write"] == {
+            "value": model.DEFAULT_WRITE_MIB_S[p["storage"]].value,
+            "source": model.DEFAULT_WRITE_MIB_S[p["storage"]].source,
+        }
+        assert p["final_dump"]["budget_s"] == 110  # the control plane's wait: the notice less its margin
+        assert p["run_hours"] > 48
+        assert p["on_demand_cost"] == pytest.approx(48 * 0.68)
+    ebs = next(p for p in result["storages"] if p["storage"] == "ebs")
+    assert ebs["storage_billed_gib"] == 100  # the stack's EBS volume, billed by size
+    assert result["cheapest"] in ("s3", "ebs", "efs", "fsx")
+
+
+def test_final_dump_that_cannot_fit_loses_work_and_one_that_fits_does_not(capsys):
+    # 16 GiB through S3's default 35.3 MiB/s never fits 110 s; 1 GiB on FSx (173.2 MiB/s) always does.
+    big = run_json(capsys, [*JOB, "--storage", "s3"])["storages"][0]
+    small = run_json(capsys, [*JOB, "--storage", "fsx", "--memory-gib", "1"])["storages"][0]
+
+    assert not big["final_dump"]["fits"] and big["expected_lost_work_per_interruption_s"] > 0
+    assert small["final_dump"]["fits"] and small["expected_lost_work_per_interruption_s"] == 0
+    assert small["overhead"] < small["overhead_without_final_dump"]
+
+
+def test_job_plan_uses_probe_results_when_given(capsys, tmp_path):
+    probe = {
+        "format": 1, "storage": "ebs", "location": "/mnt/spotcr", "instance_type": "m5.xlarge",
+        "measured_at": "2026-11-23T17:00:00+00:00", "host": "vm",
+        "settings": {"streams": [1, 4], "block_kib": [64, 1024], "size_mib": 8, "pipeline_mib": 16},
+        "runs": [
+            {"streams": 1, "block_bytes": 65536, "bytes_written": 8388608, "bytes_read": 8388608,
+             "write_s": 0.08, "read_s": 0.04, "verified": True},
+            {"streams": 4, "block_bytes": 1048576, "bytes_written": 33554432, "bytes_read": 33554432,
+             "write_s": 0.1, "read_s": 0.05, "verified": True},
+        ],
+        "pipeline": {"bytes_total": 16777216, "bytes_stored": 8000000, "commit_s": 0.05, "fetch_s": 0.04,
+                     "verified": True},
+    }  # fmt: skip
+    path = tmp_path / "ebs.json"
+    path.write_text(json.dumps(probe))
+
+    result = run_json(capsys, [*JOB, "--storage", "ebs", "--instance-type", "m5.xlarge", "--probe", str(path)])
+    rates = result["storages"][0]["rates_mib_s"]
+
+    assert rates["write"]["value"] == pytest.approx(320.0)  # 32 MiB in 0.1 s, the best configuration
+    assert rates["read"]["value"] == pytest.approx(640.0)
+    assert rates["pipeline"]["value"] == pytest.approx(320.0)
+    assert "spotcr probe of /mnt/spotcr on m5.xlarge" in rates["write"]["source"]
+    assert rates["local_dump"]["source"] == model.DEFAULT_LOCAL_DUMP_MIB_S.source
+
+    args = spotcr(["plan", *JOB, "--instance-type", "c5.large", "--probe", str(path)])
+    assert args.func(args) == 2
+    assert "measured on m5.xlarge, not on c5.large" in capsys.readouterr().err
+
+
+def test_job_plan_prints_a_table_naming_its_sources(capsys):
+    args = spotcr(["plan", *JOB])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "fits 110 s" in out and "Rodamilans & Borin" in out and "cheapest:" in out
