@@ -113,3 +113,19 @@ STATUS = Command(
 )
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (CHECKPOINT, RESTORE, RELEASE, STATUS)}
+
+# Sent by the user's `spotcr probe`, never by a function: its document is a construct of its own (infra/probe.py),
+# kept out of COMMANDS so that no function is granted it.
+PROBE = Command(
+    name="probe",
+    description="spotcr: measure this VM's storage write/read rates and the agent's checkpoint pipeline (JSON).",
+    parameters=(
+        Parameter(
+            "Streams", "Parallel streams per configuration, comma-separated.", r"^[0-9]{1,3}(,[0-9]{1,3}){0,7}$", "1,4"
+        ),
+        Parameter("BlockKiB", "Block sizes in KiB, comma-separated.", r"^[0-9]{1,5}(,[0-9]{1,5}){0,7}$", "64,1024"),
+        Parameter("SizeMiB", "MiB each stream writes per configuration.", r"^[0-9]{1,5}$", "8"),
+        Parameter("PipelineMiB", "MiB of synthetic images through the store; 0 skips it.", r"^[0-9]{1,5}$", "16"),
+    ),
+    flags={"Streams": "--streams", "BlockKiB": "--block-kib", "SizeMiB": "--size-mib", "PipelineMiB": "--pipeline-mib"},
+)

@@ -23,7 +23,8 @@ from spotcr_contracts.tags import InvalidJobTags
 from . import config as agent_config
 from .agent import Agent, WrongJob, base_job_env
 from .events import EventBridgePublisher
-from .imds import Imds
+from .imds import Imds, ImdsError
+from .probe import ProbeError
 from .runner import InvalidJobSpec
 from .state import StaleGeneration
 
@@ -88,6 +89,20 @@ def parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="print the agent's view of the job")
     status.add_argument("--job", required=True)
+
+    probe = commands.add_parser("probe", help="measure each storage's write/read rates and the checkpoint pipeline")
+    probe.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="STORAGE=PATH|s3=BUCKET",
+        help="what to probe (repeatable); none: the bucket, mounted storage and scratch dir of agent.json",
+    )
+    probe.add_argument("--streams", default="1,4", help="parallel streams per configuration, comma-separated")
+    probe.add_argument("--block-kib", default="64,1024", help="block sizes in KiB, comma-separated")
+    probe.add_argument("--size-mib", default="8", help="MiB each stream writes per configuration")
+    probe.add_argument("--pipeline-mib", default="16", help="MiB of synthetic images through the store; 0 skips")
+    probe.add_argument("--instance-type", default="", help="label of the results (default: from IMDS, else local)")
     return root
 
 
@@ -107,6 +122,8 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
             from .bootstrap import bootstrap
 
             return bootstrap(args, environ, _print)
+        if args.command == "probe":
+            return _probe(args, environ)
         config = agent_config.load(environ)
         agent = Agent(
             config=config,
@@ -117,7 +134,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     except StaleGeneration as error:
         _print({"ok": False, "error": str(error), "stale": True})
         return STALE
-    except (UsageError, agent_config.ConfigError, WrongJob, InvalidJobSpec, InvalidJobTags) as error:
+    except (UsageError, agent_config.ConfigError, WrongJob, InvalidJobSpec, InvalidJobTags, ProbeError) as error:
         _print({"ok": False, "error": str(error)})
         return BAD_INPUT
     except Exception as error:
@@ -143,4 +160,35 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
         _print({"ok": True, "released": agent.release(args.generation)})
     else:
         _print({"ok": True, **agent.status()})
+    return OK
+
+
+def _probe(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """Probe the targets given, or on a job VM what its agent.json names; needs no job."""
+    import tempfile
+    from pathlib import Path
+
+    from . import probe
+
+    settings = probe.ProbeSettings(
+        streams=probe.parse_list("--streams", args.streams),
+        block_kib=probe.parse_list("--block-kib", args.block_kib),
+        size_mib=probe.parse_list("--size-mib", args.size_mib)[0],
+        pipeline_mib=probe.parse_list("--pipeline-mib", args.pipeline_mib)[0],
+    )
+    instance_type = args.instance_type
+    if args.target:
+        targets = [probe.parse_target(t) for t in args.target]
+        scratch = Path(tempfile.gettempdir())
+    else:
+        config = agent_config.load(environ)
+        targets = probe.config_targets(config.storage, config.bucket, config.mount_point, config.scratch_dir)
+        scratch = config.scratch_dir
+        if not instance_type:
+            try:
+                instance_type = (Imds(config.imds_endpoint).get("meta-data/instance-type") or "").strip()
+            except ImdsError as error:
+                log.warning("instance type unknown: %s", error)
+    results = probe.probe(targets, settings, instance_type=instance_type or "local", scratch=scratch)
+    _print(probe.summary(results))
     return OK

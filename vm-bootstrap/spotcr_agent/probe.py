@@ -370,6 +370,10 @@ def measure_pipeline(backend: Backend, size: int, scratch: Path, workers: int) -
             )
         finally:
             backend.delete([o.key for o in backend.scan(f"jobs/{job_id}/")])
+            if isinstance(backend, DirectoryBackend):  # a file system also keeps the directories the store made
+                shutil.rmtree(backend.root / "jobs" / job_id, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    (backend.root / "jobs").rmdir()  # only if no job's checkpoints are there
     return PipelineMeasurement(bytes_total, result.bytes_uploaded, commit_s, fetch_s, verified)
 
 
