@@ -12,6 +12,7 @@ from infra import grants
 from infra.control_plane import FunctionEnvironment, Functions, Registry
 from infra.monitoring import Monitoring
 from infra.network import Network
+from infra.probe import ProbeDocument
 from infra.settings import Settings
 from infra.spot_role import SpotServiceLinkedRole
 from infra.storage import Storage
@@ -48,6 +49,7 @@ class SpotcrStack(Stack):
             agent_bus=registry.agent_bus,
             bootstrap_script=bootstrap_script,
         )
+        probe = ProbeDocument(self, "Probe", settings=settings)
         recovery_arn = state_machine_arn(self, recovery_state_machine_name(settings))
         documents = {name: document.ref for name, document in vm.documents.items()}
         targets = grants.GrantTargets(
@@ -139,6 +141,7 @@ class SpotcrStack(Stack):
         }
         for name, document in documents.items():
             outputs[f"{name.capitalize()}Document"] = document
+        outputs["ProbeDocument"] = probe.document.ref
         if storage.file_system is not None:
             outputs["EfsFileSystemId"] = storage.file_system.file_system_id
         if storage.lustre is not None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-from spotcr_contracts.commands import COMMANDS, Command
+from spotcr_contracts.commands import COMMANDS, PROBE, Command
 from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV
 
@@ -258,7 +258,7 @@ class LocalCloud:
         topic_arn = self.client("sns").create_topic(Name=names["topic"])["TopicArn"]
         ssm = self.client("ssm")
         document_names = {}
-        for command in COMMANDS.values():
+        for command in (*COMMANDS.values(), PROBE):  # PROBE: the stack's probe document, for `spotcr probe`
             name = f"{PREFIX}-{command.name}"
             ssm.create_document(
                 Name=name, Content=json.dumps(command.document()), DocumentType="Command", DocumentFormat="JSON"

@@ -212,8 +212,10 @@ def test_star_resources_only_for_actions_without_resource_permissions(default_sy
 
 
 def test_send_command_only_spotcr_documents_and_job_instances(default_synth: Synth) -> None:
-    document_ids = {logical_id(default_synth, d) for d in default_synth.stack.node.find_all() if _is_document(d)}
-    assert len(document_ids) == len(commands.COMMANDS)
+    documents = {logical_id(default_synth, d) for d in default_synth.stack.node.find_all() if _is_document(d)}
+    probe_id = logical_id(default_synth, default_synth.stack.node.find_child("Probe").node.find_child("Document"))
+    document_ids = documents - {probe_id}  # the user's `spotcr probe` sends the probe document, no function does
+    assert len(document_ids) == len(commands.COMMANDS) and probe_id in documents
     senders = [f for f in catalog.FUNCTIONS if catalog.SEND_COMMAND in f.capabilities]
     assert senders
     by_role = statements_by_role(default_synth)
@@ -226,6 +228,7 @@ def test_send_command_only_spotcr_documents_and_job_instances(default_synth: Syn
             else:
                 refs = {"".join(re.findall(r'"Ref": "(VmLaunchDocument[^"]+)"', _flat(r))) for r in resources}
                 assert refs == document_ids
+                assert not any(probe_id in _flat(r) for r in resources)
 
 
 def _is_document(construct: Any) -> bool:
@@ -327,8 +330,8 @@ def test_launch_template_requires_imdsv2_with_tags_and_bootstrap(default_synth: 
 def test_one_ssm_document_per_command(default_synth: Synth) -> None:
     documents = default_synth.of_type("AWS::SSM::Document")
     contents = {d["Properties"]["Content"]["mainSteps"][0]["name"]: d["Properties"] for d in documents.values()}
-    assert set(contents) == set(commands.COMMANDS)
-    for name, command in commands.COMMANDS.items():
+    assert set(contents) == {*commands.COMMANDS, commands.PROBE.name}
+    for name, command in {**commands.COMMANDS, commands.PROBE.name: commands.PROBE}.items():
         assert contents[name]["DocumentType"] == "Command"
         assert contents[name]["Content"] == command.document()
 
