@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spotcr_contracts.tags import STORAGES
+from spotcr_contracts.tags import INTERVAL, MAX_INTERVAL_S, MIN_INTERVAL_S, STORAGES
 from spotcr_functions.config import Settings
 
 MIB_PER_GIB = 1024.0
@@ -287,6 +287,8 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
             "young_s": young_s,
             "daly_s": daly_s,
             "shorter_than_upload": interval_s < upload_s,
+            # The tag to submit the job with; the scheduler runs every minute, so it takes whole minutes in effect.
+            "tag": {INTERVAL: str(min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, round(interval_s))))},
         },
         "final_dump": {
             "budget_s": FINAL_DUMP_BUDGET_S,

@@ -241,7 +241,7 @@ def _job_table(result: Mapping[str, Any]) -> str:
     )
     columns = (
         "storage",
-        "interval",
+        "interval (tag, s)",
         "Young",
         "freeze",
         "final dump worst/first",
@@ -264,7 +264,7 @@ def _job_table(result: Mapping[str, Any]) -> str:
         rows.append(
             (
                 p["storage"],
-                f"{p['interval']['seconds'] / 60:.1f} min",
+                f"{p['interval']['seconds'] / 60:.1f} min ({next(iter(p['interval']['tag'].values()))})",
                 f"{p['interval']['young_s'] / 60:.1f} min",
                 f"{p['checkpoint_freeze_s']:.1f} s",
                 f"{final['worst_s']:.0f} s / {final['first_s']:.0f} s",

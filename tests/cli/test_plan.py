@@ -161,6 +161,7 @@ def test_job_plan_covers_every_storage_with_defaults_and_their_sources(capsys):
         assert p["checkpoint_freeze_s"] == pytest.approx(freeze)
         assert p["interval"]["daly_s"] == pytest.approx(model.daly_interval_s(freeze, 3600 / 0.05))
         assert p["interval"]["seconds"] == p["interval"]["daly_s"]
+        assert p["interval"]["tag"] == {"spotcr:interval": str(round(p["interval"]["daly_s"]))}
         assert p["rates_mib_s"]["write"] == {
             "value": model.DEFAULT_WRITE_MIB_S[p["storage"]].value,
             "source": model.DEFAULT_WRITE_MIB_S[p["storage"]].source,
@@ -219,3 +220,24 @@ def test_job_plan_prints_a_table_naming_its_sources(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "fits 110 s" in out and "Rodamilans & Borin" in out and "cheapest:" in out
+
+
+def test_a_given_interval_is_evaluated_and_its_tag_kept_in_range(capsys):
+    short = run_json(capsys, [*JOB, "--storage", "ebs", "--interval-minutes", "0.05"])["storages"][0]
+    long = run_json(capsys, [*JOB, "--storage", "ebs", "--interval-minutes", "10000"])["storages"][0]
+
+    assert short["interval"]["method"] == "given" and short["interval"]["seconds"] == pytest.approx(3)
+    assert short["interval"]["tag"] == {"spotcr:interval": "10"}  # the tag's bounds: 10 to 86400 s
+    assert long["interval"]["tag"] == {"spotcr:interval": "86400"}
+    assert short["interval"]["shorter_than_upload"] and not long["interval"]["shorter_than_upload"]
+
+
+def test_dalys_interval_minimises_the_lost_time_young_and_daly_model(capsys):
+    # Without a final dump (L = T/2), overhead C/T + lambda*(T/2 + R) is least near Daly's T: halving or doubling
+    # the interval costs more.
+    argv = [*JOB, "--storage", "efs", "--interruption-rate", "0.5", "--memory-gib", "64"]
+    best = run_json(capsys, argv)["storages"][0]
+    t_min = best["interval"]["seconds"] / 60
+    for factor in (0.5, 2.0):
+        other = run_json(capsys, [*argv, "--interval-minutes", str(t_min * factor)])["storages"][0]
+        assert other["overhead_without_final_dump"] > best["overhead_without_final_dump"]
