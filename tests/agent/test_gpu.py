@@ -375,3 +375,18 @@ def test_the_vm_artifact_installs_the_plugin_where_the_agent_finds_it(tmp_path):
     assert directory == prefix / "criu" / "lib" / "criu"
     linked = subprocess.run(["ldd", str(directory / gpu.PLUGIN)], capture_output=True, text=True, check=True).stdout
     assert "not found" not in linked, linked
+
+
+def test_the_bench_finds_the_device_memory_whose_final_dump_fits_the_notice():
+    from bench.gpu import largest_fitting
+
+    gib = 1 << 30
+    # The research's two H100 points: 1.9 GiB dumped in 3.3 s, 17 GiB in 26.7 s
+    rows = [
+        {"device_memory_bytes": 1.9 * gib, "final_dump_seconds": 3.3},
+        {"device_memory_bytes": 17 * gib, "final_dump_seconds": 26.7},
+    ]
+    fits = largest_fitting(rows, 120)
+    assert fits is not None
+    assert 77 * gib < fits < 78 * gib
+    assert largest_fitting(rows[:1], 120) is None
