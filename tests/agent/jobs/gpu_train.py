@@ -56,7 +56,10 @@ class _Cuda:
     """The few CUDA driver API calls the ctypes job makes; any error ends the job naming the call."""
 
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as error:
+            raise SystemExit(f"no NVIDIA driver here: cannot load libcuda.so.1 ({error})") from error
 
     def __call__(self, name: str, *args: object) -> None:
         code = getattr(self.lib, name)(*args)
