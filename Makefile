@@ -10,7 +10,7 @@ export CDK_DISABLE_VERSION_CHECK := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 CDK := npx --no-install cdk --no-notices
 
-.PHONY: where setup criu artifacts workload-deps lint test demo bench synth deploy destroy lock clean
+.PHONY: where setup criu artifacts workload-deps lint test test-gpu nvidia-gpu demo bench synth deploy destroy lock clean
 
 setup: $(VENV)/.installed node_modules/.installed criu artifacts
 
@@ -50,6 +50,14 @@ where:
 
 test: where setup workload-deps lint
 	$(PY) -m pytest
+
+# A real CUDA job through the agent's checkpoint and restore (CRIU's CUDA plugin); not part of `make test`.
+# Refuses, failing, on a machine without an NVIDIA GPU. Figures: bench/results/gpu_test.json.
+test-gpu: where nvidia-gpu setup
+	$(PY) -m pytest -m gpu tests/agent/test_gpu_criu.py
+
+nvidia-gpu:
+	@[ -n "$$(ls /proc/driver/nvidia/gpus 2>/dev/null)" ] || { echo "spotcr: no NVIDIA GPU on this machine (no /proc/driver/nvidia/gpus): make test-gpu and make bench ARGS=gpu need one; make test covers the GPU-independent parts" >&2; exit 2; }
 
 demo: where setup
 	$(PY) -m rehearsal $(ARGS)

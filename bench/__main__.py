@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [checkpoint|final-dump|interruption|all] [options]`: spotcr's benchmarks.
+"""`make bench` / `python -m bench [checkpoint|final-dump|interruption|gpu|all] [options]`: spotcr's benchmarks.
 
 Benchmarks print figures and write them under bench/results/; they are not tests.
 """
@@ -14,10 +14,12 @@ BENCHMARKS = {
     "final-dump": "bench.final_dump",  # final dump: stream into the store as CRIU writes, or dump then ship
     "interruption": "bench.interruption",  # interruption warning to final-dump command, through the real handler
 }
+# Only on a machine with an NVIDIA GPU, so not part of "all".
+GPU_BENCHMARKS = {"gpu": "bench.gpu"}  # GPU jobs: final dump and restore against device memory held
 
 
 def run(name: str, argv: list[str]) -> int:
-    return int(importlib.import_module(BENCHMARKS[name]).main(argv))
+    return int(importlib.import_module({**BENCHMARKS, **GPU_BENCHMARKS}[name]).main(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         description="spotcr benchmarks: print figures and write bench/results/<name>.json and .md.",
         epilog="Options after the benchmark name go to it: python -m bench checkpoint --help",
     )
-    parser.add_argument("benchmark", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("benchmark", nargs="?", default="all", choices=[*BENCHMARKS, *GPU_BENCHMARKS, "all"])
     parser.add_argument("options", nargs=argparse.REMAINDER, help="options for the chosen benchmark")
     args = parser.parse_args(argv)
     if args.benchmark != "all":

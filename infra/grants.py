@@ -125,6 +125,7 @@ def _ec2_describe(t: GrantTargets) -> list[Grant]:
             iam.PolicyStatement(
                 actions=[
                     "ec2:DescribeInstances",
+                    "ec2:DescribeInstanceTypes",
                     "ec2:DescribeSubnets",
                     "ec2:DescribeVolumes",
                     "ec2:DescribeSnapshots",

@@ -20,6 +20,11 @@ from constructs import Node
 POWERTOOLS_LAYER_ACCOUNT = "017000801446"
 POWERTOOLS_LAYER_NAME = "AWSLambdaPowertoolsPythonV3-python312-arm64"
 
+# The GPU image: AWS's public parameter for the latest x86-64 Deep Learning Base OSS Nvidia Driver GPU AMI on
+# Ubuntu 24.04 (glibc 2.39: runs the agent artifact built on Debian 12's 2.36; python3.12, which it carries too).
+GPU_IMAGE_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
+GPU_IMAGE_MIN_ROOT_GIB = 100  # the image's own snapshot, the driver and CUDA, plus scratch for a first dump
+
 _ID = {
     "vpc": re.compile(r"^vpc-[0-9a-f]{8,17}$"),
     "subnet": re.compile(r"^subnet-[0-9a-f]{8,17}$"),
@@ -64,6 +69,7 @@ class Settings:
     fsx_storage_gib: int = 1200
     vm_architecture: str = "amd64"
     ami_id: str | None = None
+    gpu_image: bool = False  # AWS's Deep Learning Base GPU AMI (Ubuntu 24.04, NVIDIA driver r580+) for GPU jobs
     root_volume_gib: int = 20
     metadata_hop_limit: int = 1
     noncurrent_version_days: int = 7
@@ -95,6 +101,11 @@ class Settings:
         return settings
 
     @property
+    def job_root_volume_gib(self) -> int:
+        """The job VMs' root volume: the GPU image needs more room than its snapshot, whatever root_volume_gib says."""
+        return max(self.root_volume_gib, GPU_IMAGE_MIN_ROOT_GIB) if self.gpu_image else self.root_volume_gib
+
+    @property
     def log_retention(self) -> logs.RetentionDays:
         return _RETENTION[self.log_retention_days]
 
@@ -120,8 +131,15 @@ class Settings:
             raise InvalidSetting("max_azs: 1 to 6")
         if self.log_retention_days not in _RETENTION:
             raise InvalidSetting(f"log_retention_days: one of {', '.join(map(str, _RETENTION))}")
+        self._check_gpu_image()
         if self.alarm_email is not None and not _EMAIL.match(self.alarm_email):
             raise InvalidSetting("alarm_email: not an e-mail address")
+
+    def _check_gpu_image(self) -> None:
+        if self.gpu_image and self.ami_id is not None:
+            raise InvalidSetting("gpu_image: not with ami_id (each names the job VMs' image)")
+        if self.gpu_image and self.vm_architecture != "amd64":
+            raise InvalidSetting("gpu_image: CRIU's CUDA plugin is x86-64 only; set vm_architecture=amd64")
 
 
 def _text(pattern: re.Pattern[str] | None = None) -> Callable[[str, Any], str]:
@@ -184,6 +202,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "fsx_storage_gib": _number(1200, 1_000_000),
     "vm_architecture": _text(),
     "ami_id": _text(_ID["ami"]),
+    "gpu_image": _flag,
     "root_volume_gib": _number(8, 16_384),
     "metadata_hop_limit": _number(1, 2),
     "noncurrent_version_days": _number(1, 3650),

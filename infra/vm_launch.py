@@ -21,13 +21,14 @@ from infra import grants
 from infra.agent_bundle import VM_BOOTSTRAP_DIR, stage_agent_bundle
 from infra.nag import acknowledge, acknowledge_wildcard_resource
 from infra.network import Network
-from infra.settings import Settings
+from infra.settings import GPU_IMAGE_PARAMETER, Settings
 from infra.storage import JOBS_PREFIX, SPECS_PREFIX, Storage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"
 PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
 ROOT_DEVICE = "/dev/xvda"  # Debian 12 AMIs boot from xvda
+GPU_IMAGE_ROOT_DEVICE = "/dev/sda1"  # Ubuntu AMIs, the Deep Learning ones included, boot from sda1
 
 
 def render_user_data(script: str, values: Mapping[str, str]) -> str:
@@ -54,6 +55,9 @@ class _FixedImage:
 def job_image(settings: Settings) -> ec2.IMachineImage:
     if settings.ami_id is not None:
         return _FixedImage(settings.ami_id)
+    if settings.gpu_image:
+        # Resolved at deploy time too: the newest Deep Learning Base GPU AMI, NVIDIA driver r580 or later.
+        return ec2.MachineImage.from_ssm_parameter(GPU_IMAGE_PARAMETER, os=ec2.OperatingSystemType.LINUX)
     # Debian publishes this public parameter; CloudFormation resolves it at deploy time, never at synth.
     return ec2.MachineImage.from_ssm_parameter(
         f"/aws/service/debian/release/12/latest/{settings.vm_architecture}", os=ec2.OperatingSystemType.LINUX
@@ -136,9 +140,9 @@ class VmLaunch(Construct):
             instance_metadata_tags=True,
             block_devices=[
                 ec2.BlockDevice(
-                    device_name=ROOT_DEVICE,
+                    device_name=GPU_IMAGE_ROOT_DEVICE if settings.gpu_image else ROOT_DEVICE,
                     volume=ec2.BlockDeviceVolume.ebs(
-                        settings.root_volume_gib,
+                        settings.job_root_volume_gib,
                         volume_type=ec2.EbsDeviceVolumeType.GP3,
                         encrypted=True,
                         delete_on_termination=True,

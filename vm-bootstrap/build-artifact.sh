@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what a job VM installs instead of compiling (make artifacts): CRIU with its plugin and the Debian 12
 # libraries it links against, as one tarball with its sha256, and the agent's Python packages for Debian 12's
-# python3 (3.11). For the machine's own architecture: amd64 here; for arm64 run the same on an arm64 Debian 12.
+# python3 (3.11) and Ubuntu 24.04's (3.12: the GPU image). For the machine's own architecture: amd64 here; for
+# arm64 run the same on an arm64 Debian 12.
 # Output under .build/ (or $1): spotcr-criu-<version>-<arch>.tar.gz{,.sha256} and agent-python-<arch>/.
 set -euo pipefail
 
@@ -12,6 +13,7 @@ ARCH=$(dpkg --print-architecture)
 CRIU_VERSION=$(sed -n 's/^CRIU_VERSION=//p' "$HERE/install-criu.sh")
 NAME="spotcr-criu-$CRIU_VERSION-$ARCH"
 # Libraries every Debian 12 system has (glibc's own): the VM's are used, never a copy.
+EXTRA_PYTHONS="3.12"  # besides Debian 12's 3.11: the GPU image's Ubuntu 24.04
 AGENT_SERVICES="s3 ssm events sts"  # the AWS services the agent calls (sts: credential chains)
 SYSTEM_LIBS='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux[^.]*)\.so'
 
@@ -76,6 +78,14 @@ else
     [[ " $AGENT_SERVICES " == *" $(basename "$dir") "* ]] || rm -rf "$dir"
   done
   rm -f "$python_dir.new"/zstandard/_cffi.*.so "$python_dir.new"/zstandard/backend_cffi.py
+  # The GPU image (Ubuntu 24.04) runs python3.12: zstandard's C backend for it too, beside 3.11's (the names differ).
+  for version in $EXTRA_PYTHONS; do
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+      --platform "manylinux2014_$(uname -m)" --python-version "$version" --implementation cp \
+      --target "$python_dir.new/.cp$version" "$(grep '^zstandard==' "$HERE/requirements.txt")"
+    cp "$python_dir.new/.cp$version"/zstandard/backend_c.cpython-*.so "$python_dir.new/zstandard/"
+    rm -rf "$python_dir.new/.cp$version"
+  done
   strip --strip-unneeded "$python_dir.new"/zstandard/*.so  # its debug symbols are 10 of its 11 MB
   rm -rf "$python_dir" && mv "$python_dir.new" "$python_dir"
   log "$python_dir ($(du -sh "$python_dir" | cut -f1))"

@@ -3,7 +3,9 @@
 # PREFIX/criu, and the agent's launcher. No compiler, no pip, no apt: CRIU carries the Debian 12 libraries it
 # links against and the asset carries the agent's Python packages (python/). Run by bootstrap.sh, and by the
 # rehearsal's local VMs on their private /opt/spotcr.
-# Usage: install-artifact.sh ASSET_DIR PREFIX [--system]   (--system: also /usr/local/sbin/criu and CRIU's plugin dir)
+# CRIU's CUDA plugin stays in PREFIX/criu/lib/criu, beside the binary, where the agent finds it and loads it (--libdir)
+# only for a job that holds a GPU; CRIU's compiled-in plugin dir (/usr/lib/criu) would load it for every dump.
+# Usage: install-artifact.sh ASSET_DIR PREFIX [--system]   (--system: also /usr/local/sbin/criu)
 set -euo pipefail
 
 ASSET=${1:?usage: install-artifact.sh ASSET_DIR PREFIX [--system]}
@@ -31,8 +33,5 @@ install -m 0755 "$ASSET/bin/spotcr-agent" "$PREFIX/bin/spotcr-agent"
 
 if [[ "$SYSTEM" == "--system" ]]; then
   ln -sfn "$PREFIX/criu/bin/criu" /usr/local/sbin/criu
-  # CRIU loads plugins (the GPU one) from its compiled-in /usr/lib/criu.
-  mkdir -p /usr/lib/criu
-  ln -sfn "$PREFIX"/criu/lib/criu/*.so /usr/lib/criu/
 fi
 echo "install-artifact: CRIU $(cat "$PREFIX/criu/VERSION") in $PREFIX/criu"

@@ -2,7 +2,9 @@
 # Installs CRIU >= 4 for spotcr: on developer machines (make), in CI and on job VMs (bootstrap.sh).
 # Debian 12's criu 3.17 fails `criu check` on recent kernels, so we build the pinned upstream
 # release from the source tarball Debian ships in its package pool, with one socket fix.
-# Idempotent: exits at once when a working CRIU >= 4 is already on PATH.
+# It also installs CRIU's CUDA plugin in PREFIX/lib/criu, where the agent finds it and loads it (--libdir) only
+# for a job that holds a GPU: not in CRIU's compiled-in /usr/lib/criu, which every dump would load.
+# Idempotent: exits at once when a working CRIU >= 4 is already on PATH and the plugin is installed.
 # With SPOTCR_CRIU_BUILD_DIR set it only builds (criu and its cuda plugin) in that directory, installs
 # nothing and reuses an earlier build there: build-artifact.sh packages the result for job VMs.
 set -euo pipefail
@@ -10,6 +12,7 @@ set -euo pipefail
 CRIU_VERSION=4.1.1
 CRIU_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
 PREFIX=${SPOTCR_CRIU_PREFIX:-/usr/local}
+PLUGIN="$PREFIX/lib/criu/cuda_plugin.so"
 BUILD_DIR=${SPOTCR_CRIU_BUILD_DIR:-}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 BUILD_DEPS=(build-essential pkg-config curl ca-certificates xz-utils python3 python3-protobuf
@@ -30,8 +33,8 @@ working_criu() {
   echo "$bin"
 }
 
-if [[ -z "$BUILD_DIR" ]] && bin=$(working_criu); then
-  log "$("$bin" --version | head -1) at $bin passes 'criu check'; nothing to do"
+if [[ -z "$BUILD_DIR" ]] && bin=$(working_criu) && [[ -f "$PLUGIN" ]]; then
+  log "$("$bin" --version | head -1) at $bin passes 'criu check', its CUDA plugin is in $PLUGIN; nothing to do"
   exit 0
 fi
 if [[ -n "$BUILD_DIR" && -x "$BUILD_DIR/criu-$CRIU_VERSION/criu/criu" && -f "$BUILD_DIR/criu-$CRIU_VERSION/.spotcr-built" ]]; then
@@ -90,6 +93,15 @@ if [[ -n "$BUILD_DIR" ]]; then
   make -C "$src" -j"$(nproc)" cuda_plugin >>"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
   touch "$src/.spotcr-built"
   log "built CRIU $CRIU_VERSION in $src"
+  exit 0
+fi
+# The GPU plugin needs no CUDA headers to build (it talks to the driver at run time).
+make -C "$src" -j"$(nproc)" cuda_plugin >>"$work/build.log" 2>&1 || { tail -40 "$work/build.log" >&2; exit 1; }
+install -D -m 0644 "$src/plugins/cuda/cuda_plugin.so" "$PLUGIN"
+log "installed CRIU's CUDA plugin at $PLUGIN"
+if bin=$(working_criu) && "$bin" --version | grep -q "Version: $CRIU_VERSION\$"; then
+  # A working CRIU of this version stays (other users may be running it); it only lacked the plugin.
+  log "$("$bin" --version | head -1) at $bin already works; kept"
   exit 0
 fi
 install -D -m 0755 "$src/criu/criu" "$PREFIX/sbin/criu"

@@ -12,6 +12,8 @@ from typing import Any
 from botocore.exceptions import ClientError
 from spotcr_contracts.commands import Command
 
+from spotcr_functions.gpus import Gpus, from_gpu_info
+
 # RunInstances errors that concern this candidate only (type, subnet, market): try the next one. Names from the
 # EC2 API error-code reference; tests/events/run-instances-errors.json holds each with AWS's documented meaning.
 CAPACITY_ERRORS = frozenset(
@@ -114,6 +116,22 @@ class Cloud:
 
     def tag_instance(self, instance_id: str, tags: Mapping[str, str]) -> None:
         self.ec2.create_tags(Resources=[instance_id], Tags=[{"Key": k, "Value": v} for k, v in tags.items()])
+
+    def instance_gpus(self, instance_types: Sequence[str]) -> dict[str, Gpus | None]:
+        """The GPUs of each instance type EC2 knows (None: no GPU); a type it does not know is left out."""
+        found: dict[str, Gpus | None] = {}
+        for batch in (list(instance_types), *([t] for t in instance_types)):
+            try:
+                # Named types come back in one page (a job names far fewer than the 100 a call may ask for).
+                for raw in self.ec2.describe_instance_types(InstanceTypes=batch)["InstanceTypes"]:
+                    found[raw["InstanceType"]] = from_gpu_info(raw.get("GpuInfo"))
+            except ClientError as error:
+                if error_code(error) != "InvalidInstanceType":
+                    raise
+                continue  # one unknown type fails the whole call: ask for each type alone
+            if len(found) == len(set(instance_types)):
+                break
+        return found
 
     def subnets(self, subnet_ids: Sequence[str]) -> list[tuple[str, str]]:
         """(subnet id, AZ) of these subnets, in the order given."""

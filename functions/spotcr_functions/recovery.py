@@ -13,6 +13,7 @@ from spotcr_contracts import commands, tags
 from spotcr_functions import rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
+from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
 from spotcr_functions.registry import WAIT_KEYS, StaleGeneration
@@ -172,13 +173,25 @@ def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         if not subnets:
             raise ValueError(f"none of the stack's subnets exists: {', '.join(stack_subnets)}")
     home = subnets[0]
+    fallbacks = _restorable_fallbacks(deps, record)
     candidates = [
         {"instance_type": instance_type, "subnet_id": subnet_id, "az": az, "spot": True}
-        for instance_type in (record.instance_type, *record.fallback_types)
+        for instance_type in (record.instance_type, *fallbacks)
         for subnet_id, az in subnets
     ][: MAX_CANDIDATES - 1]
     candidates.append({"instance_type": record.instance_type, "subnet_id": home[0], "az": home[1], "spot": False})
     return {"storage": record.storage, "candidates": candidates, "candidate_count": len(candidates)}
+
+
+def _restorable_fallbacks(deps: Deps, record: JobRecord) -> list[str]:
+    """The job's fallback types that can restore it: for a GPU type, only those with the same GPU model and count."""
+    if not record.fallback_types:
+        return []
+    gpus = deps.cloud.instance_gpus([record.instance_type, *record.fallback_types])
+    kept, dropped = matching_fallbacks(record.instance_type, record.fallback_types, gpus)
+    for fallback, reason in dropped.items():
+        logger.warning("fallback type not used", job_id=record.job_id, instance_type=fallback, reason=reason)
+    return kept
 
 
 def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidate: dict[str, Any]) -> dict[str, Any]:

@@ -131,6 +131,10 @@ class _WalkStore:
         self._outage()
         return sorted(self.fates, reverse=True)
 
+    def load(self, checkpoint_id):
+        self._outage()
+        return SimpleNamespace(criu_version="4.1.1", arch="x86_64", cpu_flags=("sse2",), open_files=(), gpu=None)
+
     def fetch(self, checkpoint_id, dest):
         self._outage()
         self.fetched.append(checkpoint_id)
@@ -140,7 +144,7 @@ class _WalkStore:
         if fate == "missing":
             raise CheckpointNotFound(checkpoint_id, "s3://bucket")
         (dest / "images").mkdir(parents=True, exist_ok=True)
-        return SimpleNamespace(criu_version="4.1.1", arch="x86_64", cpu_flags=("sse2",), open_files=())
+        return self.load(checkpoint_id)
 
 
 class _FakeCriu:

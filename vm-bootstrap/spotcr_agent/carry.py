@@ -46,7 +46,7 @@ WORKAROUNDS = {
 # Character devices CRIU dumps: memory devices (/dev/null, /dev/zero, /dev/urandom), terminals, /dev/net/tun.
 MEM_MAJOR, MISC_MAJOR, TUN_MINOR = 1, 10, 200
 TTY_MAJORS = frozenset({4, 5, *range(136, 144)})
-GPU_MAJORS = frozenset({195, 226})  # /dev/nvidia*, /dev/dri/*
+NVIDIA_MAJOR, DRI_MAJOR = 195, 226  # /dev/nvidia* (CRIU's CUDA plugin releases them before the dump), /dev/dri/*
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"
 # The socket tables of the families and protocols CRIU 4.1 dumps (criu/sockets.c, sk-inet.c), with the column
 # that holds the inode: a socket in none of them (vsock, SCTP, AF_ALG, ICMP ping, ...) fails the dump.
@@ -310,8 +310,10 @@ def _device_problem(path: str) -> str:
     if not stat.S_ISCHR(st.st_mode):
         return ""
     major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-    if major in GPU_MAJORS:
-        return "GPU state is not carried by spotcr checkpoints yet"
+    if major == NVIDIA_MAJOR:
+        return ""  # the CUDA plugin suspends the job's GPU work first; gpu.check_job refuses what it cannot do
+    if major == DRI_MAJOR:
+        return "the job holds a DRM device (/dev/dri); only NVIDIA GPUs used through CUDA are checkpointed"
     if major == MEM_MAJOR or major in TTY_MAJORS or (major == MISC_MAJOR and minor == TUN_MINOR):
         return ""
     return f"CRIU cannot checkpoint the character device {major}:{minor}; close it before the checkpoint"

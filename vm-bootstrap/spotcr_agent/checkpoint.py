@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry
+from . import aliases, carry, gpu
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -78,6 +78,8 @@ class Store(Protocol):
 
     def checkpoint_ids(self) -> list[str]: ...
 
+    def load(self, checkpoint_id: str) -> Manifest: ...
+
     def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest: ...
 
     def prune(self, keep: int) -> Any: ...
@@ -93,6 +95,7 @@ class CheckpointOutcome:
     bytes_total: int
     bytes_uploaded: int
     already_taken: bool = False  # another trigger took this final dump; this one reports it
+    gpu_memory_bytes: int | None = None  # the job's GPU device memory, inside bytes_total (None: no GPU or unknown)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,7 +156,9 @@ class Checkpointer:
     layout: Layout | None = None  # where VM-local, image and storage files are; None: the work dir is all there is
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB
     tcp: str = DEFAULT_TCP  # AgentConfig.tcp: under close, a listener on the VM's own address cannot come back
+    check_gpus: Callable[[list[int], Criu], gpu.JobGpus | None] = gpu.for_dump
     _scan: JobScan = field(default_factory=JobScan)
+    _gpus: gpu.JobGpus | None = None
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -188,13 +193,19 @@ class Checkpointer:
         with exclusive(self.state.dir / "dump.lock"):
             pid, parent = self._running_job(generation)
             self._check_checkpointable(pid)
-            scratch_room.require_room(self.scratch_dir, pid, self.workdir)  # images and the work dir's copy
+            # Images (device memory included) and the work dir's copy.
+            scratch_room.require_room(self.scratch_dir, pid, self.workdir, gpu_bytes=self._gpu_bytes)
             meta = self._meta(checkpoint, generation, "periodic", parent, pid)
             snapshot = scratch / "workdir"
             with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
                 try:
                     frozen = self.criu.dump(
-                        pid, scratch / "images", scratch / "logs", leave_running=True, action_script=at_freeze.script
+                        pid,
+                        scratch / "images",
+                        scratch / "logs",
+                        leave_running=True,
+                        action_script=at_freeze.script,
+                        libdir=self._plugin_dir,
                     )
                 except CriuError as error:
                     at_freeze.raise_own_error()
@@ -256,7 +267,8 @@ class Checkpointer:
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent = state.job_pid, state.last_checkpoint
             self._check_checkpointable(pid)
-            scratch_room.require_room(self.scratch_dir, pid)  # streamed or not, CRIU writes the images here
+            # Streamed or not, CRIU writes the images here.
+            scratch_room.require_room(self.scratch_dir, pid, gpu_bytes=self._gpu_bytes)
             meta = self._meta(checkpoint, generation, "final", parent, pid)
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)
@@ -264,7 +276,9 @@ class Checkpointer:
             # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
             # read where they are, once CRIU is done (its link remaps are files too).
             with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
-                argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=at_freeze.script)
+                argv = self.criu.dump_argv(
+                    pid, images, logs, leave_running=False, action_script=at_freeze.script, libdir=self._plugin_dir
+                )
                 dump = self.criu.start_dump(argv)
                 extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
                 result, frozen = self._ship_final(dump, meta, extra, started=started, at_freeze=at_freeze)
@@ -311,6 +325,10 @@ class Checkpointer:
         problem = checkpointable_problem(pid)
         if problem:
             raise CheckpointError(problem)
+        try:
+            self._gpus = self.check_gpus(scratch_room.job_tree(pid), self.criu)
+        except gpu.GpuUnsupported as error:
+            raise CheckpointError(str(error)) from error
         self._scan = carry.scan_job(pid)
         problem = carry.unsupported_problem(self._scan) or carry.vm_bound_listeners(self._scan, self.tcp)
         if problem:
@@ -322,6 +340,14 @@ class Checkpointer:
         if problem:
             raise CheckpointError(problem)
         self.store.check()
+
+    @property
+    def _plugin_dir(self) -> Path | None:
+        return self._gpus.plugin_dir if self._gpus else None
+
+    @property
+    def _gpu_bytes(self) -> int:
+        return (self._gpus.device_memory_bytes or 0) if self._gpus else 0
 
     @property
     def _layout(self) -> Layout:
@@ -416,6 +442,7 @@ class Checkpointer:
             arch=host.arch,
             cpu_flags=host.cpu_flags,
             open_files=[{"path": path, "size": size} for path, size in open_files(pid)],
+            gpu=self._gpus.record() if self._gpus else None,
         )
 
     def _committed(
@@ -435,6 +462,7 @@ class Checkpointer:
             frozen_seconds=round(frozen, 3),
             bytes_total=result.bytes_total,
             bytes_uploaded=result.bytes_uploaded,
+            gpu_memory_bytes=meta.gpu.get("device_memory_bytes") if meta.gpu else None,
         )
 
 

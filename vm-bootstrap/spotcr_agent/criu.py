@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import mounts
+from . import gpu, mounts
 
 # Options every dump and restore takes: jobs may hold file locks and sockets to services outside the job
 # (journald, nscd); none runs on a terminal, so never --shell-job.
@@ -31,6 +31,11 @@ _EXPLANATIONS: tuple[tuple[str, str], ...] = (
     (
         r"Use link-remap option|Can't create link remap",
         "the job holds a renamed or unlinked file CRIU cannot link back",
+    ),
+    (
+        r"cuda_plugin|cuda-checkpoint|CUDA",
+        "CRIU's CUDA plugin could not checkpoint the job's GPU state (UVM managed memory, CUDA IPC memory, MIG and "
+        "MPS are not supported)",
     ),
     (r"Unknown shit|[Uu]nsupported|Unknown socket", "the job holds something CRIU cannot checkpoint"),
     (r"Cannot assign requested address", "the job's network address is not on this VM"),
@@ -141,6 +146,7 @@ class Criu:
         leave_running: bool,
         prev_images_dir: Path | None = None,
         action_script: Path | None = None,
+        libdir: Path | None = None,
     ) -> list[str]:
         argv = [self.binary, "dump", "-t", str(pid), "-D", str(images_dir), "-W", str(log_dir), "-o", "dump.log"]
         argv += [*COMMON_OPTIONS, *DUMP_OPTIONS, "--ghost-limit", f"{self.ghost_limit_mb}M", *mounts.dump_options(pid)]
@@ -150,7 +156,7 @@ class Criu:
             argv += ["--track-mem", "--prev-images-dir", str(prev_images_dir)]
         if action_script is not None:
             argv += ["--action-script", str(action_script)]
-        return argv
+        return argv + gpu.criu_options(libdir)  # the CUDA plugin, only for a job that holds a GPU
 
     def start_dump(self, argv: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -169,25 +175,40 @@ class Criu:
         self.finish_dump(process, log_dir)
         return time.monotonic() - started
 
-    def restore(self, images_dir: Path, log_dir: Path, *, tcp_close: bool = False, reset: Sequence[str] = ()) -> int:
+    def restore(
+        self,
+        images_dir: Path,
+        log_dir: Path,
+        *,
+        tcp_close: bool = False,
+        reset: Sequence[str] = (),
+        libdir: Path | None = None,
+    ) -> int:
         """Restore detached (-d) into a fresh PID namespace; returns the host PID of the job's PID 1.
 
         tcp_close: the job's TCP connections come back closed (it sees them reset) instead of re-established.
         reset: connections ("local-address port remote-address port") destroyed before the job resumes, so that
         the job sees them reset and the others come back established.
+        libdir: the CUDA plugin's directory, for a checkpoint that holds GPU state.
         """
         log_dir.mkdir(parents=True, exist_ok=True)
         pidfile = log_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
-        argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
-        tcp = "--tcp-close" if tcp_close else "--tcp-established"
-        argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(pidfile)]
+        argv = self.restore_argv(images_dir, log_dir, tcp_close=tcp_close, libdir=libdir)
         if reset:
             argv += ["--action-script", str(_reset_script(log_dir / "reset.sh", reset))]
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise failure("restore", log_dir / "restore.log", result.stderr)
         return int(pidfile.read_text().strip())
+
+    def restore_argv(
+        self, images_dir: Path, log_dir: Path, *, tcp_close: bool = False, libdir: Path | None = None
+    ) -> list[str]:
+        argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
+        tcp = "--tcp-close" if tcp_close else "--tcp-established"
+        argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(log_dir / "restore.pid")]
+        return argv + gpu.criu_options(libdir)
 
 
 def _endpoint(address: str, port: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry
+from . import aliases, carry, gpu
 from .carry import Entry
 from .checkpoint import Store
 from .criu import Criu, CriuError
@@ -93,6 +93,21 @@ def check_compatible(manifest: Manifest, host: HostInfo) -> None:
         raise Incompatible(f"this CPU lacks features the job's CPU had: {', '.join(missing[:12])}")
 
 
+def check_gpus(manifest: Manifest, machine: Callable[[], gpu.Machine], criu: Criu) -> Path | None:
+    """For a checkpoint that holds GPU state: Incompatible unless this machine has the same GPUs and driver and
+    CRIU's CUDA plugin; the plugin's directory. None for a checkpoint without GPU state."""
+    recorded = manifest.gpu
+    if not recorded:
+        return None
+    problem = gpu.restore_problem(recorded, machine())
+    if problem:
+        raise Incompatible(problem)
+    directory = gpu.plugin_dir(criu.binary)
+    if directory is None:
+        raise Incompatible(f"the checkpoint holds GPU state and CRIU's CUDA plugin ({gpu.PLUGIN}) is not installed")
+    return directory
+
+
 def check_open_files(manifest: Manifest, record: Mapping[str, Any] | None = None) -> None:
     """Every file the job held exists here (its VM-local ones were put back first)."""
     if record is not None:
@@ -149,6 +164,7 @@ class Restorer:
     host: Callable[[], HostInfo]
     tcp: str = DEFAULT_TCP  # AgentConfig.tcp
     backoff_s: tuple[float, ...] = STORE_BACKOFF_S
+    gpus: Callable[[], gpu.Machine] = gpu.read_machine  # this machine's GPUs, read only for a GPU checkpoint
     sleep: Callable[[float], None] = time.sleep
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
@@ -234,8 +250,11 @@ class Restorer:
         created: list[str] = []
         kept: list[str] = []
         try:
-            manifest = self.store.fetch(checkpoint_id, dest)
+            # The manifest alone first: a machine that cannot restore it downloads no image.
+            manifest = self.store.load(checkpoint_id)
             check_compatible(manifest, host)
+            libdir = check_gpus(manifest, self.gpus, self.criu)
+            manifest = self.store.fetch(checkpoint_id, dest)
             record = _record(dest)
             if record is not None:
                 check_image(record)
@@ -255,7 +274,11 @@ class Restorer:
             elif reset:
                 log.info("connections from the old VM's address to peers outside the job are reset: %s", reset)
             pid = self.criu.restore(
-                dest / "images", self.scratch_dir / f"restore-{checkpoint_id}.logs", tcp_close=tcp_close, reset=reset
+                dest / "images",
+                self.scratch_dir / f"restore-{checkpoint_id}.logs",
+                tcp_close=tcp_close,
+                reset=reset,
+                libdir=libdir,
             )
             created, kept = [], []
             return pid

@@ -81,12 +81,15 @@ def require_room(
     *,
     estimate: Callable[[int, Path | None], int] = dump_estimate,
     free: Callable[[Path], int] = free_bytes,
+    gpu_bytes: int = 0,
 ) -> None:
-    needed, available = estimate(pid, workdir), free(scratch_dir)
+    """gpu_bytes: the job's GPU device memory, which CRIU's CUDA plugin copies into host memory for the dump."""
+    needed, available = estimate(pid, workdir) + int(gpu_bytes * MARGIN), free(scratch_dir)
     if needed > available:
+        held = "the job's memory, GPU memory and work dir" if gpu_bytes else "the job's memory and work dir"
         raise ScratchTooSmall(
             f"not enough local scratch for the dump: it needs about {needed / GIB:.2f} GiB "
-            f"(the job's memory and work dir, with a margin) and {scratch_dir} has {available / GIB:.2f} GiB free; "
+            f"({held}, with a margin) and {scratch_dir} has {available / GIB:.2f} GiB free; "
             "give job VMs a larger root volume (root_volume_gib) or point scratch_dir at a larger disk"
         )
 

@@ -66,6 +66,7 @@ class CheckpointMeta:
     arch: str = ""
     cpu_flags: Sequence[str] = ()
     open_files: Sequence[OpenFile | Mapping[str, Any]] = ()
+    gpu: Mapping[str, Any] | None = None  # the job held a GPU: spotcr_agent.gpu.JobGpus.record()
 
     def __post_init__(self) -> None:
         check_job_id(self.job_id)
@@ -142,6 +143,8 @@ class Manifest:
     format: int = FORMAT_VERSION
     hash: str = HASH_ALGORITHM
     since_full: int = 0  # commits since the last one that sent every chunk afresh (0: this one did)
+    # GPU model, count and driver (and device memory) when the job held an NVIDIA GPU: a restore needs the same.
+    gpu: Mapping[str, Any] | None = None
 
     @property
     def bytes_total(self) -> int:
@@ -171,6 +174,8 @@ class Manifest:
             "files": [f.to_dict() for f in self.files],
             "since_full": self.since_full,
         }
+        if self.gpu is not None:
+            doc["gpu"] = dict(self.gpu)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -206,6 +211,7 @@ class Manifest:
                 chunking=dict(doc["chunking"]),
                 files=tuple(_file_from_dict(f) for f in doc["files"]),
                 since_full=int(doc.get("since_full", 0)),
+                gpu=_gpu_from_dict(doc["gpu"]) if doc.get("gpu") is not None else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpoint(checkpoint_id, f"manifest is malformed ({type(e).__name__}: {e})") from e
@@ -217,6 +223,15 @@ class Manifest:
         if manifest.hash != HASH_ALGORITHM:
             raise CorruptCheckpoint(checkpoint_id, f"manifest uses hash {manifest.hash!r}, expected {HASH_ALGORITHM}")
         return manifest
+
+
+def _gpu_from_dict(doc: Mapping[str, Any]) -> dict[str, Any]:
+    gpu = dict(doc)
+    if not isinstance(gpu["model"], str) or not isinstance(gpu["driver"], str):
+        raise ValueError("gpu model and driver must be text")
+    if isinstance(gpu["count"], bool) or not isinstance(gpu["count"], int) or gpu["count"] < 1:
+        raise ValueError(f"gpu count {gpu['count']!r} is not a positive whole number")
+    return gpu
 
 
 def _file_from_dict(doc: Mapping[str, Any]) -> FileEntry:

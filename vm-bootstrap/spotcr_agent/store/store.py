@@ -211,6 +211,7 @@ class CheckpointStore:
             compression=f"zstd-{self.compression_level}",
             chunking=self.chunking.describe(),
             since_full=since_full,
+            gpu=meta.gpu,
         )
         document = manifest.to_json()
         self.backend.flush()
