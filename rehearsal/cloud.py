@@ -109,6 +109,7 @@ class LocalCloud:
         self._vm_listener: Any = None
         self._store_credentials: Any = None
         self.store_credentials_url = ""  # the store-credentials function URL stand-in, on the VMs' network
+        self.store_credentials_granted: dict[str, int] = {}  # instance id -> store sessions the URL vended to it
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
@@ -169,7 +170,7 @@ class LocalCloud:
             account=ACCOUNT,
             role_name=self.names["job_role"],
             instance_at=self._instance_at,
-            handler=lambda event: self.call_handler(f"{PREFIX}-store-credentials", event),
+            handler=self._vend_store_credentials,
         )
         self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
@@ -635,6 +636,14 @@ class LocalCloud:
         vm.running_at = self.timeline.now()
         self.timeline.say(f"{vm.instance_id} running at {vm.address} (its own network, /tmp, /dev/shm and /proc)")
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "running"})
+
+    def _vend_store_credentials(self, event: dict[str, Any]) -> dict[str, Any]:
+        response: dict[str, Any] = self.call_handler(f"{PREFIX}-store-credentials", event)
+        if response.get("statusCode") == 200:
+            instance_id = event["requestContext"]["authorizer"]["iam"]["userArn"].rsplit("/", 1)[-1]
+            with self._lock:
+                self.store_credentials_granted[instance_id] = self.store_credentials_granted.get(instance_id, 0) + 1
+        return response
 
     def _instance_at(self, address: str) -> str | None:
         """The running local VM with this address on the bridge (each VM has its own)."""

@@ -75,7 +75,9 @@ def fetcher(
             except OSError as error:
                 status, reason = 0, f"{type(error).__name__}: {error}"
             if status == 200:
-                return _metadata(body, job_id)
+                metadata = _metadata(body, job_id)
+                log.info("store credentials for jobs/%s/ until %s", job_id, metadata["expiry_time"])
+                return metadata
             pause = RETRY_S[min(attempt, len(RETRY_S) - 1)]
             if waited + pause > wait_s:
                 raise StoreCredentialsError(f"store credentials for job {job_id} refused ({status}): {reason}")
