@@ -157,6 +157,9 @@ class FunctionEnvironment:
         variables = {names[key]: value for key, value in self.values.items()}
         variables["POWERTOOLS_SERVICE_NAME"] = SERVICE_NAME
         variables["POWERTOOLS_METRICS_NAMESPACE"] = METRICS_NAMESPACE
+        if function.function_url:
+            # Its URL is in the launch template's user data, so its settings cannot name the template (a cycle).
+            variables[config.ENV["launch_template_id"]] = ""
         variables.update(function.extra)
         return variables
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
 from spotcr_contracts import tags
-from spotcr_functions import catalog
+from spotcr_functions import catalog, store_access
 
 from infra.nag import acknowledge_wildcard_resource
 
@@ -41,6 +41,7 @@ class GrantTargets:
     checkpoint_bucket_name: str
     job_spec_buckets: tuple[str, ...]
     stack: cdk.Stack
+    store_role_arn: str = ""
 
 
 def _arn(t: GrantTargets, service: str, resource: str, name: str, *, account: str | None = None) -> str:
@@ -302,6 +303,48 @@ def _publish_failure(t: GrantTargets) -> list[Grant]:
     ]
 
 
+def _store_credentials(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["sts:AssumeRole", "sts:TagSession"],
+                resources=[t.store_role_arn],
+                conditions={"StringLike": {f"aws:RequestTag/{store_access.SESSION_TAG}": "?*"}},
+            )
+        )
+    ]
+
+
+# The store role's session tag: which job's prefix a vended session may touch (store_access.vend sets it).
+JOB_SESSION_TAG = f"${{aws:PrincipalTag/{store_access.SESSION_TAG}}}"
+
+
+def job_store(bucket_arn: str) -> list[Grant]:
+    """For the store role that store-credentials assumes: objects and listing under jobs/<the session's job>/ only.
+
+    The prefix comes from the session tag, so a session without the tag matches no resource; the session policy
+    store_access.session_policy names the same prefix.
+    """
+    prefix = f"jobs/{JOB_SESSION_TAG}/"
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                resources=[f"{bucket_arn}/{prefix}*"],
+            ),
+            "One job's checkpoints: the prefix is jobs/<the session's SpotcrJob tag>/, set by store-credentials "
+            "only for a job whose record names the calling instance.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["s3:ListBucket"],
+                resources=[bucket_arn],
+                conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}},
+            )
+        ),
+    ]
+
+
 def job_specs(checkpoint_bucket_name: str, job_spec_buckets: Iterable[str]) -> Grant:
     """For the job VMs' role: the agent on the VM reads the spec its spotcr:spec tag names (no function does)."""
     resources = [f"arn:{cdk.Aws.PARTITION}:s3:::{checkpoint_bucket_name}/specs/*"]
@@ -327,6 +370,7 @@ CAPABILITIES: dict[str, Callable[[GrantTargets], list[Grant]]] = {
     catalog.START_RECOVERY: _start_recovery,
     catalog.TASK_CALLBACK: _task_callback,
     catalog.PUBLISH_FAILURE: _publish_failure,
+    catalog.STORE_CREDENTIALS: _store_credentials,
 }
 
 

@@ -16,6 +16,7 @@ from infra.probe import ProbeDocument
 from infra.settings import Settings
 from infra.spot_role import SpotServiceLinkedRole
 from infra.storage import Storage
+from infra.store_access import StoreAccess
 from infra.vm_launch import BOOTSTRAP_SCRIPT, VmLaunch
 from infra.workflow import RECOVERY_ASL, Workflow, recovery_state_machine_name, state_machine_arn
 
@@ -50,6 +51,7 @@ class SpotcrStack(Stack):
             bootstrap_script=bootstrap_script,
         )
         probe = ProbeDocument(self, "Probe", settings=settings)
+        store_access = StoreAccess(self, "StoreAccess", bucket=storage.bucket)
         recovery_arn = state_machine_arn(self, recovery_state_machine_name(settings))
         documents = {name: document.ref for name, document in vm.documents.items()}
         targets = grants.GrantTargets(
@@ -65,6 +67,7 @@ class SpotcrStack(Stack):
             checkpoint_bucket_name=storage.bucket.bucket_name,
             job_spec_buckets=settings.job_spec_buckets,
             stack=self,
+            store_role_arn=store_access.role.role_arn,
         )
         values = {
             "jobs_table": registry.jobs_table.table_name,
@@ -76,6 +79,8 @@ class SpotcrStack(Stack):
             "launch_template_id": targets.launch_template_id,
             "subnet_ids": Fn.join(",", [subnet.subnet_id for subnet in network.subnets]),
             "keep_finished_volumes": "true" if settings.keep_finished_volumes else "false",
+            "store_role_arn": store_access.role.role_arn,
+            "job_role_name": vm.job_role.role_name,
             **{f"{name}_document": document for name, document in documents.items()},
         }
         functions = Functions(
@@ -88,6 +93,8 @@ class SpotcrStack(Stack):
             ),
             grant_targets=targets,
         )
+        store_url = store_access.serve(functions.functions["store-credentials"], vm.job_role)
+        vm.store_credentials_url.value = store_url.url
 
         def substitution(kind: str) -> str:
             category, _, name = kind.partition(":")
@@ -138,6 +145,7 @@ class SpotcrStack(Stack):
             "JobSecurityGroup": network.job_security_group.security_group_id,
             "FailureTopicArn": registry.failure_topic.topic_arn,
             "DeadLetterQueueUrl": registry.dead_letters.queue_url,
+            "StoreCredentialsUrl": store_url.url,
         }
         for name, document in documents.items():
             outputs[f"{name.capitalize()}Document"] = document

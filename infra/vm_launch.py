@@ -22,7 +22,8 @@ from infra.agent_bundle import VM_BOOTSTRAP_DIR, stage_agent_bundle
 from infra.nag import acknowledge, acknowledge_wildcard_resource
 from infra.network import Network
 from infra.settings import GPU_IMAGE_PARAMETER, Settings
-from infra.storage import JOBS_PREFIX, SPECS_PREFIX, Storage
+from infra.storage import Storage
+from infra.store_access import Later
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"
@@ -103,6 +104,9 @@ class VmLaunch(Construct):
         )
         self.instance_profile = iam.InstanceProfile(self, "JobInstanceProfile", role=self.job_role)
 
+        # The store-credentials function URL, set by the stack once the function exists.
+        self.store_credentials_url = Later("the store-credentials function URL")
+
         self.documents: dict[str, ssm.CfnDocument] = {}
         for command in commands.COMMANDS.values():
             self.documents[command.name] = ssm.CfnDocument(
@@ -124,6 +128,7 @@ class VmLaunch(Construct):
             "__SPOTCR_EFS_ID__": storage.file_system.file_system_id if storage.file_system else "",
             "__SPOTCR_FSX_DNS__": storage.lustre.dns_name if storage.lustre else "",
             "__SPOTCR_FSX_MOUNT_NAME__": storage.lustre.mount_name if storage.lustre else "",
+            "__SPOTCR_STORE_CREDENTIALS_URL__": self.store_credentials_url.token(),
         }
         user_data = ec2.UserData.custom(render_user_data(bootstrap_script.read_text(), placeholders))
         self.launch_template = ec2.LaunchTemplate(
@@ -189,28 +194,8 @@ class VmLaunch(Construct):
         )
 
     def _grant_job_storage(self, storage: Storage) -> None:
-        # An instance role cannot be narrowed per job (instance tags do not reach the role session), so every
-        # job VM may use jobs/*; the agent itself only ever touches jobs/<its job>/.
-        objects = storage.bucket.arn_for_objects(f"{JOBS_PREFIX}*")
-        self.job_role.add_to_principal_policy(
-            iam.PolicyStatement(
-                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
-                resources=[objects],
-            )
-        )
-        # IfExists: the store's HeadBucket is authorized as ListBucket and carries no prefix.
-        self.job_role.add_to_principal_policy(
-            iam.PolicyStatement(
-                actions=["s3:ListBucket"],
-                resources=[storage.bucket.bucket_arn],
-                conditions={"StringLikeIfExists": {"s3:prefix": [f"{JOBS_PREFIX}*", SPECS_PREFIX + "*"]}},
-            )
-        )
-        acknowledge_wildcard_resource(
-            self.job_role,
-            objects,
-            "Job VMs write checkpoints under jobs/ (jobs/<job_id>/...); an instance role cannot be scoped to one job.",
-        )
+        # No grant on jobs/ here: the agent's store credentials come from the store-credentials function URL,
+        # limited to its own job's prefix (infra/store_access.py).
         if storage.file_system is not None:
             self.job_role.add_to_principal_policy(
                 iam.PolicyStatement(

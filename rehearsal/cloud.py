@@ -7,6 +7,8 @@ real ASL). The rehearsal adds, in-process and only here:
   the scheduled rule fires on a compressed interval;
 - SSM Run Command: the document's agent command runs inside the target local VM, once that VM's
   SSM agent stand-in registered (rehearsal/ssm.py: SendCommand refuses others with InvalidInstanceId);
+- Lambda function URLs: the store-credentials URL (AuthType AWS_IAM) has a stand-in on the VMs' network that
+  knows the caller by its VM address (rehearsal/store_credentials.py) and calls the real handler;
 - EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
   instance state-change events are emitted as AWS emits them.
 """
@@ -39,9 +41,10 @@ from typing import Any
 import boto3
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
 from spotcr_functions import catalog, registry_schema
-from spotcr_functions.config import ENV, OPTIONAL_ENV
+from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 
 from rehearsal import ssm as local_ssm
+from rehearsal import store_credentials as local_store_credentials
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -104,6 +107,9 @@ class LocalCloud:
         self.vm_endpoint = ""  # the same server, where the VMs reach it: the host end of their network
         self.network: VmNetwork | None = None
         self._vm_listener: Any = None
+        self._store_credentials: Any = None
+        self.store_credentials_url = ""  # the store-credentials function URL stand-in, on the VMs' network
+        self.store_credentials_granted: dict[str, int] = {}  # instance id -> store sessions the URL vended to it
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
@@ -115,6 +121,8 @@ class LocalCloud:
             "state_machine": f"{PREFIX}-recovery",
             "topic": f"{PREFIX}-failures",
             "launch_template": f"{PREFIX}-job-vm",
+            "job_role": f"{PREFIX}-job",
+            "store_role": f"{PREFIX}-job-store",
         }
         self.settings_env: dict[str, str] = {}
         self._functions: dict[str, catalog.Function] = {}
@@ -157,6 +165,14 @@ class LocalCloud:
         self.network = VmNetwork.create()
         self._vm_listener = _listen_for_vms(self.network.gateway, port)
         self.vm_endpoint = f"http://{self.network.gateway}:{port}"
+        self._store_credentials = local_store_credentials.serve(
+            self.network.gateway,
+            account=ACCOUNT,
+            role_name=self.names["job_role"],
+            instance_at=self._instance_at,
+            handler=self._vend_store_credentials,
+        )
+        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
         reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
         urllib.request.urlopen(reset).close()  # noqa: S310 (http to the server just started)
@@ -198,6 +214,10 @@ class LocalCloud:
         self._stop.set()
         for vm in list(self.vms.values()):
             vm.terminate()
+        if self._store_credentials is not None:
+            self._store_credentials.shutdown()
+            self._store_credentials.server_close()
+            self._store_credentials = None
         if self._vm_listener is not None:
             self._vm_listener.shutdown()
             self._vm_listener.server_close()
@@ -282,6 +302,11 @@ class LocalCloud:
         role_arn = self.client("iam").create_role(
             RoleName=f"{PREFIX}-role", AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
         )["Role"]["Arn"]
+        iam = self.client("iam")
+        for name in (names["job_role"], names["store_role"]):
+            iam.create_role(
+                RoleName=name, AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
+            )
         state_machine_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{names['state_machine']}"
         settings = {
             "jobs_table": names["jobs_table"],
@@ -297,6 +322,8 @@ class LocalCloud:
             "status_document": document_names["status"],
         }
         self.settings_env = {ENV[key]: value for key, value in settings.items()}
+        self.settings_env[OPTIONAL_TEXT_ENV["store_role_arn"]] = f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}"
+        self.settings_env[OPTIONAL_TEXT_ENV["job_role_name"]] = names["job_role"]
         self.settings_env.update({OPTIONAL_ENV[key]: str(value) for key, value in self.workflow_waits.items()})
         self._set_env(self.settings_env)
         lambda_client = self.client("lambda")
@@ -609,6 +636,20 @@ class LocalCloud:
         vm.running_at = self.timeline.now()
         self.timeline.say(f"{vm.instance_id} running at {vm.address} (its own network, /tmp, /dev/shm and /proc)")
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "running"})
+
+    def _vend_store_credentials(self, event: dict[str, Any]) -> dict[str, Any]:
+        response: dict[str, Any] = self.call_handler(f"{PREFIX}-store-credentials", event)
+        if response.get("statusCode") == 200:
+            instance_id = event["requestContext"]["authorizer"]["iam"]["userArn"].rsplit("/", 1)[-1]
+            with self._lock:
+                self.store_credentials_granted[instance_id] = self.store_credentials_granted.get(instance_id, 0) + 1
+        return response
+
+    def _instance_at(self, address: str) -> str | None:
+        """The running local VM with this address on the bridge (each VM has its own)."""
+        with self._lock:
+            running = (vm for vm in self.vms.values() if vm.address == address and not vm.terminated)
+            return next((vm.instance_id for vm in running), None)
 
     def _terminated(self, backend: Any, instance_id: str) -> None:
         vm = self.vms.get(instance_id)

@@ -452,6 +452,8 @@ class Rehearsal:
         names = self.cloud.names
         asset_url = asset.publish(self.cloud.client("s3"), f"{names['checkpoint_bucket']}-assets")
         bootstrap = [agent, "bootstrap", "--bucket", names["checkpoint_bucket"], "--event-bus", names["event_bus_name"]]
+        # The agent's store credentials come from the store-credentials URL (here its stand-in), as on AWS.
+        bootstrap += ["--store-credentials-url", self.cloud.store_credentials_url]
         if self.options.storage == "efs":
             bootstrap += ["--efs-id", "fs-0rehearsal"]
         if self.options.storage == "fsx":

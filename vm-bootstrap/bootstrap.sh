@@ -13,6 +13,7 @@
 #   __SPOTCR_EFS_ID__            EFS file system id (efs storage)
 #   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
 #   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
+#   __SPOTCR_STORE_CREDENTIALS_URL__  function URL vending the job's own store credentials (jobs/<job>/ only)
 # The instance role needs s3:GetObject on the asset (and on a job spec), the store's S3 actions, events:PutEvents,
 # what SSM Agent needs for Run Command, and ssm:DescribeInstanceInformation (the readiness check).
 # Sourcing this file (tests) defines its functions and runs nothing.
@@ -24,6 +25,7 @@ EVENT_BUS="__SPOTCR_EVENT_BUS__"
 EFS_ID="__SPOTCR_EFS_ID__"
 FSX_DNS="__SPOTCR_FSX_DNS__"
 FSX_MOUNT_NAME="__SPOTCR_FSX_MOUNT_NAME__"
+STORE_CREDENTIALS_URL="__SPOTCR_STORE_CREDENTIALS_URL__"
 PREFIX=/opt/spotcr
 IMDS=${SPOTCR_IMDS_ENDPOINT:-http://169.254.169.254}
 EMPTY_SHA256=e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855
@@ -138,7 +140,7 @@ main() {
   say "reading the job, preparing its storage, waiting for SSM to reach this instance"
   # On failure the agent itself publishes BootstrapFailed with the step and reason.
   "$PREFIX/bin/spotcr-agent" bootstrap --bucket "$BUCKET" --event-bus "$EVENT_BUS" --efs-id "$EFS_ID" \
-    --fsx-dns "$FSX_DNS" --fsx-mount-name "$FSX_MOUNT_NAME"
+    --fsx-dns "$FSX_DNS" --fsx-mount-name "$FSX_MOUNT_NAME" --store-credentials-url "$STORE_CREDENTIALS_URL"
   done_step
 
   step="service"

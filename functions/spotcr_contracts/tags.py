@@ -40,6 +40,7 @@ MAX_FALLBACK_TYPES = 8
 MAX_TAG_VALUE = 256
 
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+JOB_NAME = _JOB_NAME  # a job name: safe as an S3 prefix and an STS session tag value
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")

@@ -29,6 +29,7 @@ EC2_VOLUMES = "ec2:volumes"  # attach, detach, snapshot, create and delete job v
 START_RECOVERY = "states:start-recovery"
 TASK_CALLBACK = "states:callback"
 PUBLISH_FAILURE = "sns:publish"
+STORE_CREDENTIALS = "sts:store-credentials"  # assume the store role for one job's prefix (session policy and tag)
 
 SCHEDULE_EVERY_MINUTES = 1
 
@@ -65,6 +66,7 @@ class Function:
     timeout_s: int = 30
     memory_mb: int = 256
     reserved_concurrency: bool = False  # the stack reserves some (a setting): a burst elsewhere cannot starve it
+    function_url: bool = False  # called by job VMs at its function URL (AuthType AWS_IAM), not by rules
     extra: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -236,6 +238,13 @@ FUNCTIONS: tuple[Function, ...] = (
         capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES),
         workflow_step=True,
         timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
+    ),
+    Function(
+        name="store-credentials",
+        handler="spotcr_functions.handlers.store_credentials.handler",
+        description="Function URL for job VMs: S3 credentials for the caller's own job prefix only.",
+        capabilities=(JOBS_READ, STORE_CREDENTIALS),
+        function_url=True,
     ),
 )
 

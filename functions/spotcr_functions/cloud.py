@@ -1,4 +1,5 @@
-"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions, SNS. Clients are lazy."""
+"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions, SNS, STS. Clients are
+lazy."""
 
 from __future__ import annotations
 
@@ -88,6 +89,28 @@ class Cloud:
     @cached_property
     def sns(self) -> Any:
         return self._client("sns")
+
+    @cached_property
+    def sts(self) -> Any:
+        return self._client("sts")
+
+    def assume_store_role(
+        self,
+        role_arn: str,
+        session_name: str,
+        policy: Mapping[str, Any],
+        session_tags: Mapping[str, str],
+        duration_s: int,
+    ) -> dict[str, Any]:
+        """Temporary credentials of the store role, narrowed by a session policy and session tags."""
+        response = self.sts.assume_role(
+            RoleArn=role_arn,
+            RoleSessionName=session_name,
+            Policy=json.dumps(policy, separators=(",", ":")),
+            Tags=[{"Key": key, "Value": value} for key, value in session_tags.items()],
+            DurationSeconds=duration_s,
+        )
+        return dict(response["Credentials"])
 
     def notify(self, topic_arn: str, subject: str, message: str) -> None:
         self.sns.publish(TopicArn=topic_arn, Subject=subject[:100], Message=message)

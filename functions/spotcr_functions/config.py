@@ -35,6 +35,8 @@ OPTIONAL_ENV = {
 OPTIONAL_TEXT_ENV = {
     "subnet_ids": "SPOTCR_SUBNET_IDS",  # comma list; empty: a backup may only launch in its job's own subnet
     "keep_finished_volumes": "SPOTCR_KEEP_FINISHED_VOLUMES",  # "true": a completed EBS job's volume is kept
+    "store_role_arn": "SPOTCR_STORE_ROLE_ARN",  # the role store-credentials assumes for one job's prefix
+    "job_role_name": "SPOTCR_JOB_ROLE_NAME",  # the job VMs' role: the only caller store-credentials answers
 }
 
 
@@ -59,6 +61,8 @@ class Settings:
     ebs_handover_s: int = 3600  # from the warning; a first snapshot of a large volume can take tens of minutes
     subnet_ids: tuple[str, ...] = ()
     keep_finished_volumes: bool = False
+    store_role_arn: str = ""
+    job_role_name: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -81,4 +85,6 @@ class Settings:
             **values,  # type: ignore[arg-type]
             subnet_ids=tuple(s.strip() for s in subnets.split(",") if s.strip()),
             keep_finished_volumes=keep == "true",
+            store_role_arn=environ.get(OPTIONAL_TEXT_ENV["store_role_arn"], ""),
+            job_role_name=environ.get(OPTIONAL_TEXT_ENV["job_role_name"], ""),
         )

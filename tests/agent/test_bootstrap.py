@@ -33,6 +33,7 @@ def _args(**overrides):
         "efs_id": "",
         "fsx_dns": "",
         "fsx_mount_name": "",
+        "store_credentials_url": "",
         "scratch_dir": "",
         "report_failure": "",
     }

@@ -16,6 +16,7 @@ PLACEHOLDERS = {
     "__SPOTCR_EFS_ID__",
     "__SPOTCR_FSX_DNS__",
     "__SPOTCR_FSX_MOUNT_NAME__",
+    "__SPOTCR_STORE_CREDENTIALS_URL__",
 }
 
 

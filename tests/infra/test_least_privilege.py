@@ -25,7 +25,13 @@ PACKAGE = REPO_ROOT / "functions" / "spotcr_functions"
 JOBS_TABLE = "arn:aws:dynamodb:eu-west-1:111122223333:table/jobs"
 IDEMPOTENCY_TABLE = "arn:aws:dynamodb:eu-west-1:111122223333:table/idem"
 # The adapters' boto3 clients: attribute of `self` -> (target, IAM service prefix).
-CLIENTS = {("Cloud", "ec2"): "ec2", ("Cloud", "ssm"): "ssm", ("Cloud", "sfn"): "states", ("Cloud", "sns"): "sns"}
+CLIENTS = {
+    ("Cloud", "ec2"): "ec2",
+    ("Cloud", "ssm"): "ssm",
+    ("Cloud", "sfn"): "states",
+    ("Cloud", "sns"): "sns",
+    ("Cloud", "sts"): "sts",
+}
 REGISTRY_TABLE = ("Registry", "table")
 # Calls that need more than their own action: IAM evaluates these too (tag-on-create, PassRole, the topic's key).
 IMPLIED = {
@@ -33,6 +39,7 @@ IMPLIED = {
     "ec2:CreateVolume": {"ec2:CreateTags"},
     "ec2:CreateSnapshot": {"ec2:CreateTags"},
     "sns:Publish": {"kms:GenerateDataKey", "kms:Decrypt"},
+    "sts:AssumeRole": {"sts:TagSession"},  # store_access passes the job as a session tag
 }
 # Waiters poll a Describe call.
 WAITERS = {"volume_available": "DescribeVolumes"}
@@ -183,6 +190,7 @@ def _targets() -> grants.GrantTargets:
         checkpoint_bucket_name="bucket",
         job_spec_buckets=(),
         stack=cdk.Stack(cdk.App()),
+        store_role_arn="arn:aws:iam::111122223333:role/store",
     )
 
 

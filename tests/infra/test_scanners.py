@@ -45,6 +45,15 @@ PARLIAMENT_ACKNOWLEDGED = {
     ("RESOURCE_MISMATCH", "states:SendTaskFailure"): "As for SendTaskSuccess.",
     ("RESOURCE_MISMATCH", "ssm:SendCommand"): "SendCommand is authorized on spotcr's documents and, under the "
     "ssm:resourceTag/spotcr:job condition, on job instances, in two statements; each alone lacks the other.",
+    (
+        "UNKNOWN_CONDITION_FOR_ACTION",
+        "Unknown condition lambda:InvokedViaFunctionUrl for action lambda:InvokeFunction",
+    ): (
+        "Lambda requires lambda:InvokeFunction besides lambda:InvokeFunctionUrl for function URLs created since "
+        "October 2025; lambda:InvokedViaFunctionUrl limits it to calls through the URL (CDK's grantInvokeUrl writes "
+        "it), so a job VM cannot invoke store-credentials directly with a forged event. Parliament's database "
+        "predates the key."
+    ),
     ("RESOURCE_MISMATCH", "ec2:RunInstances"): "RunInstances is authorized on the launch template unconditioned and "
     "on the resources it creates only under the ec2:LaunchTemplate condition, in two statements.",
 }

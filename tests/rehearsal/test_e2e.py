@@ -35,3 +35,7 @@ def test_a_job_interrupted_twice_ends_with_the_uninterrupted_result(storage, tmp
     instances = set(rehearsal.cloud.vms)
     assert {row["InstanceId"] for row in rehearsal.cloud.managed_instances.describe([])} == instances
     assert set(rehearsal.watcher.boot_to_ready_s) == instances
+    # And the agents' S3 credentials came from the store-credentials URL, for their own job only (on S3 storage
+    # every VM uses the store; on EBS only the VM where the job ends, to commit its result)
+    granted = set(rehearsal.cloud.store_credentials_granted)
+    assert granted == instances if storage == "s3" else granted and granted <= instances, granted

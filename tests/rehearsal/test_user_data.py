@@ -34,6 +34,7 @@ PLACEHOLDERS = [
     "__SPOTCR_EFS_ID__",
     "__SPOTCR_FSX_DNS__",
     "__SPOTCR_FSX_MOUNT_NAME__",
+    "__SPOTCR_STORE_CREDENTIALS_URL__",
 ]
 
 
@@ -85,6 +86,7 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
                 "__SPOTCR_EFS_ID__": "",
                 "__SPOTCR_FSX_DNS__": "",
                 "__SPOTCR_FSX_MOUNT_NAME__": "",
+                "__SPOTCR_STORE_CREDENTIALS_URL__": cloud.store_credentials_url,
             },
         )
     )

@@ -106,6 +106,7 @@ def _config(
         "efs_id": args.efs_id,
         "fsx_dns": args.fsx_dns,
         "fsx_mount_name": args.fsx_mount_name,
+        "store_credentials_url": args.store_credentials_url,
         "command": definition.command,
         "env": dict(definition.env),
         "interval_s": job.interval_s,

@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     bootstrap.add_argument("--efs-id", default="", help="EFS file system id (efs storage)")
     bootstrap.add_argument("--fsx-dns", default="", help="FSx for Lustre DNS name (fsx storage)")
     bootstrap.add_argument("--fsx-mount-name", default="", help="FSx for Lustre mount name (fsx storage)")
+    bootstrap.add_argument(
+        "--store-credentials-url", default="", help="function URL vending this job's own S3 store credentials"
+    )
     bootstrap.add_argument("--scratch-dir", default="", help="local dir for periodic dumps (default <state>/scratch)")
     bootstrap.add_argument("--report-failure", metavar="STEP", default="", help="only publish that STEP failed")
     bootstrap.add_argument(

@@ -53,6 +53,9 @@ class AgentConfig:
     efs_id: str = ""  # efs: file system id (fs-...)
     fsx_dns: str = ""  # fsx: file system DNS name
     fsx_mount_name: str = ""  # fsx: Lustre mount name
+    # Where the agent gets S3 credentials for jobs/<job>/ only (signed with the instance role); empty: the AWS
+    # environment's own credentials (an agent run by hand, tests).
+    store_credentials_url: str = ""
     final_dump: str = "stream"  # stream (store reads images as CRIU writes them) | dump-then-ship
     command: tuple[str, ...] = ()
     workdir: Path = Path()

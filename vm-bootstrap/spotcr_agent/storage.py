@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -10,7 +11,9 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from . import store_credentials
 from .config import AgentConfig
 from .store import CheckpointStore
 from .store.backends import Backend, S3Backend
@@ -46,10 +49,23 @@ def is_mount(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool
     return False
 
 
+@functools.cache
+def _store_session(url: str, job_id: str, region: str) -> Any:
+    return store_credentials.session(store_credentials.fetcher(url, job_id, region), region)
+
+
+def store_session(config: AgentConfig) -> Any:
+    """The boto3 session for the checkpoint bucket: the job's own vended credentials, or None for the AWS
+    environment's (no store-credentials URL configured)."""
+    if not config.store_credentials_url:
+        return None
+    return _store_session(config.store_credentials_url, config.job_id, config.region)
+
+
 def open_store(config: AgentConfig) -> CheckpointStore:
     """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
     if config.storage == "s3":
-        return CheckpointStore.for_s3(config.bucket, config.job_id, region=config.region)
+        return CheckpointStore.for_s3(config.bucket, config.job_id, region=config.region, session=store_session(config))
     if not is_mount(config.mount_point):
         raise StorageError(
             f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
@@ -62,7 +78,9 @@ def result_backend(config: AgentConfig, job_storage: Backend) -> Backend:
     (deleted with it unless kept); without a bucket (an agent run by hand), the job's own storage."""
     if config.storage == "s3" or not config.bucket:
         return job_storage
-    return S3Backend(config.bucket, region=config.region or None)
+    return S3Backend(
+        config.bucket, region=config.region or None, session=store_session(config), scope=f"jobs/{config.job_id}/"
+    )
 
 
 def find_ebs_device(volume_id: str, devices_dir: Path, wait_s: float = DEVICE_WAIT_S) -> Path:

@@ -187,10 +187,19 @@ class S3Backend:
     """Objects in an S3 bucket: one shared, lazily made client; SHA-256 checksums on put, checked on get."""
 
     def __init__(
-        self, bucket: str, max_connections: int = 32, region: str | None = None, client: S3Client | None = None
+        self,
+        bucket: str,
+        max_connections: int = 32,
+        region: str | None = None,
+        client: S3Client | None = None,
+        *,
+        session: Any = None,
+        scope: str = "",
     ) -> None:
         self.bucket = bucket
         self.region = region
+        self.scope = scope  # the prefix these credentials are limited to (jobs/<job>/); empty: the whole bucket
+        self._session = session
         self._max_connections = max_connections
         self._client = client
         self._lock = threading.Lock()
@@ -210,7 +219,7 @@ class S3Backend:
                         read_timeout=60,
                     )
                     # AWS_ENDPOINT_URL (and the region, unless given) come from the environment, as boto3 reads them.
-                    session = boto3.session.Session()
+                    session = self._session or boto3.session.Session()
                     self._client = session.client("s3", region_name=self.region or None, config=config)
         return self._client
 
@@ -219,7 +228,11 @@ class S3Backend:
 
     def check(self) -> None:
         try:
-            self.client.head_bucket(Bucket=self.bucket)
+            if self.scope:
+                # Credentials limited to one prefix may list only under it; HeadBucket would need the bucket.
+                self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.scope, MaxKeys=1)
+            else:
+                self.client.head_bucket(Bucket=self.bucket)
         except Exception as e:
             raise StoreUnavailable(f"S3 bucket {self.bucket} cannot be used: {_error_text(e)}") from e
 

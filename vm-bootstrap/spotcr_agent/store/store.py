@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import zstandard
 
@@ -119,9 +120,13 @@ class CheckpointStore:
         workers: int = 16,
         compression_level: int = 1,
         chunking: Chunking | None = None,
+        session: Any = None,
     ) -> CheckpointStore:
-        """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment."""
-        backend = S3Backend(bucket, max_connections=workers + 4, region=region or None)
+        """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment, and uses
+        `session` (a boto3 session, e.g. the job's vended store credentials) when given."""
+        backend = S3Backend(
+            bucket, max_connections=workers + 4, region=region or None, session=session, scope=f"jobs/{job_id}/"
+        )
         return cls(backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking)
 
     @classmethod

@@ -1,0 +1,142 @@
+"""Per-job store credentials: a job VM gets S3 credentials for its own job's prefix, and nothing else.
+
+The job VM calls the store-credentials function URL (AuthType AWS_IAM), signing with its instance role. Lambda
+verifies the signature and names the caller in the event: an instance profile session is
+`arn:aws:sts::<account>:assumed-role/<job role>/<instance id>`. The caller names its job (`?job=`); the job's
+record must name that instance as its current instance, its backup, or the instance whose interruption it is
+recovering from (that one still writes the final dump). Only then is the store role assumed for one hour (the
+role-chaining limit) with the job as session tag `SpotcrJob`, which the store role's policy uses as
+`jobs/${aws:PrincipalTag/SpotcrJob}/`, and with a session policy naming the same prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from spotcr_contracts import tags
+
+from spotcr_functions.deps import Deps
+from spotcr_functions.models import INSTANCE_ID_PATTERN, JobRecord, Status
+
+JOBS_PREFIX = "jobs/"
+SESSION_SECONDS = 3600  # role chaining (an instance role session assuming the store role) caps sessions at 1 hour
+OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
+LIST_ACTION = "s3:ListBucket"
+_ASSUMED_ROLE = re.compile(r"^arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=,.@-]{1,64})/([\w+=,.@-]{2,64})$")
+_INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
+ENDED = (Status.COMPLETED, Status.FAILED)
+# The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.
+SESSION_TAG = "SpotcrJob"
+
+
+class Refused(Exception):
+    """A request for store credentials that is not granted; `status` is the HTTP status the URL answers."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Caller:
+    partition: str
+    account: str
+    instance_id: str
+
+
+def caller_instance(user_arn: str | None, job_role_name: str) -> Caller:
+    """The instance behind an instance profile session of the job role; anything else is refused."""
+    if not user_arn:
+        raise Refused(403, "no IAM caller in the request: the function URL must use AuthType AWS_IAM")
+    match = _ASSUMED_ROLE.match(user_arn)
+    if match is None:
+        raise Refused(403, f"caller {user_arn[:200]} is not an assumed-role session")
+    partition, account, role, session = match.groups()
+    if role != job_role_name:
+        raise Refused(403, f"caller role {role} is not the job VMs' role {job_role_name}")
+    if not _INSTANCE_ID.match(session):
+        raise Refused(403, f"caller session {session} is not an instance profile session (an instance id)")
+    return Caller(partition, account, session)
+
+
+def check_job_name(job_id: str | None) -> str:
+    if not job_id:
+        raise Refused(400, "missing query parameter job: the job whose store credentials are wanted")
+    if not tags.JOB_NAME.match(job_id):
+        raise Refused(400, f"job {job_id[:80]!r} is not a job name (1-63 of a-z, 0-9 and '-')")
+    return job_id
+
+
+def instances_of(record: JobRecord) -> tuple[str, ...]:
+    """The instances that may hold the job: current, backup, and the one a recovery is moving it from."""
+    candidates = [record.instance_id, record.backup_instance_id]
+    if record.status == Status.RECOVERING:
+        candidates.append(record.recovering_from)
+    return tuple(instance for instance in candidates if instance)
+
+
+def authorize(record: JobRecord | None, job_id: str, instance_id: str) -> None:
+    if record is None:
+        raise Refused(404, f"unknown job {job_id}: it is not registered (yet)")
+    if record.status in ENDED:
+        raise Refused(403, f"job {job_id} has ended ({record.status.value}); its store is read by users, not VMs")
+    if instance_id not in instances_of(record):
+        raise Refused(403, f"instance {instance_id} is not running job {job_id}")
+
+
+def job_prefix(job_id: str) -> str:
+    return f"{JOBS_PREFIX}{job_id}/"
+
+
+def session_policy(partition: str, bucket: str, job_id: str) -> dict[str, Any]:
+    """The session policy: the job's objects, and listing only under the job's prefix."""
+    prefix = job_prefix(job_id)
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Action": list(OBJECT_ACTIONS),
+                "Resource": f"arn:{partition}:s3:::{bucket}/{prefix}*",
+            },
+            {
+                "Effect": "Allow",
+                "Action": LIST_ACTION,
+                "Resource": f"arn:{partition}:s3:::{bucket}",
+                "Condition": {"StringLike": {"s3:prefix": f"{prefix}*"}},
+            },
+        ],
+    }
+
+
+def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]:
+    """Credentials for the caller's job store, as the agent's credential provider reads them."""
+    settings = deps.settings
+    if not settings.store_role_arn or not settings.job_role_name:
+        raise RuntimeError("store credentials need SPOTCR_STORE_ROLE_ARN and SPOTCR_JOB_ROLE_NAME")
+    caller = caller_instance(user_arn, settings.job_role_name)
+    job = check_job_name(job_id)
+    authorize(deps.registry.get(job), job, caller.instance_id)
+    credentials = deps.cloud.assume_store_role(
+        role_arn=settings.store_role_arn,
+        session_name=caller.instance_id,
+        policy=session_policy(caller.partition, settings.checkpoint_bucket, job),
+        session_tags={SESSION_TAG: job},
+        duration_s=SESSION_SECONDS,
+    )
+    return {
+        "Version": 1,
+        "AccessKeyId": credentials["AccessKeyId"],
+        "SecretAccessKey": credentials["SecretAccessKey"],
+        "SessionToken": credentials["SessionToken"],
+        "Expiration": _iso(credentials["Expiration"]),
+        "Job": job,
+        "Prefix": job_prefix(job),
+    }
+
+
+def _iso(value: Any) -> str:
+    return value.isoformat().replace("+00:00", "Z") if hasattr(value, "isoformat") else str(value)

@@ -1,0 +1,162 @@
+"""The agent's store credentials: fetched signed from the store-credentials URL, used by the S3 store, refreshed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import boto3
+import pytest
+from botocore.credentials import Credentials
+from moto import mock_aws
+from spotcr_agent import storage, store_credentials
+from spotcr_agent.config import AgentConfig
+from spotcr_agent.store import CheckpointStore
+
+JOB = "render-42"
+URL = "https://abcdefg.lambda-url.us-east-1.on.aws/"
+
+
+def _answer(key: str, expires_in: timedelta, job: str = JOB) -> bytes:
+    expiry = (datetime.now(UTC) + expires_in).isoformat().replace("+00:00", "Z")
+    return json.dumps(
+        {
+            "AccessKeyId": key,
+            "SecretAccessKey": f"secret-{key}",
+            "SessionToken": f"token-{key}",
+            "Expiration": expiry,
+            "Job": job,
+            "Prefix": f"jobs/{job}/",
+        }
+    ).encode()
+
+
+class Url:
+    """The function URL as the agent sees it: a queue of (status, body) answers, and the requests it got."""
+
+    def __init__(self, *answers: tuple[int, bytes]) -> None:
+        self.answers = list(answers)
+        self.asked: list[str] = []
+        self.slept: list[float] = []
+
+    def get(self, url: str) -> tuple[int, bytes]:
+        self.asked.append(url)
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def fetcher(self, wait_s: float = 60.0) -> store_credentials.Fetch:
+        return store_credentials.fetcher(URL, JOB, "us-east-1", get=self.get, sleep=self.slept.append, wait_s=wait_s)
+
+
+def test_a_new_primary_asks_again_until_it_is_registered() -> None:
+    # Given a URL that does not know the job yet (404), then grants it
+    url = Url((404, b'{"error": "unknown job render-42"}'), (200, _answer("AKIDFIRST", timedelta(hours=1))))
+    # When the agent fetches
+    metadata = url.fetcher()()
+    # Then it waited once and got the job's credentials, asking for its own job by name
+    assert metadata["access_key"] == "AKIDFIRST"
+    assert url.slept == [1.0]
+    assert url.asked == [f"{URL}?job={JOB}"] * 2
+
+
+def test_a_refusal_that_lasts_names_the_reason() -> None:
+    url = Url((403, b'{"error": "instance i-0123 is not running job render-42"}'))
+    with pytest.raises(store_credentials.StoreCredentialsError, match=r"refused \(403\): instance i-0123 is not"):
+        url.fetcher(wait_s=10.0)()
+    assert sum(url.slept) <= 10.0
+
+
+@pytest.mark.parametrize(
+    "body", [b"not json", b"{}", _answer("AKIDOTHER", timedelta(hours=1), job="someone-else")], ids=str
+)
+def test_an_answer_that_is_not_this_jobs_credentials_is_an_error(body: bytes) -> None:
+    with pytest.raises(store_credentials.StoreCredentialsError, match=JOB):
+        Url((200, body)).fetcher()()
+
+
+def test_credentials_are_refreshed_before_they_expire() -> None:
+    # Given an answer expiring within botocore's mandatory refresh window (10 minutes), then a fresh one
+    url = Url((200, _answer("AKIDSHORT", timedelta(minutes=5))), (200, _answer("AKIDFRESH", timedelta(hours=1))))
+    credentials = store_credentials.session(url.fetcher()).get_credentials()
+    # When the session's credentials are used
+    frozen = credentials.get_frozen_credentials()
+    # Then they were fetched again before use, and are not fetched while fresh
+    assert frozen.access_key == "AKIDFRESH"
+    assert credentials.method == store_credentials.METHOD
+    assert len(url.asked) == 2
+    assert credentials.get_frozen_credentials().access_key == "AKIDFRESH"
+    assert len(url.asked) == 2
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Any:
+    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "instance-role")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "instance-role")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with mock_aws():
+        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="spotcr-checkpoints")
+        yield
+
+
+def test_the_s3_store_signs_with_the_vended_credentials_not_the_instance_role(moto_s3: None) -> None:
+    # Given a store opened with the vended session
+    url = Url((200, _answer("AKIDVENDED", timedelta(hours=1))))
+    store = CheckpointStore.for_s3(
+        "spotcr-checkpoints", JOB, region="us-east-1", session=store_credentials.session(url.fetcher(), "us-east-1")
+    )
+    signed_with: list[str] = []
+    store.backend.client.meta.events.register(  # type: ignore[attr-defined]
+        "before-send.s3", lambda request, **_: signed_with.append(request.headers["Authorization"].decode())
+    )
+    # When it checks the store and writes an object
+    store.check()
+    store.backend.put(f"jobs/{JOB}/probe", b"x")
+    # Then every request was signed with the vended key, and the check listed only the job's prefix
+    assert signed_with and all("Credential=AKIDVENDED/" in header for header in signed_with)
+    assert store.backend.scope == f"jobs/{JOB}/"  # type: ignore[attr-defined]
+
+
+def test_the_agent_uses_vended_credentials_when_its_config_names_the_url(moto_s3: None) -> None:
+    config = AgentConfig(job_id=JOB, instance_id="i-0123456789abcdef0", storage="s3", generation=0, bucket="b")
+    assert storage.store_session(config) is None  # no URL: the AWS environment's credentials (an agent run by hand)
+    with_url = dataclasses.replace(config, store_credentials_url=URL)
+    assert storage.store_session(with_url) is storage.store_session(with_url)  # one session (and fetch) per job
+
+
+def test_the_request_is_signed_with_sigv4_for_lambda() -> None:
+    # Given a local server standing in for the function URL
+    seen: dict[str, str] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.update({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+            body = _answer("AKIDSIGNED", timedelta(hours=1))
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            del format, args
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}/?job={JOB}"
+        signer = Credentials("ASIAINSTANCEROLE", "secret", "instance-token")
+        # When the agent asks with its instance role's credentials
+        status, _ = store_credentials.signed_get(address, "us-east-1", signer=signer)
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Then the request carries a SigV4 signature for the lambda service, with the session token
+    assert status == 200
+    assert seen["path"] == f"/?job={JOB}"
+    assert seen["authorization"].startswith("AWS4-HMAC-SHA256 Credential=ASIAINSTANCEROLE/")
+    assert "/us-east-1/lambda/aws4_request" in seen["authorization"]
+    assert seen["x-amz-security-token"] == "instance-token"

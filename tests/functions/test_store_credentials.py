@@ -1,0 +1,211 @@
+"""The store-credentials function URL: who gets S3 credentials for which job, and what the session may touch.
+
+Events are AWS's published function URL request (tests/events/function-url/), with the caller an instance
+profile session of the job role, as Lambda names it: arn:aws:sts::<account>:assumed-role/<role>/<instance id>.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from typing import Any
+
+import boto3
+import pytest
+from spotcr_contracts import tags as tag_names
+from spotcr_functions import store_access
+from spotcr_functions.cloud import Cloud
+from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.models import Status
+
+from tests.workflow.harness import ACCOUNT, EVENTS, REGION, ControlPlane, ec2_event, invoke_function, route
+
+SAMPLE = json.loads((EVENTS / "function-url" / "request-aws-iam.json").read_text())
+JOB_ROLE = "spotcr-JobRole-1A2B3C4D5E6F"
+STORE_ROLE_ARN = f"arn:aws:iam::{ACCOUNT}:role/spotcr-StoreRole-0F1E2D3C4B5A"
+BUCKET = "spotcr-checkpoints"
+
+
+@pytest.fixture
+def vending(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The stack's settings for store-credentials; returns the AssumeRole requests the function makes."""
+    monkeypatch.setenv(OPTIONAL_TEXT_ENV["store_role_arn"], STORE_ROLE_ARN)
+    monkeypatch.setenv(OPTIONAL_TEXT_ENV["job_role_name"], JOB_ROLE)
+    calls: list[dict[str, Any]] = []
+    original = Cloud.assume_store_role
+
+    def recorded(self: Cloud, **kwargs: Any) -> dict[str, Any]:
+        calls.append(kwargs)
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(Cloud, "assume_store_role", recorded)
+    return calls
+
+
+def request(job: str | None, user_arn: str | None) -> dict[str, Any]:
+    event = copy.deepcopy(SAMPLE)
+    event["rawQueryString"] = f"job={job}" if job is not None else ""
+    event["queryStringParameters"] = {"job": job} if job is not None else None
+    if user_arn is None:
+        event["requestContext"]["authorizer"] = None
+    else:
+        event["requestContext"]["authorizer"]["iam"]["userArn"] = user_arn
+    return event
+
+
+def instance_session(instance_id: str, role: str = JOB_ROLE) -> str:
+    return f"arn:aws:sts::{ACCOUNT}:assumed-role/{role}/{instance_id}"
+
+
+def answer(event: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    response = invoke_function("store-credentials", event)
+    return response["statusCode"], json.loads(response["body"])
+
+
+def registered_job(plane: ControlPlane, job: str = "render-42") -> str:
+    instance_id = plane.launch_job_instance({tag_names.JOB: job, tag_names.COMMAND: "/opt/job/run"})
+    route(ec2_event("state-change-running", instance_id))
+    assert plane.job(job).instance_id == instance_id
+    return instance_id
+
+
+def test_the_published_sample_parses_and_its_iam_user_caller_is_refused(vending: list[dict[str, Any]]) -> None:
+    # Given AWS's sample request as published: the caller is an IAM user, not an instance
+    status, body = answer(copy.deepcopy(SAMPLE))
+    # Then it is refused, naming why, and no role is assumed
+    assert status == 403
+    assert body["error"] == "caller arn:aws:iam::111122223333:user/example-user is not an assumed-role session"
+    assert vending == []
+
+
+def test_the_instance_running_a_job_gets_credentials_for_that_job_only(
+    plane: ControlPlane, vending: list[dict[str, Any]]
+) -> None:
+    # Given a registered job and a request signed by its instance's role session
+    instance_id = registered_job(plane)
+    # When its agent asks for the job's store credentials
+    status, body = answer(request("render-42", instance_session(instance_id)))
+    # Then it gets a session of the store role named after the instance, for jobs/render-42/ only
+    assert status == 200, body
+    assert {"AccessKeyId", "SecretAccessKey", "SessionToken", "Expiration"} <= set(body)
+    assert (body["Job"], body["Prefix"]) == ("render-42", "jobs/render-42/")
+    [call] = vending
+    assert call["role_arn"] == STORE_ROLE_ARN
+    assert call["session_name"] == instance_id
+    assert call["session_tags"] == {"SpotcrJob": "render-42"}
+    assert call["duration_s"] == 3600  # the role-chaining limit
+    assert call["policy"] == store_access.session_policy("aws", BUCKET, "render-42")
+    identity = boto3.client(
+        "sts",
+        region_name=REGION,
+        aws_access_key_id=body["AccessKeyId"],
+        aws_secret_access_key=body["SecretAccessKey"],
+        aws_session_token=body["SessionToken"],
+    ).get_caller_identity()
+    assert identity["Arn"].endswith(f":assumed-role/spotcr-StoreRole-0F1E2D3C4B5A/{instance_id}")
+
+
+def test_the_session_policy_names_only_the_jobs_prefix() -> None:
+    policy = store_access.session_policy("aws", BUCKET, "render-42")
+    objects, listing = policy["Statement"]
+    assert objects == {
+        "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+        "Resource": "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/*",
+    }
+    assert listing == {
+        "Effect": "Allow",
+        "Action": "s3:ListBucket",
+        "Resource": "arn:aws:s3:::spotcr-checkpoints",
+        "Condition": {"StringLike": {"s3:prefix": "jobs/render-42/*"}},
+    }
+
+
+MALFORMED_CALLERS = {
+    "no IAM authorizer (AuthType NONE)": (None, "no IAM caller in the request"),
+    "another role": (instance_session("i-0123456789abcdef0", role="Admin"), "is not the job VMs' role"),
+    "a session not named by EC2": (instance_session("alice"), "is not an instance profile session"),
+    "a federated user": (f"arn:aws:sts::{ACCOUNT}:federated-user/bob", "is not an assumed-role session"),
+    "a role ARN with a path trick": (f"arn:aws:sts::{ACCOUNT}:assumed-role/{JOB_ROLE}/i-0123/x", "not an assumed"),
+}
+
+
+@pytest.mark.parametrize("caller", MALFORMED_CALLERS.values(), ids=MALFORMED_CALLERS.keys())
+def test_callers_other_than_a_job_instance_are_refused(
+    plane: ControlPlane, vending: list[dict[str, Any]], caller: tuple[str | None, str]
+) -> None:
+    registered_job(plane)
+    user_arn, reason = caller
+    status, body = answer(request("render-42", user_arn))
+    assert status == 403
+    assert reason in body["error"]
+    assert vending == []
+
+
+def test_an_unknown_job_is_refused_with_404_so_a_new_primary_asks_again(
+    plane: ControlPlane, vending: list[dict[str, Any]]
+) -> None:
+    status, body = answer(request("never-registered", instance_session("i-0123456789abcdef0")))
+    assert (status, body["error"]) == (404, "unknown job never-registered: it is not registered (yet)")
+    assert vending == []
+
+
+def test_an_instance_not_running_the_job_is_refused(plane: ControlPlane, vending: list[dict[str, Any]]) -> None:
+    # Given two jobs, each on its own instance
+    registered_job(plane, "render-42")
+    other = registered_job(plane, "render-43")
+    # When the instance of render-43 asks for render-42's store
+    status, body = answer(request("render-42", instance_session(other)))
+    # Then it is refused
+    assert (status, body["error"]) == (403, f"instance {other} is not running job render-42")
+    assert vending == []
+
+
+@pytest.mark.parametrize("job", ["", "Render_42", "a" * 64, "../other", "render-42/*"])
+def test_a_job_that_is_no_job_name_is_refused(plane: ControlPlane, vending: list[dict[str, Any]], job: str) -> None:
+    instance_id = registered_job(plane)
+    status, body = answer(request(job, instance_session(instance_id)))
+    assert status == 400
+    assert "job" in body["error"]
+    assert vending == []
+
+
+def test_an_ended_job_gets_no_credentials(plane: ControlPlane, vending: list[dict[str, Any]]) -> None:
+    instance_id = registered_job(plane)
+    boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs").update_item(
+        Key={"job_id": "render-42"},
+        UpdateExpression="SET #s = :s",
+        ExpressionAttributeNames={"#s": "status"},
+        ExpressionAttributeValues={":s": "COMPLETED"},
+    )
+    status, body = answer(request("render-42", instance_session(instance_id)))
+    assert (status, body["error"]) == (403, "job render-42 has ended (COMPLETED); its store is read by users, not VMs")
+
+
+def test_a_backup_and_the_interrupted_instance_may_hold_the_job_while_it_recovers(plane: ControlPlane) -> None:
+    # Given a job whose record, during a recovery, names its interrupted instance and its backup
+    instance_id = registered_job(plane)
+    recovering = dataclasses.replace(
+        plane.job("render-42"),
+        status=Status.RECOVERING,
+        recovering_from=instance_id,
+        backup_instance_id="i-0bbbbbbbbbbbbbbb1",
+    )
+    # Then both may hold it (the interrupted one writes the final dump), and no other instance
+    store_access.authorize(recovering, "render-42", instance_id)
+    store_access.authorize(recovering, "render-42", "i-0bbbbbbbbbbbbbbb1")
+    with pytest.raises(store_access.Refused, match="is not running job"):
+        store_access.authorize(recovering, "render-42", "i-0ccccccccccccccc2")
+    # And once the recovery is over, the interrupted instance no longer may
+    finished = dataclasses.replace(
+        recovering, status=Status.RUNNING, instance_id="i-0bbbbbbbbbbbbbbb1", backup_instance_id=None
+    )
+    with pytest.raises(store_access.Refused, match="is not running job"):
+        store_access.authorize(finished, "render-42", instance_id)
+
+
+def test_a_request_that_is_no_function_url_event_is_answered_400(vending: list[dict[str, Any]]) -> None:
+    response = invoke_function("store-credentials", {"detail-type": "EC2 Instance State-change Notification"})
+    assert response["statusCode"] == 400
+    assert vending == []

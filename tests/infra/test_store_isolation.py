@@ -1,0 +1,185 @@
+"""Per-job isolation in the checkpoint bucket, read from the synthesized template and evaluated.
+
+The job VMs' role holds nothing under jobs/; the store role allows only jobs/${aws:PrincipalTag/SpotcrJob}/,
+only the store-credentials function may assume it, and only through its function URL may a job VM call that.
+A small evaluator (Allow statements, `*`/`?` wildcards, policy variables, StringLike/StringEquals/Bool; a missing
+key or variable matches nothing, as IAM evaluates them) checks what a vended session may touch: the role's
+policy and the session policy store_access.session_policy, each alone and together.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pytest
+from spotcr_functions import store_access
+
+from tests.infra.conftest import Synth
+
+BUCKET = "spotcr-checkpoints"
+BUCKET_ARN = f"arn:aws:s3:::{BUCKET}"
+OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
+VARIABLE = re.compile(r"\$\{([^}]+)\}")
+
+
+def _join(value: Any, resources: Mapping[str, Any]) -> Any:
+    """Intrinsics resolved: the checkpoint bucket's Arn is BUCKET_ARN, other references keep their logical id."""
+    if isinstance(value, list):
+        return [_join(v, resources) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "Fn::Join" in value:
+        delimiter, items = value["Fn::Join"]
+        return delimiter.join(str(_join(item, resources)) for item in items)
+    if "Fn::GetAtt" in value:
+        logical_id, attribute = value["Fn::GetAtt"]
+        if resources[logical_id]["Type"] == "AWS::S3::Bucket" and logical_id.startswith("StorageCheckpoints"):
+            return BUCKET_ARN
+        return f"<{logical_id}.{attribute}>"
+    if "Ref" in value:
+        return {"AWS::Partition": "aws"}.get(value["Ref"], f"<{value['Ref']}>")
+    return {k: _join(v, resources) for k, v in value.items()}
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _like(pattern: str, value: str, context: Mapping[str, str]) -> bool:
+    missing = [name for name in VARIABLE.findall(pattern) if name not in context]
+    if missing:
+        return False
+    resolved = VARIABLE.sub(lambda m: context[m.group(1)].replace("*", "[*]").replace("?", "[?]"), pattern)
+    return fnmatch.fnmatchcase(value, resolved)
+
+
+def _conditions_hold(conditions: Mapping[str, Mapping[str, Any]], context: Mapping[str, str]) -> bool:
+    for operator, tests in conditions.items():
+        for key, expected in tests.items():
+            if key not in context:
+                return False
+            value = context[key]
+            if operator == "StringLike" and not any(_like(str(p), value, context) for p in _listed(expected)):
+                return False
+            if operator == "StringEquals" and value not in [str(e) for e in _listed(expected)]:
+                return False
+            if operator == "Bool" and value.lower() not in [str(e).lower() for e in _listed(expected)]:
+                return False
+            if operator not in ("StringLike", "StringEquals", "Bool"):
+                raise AssertionError(f"the evaluator does not know {operator}")
+    return True
+
+
+def allows(statements: Iterable[Mapping[str, Any]], action: str, resource: str, context: Mapping[str, str]) -> bool:
+    for statement in statements:
+        assert statement["Effect"] == "Allow", "these policies have no Deny"
+        if not any(fnmatch.fnmatchcase(action, a) for a in _listed(statement["Action"])):
+            continue
+        if not any(_like(r, resource, context) for r in _listed(statement["Resource"])):
+            continue
+        if _conditions_hold(statement.get("Condition", {}), context):
+            return True
+    return False
+
+
+def _policies_of(synth: Synth, role_prefix: str) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    resources = synth.resources
+    [role_id] = [k for k, v in resources.items() if v["Type"] == "AWS::IAM::Role" and k.startswith(role_prefix)]
+    statements = [
+        statement
+        for policy in resources.values()
+        if policy["Type"] == "AWS::IAM::Policy" and {"Ref": role_id} in policy["Properties"]["Roles"]
+        for statement in _join(policy["Properties"]["PolicyDocument"], resources)["Statement"]
+    ]
+    return role_id, resources[role_id]["Properties"], statements
+
+
+def _session(job: str | None, prefix: str | None = None) -> dict[str, str]:
+    context = {} if job is None else {f"aws:PrincipalTag/{store_access.SESSION_TAG}": job}
+    if prefix is not None:
+        context["s3:prefix"] = prefix
+    return context
+
+
+@pytest.fixture(scope="module")
+def store_role(default_synth: Synth) -> list[dict[str, Any]]:
+    return _policies_of(default_synth, "StoreAccessStoreRole")[2]
+
+
+OWN = [f"{BUCKET_ARN}/jobs/render-42/checkpoints/c1.json", f"{BUCKET_ARN}/jobs/render-42/chunks/ab/abcd"]
+OTHERS = [
+    f"{BUCKET_ARN}/jobs/render-43/checkpoints/c1.json",  # another job
+    f"{BUCKET_ARN}/jobs/render-42-evil/chunks/ab/abcd",  # a job whose name starts with this one's
+    f"{BUCKET_ARN}/jobs/render-4/x",
+    f"{BUCKET_ARN}/specs/render-42.json",
+    f"{BUCKET_ARN}/jobs/render-42",  # not under the prefix
+    "arn:aws:s3:::another-bucket/jobs/render-42/x",
+]
+
+
+def _both(store_role: list[dict[str, Any]], action: str, resource: str, context: Mapping[str, str]) -> bool:
+    session = store_access.session_policy("aws", BUCKET, "render-42")["Statement"]
+    return allows(store_role, action, resource, context) and allows(session, action, resource, context)
+
+
+@pytest.mark.parametrize("action", OBJECT_ACTIONS)
+def test_a_vended_session_touches_its_own_jobs_objects_only(store_role: list[dict[str, Any]], action: str) -> None:
+    session = store_access.session_policy("aws", BUCKET, "render-42")["Statement"]
+    for resource in OWN:
+        assert allows(store_role, action, resource, _session("render-42")), resource
+        assert _both(store_role, action, resource, _session("render-42")), resource
+    for resource in OTHERS:
+        # Each policy alone already refuses: the role's by the session tag, the session policy by its prefix
+        assert not allows(store_role, action, resource, _session("render-42")), resource
+        assert not allows(session, action, resource, {}), resource
+
+
+def test_a_session_without_the_job_tag_touches_nothing(store_role: list[dict[str, Any]]) -> None:
+    for action in OBJECT_ACTIONS:
+        for resource in OWN + OTHERS:
+            assert not allows(store_role, action, resource, _session(None))
+    assert not allows(store_role, "s3:ListBucket", BUCKET_ARN, _session(None, "jobs/render-42/"))
+
+
+def test_listing_is_limited_to_the_jobs_prefix(store_role: list[dict[str, Any]]) -> None:
+    for prefix in ("jobs/render-42/", "jobs/render-42/chunks/"):
+        assert _both(store_role, "s3:ListBucket", BUCKET_ARN, _session("render-42", prefix)), prefix
+    for prefix in ("jobs/render-43/", "jobs/", "", "jobs/render-42-evil/", "specs/"):
+        assert not allows(store_role, "s3:ListBucket", BUCKET_ARN, _session("render-42", prefix)), prefix
+    # A listing without a prefix (the whole bucket) has no s3:prefix key: refused
+    assert not allows(store_role, "s3:ListBucket", BUCKET_ARN, _session("render-42"))
+
+
+def test_the_store_role_grants_nothing_else(store_role: list[dict[str, Any]]) -> None:
+    actions = {action for statement in store_role for action in _listed(statement["Action"])}
+    assert actions == {*OBJECT_ACTIONS, "s3:ListBucket"}
+
+
+def test_only_the_store_credentials_function_may_assume_the_store_role(default_synth: Synth) -> None:
+    _, properties, _ = _policies_of(default_synth, "StoreAccessStoreRole")
+    [trust] = properties["AssumeRolePolicyDocument"]["Statement"]
+    assert sorted(_listed(trust["Action"])) == ["sts:AssumeRole", "sts:TagSession"]
+    principal, attribute = trust["Principal"]["AWS"]["Fn::GetAtt"]
+    assert (attribute, default_synth.resources[principal]["Type"]) == ("Arn", "AWS::IAM::Role")
+    assert principal.startswith("FunctionsstorecredentialsRole")
+    assert properties["MaxSessionDuration"] == 3600
+
+
+def test_the_job_role_holds_nothing_under_jobs_and_calls_the_url_only_through_it(default_synth: Synth) -> None:
+    _, _, statements = _policies_of(default_synth, "VmLaunchJobRole")
+    for resource in OWN + OTHERS[:3]:
+        for action in (*OBJECT_ACTIONS, "s3:ListBucket"):
+            assert not allows(statements, action, resource, {}), (action, resource)
+    assert not allows(statements, "s3:ListBucket", BUCKET_ARN, {"s3:prefix": "jobs/render-42/"})
+    url_call = {"lambda:FunctionUrlAuthType": "AWS_IAM", "lambda:InvokedViaFunctionUrl": "true"}
+    [function_id] = [k for k in default_synth.of_type("AWS::Lambda::Function") if k.startswith("Functionsstorecred")]
+    function = f"<{function_id}.Arn>"
+    assert allows(statements, "lambda:InvokeFunctionUrl", function, url_call)
+    assert allows(statements, "lambda:InvokeFunction", function, url_call)
+    # A direct Invoke (not through the URL, so with an event the caller wrote) is not allowed
+    assert not allows(statements, "lambda:InvokeFunction", function, {"lambda:InvokedViaFunctionUrl": "false"})
+    [url] = default_synth.of_type("AWS::Lambda::Url").values()
+    assert url["Properties"]["AuthType"] == "AWS_IAM"
