@@ -38,7 +38,7 @@ def test_each_checkpoint_reports_how_it_was_dumped(bare_vm, storage):
     completed = {e["kind"]: e["memory_tracking"] for e in job.events("CheckpointCompleted")}
     assert completed == {"periodic": periodic["memory_tracking"], "final": final["memory_tracking"]}
     if _kernel_tracks():
-        assert periodic["memory_tracking"].startswith("incremental: pre-dump, then dump")
+        assert periodic["memory_tracking"].startswith("incremental: pre-dump (frozen ")
         assert final["memory_tracking"].startswith("incremental: dump on 2 parent image dirs")
     else:
         for how in completed.values():
