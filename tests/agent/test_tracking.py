@@ -187,6 +187,18 @@ def test_a_failed_dump_after_a_pre_dump_discards_the_chain(tmp_path, job):
     assert again.checkpoint_id != first.checkpoint_id
 
 
+def test_a_failed_pre_dump_falls_back_to_a_full_periodic_dump_and_says_why(tmp_path, job):
+    cp = checkpointer(tmp_path, job)
+    criu = cast(ChainCriu, cp.criu)
+    criu.fail = "pre-dump"
+    outcome = cp.checkpoint("periodic", 1)
+    # Then the checkpoint is a full dump (no parent), committed, and the outcome names the cause
+    assert criu.calls[-1] == ("dump", "images", None)
+    assert outcome.memory_tracking == "full dump: the pre-dump failed (the stand-in fails here)"
+    assert cast(CheckpointStore, cp.store).checkpoint_ids() == [outcome.checkpoint_id]
+    assert chain_dirs(cp) == []
+
+
 def test_a_final_dump_without_a_usable_chain_is_a_full_dump_and_says_why(tmp_path, job):
     # Given a chain whose top is no longer the job's newest checkpoint (another was committed, e.g. restored)
     cp = checkpointer(tmp_path, job)

@@ -197,7 +197,12 @@ class Checkpointer:
         tracked, why = self._tracking()
         with _scratch(self.scratch_dir / checkpoint) as scratch:
             if tracked:
-                return self._periodic_tracked(scratch, checkpoint, generation, why)
+                try:
+                    return self._periodic_tracked(scratch, checkpoint, generation, why)
+                except _PreDumpFailed as failed:
+                    # Nothing was frozen for long, nothing committed: this checkpoint is a full dump instead.
+                    log.warning("memory tracking: the pre-dump failed, taking a full dump: %s", failed.error)
+                    why = f"the pre-dump failed ({failed.error})"
             outcome = self._periodic_into(scratch, checkpoint, generation)
         return dataclasses.replace(outcome, memory_tracking=f"full dump: {why}")
 
@@ -246,7 +251,7 @@ class Checkpointer:
         try:
             pre_frozen = _frozen(logs, self.criu.pre_dump(pid, pre, logs, prev_images_dir=prev))
         except CriuError as error:
-            raise CheckpointError.of(error, logs / "pre-dump.log") from error
+            raise _PreDumpFailed(error.reason) from error
         with self._at_freeze(scratch, pid, snapshot=scratch / "workdir") as at_freeze:
             try:
                 dump_wall = self.criu.dump(
@@ -568,6 +573,14 @@ def _scratch(path: Path) -> Iterator[Path]:
             shutil.rmtree(path / name, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+class _PreDumpFailed(Exception):
+    """CRIU's pre-dump failed: the periodic checkpoint falls back to a full dump."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def _inheriting(inherited: Mapping[str, tuple[str, Path]]) -> dict[str, Any]:
