@@ -38,6 +38,7 @@ class ChainCriu:
     def _write(self, action: str, images: Path, prev: Path | None) -> None:
         self.calls.append((action, images.name, None if prev is None else str(prev)))
         if self.fail == action:
+            self.fail = None
             raise CriuError(action, "the stand-in fails here")
         images.mkdir(parents=True, exist_ok=True)
         (images / "pages-1.img").write_bytes(os.urandom(PAGES))
@@ -64,12 +65,16 @@ class ChainCriu:
 
     def start_dump(self, argv):
         _, images, prev, script = argv
-        self._write("final", Path(images), Path(prev) if prev else None)
+        try:
+            self._write("final", Path(images), Path(prev) if prev else None)
+        except CriuError:
+            return subprocess.Popen(["false"])
         self._post_dump(Path(script))
         return subprocess.Popen(["true"])
 
     def finish_dump(self, process, logs):
-        process.wait()
+        if process.wait() != 0:
+            raise CriuError("dump", "the stand-in fails here", "", "Error (stand-in): the stand-in fails here")
 
 
 @pytest.fixture
@@ -197,6 +202,23 @@ def test_a_failed_pre_dump_falls_back_to_a_full_periodic_dump_and_says_why(tmp_p
     assert outcome.memory_tracking == "full dump: the pre-dump failed (the stand-in fails here)"
     assert cast(CheckpointStore, cp.store).checkpoint_ids() == [outcome.checkpoint_id]
     assert chain_dirs(cp) == []
+
+
+def test_a_failed_incremental_final_dump_is_taken_again_in_full(tmp_path, job):
+    cp = checkpointer(tmp_path, job)
+    criu = cast(ChainCriu, cp.criu)
+    periodic = cp.checkpoint("periodic", 1)
+    criu.fail = "final"
+    final = cp.checkpoint("final", 1)
+    # Then CRIU ran twice: on the chain (failed), then without a parent; the outcome says why
+    assert criu.calls[-2:] == [
+        ("final", "images", f"../../chain/{periodic.checkpoint_id}.dump"),
+        ("final", "images", None),
+    ]
+    assert final.memory_tracking.startswith("full dump: the incremental dump failed (")
+    store = cast(CheckpointStore, cp.store)
+    assert store.checkpoint_ids() == [final.checkpoint_id, periodic.checkpoint_id]
+    assert not any(f.path.startswith("images/parent/") for f in store.load(final.checkpoint_id).files)
 
 
 def test_a_final_dump_without_a_usable_chain_is_a_full_dump_and_says_why(tmp_path, job):

@@ -350,8 +350,16 @@ class Checkpointer:
         checkpoint = self._new_id(generation, "final")
         tracked, why = self._tracking()
         try:
-            with _scratch(self.scratch_dir / checkpoint) as scratch:
-                return self._take_final_into(scratch, checkpoint, generation, tracked, why)
+            try:
+                with _scratch(self.scratch_dir / checkpoint) as scratch:
+                    return self._take_final_into(scratch, checkpoint, generation, tracked, why)
+            except _IncrementalFailed as failed:
+                # CRIU resumed the job: a full dump does not depend on the chain, whatever was wrong with it.
+                log.warning("the incremental final dump failed, taking a full one: %s", failed.error)
+                tracking.discard(self.scratch_dir)
+                why = f"the incremental dump failed ({failed.error})"
+                with _scratch(self.scratch_dir / checkpoint) as scratch:
+                    return self._take_final_into(scratch, checkpoint, generation, False, why)
         finally:
             if tracked:  # the job is stopped, or its dump failed with the kernel's dirty bits in doubt
                 tracking.discard(self.scratch_dir)
@@ -387,9 +395,14 @@ class Checkpointer:
                 )
                 dump = self.criu.start_dump(argv)
                 extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
-                result, frozen = self._ship_final(
-                    dump, meta, extra, started=started, at_freeze=at_freeze, inherited=inherited
-                )
+                try:
+                    result, frozen = self._ship_final(
+                        dump, meta, extra, started=started, at_freeze=at_freeze, inherited=inherited
+                    )
+                except CheckpointError as error:
+                    if base is not None and error.log:  # CRIU failed (its log came with it), not the store
+                        raise _IncrementalFailed(error) from error
+                    raise
         outcome = self._committed(meta, result, time.monotonic() - started, frozen)
         return dataclasses.replace(outcome, memory_tracking=how)
 
@@ -580,6 +593,14 @@ class _PreDumpFailed(Exception):
 
     def __init__(self, error: str) -> None:
         super().__init__(error)
+        self.error = error
+
+
+class _IncrementalFailed(Exception):
+    """CRIU failed the incremental final dump: the final dump is taken again, in full."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
         self.error = error
 
 
