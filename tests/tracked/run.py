@@ -1,8 +1,8 @@
 """The tracked path in the Debian-kernel VM, from this machine: boot it, run guest_run.py, read what it saw.
 
-`python -m tests.tracked.run` also writes the figures to bench/results/tracked-vm.{json,md}: how long the job was
-frozen and how many page bytes CRIU wrote, for a full dump against a tracked periodic checkpoint and an incremental
-final dump, measured inside the VM (software emulation: compare ratios, not absolutes).
+`python -m tests.tracked.run [MEGABYTES]` also writes the figures to bench/results/tracked-vm-<MEGABYTES>mib.json
+and .md: how long the job was frozen and how many page bytes CRIU wrote, for a full dump against a tracked periodic
+checkpoint and an incremental final dump, measured inside the VM (software emulation: compare ratios, not absolutes).
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ RESULTS = ROOT / "bench" / "results"
 MiB = 1 << 20
 
 
-def run_in_vm(share: Path, megabytes: int = MEGABYTES, steps: int = STEPS) -> tuple[dict[str, Any], vm.VMResult]:
+def run_in_vm(
+    share: Path, megabytes: int = MEGABYTES, steps: int = STEPS, memory_mb: int = 1536
+) -> tuple[dict[str, Any], vm.VMResult]:
     """Run guest_run.py in the VM; its JSON document and the VM's run."""
     python = ROOT / ".venv" / "bin" / "python"
     path = f"{ROOT}:{ROOT / 'functions'}:{ROOT / 'vm-bootstrap'}"
     out = f"{vm.GUEST_SHARE}/result.json"
     command = f"PYTHONPATH={path} exec {python} -m tests.tracked.guest_run {out} {megabytes} {steps}"
     (share / "result.json").unlink(missing_ok=True)
-    result = vm.run(command, share, cwd=ROOT, timeout=540)
+    result = vm.run(command, share, cwd=ROOT, memory_mb=memory_mb, timeout=780)
     found = share / "result.json"
     document = json.loads(found.read_text()) if found.exists() else {"error": "the guest wrote no result"}
     return document, result
@@ -100,19 +102,21 @@ def markdown(document: dict[str, Any], found: dict[str, Any], machine: dict[str,
             "dump stops the job: its freeze runs until CRIU exits. The final dump, restored after the VM was lost, "
             f"gave the uninterrupted run's output (restore {found['restore_seconds']:.1f} s).",
             f"Measured {machine['at']} on {machine['cpus']} cores ({machine['host_kernel']}), guest: 2 vCPUs, "
-            "`python -m tests.tracked.run`.",
+            f"{machine['guest_memory_mb']} MiB, `python -m tests.tracked.run {document['megabytes']}`.",
             "",
         ]
     )
 
 
-def main() -> int:
+def main(megabytes: int) -> int:
+    # The guest holds the job, its chain of image directories and the store in its RAM: room for all three.
+    memory_mb = max(1536, 1024 + megabytes * 6)
     with tempfile.TemporaryDirectory() as tmp:
-        document, run = run_in_vm(Path(tmp) / "share")
+        document, run = run_in_vm(Path(tmp) / "share", megabytes, memory_mb=memory_mb)
         if "error" in document:
             print(document.get("traceback") or document["error"], run.output[-4000:], run.serial[-2000:], sep="\n")
             return 1
-        expected = reference(Path(tmp) / "reference")
+        expected = reference(Path(tmp) / "reference", megabytes)
     if document["restored"] != expected:
         print("the restored job's output differs from an uninterrupted run's")
         return 1
@@ -122,16 +126,18 @@ def main() -> int:
         "host_kernel": os.uname().release,
         "guest_kernel": document["kernel"],
         "vm_seconds": round(run.seconds, 1),
+        "guest_memory_mb": memory_mb,
     }
     found = figures(document)
     record = {"benchmark": "tracked-vm", "machine": machine, "megabytes": document["megabytes"], **found}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tracked-vm.json").write_text(json.dumps(record, indent=2) + "\n")
+    name = f"tracked-vm-{document['megabytes']}mib"
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     text = markdown(document, found, machine)
-    (RESULTS / "tracked-vm.md").write_text(text)
+    (RESULTS / f"{name}.md").write_text(text)
     print(text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else MEGABYTES))

@@ -5,7 +5,8 @@ import pytest
 
 from . import run, vm
 
-pytestmark = pytest.mark.tracked
+# Boot and run take about 4 minutes on 2 loaded cores; the module's first test pays for them.
+pytestmark = [pytest.mark.tracked, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -203,8 +203,11 @@ def run(
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            pass
+        finally:  # also when the test is interrupted: never leave the VM running
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     seconds = time.monotonic() - started
     rc_file = share / "rc"
     rc = int(rc_file.read_text().strip()) if rc_file.is_file() and rc_file.read_text().strip() else None
