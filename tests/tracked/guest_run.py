@@ -23,7 +23,9 @@ from spotcr_agent.config import AgentConfig
 from spotcr_agent.criu import MEM_DIRTY_TRACK, Criu
 from spotcr_agent.store import CheckpointStore
 
-ROOT = Path("/tmp/tracked")
+# Outside the VM-local dirs (/tmp, /var/tmp, /dev/shm), which the agent carries whole with every checkpoint: the
+# store, the agent's state and the work dir are on the job's storage or the agent's own on a real VM.
+ROOT = Path("/run/spotcr-tracked")
 JOB = Path(__file__).with_name("jobs") / "dirty.py"
 HOT_PERCENT = 5
 

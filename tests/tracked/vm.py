@@ -4,7 +4,9 @@ These machines' kernel has no soft-dirty tracking and their /dev/kvm (kvm_pvm) c
 the VM runs under QEMU's software emulation (about 12x slower than native: compare ratios, not absolutes). It
 has no disk: a small initramfs (static busybox and the virtio/9p modules) mounts this machine's root filesystem
 read-only over virtio-9p and switches to it, so the guest runs the host's CRIU, Python and this checkout. A
-second, read-write 9p share (`share`) carries the command in and its output out. tests/tracked/install-deps.sh
+second, read-write 9p share (`share`) carries the command in and its output out. As on a fresh EC2 VM, /tmp,
+/var/tmp, /run and /dev/shm start empty (tmpfs): the agent carries what the job keeps there, so the guest must
+not see this machine's. tests/tracked/install-deps.sh
 installs QEMU and downloads the kernel (`make test` runs it first); see /work/shared/kvm-vm-notes.md.
 """
 
@@ -48,6 +50,7 @@ for m in {" ".join(m.rsplit("/", 1)[1] for m in INITRD_MODULES)}; do
 done
 for i in 1 2 3 4 5 6 7 8 9 10; do mount -t 9p -o ro,cache=loose,{NINEP} hostroot /newroot && break; sleep 0.2; done
 mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
+mount -t tmpfs -o mode=1777 tmpfs /newroot/var/tmp
 mount -t tmpfs -o mode=755 tmpfs /newroot/run
 mkdir -p /newroot{GUEST_SHARE}; mount -t 9p -o {NINEP} {SHARE_TAG} /newroot{GUEST_SHARE}
 for d in proc sys dev; do mount --move /$d /newroot/$d; done
