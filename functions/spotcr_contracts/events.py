@@ -77,6 +77,7 @@ class CheckpointCompleted(AgentEvent):
     frozen_seconds: float = 0.0
     bytes_total: int = 0  # image bytes described by the manifest
     bytes_uploaded: int = 0  # bytes actually sent to the store (after dedup and compression)
+    memory_tracking: str = ""  # incremental (the kernel tracks dirty memory) or full, and why
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,9 @@ def test_a_store_outage_is_not_taken_for_no_checkpoint(tmp_path, publisher):
 
 
 class _LockProbeCriu:
+    def memory_tracking(self):
+        return False, "a fake CRIU: full dumps"
+
     def dump(self, pid, images, logs, *, leave_running, **options):
         images.mkdir(parents=True, exist_ok=True)
         (images / "pages-1.img").write_bytes(b"x" * 10)

@@ -154,7 +154,13 @@ class Agent:
             raise
         # A final dump this VM took on its own notice is reported again to the generation that now asks for it.
         if not outcome.already_taken or generation > outcome.generation:
-            log.info("checkpoint %s committed in %.2f s", outcome.checkpoint_id, outcome.seconds)
+            log.info(
+                "checkpoint %s committed in %.2f s (frozen %.2f s); %s",
+                outcome.checkpoint_id,
+                outcome.seconds,
+                outcome.frozen_seconds,
+                outcome.memory_tracking,
+            )
             self.emit(
                 CheckpointCompleted,
                 generation,
@@ -164,6 +170,7 @@ class Agent:
                 frozen_seconds=outcome.frozen_seconds,
                 bytes_total=outcome.bytes_total,
                 bytes_uploaded=outcome.bytes_uploaded,
+                memory_tracking=outcome.memory_tracking,
             )
         return outcome
 

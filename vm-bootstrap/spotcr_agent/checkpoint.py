@@ -6,11 +6,16 @@ on while the images cross the network. Final: the job stops and what counts is t
 the store reads CRIU's images while CRIU writes them, and the files where they are once CRIU is done.
 Either way a checkpoint exists only once the store has written its manifest, and is committed only when
 everything the job holds is either in it, on the job's storage, or on the image (checked at restore).
+
+Where the kernel tracks dirty memory (chosen at run time by `criu check --feature mem_dirty_track`, and said in
+each outcome's memory_tracking), periodic checkpoints are a pre-dump plus an incremental dump and the final dump
+is incremental on top of the newest periodic one (tracking.py); elsewhere every dump is a full one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -28,11 +33,11 @@ from typing import Any, Protocol
 
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, gpu
+from . import aliases, carry, gpu, tracking
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
-from .criu import Criu, CriuError
+from .criu import Criu, CriuError, dump_stats
 from .host import HostInfo
 from .runner import checkpointable_problem, job_alive, open_files
 from .state import FinalDump, StateFile, admit, exclusive, pid_alive
@@ -74,6 +79,7 @@ class Store(Protocol):
         meta: CheckpointMeta,
         extra_files: Mapping[str, Path] | None = None,
         still_writing: Callable[[], bool] | None = None,
+        inherited: Mapping[str, tuple[str, Path]] | None = None,
     ) -> CommitResult: ...
 
     def checkpoint_ids(self) -> list[str]: ...
@@ -96,6 +102,7 @@ class CheckpointOutcome:
     bytes_uploaded: int
     already_taken: bool = False  # another trigger took this final dump; this one reports it
     gpu_memory_bytes: int | None = None  # the job's GPU device memory, inside bytes_total (None: no GPU or unknown)
+    memory_tracking: str = ""  # how the dump was taken (incremental or full) and why
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,6 +164,7 @@ class Checkpointer:
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB
     tcp: str = DEFAULT_TCP  # AgentConfig.tcp: under close, a listener on the VM's own address cannot come back
     check_gpus: Callable[[list[int], Criu], gpu.JobGpus | None] = gpu.for_dump
+    memory_tracking: bool | None = None  # None: where the kernel has it (Criu.memory_tracking)
     _scan: JobScan = field(default_factory=JobScan)
     _gpus: gpu.JobGpus | None = None
 
@@ -183,10 +191,107 @@ class Checkpointer:
                 raise CheckpointError(_not_running(state.job_status, state.exit_code))
             return state.job_pid, state.last_checkpoint
 
+    def _tracking(self) -> tuple[bool, str]:
+        """Whether dumps here are incremental, and why."""
+        if self.memory_tracking is None:
+            return self.criu.memory_tracking()
+        return self.memory_tracking, ("memory tracking is on" if self.memory_tracking else "memory tracking is off")
+
     def _periodic(self, generation: int) -> CheckpointOutcome:
         checkpoint = self._new_id(generation, "periodic")
+        tracked, why = self._tracking()
         with _scratch(self.scratch_dir / checkpoint) as scratch:
-            return self._periodic_into(scratch, checkpoint, generation)
+            if tracked:
+                try:
+                    return self._periodic_tracked(scratch, checkpoint, generation, why)
+                except _PreDumpFailed as failed:
+                    # Nothing was frozen for long, nothing committed: this checkpoint is a full dump instead.
+                    log.warning("memory tracking: the pre-dump failed, taking a full dump: %s", failed.error)
+                    why = f"the pre-dump failed ({failed.error})"
+            outcome = self._periodic_into(scratch, checkpoint, generation)
+        return dataclasses.replace(outcome, memory_tracking=f"full dump: {why}")
+
+    def _periodic_tracked(self, scratch: Path, checkpoint: str, generation: int, why: str) -> CheckpointOutcome:
+        """A pre-dump (short freeze, pages drained after the job thaws), then at once an incremental dump on top of
+        it (frozen for the pages dirtied in between), committed with the chain it links to."""
+        started = time.monotonic()
+        with exclusive(self.state.dir / "dump.lock"):
+            pid, parent = self._running_job(generation)
+            start_time = self._job_start_time()
+            self._check_checkpointable(pid)
+            if self._gpus is not None:  # before the pre-dump: it would run without the CUDA plugin
+                raise _PreDumpFailed("the job holds a GPU, whose memory the kernel does not track")
+            scratch_room.require_room(self.scratch_dir, pid, self.workdir)
+            meta = self._meta(checkpoint, generation, "periodic", parent, pid)
+            base, fresh = self._usable_chain(pid, start_time, parent, room_for=2)
+            root = self.scratch_dir / tracking.CHAIN_DIR
+            pre, top = root / f"{checkpoint}.pre", root / f"{checkpoint}.dump"
+            try:
+                frozen_pre, frozen_dump = self._pre_then_dump(pid, pre, top, base, scratch)
+                extra = self._carried(scratch, scratch / "workdir", copied=scratch / "carried")
+                extra.update({tracking.images_prefix(1) + n: p for n, p in tracking.dir_files(pre).items()})
+                inherited = base.files(shift=2) if base else {}
+                result = self.store.commit(top, meta, extra_files=extra, **_inheriting(inherited))
+            except BaseException:
+                # The pre-dump reset the kernel's dirty bits: the chain no longer covers every change since its top.
+                tracking.discard(self.scratch_dir)
+                raise
+            dirs = (*(base.dirs if base else ()), pre.name, top.name)
+            chain = tracking.Chain(root, pid, start_time, checkpoint, dirs)
+            chain.save()
+            tracking.discard(self.scratch_dir, keep=chain.dirs)
+        frozen = frozen_pre + frozen_dump
+        how = (
+            f"incremental: pre-dump (frozen {frozen_pre:.3f} s), then dump (frozen {frozen_dump:.3f} s) on "
+            f"{len(chain.dirs) - 1} parent image dirs ({fresh}; {why})"
+        )
+        return dataclasses.replace(
+            self._committed(meta, result, time.monotonic() - started, frozen), memory_tracking=how
+        )
+
+    def _pre_then_dump(
+        self, pid: int, pre: Path, top: Path, base: tracking.Chain | None, scratch: Path
+    ) -> tuple[float, float]:
+        """Pre-dump, then dump; how long each held the job frozen (CRIU's own figure where it wrote one)."""
+        logs = scratch / "logs"
+        prev = tracking.link_target(pre, base.top()) if base else None
+        try:
+            pre_frozen = _frozen(logs, self.criu.pre_dump(pid, pre, logs, prev_images_dir=prev))
+        except CriuError as error:
+            raise _PreDumpFailed(error.reason) from error
+        with self._at_freeze(scratch, pid, snapshot=scratch / "workdir") as at_freeze:
+            try:
+                dump_wall = self.criu.dump(
+                    pid,
+                    top,
+                    logs,
+                    leave_running=True,
+                    prev_images_dir=tracking.link_target(top, pre),
+                    action_script=at_freeze.script,
+                )
+            except CriuError as error:
+                at_freeze.raise_own_error()
+                raise CheckpointError.of(error, logs / "dump.log") from error
+        return pre_frozen, _frozen(logs, dump_wall)
+
+    def _job_start_time(self) -> int:
+        with self.state.locked() as state:
+            return state.job_start_time
+
+    def _usable_chain(
+        self, pid: int, start_time: int, parent: str | None, room_for: int
+    ) -> tuple[tracking.Chain | None, str]:
+        """The local chain an incremental dump builds on, or None (a fresh start), and why in words."""
+        chain = tracking.Chain.load(self.scratch_dir)
+        if chain is None:
+            return None, "a fresh chain: none on this VM yet"
+        problem = chain.problem(pid, start_time, parent)
+        if problem is None and len(chain.dirs) + room_for > tracking.MAX_CHAIN_DIRS:
+            problem = f"the chain has {len(chain.dirs)} image dirs, the most is {tracking.MAX_CHAIN_DIRS}"
+        if problem is not None:
+            log.info("memory tracking: starting a fresh chain: %s", problem)
+            return None, f"a fresh chain: {problem}"
+        return chain, f"on checkpoint {chain.checkpoint}"
 
     def _periodic_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
         started = time.monotonic()
@@ -256,16 +361,31 @@ class Checkpointer:
 
     def _take_final(self, generation: int) -> CheckpointOutcome:
         checkpoint = self._new_id(generation, "final")
-        with _scratch(self.scratch_dir / checkpoint) as scratch:
-            return self._take_final_into(scratch, checkpoint, generation)
+        tracked, why = self._tracking()
+        try:
+            try:
+                with _scratch(self.scratch_dir / checkpoint) as scratch:
+                    return self._take_final_into(scratch, checkpoint, generation, tracked, why)
+            except _IncrementalFailed as failed:
+                # CRIU resumed the job: a full dump does not depend on the chain, whatever was wrong with it.
+                log.warning("the incremental final dump failed, taking a full one: %s", failed.error)
+                tracking.discard(self.scratch_dir)
+                why = f"the incremental dump failed ({failed.error})"
+                with _scratch(self.scratch_dir / checkpoint) as scratch:
+                    return self._take_final_into(scratch, checkpoint, generation, False, why)
+        finally:
+            if tracked:  # the job is stopped, or its dump failed with the kernel's dirty bits in doubt
+                tracking.discard(self.scratch_dir)
 
-    def _take_final_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
+    def _take_final_into(
+        self, scratch: Path, checkpoint: str, generation: int, tracked: bool = False, why: str = ""
+    ) -> CheckpointOutcome:
         started = time.monotonic()
         with exclusive(self.state.dir / "dump.lock"):
             with self.state.locked() as state:
                 if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
-                pid, parent = state.job_pid, state.last_checkpoint
+                pid, parent, start_time = state.job_pid, state.last_checkpoint, state.job_start_time
             self._check_checkpointable(pid)
             # Streamed or not, CRIU writes the images here.
             scratch_room.require_room(self.scratch_dir, pid, gpu_bytes=self._gpu_bytes)
@@ -273,16 +393,38 @@ class Checkpointer:
             images, logs = scratch / "images", scratch / "logs"
             images.mkdir(parents=True, exist_ok=True)
             logs.mkdir(parents=True, exist_ok=True)
+            base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
+            if base is not None:
+                how = f"incremental: dump on {len(base.dirs)} parent image dirs ({on}; {why})"
+            else:
+                how = f"full dump: {on.removeprefix('a fresh chain: ') if tracked else why}"
+            log.info("final dump %s: %s", checkpoint, how)
+            prev = tracking.link_target(images, base.top()) if base else None
+            inherited = base.files(shift=1) if base else {}
             # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
             # read where they are, once CRIU is done (its link remaps are files too).
             with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
                 argv = self.criu.dump_argv(
-                    pid, images, logs, leave_running=False, action_script=at_freeze.script, libdir=self._plugin_dir
+                    pid,
+                    images,
+                    logs,
+                    leave_running=False,
+                    prev_images_dir=prev,
+                    action_script=at_freeze.script,
+                    libdir=self._plugin_dir,
                 )
                 dump = self.criu.start_dump(argv)
                 extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
-                result, frozen = self._ship_final(dump, meta, extra, started=started, at_freeze=at_freeze)
-        return self._committed(meta, result, time.monotonic() - started, frozen)
+                try:
+                    result, frozen = self._ship_final(
+                        dump, meta, extra, started=started, at_freeze=at_freeze, inherited=inherited
+                    )
+                except CheckpointError as error:
+                    if base is not None and error.log:  # CRIU failed (its log came with it), not the store
+                        raise _IncrementalFailed(error) from error
+                    raise
+        outcome = self._committed(meta, result, time.monotonic() - started, frozen)
+        return dataclasses.replace(outcome, memory_tracking=how)
 
     def _ship_final(
         self,
@@ -292,27 +434,29 @@ class Checkpointer:
         *,
         started: float,
         at_freeze: _AtFreeze,
+        inherited: Mapping[str, tuple[str, Path]] | None = None,
     ) -> tuple[CommitResult, float]:
         """The final dump's images to the store, read as CRIU writes them (stream) or after; and the frozen time."""
         images, logs = at_freeze.scratch / "images", at_freeze.scratch / "logs"
+        chain = _inheriting(inherited or {})
         try:
             if self.final_mode == "stream":
                 watch = _CriuWatch(self.criu, dump, logs)
                 try:
-                    result = self.store.commit(images, meta, extra_files=extra, still_writing=watch)
+                    result = self.store.commit(images, meta, extra_files=extra, still_writing=watch, **chain)
                 except (CriuError, CheckpointError):
                     raise
                 except Exception as error:
                     log.warning("streaming the final dump failed (%s); shipping it from local scratch", error)
                     self._finish(dump, logs)
-                    result = self.store.commit(images, meta, extra_files=extra)
+                    result = self.store.commit(images, meta, extra_files=extra, **chain)
                 else:
                     self._finish(dump, logs)
                 # Frozen until CRIU exited, not until the upload that overlapped it finished.
                 return result, (watch.exited_at or time.monotonic()) - started
             self._finish(dump, logs)
             frozen = time.monotonic() - started
-            return self.store.commit(images, meta, extra_files=extra), frozen
+            return self.store.commit(images, meta, extra_files=extra, **chain), frozen
         except CriuError as error:
             at_freeze.raise_own_error()
             raise CheckpointError.of(error, logs / "dump.log") from error
@@ -476,6 +620,35 @@ def _scratch(path: Path) -> Iterator[Path]:
             shutil.rmtree(path / name, ignore_errors=True)
         raise
     shutil.rmtree(path, ignore_errors=True)
+
+
+class _PreDumpFailed(Exception):
+    """CRIU's pre-dump failed: the periodic checkpoint falls back to a full dump."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _IncrementalFailed(Exception):
+    """CRIU failed the incremental final dump: the final dump is taken again, in full."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _inheriting(inherited: Mapping[str, tuple[str, Path]]) -> dict[str, Any]:
+    """The store's `inherited` argument, passed only when there is something to inherit."""
+    return {"inherited": inherited} if inherited else {}
+
+
+def _frozen(log_dir: Path, wall: float) -> float:
+    """How long the (pre-)dump that just wrote its stats into log_dir held the job frozen, by CRIU's own stats;
+    else how long CRIU ran. Read at once: the next one in the same directory replaces them."""
+    stats = dump_stats(log_dir)
+    (log_dir / "stats-dump.img").unlink(missing_ok=True)
+    return stats.frozen_seconds if stats is not None else wall
 
 
 def _agent_own(path: str) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import struct
 import subprocess
 import time
 from collections.abc import Sequence
@@ -17,6 +19,11 @@ COMMON_OPTIONS = ("--file-locks", "--ext-unix-sk", "-v4")
 # A dump always records TCP connections; the restore decides to re-establish them or to close them.
 DUMP_OPTIONS = ("--tcp-established", "--link-remap")
 DEFAULT_GHOST_LIMIT_MB = 1024
+# Memory tracking (soft-dirty bits, CONFIG_MEM_SOFT_DIRTY): pre-dumps and incremental dumps need it.
+MEM_DIRTY_TRACK = "mem_dirty_track"
+# A pre-dump reads the job's pages with process_vm_readv after it thaws, instead of pinning them in pipes while
+# frozen (splice): a shorter freeze, measured 0.15-0.35 s against 0.35-0.95 s for 512 MiB on Debian's 6.1 kernel.
+PRE_DUMP_MODE = "read"
 LOG_TAIL_LINES = 15
 # Lines every CRIU log here has that are not the cause (no CAP_SYS_RESOURCE for RLIMIT_NOFILE).
 _NOISE = re.compile(r"RLIMIT_NOFILE")
@@ -137,6 +144,37 @@ class Criu:
             self._features[feature] = result.returncode == 0
         return self._features[feature]
 
+    def memory_tracking(self) -> tuple[bool, str]:
+        """Whether dumps here can be incremental, and why, in words for the agent's log and events."""
+        if self.supports(MEM_DIRTY_TRACK):
+            return True, f"the kernel tracks dirty memory (criu check --feature {MEM_DIRTY_TRACK} passes)"
+        kernel = os.uname().release
+        return False, (
+            f"kernel {kernel} has no dirty-memory tracking (criu check --feature {MEM_DIRTY_TRACK} fails: "
+            "no CONFIG_MEM_SOFT_DIRTY)"
+        )
+
+    def pre_dump_argv(self, pid: int, images_dir: Path, log_dir: Path, *, prev_images_dir: Path | None) -> list[str]:
+        """A pre-dump: the job's memory only, with tracking turned on; the job is frozen only while its memory
+        map is read, its pages are drained after it thaws (PRE_DUMP_MODE)."""
+        argv = [self.binary, "pre-dump", "-t", str(pid), "-D", str(images_dir), "-W", str(log_dir)]
+        argv += ["-o", "pre-dump.log", *COMMON_OPTIONS, *mounts.dump_options(pid)]
+        argv += ["--track-mem", "--pre-dump-mode", PRE_DUMP_MODE]
+        if prev_images_dir is not None:
+            argv += ["--prev-images-dir", str(prev_images_dir)]
+        return argv
+
+    def pre_dump(self, pid: int, images_dir: Path, log_dir: Path, *, prev_images_dir: Path | None = None) -> float:
+        """Pre-dump the job's memory (it keeps running); returns the seconds CRIU ran."""
+        images_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        argv = self.pre_dump_argv(pid, images_dir, log_dir, prev_images_dir=prev_images_dir)
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise failure("pre-dump", log_dir / "pre-dump.log", result.stderr)
+        return time.monotonic() - started
+
     def dump_argv(
         self,
         pid: int,
@@ -209,6 +247,69 @@ class Criu:
         tcp = "--tcp-close" if tcp_close else "--tcp-established"
         argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(log_dir / "restore.pid")]
         return argv + gpu.criu_options(libdir)
+
+
+@dataclass(frozen=True)
+class DumpStats:
+    """What CRIU measured of one dump or pre-dump (its stats-dump image)."""
+
+    frozen_seconds: float
+    pages_scanned: int
+    pages_skipped_parent: int
+    pages_written: int
+
+
+def dump_stats(work_dir: Path) -> DumpStats | None:
+    """CRIU's own figures from stats-dump.img in its work dir (-W); None where it wrote none or it is unreadable.
+
+    The image: two 32-bit magics, a 32-bit length, then a StatsEntry protobuf whose field 1 is a DumpStatsEntry
+    (2: frozen_time in microseconds, 5: pages_scanned, 6: pages_skipped_parent, 7: pages_written)."""
+    try:
+        data = (work_dir / "stats-dump.img").read_bytes()
+        (size,) = struct.unpack_from("<I", data, 8)
+        entry = _protobuf_fields(data[12 : 12 + size])
+        dump = entry.get(1)
+        if not isinstance(dump, bytes):
+            return None
+        fields = _protobuf_fields(dump)
+        values = [fields.get(n, 0) for n in (2, 5, 6, 7)]
+        if not all(isinstance(v, int) for v in values):
+            return None
+        frozen_us, scanned, skipped, written = (int(v) for v in values)
+    except (OSError, struct.error, ValueError, IndexError):
+        return None
+    return DumpStats(frozen_us / 1e6, scanned, skipped, written)
+
+
+def _protobuf_fields(data: bytes) -> dict[int, int | bytes]:
+    """The top-level fields of a protobuf message: varints as ints, length-delimited ones as bytes."""
+    fields: dict[int, int | bytes] = {}
+    offset = 0
+    while offset < len(data):
+        key, offset = _varint(data, offset)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            fields[number], offset = _varint(data, offset)
+        elif wire == 2:
+            length, offset = _varint(data, offset)
+            fields[number] = data[offset : offset + length]
+            offset += length
+        elif wire in (1, 5):
+            offset += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {wire} in a CRIU stats image")
+    return fields
+
+
+def _varint(data: bytes, offset: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[offset]
+        offset += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, offset
+        shift += 7
 
 
 def _endpoint(address: str, port: str) -> str:

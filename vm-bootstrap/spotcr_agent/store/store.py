@@ -147,10 +147,15 @@ class CheckpointStore:
         meta: CheckpointMeta,
         extra_files: Mapping[str, Path] | None = None,
         still_writing: Callable[[], bool] | None = None,
+        inherited: Mapping[str, tuple[str, Path]] | None = None,
     ) -> CommitResult:
         """Store every regular file under image_dir (as images/<name>) and extra_files, then commit.
 
         With still_writing, files are read as CRIU writes them, until it returns False; then they are finished.
+        inherited: files known to hold the same bytes as a file of the parent checkpoint (meta.parent), by name
+        here -> (name there, local copy); each is described by the parent's entry without being read, unless the
+        parent lacks it, a chunk of it is no longer in the store, or this commit sends every chunk afresh: then
+        its local copy is stored like an extra file.
         """
         started = time.monotonic()
         if meta.job_id != self.job_id:
@@ -164,7 +169,7 @@ class CheckpointStore:
         self.backend.put(marker, b"")
         try:
             self._wait_for_sweeps(marker)
-            return self._commit(image_dir, meta, extra_files, still_writing, started)
+            return self._commit(image_dir, meta, extra_files, still_writing, started, inherited=inherited or {})
         finally:
             self.backend.delete([marker])
 
@@ -175,11 +180,15 @@ class CheckpointStore:
         extra_files: Mapping[str, Path] | None,
         still_writing: Callable[[], bool] | None,
         started: float,
+        *,
+        inherited: Mapping[str, tuple[str, Path]],
     ) -> CommitResult:
         known, parent_since_full = self._known_chunks(meta.parent)
         since_full = parent_since_full + 1 if known else 0
         if meta.kind == "periodic" and since_full >= self.full_every:
             known, since_full = set(), 0  # a fresh full checkpoint: every chunk is written again
+        reused = self._inherit(meta.parent, inherited, known)
+        unread = {name: source for name, (_, source) in inherited.items() if name not in reused}
         tails: dict[str, _FileTail] = {}
         try:
             with _Uploader(self.backend, self._prefix, known, self.workers, self.compression_level) as uploader:
@@ -188,7 +197,7 @@ class CheckpointStore:
                         if not self._pump_images(image_dir, tails, uploader):
                             time.sleep(POLL_SECONDS)
                 self._pump_images(image_dir, tails, uploader)
-                for name, source in sorted((extra_files or {}).items()):
+                for name, source in sorted([*(extra_files or {}).items(), *unread.items()]):
                     if name in tails:
                         raise ValueError(f"extra file {name} would replace an image file of the same name")
                     tail = _FileTail(check_manifest_path(name), Path(source), self.chunking, self.compression_level)
@@ -196,7 +205,8 @@ class CheckpointStore:
                     tail.pump(uploader)
                 for tail in tails.values():
                     tail.finish(uploader)
-                files = tuple(tail.entry() for tail in sorted(tails.values(), key=lambda t: t.path))
+                entries = [*(tail.entry() for tail in tails.values()), *reused.values()]
+                files = tuple(sorted(entries, key=lambda f: f.path))
         finally:
             for tail in tails.values():
                 tail.close()
@@ -230,6 +240,29 @@ class CheckpointStore:
             chunks_uploaded=uploader.chunks_uploaded,
             seconds=time.monotonic() - started,
         )
+
+    def _inherit(
+        self, parent: str | None, inherited: Mapping[str, tuple[str, Path]], known: set[str]
+    ) -> dict[str, FileEntry]:
+        """The entries this commit takes from its parent's manifest (see commit's `inherited`), by their name here."""
+        if not inherited or not known or parent is None:
+            return {}
+        try:
+            entries = {entry.path: entry for entry in self.load(parent).files}
+        except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
+            return {}
+        reused = {}
+        for name, (there, source) in inherited.items():
+            entry = entries.get(there)
+            if entry is None:
+                continue
+            try:
+                size = os.stat(source).st_size
+            except OSError:
+                continue
+            if size == entry.size and all(c.inline is not None or c.hash in known for c in entry.chunks):
+                reused[check_manifest_path(name)] = FileEntry(name, entry.size, entry.mode, entry.digest, entry.chunks)
+        return reused
 
     def check(self) -> None:
         """Raise StoreUnavailable, naming the bucket or path, unless checkpoints can be written now."""
