@@ -19,13 +19,14 @@ from spotcr_contracts.events import (
     BootstrapFailed,
     CheckpointCompleted,
     CheckpointFailed,
+    FinalDumpAtRisk,
     JobExited,
     JobStarted,
     RestoreCompleted,
     RestoreFailed,
 )
 
-from . import aliases, result, storage
+from . import aliases, deadline, result, storage
 from .carry import Layout
 from .checkpoint import Checkpointer, CheckpointError, CheckpointOutcome, Store, keep_criu_log, kept_criu_logs
 from .config import AgentConfig
@@ -155,6 +156,7 @@ class Agent:
         # A final dump this VM took on its own notice is reported again to the generation that now asks for it.
         if not outcome.already_taken or generation > outcome.generation:
             log.info("checkpoint %s committed in %.2f s", outcome.checkpoint_id, outcome.seconds)
+            plan = self._plan(outcome) if outcome.kind == "periodic" else None
             self.emit(
                 CheckpointCompleted,
                 generation,
@@ -164,8 +166,42 @@ class Agent:
                 frozen_seconds=outcome.frozen_seconds,
                 bytes_total=outcome.bytes_total,
                 bytes_uploaded=outcome.bytes_uploaded,
+                predicted_final_seconds=plan.predicted_final_s if plan else 0.0,
+                next_interval_s=plan.interval_s if plan else 0,
+                deadline_risk="" if plan is None or plan.fits else plan.reason[:1000],
             )
+            if plan is not None and not plan.fits:
+                self.emit(
+                    FinalDumpAtRisk,
+                    generation,
+                    checkpoint_id=outcome.checkpoint_id,
+                    predicted_final_seconds=plan.predicted_final_s,
+                    budget_seconds=plan.budget_s,
+                    interval_s=plan.interval_s,
+                    reason=plan.reason[:1000],
+                )
         return outcome
+
+    def _plan(self, outcome: CheckpointOutcome) -> deadline.Plan | None:
+        """Record a periodic dump's figures and plan the interval to the next one (deadline.py)."""
+        with self.state.locked() as state:
+            previous = state.dump_samples[-1]["checkpoint_id"] if state.dump_samples else None
+            # The dirty rate only between consecutive periodic dumps of this run: a restored parent's age counts
+            # time the job was stopped.
+            consecutive = outcome.parent is not None and outcome.parent == previous
+            since = deadline.since_parent(outcome.checkpoint_id, outcome.parent) if consecutive else 0.0
+            sample = deadline.Sample.of(outcome, since)
+            state.dump_samples = deadline.remember(state.dump_samples, sample)
+            samples = [deadline.Sample.from_json(s) for s in state.dump_samples]
+        plan = deadline.plan(
+            samples,
+            interval_s=self.config.interval_s,
+            notice_s=self.config.notice_s,
+            margin_s=self.config.deadline_margin_s,
+        )
+        if plan is not None and plan.reason:
+            (log.info if plan.fits else log.warning)("deadline: %s", plan.reason)
+        return plan
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         self.fence(generation)

@@ -93,6 +93,16 @@ class CheckpointOutcome:
     bytes_total: int
     bytes_uploaded: int
     already_taken: bool = False  # another trigger took this final dump; this one reports it
+    # Where the time went, for the deadline's rates (deadline.Sample): CRIU, then the store's stages.
+    parent: str | None = None
+    criu_seconds: float = 0.0
+    store_seconds: float = 0.0
+    bytes_new: int = 0
+    bytes_changed: int = 0
+    read_seconds: float = 0.0
+    hash_seconds: float = 0.0
+    compress_seconds: float = 0.0
+    upload_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -435,6 +445,15 @@ class Checkpointer:
             frozen_seconds=round(frozen, 3),
             bytes_total=result.bytes_total,
             bytes_uploaded=result.bytes_uploaded,
+            parent=meta.parent,
+            criu_seconds=round(frozen, 3),
+            store_seconds=round(result.seconds, 3),
+            bytes_new=result.bytes_new,
+            bytes_changed=result.bytes_changed,
+            read_seconds=round(result.read_seconds, 3),
+            hash_seconds=round(result.hash_seconds, 3),
+            compress_seconds=round(result.compress_seconds, 3),
+            upload_seconds=round(result.upload_seconds, 3),
         )
 
 
