@@ -141,6 +141,7 @@ class Agent:
                 layout=self.layout(),
                 local_files_limit_mb=self.config.local_files_limit_mb,
                 tcp=self.config.tcp,
+                memory_scratch_dir=self.config.state_dir / "memory-scratch" if self.config.memory_scratch else None,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:

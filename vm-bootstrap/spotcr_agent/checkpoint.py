@@ -2,8 +2,10 @@
 
 Periodic: CRIU dumps with --leave-running to local scratch, the work dir and the job's VM-local files
 (carry.py) are copied while the job is still frozen (CRIU's post-dump script hands over to the agent), then the job runs
-on while the images cross the network. Final: the job stops and what counts is time until durable, so
-the store reads CRIU's images while CRIU writes them, and the files where they are once CRIU is done.
+on while the images cross the network. Local scratch is a tmpfs sized to the dump when free memory holds it
+(scratch.py), so the job is frozen only as long as CRIU writes to memory, not to the disk. Final: the job stops
+and what counts is time until durable, so the store reads CRIU's images while CRIU writes them, and the files
+where they are once CRIU is done.
 Either way a checkpoint exists only once the store has written its manifest, and is committed only when
 everything the job holds is either in it, on the job's storage, or on the image (checked at restore).
 """
@@ -11,6 +13,7 @@ everything the job holds is either in it, on the job's storage, or on the image 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -93,6 +96,7 @@ class CheckpointOutcome:
     bytes_total: int
     bytes_uploaded: int
     already_taken: bool = False  # another trigger took this final dump; this one reports it
+    scratch: str = ""  # where CRIU wrote the images: memory (a tmpfs) or disk
     # Where the time went, for the deadline's rates (deadline.Sample): CRIU, then the store's stages.
     parent: str | None = None
     criu_seconds: float = 0.0
@@ -163,6 +167,7 @@ class Checkpointer:
     layout: Layout | None = None  # where VM-local, image and storage files are; None: the work dir is all there is
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB
     tcp: str = DEFAULT_TCP  # AgentConfig.tcp: under close, a listener on the VM's own address cannot come back
+    memory_scratch_dir: Path | None = None  # where a tmpfs for one dump is mounted when memory allows; None: never
     _scan: JobScan = field(default_factory=JobScan)
 
     def __post_init__(self) -> None:
@@ -189,29 +194,35 @@ class Checkpointer:
             return state.job_pid, state.last_checkpoint
 
     def _periodic(self, generation: int) -> CheckpointOutcome:
-        checkpoint = self._new_id(generation, "periodic")
-        with _scratch(self.scratch_dir / checkpoint) as scratch:
-            return self._periodic_into(scratch, checkpoint, generation)
-
-    def _periodic_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
         started = time.monotonic()
+        checkpoint = self._new_id(generation, "periodic")
         with exclusive(self.state.dir / "dump.lock"):
             pid, parent = self._running_job(generation)
             self._check_checkpointable(pid)
-            scratch_room.require_room(self.scratch_dir, pid, self.workdir)  # images and the work dir's copy
-            meta = self._meta(checkpoint, generation, "periodic", parent, pid)
-            snapshot = scratch / "workdir"
-            with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
-                try:
-                    frozen = self.criu.dump(
-                        pid, scratch / "images", scratch / "logs", leave_running=True, action_script=at_freeze.script
-                    )
-                except CriuError as error:
-                    at_freeze.raise_own_error()
-                    raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
-            # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
-            extra = self._carried(scratch, snapshot, copied=scratch / "carried")
-            result = self.store.commit(scratch / "images", meta, extra_files=extra)
+            # Images and the work dir's copy, in memory when they fit there; refused before the freeze otherwise.
+            with (
+                scratch_room.dump_scratch(self.scratch_dir, self.memory_scratch_dir, pid, self.workdir) as room,
+                _scratch(room[0] / checkpoint) as scratch,
+            ):
+                outcome = self._periodic_into(scratch, checkpoint, generation, pid, parent, started=started)
+                return dataclasses.replace(outcome, scratch=room[1])
+
+    def _periodic_into(
+        self, scratch: Path, checkpoint: str, generation: int, pid: int, parent: str | None, *, started: float
+    ) -> CheckpointOutcome:
+        meta = self._meta(checkpoint, generation, "periodic", parent, pid)
+        snapshot = scratch / "workdir"
+        with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
+            try:
+                frozen = self.criu.dump(
+                    pid, scratch / "images", scratch / "logs", leave_running=True, action_script=at_freeze.script
+                )
+            except CriuError as error:
+                at_freeze.raise_own_error()
+                raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
+        # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
+        extra = self._carried(scratch, snapshot, copied=scratch / "carried")
+        result = self.store.commit(scratch / "images", meta, extra_files=extra)
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:
@@ -254,30 +265,37 @@ class Checkpointer:
             time.sleep(WAIT_POLL_S)
 
     def _take_final(self, generation: int) -> CheckpointOutcome:
-        checkpoint = self._new_id(generation, "final")
-        with _scratch(self.scratch_dir / checkpoint) as scratch:
-            return self._take_final_into(scratch, checkpoint, generation)
-
-    def _take_final_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
         started = time.monotonic()
+        checkpoint = self._new_id(generation, "final")
         with exclusive(self.state.dir / "dump.lock"):
             with self.state.locked() as state:
                 if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent = state.job_pid, state.last_checkpoint
             self._check_checkpointable(pid)
-            scratch_room.require_room(self.scratch_dir, pid)  # streamed or not, CRIU writes the images here
-            meta = self._meta(checkpoint, generation, "final", parent, pid)
-            images, logs = scratch / "images", scratch / "logs"
-            images.mkdir(parents=True, exist_ok=True)
-            logs.mkdir(parents=True, exist_ok=True)
-            # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
-            # read where they are, once CRIU is done (its link remaps are files too).
-            with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
-                argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=at_freeze.script)
-                dump = self.criu.start_dump(argv)
-                extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
-                result, frozen = self._ship_final(dump, meta, extra, started=started, at_freeze=at_freeze)
+            # Streamed or not, CRIU writes the images here: in memory when they fit, refused before the freeze
+            # when they fit nowhere.
+            with (
+                scratch_room.dump_scratch(self.scratch_dir, self.memory_scratch_dir, pid) as room,
+                _scratch(room[0] / checkpoint) as scratch,
+            ):
+                outcome = self._take_final_into(scratch, checkpoint, generation, pid, parent, started=started)
+                return dataclasses.replace(outcome, scratch=room[1])
+
+    def _take_final_into(
+        self, scratch: Path, checkpoint: str, generation: int, pid: int, parent: str | None, *, started: float
+    ) -> CheckpointOutcome:
+        meta = self._meta(checkpoint, generation, "final", parent, pid)
+        images, logs = scratch / "images", scratch / "logs"
+        images.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
+        # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
+        # read where they are, once CRIU is done (its link remaps are files too).
+        with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
+            argv = self.criu.dump_argv(pid, images, logs, leave_running=False, action_script=at_freeze.script)
+            dump = self.criu.start_dump(argv)
+            extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
+            result, frozen = self._ship_final(dump, meta, extra, started=started, at_freeze=at_freeze)
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _ship_final(

@@ -61,6 +61,9 @@ class AgentConfig:
     interval_s: int = 300
     state_dir: Path = DEFAULT_STATE_DIR
     scratch_dir: Path = Path()  # local dir (ideally tmpfs) for periodic dumps; default <state_dir>/scratch
+    # Dumps go to a tmpfs mounted for each (at <state_dir>/memory-scratch) when free memory holds them, so the job
+    # is frozen only while CRIU writes to memory; false: always scratch_dir.
+    memory_scratch: bool = True
     imds_endpoint: str = DEFAULT_IMDS_ENDPOINT
     criu_bin: str = "criu"
     keep_checkpoints: int = 3
