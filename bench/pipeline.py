@@ -192,7 +192,7 @@ def s3_server(work: Path) -> Iterator[dict[str, str]]:
             keys = ("minioadmin", "minioadmin")
         else:
             endpoint = stack.enter_context(moto_server())
-            label = "S3: moto server on loopback (a mock: MinIO not built)"
+            label = "S3: moto server on loopback (a mock: no MinIO binary found)"
             keys = ("bench", "bench")
         os.environ |= {
             "AWS_ENDPOINT_URL": endpoint,
