@@ -197,7 +197,7 @@ def memory_job(workdir: Path, gib: float, dirty_share: float) -> Iterator[Any]:
             job.launcher.wait()
 
 
-def checkpointer(job: Any, workdir: Path, store: Any, agent_dir: Path) -> Any:
+def checkpointer(job: Any, workdir: Path, store: Any, agent_dir: Path, *, memory_scratch: bool = True) -> Any:
     from spotcr_agent.checkpoint import Checkpointer
     from spotcr_agent.criu import Criu
     from spotcr_agent.host import read_host
@@ -219,6 +219,7 @@ def checkpointer(job: Any, workdir: Path, store: Any, agent_dir: Path) -> Any:
         store=store,
         criu=criu,
         host=lambda: read_host(criu.version()),
+        memory_scratch_dir=agent_dir / "memory-scratch" if memory_scratch else None,
     )
 
 

@@ -7,6 +7,8 @@ from aws_cdk import aws_cloudwatch as cloudwatch
 from aws_cdk import aws_cloudwatch_actions as actions
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
+from spotcr_contracts.tags import SPOT_NOTICE_S
+from spotcr_functions.agent_events import FINAL_DUMPS_AT_RISK, PREDICTED_FINAL_DUMP_SECONDS
 
 from infra.control_plane import METRICS_NAMESPACE, SERVICE_NAME, Functions, Registry
 from infra.settings import Settings
@@ -78,6 +80,12 @@ class Monitoring(Construct):
             "The recovery workflow failed, timed out or was aborted.",
         )
         alarm(
+            "FinalDumpAtRisk",
+            spotcr_metric(FINAL_DUMPS_AT_RISK),
+            "A job's final dump is predicted not to fit the two-minute notice even at the shortest checkpoint "
+            "interval: an interruption may lose its work since the last checkpoint (see final_dump_risk).",
+        )
+        alarm(
             "CheckpointsOverdue",
             spotcr_metric(CHECKPOINTS_OVERDUE),
             "A running job missed its periodic checkpoint: more work than its interval is at risk.",
@@ -116,6 +124,20 @@ class Monitoring(Construct):
                 left=[spotcr_metric(CHECKPOINT_SECONDS, "Average"), spotcr_metric(FINAL_DUMP_SECONDS, "Average")],
                 right=[spotcr_metric(FINAL_DUMP_BYTES)],
                 width=8,
+            ),
+        )
+        self.dashboard.add_widgets(
+            cloudwatch.GraphWidget(
+                title="Deadline: predicted final dump (seconds, worst) and jobs whose final dump cannot fit",
+                left=[
+                    spotcr_metric(PREDICTED_FINAL_DUMP_SECONDS, "Maximum"),
+                    spotcr_metric(FINAL_DUMP_SECONDS, "Maximum"),
+                ],
+                right=[spotcr_metric(FINAL_DUMPS_AT_RISK)],
+                left_annotations=[
+                    cloudwatch.HorizontalAnnotation(value=SPOT_NOTICE_S, label="the notice"),
+                ],
+                width=24,
             ),
         )
         self.dashboard.add_widgets(

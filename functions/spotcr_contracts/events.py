@@ -78,6 +78,23 @@ class CheckpointCompleted(AgentEvent):
     bytes_total: int = 0  # image bytes described by the manifest
     bytes_uploaded: int = 0  # bytes actually sent to the store (after dedup and compression)
     memory_tracking: str = ""  # incremental (the kernel tracks dirty memory) or full, and why
+    # The agent's deadline plan after a periodic dump (spotcr_agent.deadline); 0 and "" before it can plan.
+    predicted_final_seconds: float = 0.0  # the final dump's time, notice to durable, at the worst moment
+    next_interval_s: int = 0  # the interval to order periodic dumps at: the job's own, or shorter to fit
+    deadline_risk: str = ""  # why even the shortest interval cannot fit the notice less the margin
+
+
+@dataclass(frozen=True)
+class FinalDumpAtRisk(AgentEvent):
+    """Even with periodic dumps at the shortest interval, the final dump is predicted not to fit the notice less
+    the margin: the job may lose the work since its last checkpoint when it is interrupted."""
+
+    DETAIL_TYPE: ClassVar[str] = "FinalDumpAtRisk"
+    checkpoint_id: str = ""  # the periodic dump whose figures gave the prediction
+    predicted_final_seconds: float = 0.0
+    budget_seconds: float = 0.0  # the notice less the margin
+    interval_s: int = 0  # the shortest interval, asked for all the same
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,7 @@ EVENT_TYPES: dict[str, type[AgentEvent]] = {
         BootstrapFailed,
         JobStarted,
         CheckpointCompleted,
+        FinalDumpAtRisk,
         CheckpointFailed,
         RestoreCompleted,
         RestoreFailed,

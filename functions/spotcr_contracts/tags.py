@@ -21,6 +21,9 @@ SPEC = "spotcr:spec"
 WORKDIR = "spotcr:workdir"
 TCP = "spotcr:tcp"
 RESTART_FROM_SCRATCH = "spotcr:restart-from-scratch"  # true (default) | false: with no checkpoint, start over
+# Seconds of the two-minute notice the agent's plan keeps free: periodic dumps come often enough that the predicted
+# final dump takes at most the notice less this.
+DEADLINE_MARGIN = "spotcr:deadline-margin"
 ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
@@ -36,6 +39,9 @@ DEFAULT_STORAGE = "s3"
 DEFAULT_INTERVAL_S = 300
 MIN_INTERVAL_S = 10
 MAX_INTERVAL_S = 86_400
+SPOT_NOTICE_S = 120  # EC2's spot interruption warning comes two minutes before the action
+DEFAULT_DEADLINE_MARGIN_S = 30
+MAX_DEADLINE_MARGIN_S = 110
 MAX_FALLBACK_TYPES = 8
 MAX_TAG_VALUE = 256
 
@@ -77,6 +83,7 @@ class JobSpec:
     generation: int = 0
     tcp: str = DEFAULT_TCP
     restart_from_scratch: bool = True
+    deadline_margin_s: int = DEFAULT_DEADLINE_MARGIN_S
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -102,6 +109,8 @@ class JobSpec:
             tags[TCP] = self.tcp
         if not self.restart_from_scratch:
             tags[RESTART_FROM_SCRATCH] = "false"
+        if self.deadline_margin_s != DEFAULT_DEADLINE_MARGIN_S:
+            tags[DEADLINE_MARGIN] = str(self.deadline_margin_s)
         return tags
 
 
@@ -149,6 +158,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     if workdir is not None and (problem := workdir_problem(workdir)):
         raise InvalidJobTags(WORKDIR, problem)
     restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
+    margin = _parse_int(tags, DEADLINE_MARGIN, DEFAULT_DEADLINE_MARGIN_S, 0, MAX_DEADLINE_MARGIN_S)
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -162,6 +172,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         generation=generation,
         tcp=tcp,
         restart_from_scratch=restart,
+        deadline_margin_s=margin,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from aws_lambda_powertools import Logger
@@ -14,6 +15,10 @@ from spotcr_functions.observability import SERVICE
 from spotcr_functions.registry import WAIT_KEYS
 
 logger = Logger(service=SERVICE, child=True)
+
+# Metrics the dashboard shows (infra/monitoring.py names the same).
+PREDICTED_FINAL_DUMP_SECONDS = "PredictedFinalDumpSeconds"
+FINAL_DUMPS_AT_RISK = "FinalDumpsAtRisk"
 
 
 def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
@@ -105,9 +110,56 @@ def _checkpoint_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str
         deps.metric("FinalDumpBytes", "Bytes", event.bytes_uploaded)
         output = {"checkpoint_id": event.checkpoint_id, "instance_id": event.instance_id}
         rendezvous.arrive(deps, record.job_id, "final-dump", record.generation, output)
-    elif record.status == Status.CHECKPOINTING:
-        _set_status(deps, record, Status.RUNNING, expect=Status.CHECKPOINTING)
+    else:
+        if committed and event.next_interval_s > 0:
+            _apply_plan(deps, record, event)
+        if record.status == Status.CHECKPOINTING:
+            _set_status(deps, record, Status.RUNNING, expect=Status.CHECKPOINTING)
     return {"action": "checkpoint", "committed": committed, "checkpoint_id": event.checkpoint_id}
+
+
+def _apply_plan(deps: Deps, record: JobRecord, event: events.CheckpointCompleted) -> None:
+    """The agent's deadline plan from its newest periodic dump: the next dump comes no later than its interval
+    from now (never later than the job's own interval), and the record says whether the final dump fits."""
+    interval = min(event.next_interval_s, record.interval_s)
+    values: dict[str, Any] = {
+        "planned_interval_s": interval,
+        "predicted_final_dump_s": math.ceil(event.predicted_final_seconds),
+        "updated_at": deps.iso_now(),
+    }
+    due = deps.unix_now() + interval
+    if record.next_checkpoint_at is None or due < record.next_checkpoint_at:
+        values["next_checkpoint_at"] = due
+    if event.deadline_risk:
+        values["final_dump_risk"] = event.deadline_risk
+    deps.metric(PREDICTED_FINAL_DUMP_SECONDS, "Seconds", event.predicted_final_seconds)
+    condition = "#generation = :g AND #instance = :i AND #status IN (:running, :checkpointing)"
+    updated = deps.registry.update(
+        record.job_id,
+        values,
+        remove=() if event.deadline_risk else ("final_dump_risk",),
+        condition=condition,
+        condition_values={
+            ":g": record.generation,
+            ":i": event.instance_id,
+            ":running": Status.RUNNING.value,
+            ":checkpointing": Status.CHECKPOINTING.value,
+        },
+    )
+    logger.info("deadline plan", job_id=record.job_id, interval_s=interval, applied=updated is not None)
+
+
+def _final_dump_at_risk(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
+    """Said once per periodic dump that predicts it: the dashboard counts it and its alarm pages."""
+    logger.warning(
+        "the final dump is predicted not to fit the notice",
+        job_id=record.job_id,
+        predicted_final_seconds=event.predicted_final_seconds,
+        budget_seconds=event.budget_seconds,
+        reason=event.reason,
+    )
+    deps.metric(FINAL_DUMPS_AT_RISK, "Count", 1)
+    return {"action": "final-dump-at-risk", "reason": event.reason}
 
 
 def _checkpoint_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
@@ -279,6 +331,7 @@ _HANDLERS: dict[type[events.AgentEvent], Any] = {
     events.JobStarted: _job_started,
     events.CheckpointCompleted: _checkpoint_completed,
     events.CheckpointFailed: _checkpoint_failed,
+    events.FinalDumpAtRisk: _final_dump_at_risk,
     events.RestoreCompleted: _restore_completed,
     events.RestoreFailed: _restore_failed,
     events.JobExited: _job_exited,

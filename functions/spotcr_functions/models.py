@@ -55,6 +55,11 @@ class JobRecord:
     exit_code: int | None = None
     result: str | None = None  # where the finished job's result (its final work dir) is stored
     reason: str | None = None
+    # The agent's deadline plan, from its newest periodic dump: the interval periodic dumps are ordered at (the
+    # job's own or shorter), the predicted final dump's seconds, and why it cannot fit the notice (None: it fits).
+    planned_interval_s: int | None = None
+    predicted_final_dump_s: int | None = None
+    final_dump_risk: str | None = None
     updated_at: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # token_* and event_* attributes
 

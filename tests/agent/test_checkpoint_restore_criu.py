@@ -23,6 +23,9 @@ def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agen
 
     # When it is checkpointed, then its VM is lost and a VM with another address restores it
     outcome = primary.agent("checkpoint", kind, "1")
+    # The VM's free memory holds the dump: CRIU wrote it to a tmpfs mounted for it, which is gone again
+    assert outcome["scratch"] == "memory"
+    assert primary.vm.run(["mountpoint", "-q", "/var/lib/spotcr/memory-scratch"]).returncode != 0
     if kind == "periodic":
         assert primary.agent("status")["job_alive"]
         wait_for(lambda: len(primary.progress()) >= 8, what="progress after the periodic dump")
@@ -48,7 +51,8 @@ def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agen
 
 
 def test_periodic_checkpoint_restores_on_a_directory_store(bare_vm, storage):
-    _interrupt_and_restore(bare_vm, storage, "periodic")
+    # 15 s of steps: the job outlives its periodic dump's upload on a loaded machine
+    _interrupt_and_restore(bare_vm, storage, "periodic", steps=150)
 
 
 def test_final_dump_restores_on_a_directory_store(bare_vm, storage):

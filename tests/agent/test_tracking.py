@@ -55,12 +55,12 @@ class ChainCriu:
         self._write("pre-dump", images, prev_images_dir)
         return 0.01
 
-    def dump(self, pid, images, logs, *, leave_running, prev_images_dir=None, action_script=None):
+    def dump(self, pid, images, logs, *, leave_running, prev_images_dir=None, action_script=None, libdir=None):
         self._write("dump", images, prev_images_dir)
         self._post_dump(action_script)
         return 0.01
 
-    def dump_argv(self, pid, images, logs, *, leave_running, prev_images_dir=None, action_script=None):
+    def dump_argv(self, pid, images, logs, *, leave_running, prev_images_dir=None, action_script=None, libdir=None):
         return ["final", str(images), str(prev_images_dir) if prev_images_dir else "", str(action_script)]
 
     def start_dump(self, argv):

@@ -21,12 +21,14 @@ def test_valid_tags_read_back_and_round_trip() -> None:
                 tags.INTERVAL: "120",
                 tags.FALLBACK_TYPES: "m6i.large, c6i.large",
                 tags.TCP: "close",
+                tags.DEADLINE_MARGIN: "45",
                 "Name": "x",
             }
         )
     )
     assert (spec.storage, spec.interval_s, spec.fallback_types) == ("ebs", 120, ("m6i.large", "c6i.large"))
     assert spec.tcp == "close" and tags.parse_job_tags(_job()).tcp == "established"
+    assert spec.deadline_margin_s == 45 and tags.parse_job_tags(_job()).deadline_margin_s == 30
     assert spec.command == ("/opt/job/run", "--steps", "1000")
     assert spec.extra == {"Name": "x"}
     assert tags.parse_job_tags(spec.to_tags()) == tags.JobSpec(**{**spec.__dict__, "extra": {}})
@@ -67,6 +69,8 @@ def test_a_command_tag_near_the_limit_is_carried_to_the_backup_as_written() -> N
         ({tags.WORKDIR: "relative/dir"}, tags.WORKDIR),
         ({tags.WORKDIR: "/opt/../etc"}, tags.WORKDIR),
         ({tags.TCP: "keep"}, tags.TCP),
+        ({tags.DEADLINE_MARGIN: "111"}, tags.DEADLINE_MARGIN),
+        ({tags.DEADLINE_MARGIN: "-1"}, tags.DEADLINE_MARGIN),
     ],
 )
 def test_hostile_or_invalid_tag_values_name_the_tag(bad: dict[str, str], tag: str) -> None:

@@ -166,6 +166,79 @@ def test_scheduler_orders_due_periodic_checkpoints_once(plane: ControlPlane) -> 
     assert (job.status, job.checkpoint_id) == (Status.RUNNING, checkpoint)
 
 
+def test_the_agents_deadline_plan_brings_the_next_periodic_checkpoint_forward(plane: ControlPlane) -> None:
+    # Given a running job checkpointed once an hour
+    instance_id = plane.start_job("plan-1", **{tag_names.INTERVAL: "3600"})
+    before = plane.job("plan-1").next_checkpoint_at
+    assert before is not None
+
+    # When its periodic dump commits with a plan for every 240 s (its final dump would not fit at 3600 s)
+    checkpoint = "1795293235815-g0-periodic"
+    completed = events.CheckpointCompleted(
+        "plan-1", instance_id, 0, now_iso(), checkpoint_id=checkpoint, predicted_final_seconds=88.2, next_interval_s=240
+    )
+    route(agent_event(completed))
+
+    # Then the next one is due within 240 s, and the record shows the plan with no risk
+    job = plane.job("plan-1")
+    assert job.next_checkpoint_at is not None and job.next_checkpoint_at < before
+    assert (job.planned_interval_s, job.predicted_final_dump_s, job.final_dump_risk) == (240, 89, None)
+
+    # When a later dump finds that even the shortest interval cannot fit, and the agent says so
+    risk = "the final dump cannot fit the notice: even with periodic checkpoints every 60 s it would take 131 s"
+    later = "1795293475815-g0-periodic"
+    at_risk = events.CheckpointCompleted(
+        "plan-1",
+        instance_id,
+        0,
+        now_iso(),
+        checkpoint_id=later,
+        predicted_final_seconds=131.0,
+        next_interval_s=60,
+        deadline_risk=risk,
+    )
+    [(_, said)] = route(
+        agent_event(
+            events.FinalDumpAtRisk(
+                "plan-1", instance_id, 0, now_iso(), checkpoint_id=later, predicted_final_seconds=131.0, reason=risk
+            )
+        )
+    )
+    route(agent_event(at_risk))
+
+    # Then the record carries the risk for the status command, and the function reported it
+    job = plane.job("plan-1")
+    assert (job.planned_interval_s, job.final_dump_risk) == (60, risk)
+    assert said["action"] == "final-dump-at-risk"
+
+    # When the job fits again (a dump with a plan that fits), the risk is cleared
+    fits = events.CheckpointCompleted(
+        "plan-1",
+        instance_id,
+        0,
+        now_iso(),
+        checkpoint_id="1795293535815-g0-periodic",
+        predicted_final_seconds=70.0,
+        next_interval_s=600,
+    )
+    route(agent_event(fits))
+    job = plane.job("plan-1")
+    assert (job.planned_interval_s, job.final_dump_risk) == (600, None)
+
+
+def test_a_late_plan_from_an_older_checkpoint_changes_nothing(plane: ControlPlane) -> None:
+    instance_id = plane.start_job("plan-2", **{tag_names.INTERVAL: "3600"})
+    newer = events.CheckpointCompleted(
+        "plan-2", instance_id, 0, now_iso(), checkpoint_id="1795293535815-g0-periodic", next_interval_s=600
+    )
+    older = events.CheckpointCompleted(
+        "plan-2", instance_id, 0, now_iso(), checkpoint_id="1795293235815-g0-periodic", next_interval_s=60
+    )
+    route(agent_event(newer))
+    route(agent_event(older))
+    assert plane.job("plan-2").planned_interval_s == 600
+
+
 def test_rebalance_recommendation_orders_a_periodic_checkpoint_now(plane: ControlPlane) -> None:
     instance_id = plane.start_job("reb-1")
     route(ec2_event("rebalance-recommendation", instance_id))

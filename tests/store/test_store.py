@@ -373,3 +373,25 @@ def test_a_damaged_chunk_of_a_newer_checkpoint_is_not_reused_by_a_commit_from_an
     assert result.chunks_uploaded > 0
     store.fetch(result.checkpoint_id, tmp_path / "restore")
     assert (tmp_path / "restore" / "images" / "pages-1.img").read_bytes() == changed
+
+
+def test_a_commit_says_how_much_changed_since_its_parent_even_when_it_sends_everything(tmp_path: Path) -> None:
+    # Given a store that sends every chunk afresh on its second periodic commit, and a first commit
+    (tmp_path / "store").mkdir()
+    store = CheckpointStore.for_directory(tmp_path / "store", "job-store-test")
+    store.full_every = 1
+    images = tmp_path / "img"
+    pages = random_bytes(32 * MiB, seed=21)
+    write_images(images, pages)
+    first = store.commit(images, meta(1))
+    assert first.bytes_changed == first.bytes_new > 0
+
+    # When one MiB in the middle of the memory is rewritten and the next periodic commit sends everything
+    (images / "pages-1.img").write_bytes(pages[: 16 * MiB] + random_bytes(MiB, seed=22) + pages[17 * MiB :])
+    second = store.commit(images, meta(2, parent=1))
+
+    # Then it sent all of it, but counts as changed only the chunks the parent did not hold (about that MiB)
+    assert second.bytes_new == first.bytes_new
+    assert MiB <= second.bytes_changed < 10 * MiB
+    # And the store's time is accounted for by stage
+    assert second.read_seconds > 0 and second.hash_seconds > 0 and second.upload_seconds > 0

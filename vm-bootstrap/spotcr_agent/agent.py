@@ -19,13 +19,14 @@ from spotcr_contracts.events import (
     BootstrapFailed,
     CheckpointCompleted,
     CheckpointFailed,
+    FinalDumpAtRisk,
     JobExited,
     JobStarted,
     RestoreCompleted,
     RestoreFailed,
 )
 
-from . import aliases, result, storage
+from . import aliases, deadline, result, storage
 from .carry import Layout
 from .checkpoint import Checkpointer, CheckpointError, CheckpointOutcome, Store, keep_criu_log, kept_criu_logs
 from .config import AgentConfig
@@ -140,6 +141,7 @@ class Agent:
                 layout=self.layout(),
                 local_files_limit_mb=self.config.local_files_limit_mb,
                 tcp=self.config.tcp,
+                memory_scratch_dir=self.config.state_dir / "memory-scratch" if self.config.memory_scratch else None,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:
@@ -161,6 +163,7 @@ class Agent:
                 outcome.frozen_seconds,
                 outcome.memory_tracking,
             )
+            plan = self._plan(outcome) if outcome.kind == "periodic" else None
             self.emit(
                 CheckpointCompleted,
                 generation,
@@ -171,8 +174,42 @@ class Agent:
                 bytes_total=outcome.bytes_total,
                 bytes_uploaded=outcome.bytes_uploaded,
                 memory_tracking=outcome.memory_tracking,
+                predicted_final_seconds=plan.predicted_final_s if plan else 0.0,
+                next_interval_s=plan.interval_s if plan else 0,
+                deadline_risk="" if plan is None or plan.fits else plan.reason[:1000],
             )
+            if plan is not None and not plan.fits:
+                self.emit(
+                    FinalDumpAtRisk,
+                    generation,
+                    checkpoint_id=outcome.checkpoint_id,
+                    predicted_final_seconds=plan.predicted_final_s,
+                    budget_seconds=plan.budget_s,
+                    interval_s=plan.interval_s,
+                    reason=plan.reason[:1000],
+                )
         return outcome
+
+    def _plan(self, outcome: CheckpointOutcome) -> deadline.Plan | None:
+        """Record a periodic dump's figures and plan the interval to the next one (deadline.py)."""
+        with self.state.locked() as state:
+            previous = state.dump_samples[-1]["checkpoint_id"] if state.dump_samples else None
+            # The dirty rate only between consecutive periodic dumps of this run: a restored parent's age counts
+            # time the job was stopped.
+            consecutive = outcome.parent is not None and outcome.parent == previous
+            since = deadline.since_parent(outcome.checkpoint_id, outcome.parent) if consecutive else 0.0
+            sample = deadline.Sample.of(outcome, since)
+            state.dump_samples = deadline.remember(state.dump_samples, sample)
+            samples = [deadline.Sample.from_json(s) for s in state.dump_samples]
+        plan = deadline.plan(
+            samples,
+            interval_s=self.config.interval_s,
+            notice_s=self.config.notice_s,
+            margin_s=self.config.deadline_margin_s,
+        )
+        if plan is not None and plan.reason:
+            (log.info if plan.fits else log.warning)("deadline: %s", plan.reason)
+        return plan
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         self.fence(generation)

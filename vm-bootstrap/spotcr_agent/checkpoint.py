@@ -2,8 +2,10 @@
 
 Periodic: CRIU dumps with --leave-running to local scratch, the work dir and the job's VM-local files
 (carry.py) are copied while the job is still frozen (CRIU's post-dump script hands over to the agent), then the job runs
-on while the images cross the network. Final: the job stops and what counts is time until durable, so
-the store reads CRIU's images while CRIU writes them, and the files where they are once CRIU is done.
+on while the images cross the network. Local scratch is a tmpfs sized to the dump when free memory holds it
+(scratch.py), so the job is frozen only as long as CRIU writes to memory, not to the disk. Final: the job stops
+and what counts is time until durable, so the store reads CRIU's images while CRIU writes them, and the files
+where they are once CRIU is done.
 Either way a checkpoint exists only once the store has written its manifest, and is committed only when
 everything the job holds is either in it, on the job's storage, or on the image (checked at restore).
 
@@ -103,6 +105,17 @@ class CheckpointOutcome:
     already_taken: bool = False  # another trigger took this final dump; this one reports it
     gpu_memory_bytes: int | None = None  # the job's GPU device memory, inside bytes_total (None: no GPU or unknown)
     memory_tracking: str = ""  # how the dump was taken (incremental or full) and why
+    scratch: str = ""  # where CRIU wrote the images: memory (a tmpfs) or disk
+    # Where the time went, for the deadline's rates (deadline.Sample): CRIU, then the store's stages.
+    parent: str | None = None
+    criu_seconds: float = 0.0
+    store_seconds: float = 0.0
+    bytes_new: int = 0
+    bytes_changed: int = 0
+    read_seconds: float = 0.0
+    hash_seconds: float = 0.0
+    compress_seconds: float = 0.0
+    upload_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,6 +178,7 @@ class Checkpointer:
     tcp: str = DEFAULT_TCP  # AgentConfig.tcp: under close, a listener on the VM's own address cannot come back
     check_gpus: Callable[[list[int], Criu], gpu.JobGpus | None] = gpu.for_dump
     memory_tracking: bool | None = None  # None: where the kernel has it (Criu.memory_tracking)
+    memory_scratch_dir: Path | None = None  # where a tmpfs for one dump is mounted when memory allows; None: never
     _scan: JobScan = field(default_factory=JobScan)
     _gpus: gpu.JobGpus | None = None
 
@@ -198,18 +212,30 @@ class Checkpointer:
         return self.memory_tracking, ("memory tracking is on" if self.memory_tracking else "memory tracking is off")
 
     def _periodic(self, generation: int) -> CheckpointOutcome:
+        started = time.monotonic()
         checkpoint = self._new_id(generation, "periodic")
         tracked, why = self._tracking()
-        with _scratch(self.scratch_dir / checkpoint) as scratch:
-            if tracked:
-                try:
+        if tracked:
+            try:
+                with _scratch(self.scratch_dir / checkpoint) as scratch:
                     return self._periodic_tracked(scratch, checkpoint, generation, why)
-                except _PreDumpFailed as failed:
-                    # Nothing was frozen for long, nothing committed: this checkpoint is a full dump instead.
-                    log.warning("memory tracking: the pre-dump failed, taking a full dump: %s", failed.error)
-                    why = f"the pre-dump failed ({failed.error})"
-            outcome = self._periodic_into(scratch, checkpoint, generation)
-        return dataclasses.replace(outcome, memory_tracking=f"full dump: {why}")
+            except _PreDumpFailed as failed:
+                # Nothing was frozen for long, nothing committed: this checkpoint is a full dump instead.
+                log.warning("memory tracking: the pre-dump failed, taking a full dump: %s", failed.error)
+                why = f"the pre-dump failed ({failed.error})"
+        with exclusive(self.state.dir / "dump.lock"):
+            pid, parent = self._running_job(generation)
+            self._check_checkpointable(pid)
+            # Images (device memory included) and the work dir's copy, in memory when they fit there; refused
+            # before the freeze otherwise.
+            with (
+                scratch_room.dump_scratch(
+                    self.scratch_dir, self.memory_scratch_dir, pid, self.workdir, gpu_bytes=self._gpu_bytes
+                ) as room,
+                _scratch(room[0] / checkpoint) as scratch,
+            ):
+                outcome = self._periodic_into(scratch, checkpoint, generation, pid, parent, started=started)
+                return dataclasses.replace(outcome, scratch=room[1], memory_tracking=f"full dump: {why}")
 
     def _periodic_tracked(self, scratch: Path, checkpoint: str, generation: int, why: str) -> CheckpointOutcome:
         """A pre-dump (short freeze, pages drained after the job thaws), then at once an incremental dump on top of
@@ -246,7 +272,7 @@ class Checkpointer:
             f"{len(chain.dirs) - 1} parent image dirs ({fresh}; {why})"
         )
         return dataclasses.replace(
-            self._committed(meta, result, time.monotonic() - started, frozen), memory_tracking=how
+            self._committed(meta, result, time.monotonic() - started, frozen), memory_tracking=how, scratch="disk"
         )
 
     def _pre_then_dump(
@@ -293,31 +319,27 @@ class Checkpointer:
             return None, f"a fresh chain: {problem}"
         return chain, f"on checkpoint {chain.checkpoint}"
 
-    def _periodic_into(self, scratch: Path, checkpoint: str, generation: int) -> CheckpointOutcome:
-        started = time.monotonic()
-        with exclusive(self.state.dir / "dump.lock"):
-            pid, parent = self._running_job(generation)
-            self._check_checkpointable(pid)
-            # Images (device memory included) and the work dir's copy.
-            scratch_room.require_room(self.scratch_dir, pid, self.workdir, gpu_bytes=self._gpu_bytes)
-            meta = self._meta(checkpoint, generation, "periodic", parent, pid)
-            snapshot = scratch / "workdir"
-            with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
-                try:
-                    frozen = self.criu.dump(
-                        pid,
-                        scratch / "images",
-                        scratch / "logs",
-                        leave_running=True,
-                        action_script=at_freeze.script,
-                        libdir=self._plugin_dir,
-                    )
-                except CriuError as error:
-                    at_freeze.raise_own_error()
-                    raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
-            # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
-            extra = self._carried(scratch, snapshot, copied=scratch / "carried")
-            result = self.store.commit(scratch / "images", meta, extra_files=extra)
+    def _periodic_into(
+        self, scratch: Path, checkpoint: str, generation: int, pid: int, parent: str | None, *, started: float
+    ) -> CheckpointOutcome:
+        meta = self._meta(checkpoint, generation, "periodic", parent, pid)
+        snapshot = scratch / "workdir"
+        with self._at_freeze(scratch, pid, snapshot=snapshot) as at_freeze:
+            try:
+                frozen = self.criu.dump(
+                    pid,
+                    scratch / "images",
+                    scratch / "logs",
+                    leave_running=True,
+                    action_script=at_freeze.script,
+                    libdir=self._plugin_dir,
+                )
+            except CriuError as error:
+                at_freeze.raise_own_error()
+                raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
+        # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
+        extra = self._carried(scratch, snapshot, copied=scratch / "carried")
+        result = self.store.commit(scratch / "images", meta, extra_files=extra)
         return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _final(self, generation: int) -> CheckpointOutcome:
@@ -364,22 +386,19 @@ class Checkpointer:
         tracked, why = self._tracking()
         try:
             try:
-                with _scratch(self.scratch_dir / checkpoint) as scratch:
-                    return self._take_final_into(scratch, checkpoint, generation, tracked, why)
+                return self._take_final_in_scratch(checkpoint, generation, tracked, why)
             except _IncrementalFailed as failed:
                 # CRIU resumed the job: a full dump does not depend on the chain, whatever was wrong with it.
                 log.warning("the incremental final dump failed, taking a full one: %s", failed.error)
                 tracking.discard(self.scratch_dir)
-                why = f"the incremental dump failed ({failed.error})"
-                with _scratch(self.scratch_dir / checkpoint) as scratch:
-                    return self._take_final_into(scratch, checkpoint, generation, False, why)
+                return self._take_final_in_scratch(
+                    checkpoint, generation, False, f"the incremental dump failed ({failed.error})"
+                )
         finally:
             if tracked:  # the job is stopped, or its dump failed with the kernel's dirty bits in doubt
                 tracking.discard(self.scratch_dir)
 
-    def _take_final_into(
-        self, scratch: Path, checkpoint: str, generation: int, tracked: bool = False, why: str = ""
-    ) -> CheckpointOutcome:
+    def _take_final_in_scratch(self, checkpoint: str, generation: int, tracked: bool, why: str) -> CheckpointOutcome:
         started = time.monotonic()
         with exclusive(self.state.dir / "dump.lock"):
             with self.state.locked() as state:
@@ -387,44 +406,65 @@ class Checkpointer:
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent, start_time = state.job_pid, state.last_checkpoint, state.job_start_time
             self._check_checkpointable(pid)
-            # Streamed or not, CRIU writes the images here.
-            scratch_room.require_room(self.scratch_dir, pid, gpu_bytes=self._gpu_bytes)
-            meta = self._meta(checkpoint, generation, "final", parent, pid)
-            images, logs = scratch / "images", scratch / "logs"
-            images.mkdir(parents=True, exist_ok=True)
-            logs.mkdir(parents=True, exist_ok=True)
             base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
             if base is not None:
                 how = f"incremental: dump on {len(base.dirs)} parent image dirs ({on}; {why})"
             else:
                 how = f"full dump: {on.removeprefix('a fresh chain: ') if tracked else why}"
             log.info("final dump %s: %s", checkpoint, how)
-            prev = tracking.link_target(images, base.top()) if base else None
-            inherited = base.files(shift=1) if base else {}
-            # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
-            # read where they are, once CRIU is done (its link remaps are files too).
-            with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
-                argv = self.criu.dump_argv(
-                    pid,
-                    images,
-                    logs,
-                    leave_running=False,
-                    prev_images_dir=prev,
-                    action_script=at_freeze.script,
-                    libdir=self._plugin_dir,
+            # Streamed or not, CRIU writes the images here: in memory when they fit, refused before the freeze
+            # when they fit nowhere.
+            with (
+                scratch_room.dump_scratch(
+                    self.scratch_dir, self.memory_scratch_dir, pid, gpu_bytes=self._gpu_bytes
+                ) as room,
+                _scratch(room[0] / checkpoint) as scratch,
+            ):
+                outcome = self._take_final_into(
+                    scratch, checkpoint, generation, pid, parent, base=base, started=started
                 )
-                dump = self.criu.start_dump(argv)
-                extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
-                try:
-                    result, frozen = self._ship_final(
-                        dump, meta, extra, started=started, at_freeze=at_freeze, inherited=inherited
-                    )
-                except CheckpointError as error:
-                    if base is not None and error.log:  # CRIU failed (its log came with it), not the store
-                        raise _IncrementalFailed(error) from error
-                    raise
-        outcome = self._committed(meta, result, time.monotonic() - started, frozen)
-        return dataclasses.replace(outcome, memory_tracking=how)
+                return dataclasses.replace(outcome, scratch=room[1], memory_tracking=how)
+
+    def _take_final_into(
+        self,
+        scratch: Path,
+        checkpoint: str,
+        generation: int,
+        pid: int,
+        parent: str | None,
+        *,
+        base: tracking.Chain | None,
+        started: float,
+    ) -> CheckpointOutcome:
+        meta = self._meta(checkpoint, generation, "final", parent, pid)
+        images, logs = scratch / "images", scratch / "logs"
+        images.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
+        prev = tracking.link_target(images, base.top()) if base else None
+        inherited = base.files(shift=1) if base else {}
+        # The job is frozen from here and killed when CRIU is done; its files no longer change, so they are
+        # read where they are, once CRIU is done (its link remaps are files too).
+        with self._at_freeze(scratch, pid, snapshot=None) as at_freeze:
+            argv = self.criu.dump_argv(
+                pid,
+                images,
+                logs,
+                leave_running=False,
+                prev_images_dir=prev,
+                action_script=at_freeze.script,
+                libdir=self._plugin_dir,
+            )
+            dump = self.criu.start_dump(argv)
+            extra = _AfterDump(lambda: self._carried(scratch, self.workdir, copied=None))
+            try:
+                result, frozen = self._ship_final(
+                    dump, meta, extra, started=started, at_freeze=at_freeze, inherited=inherited
+                )
+            except CheckpointError as error:
+                if base is not None and error.log:  # CRIU failed (its log came with it), not the store
+                    raise _IncrementalFailed(error) from error
+                raise
+        return self._committed(meta, result, time.monotonic() - started, frozen)
 
     def _ship_final(
         self,
@@ -607,6 +647,15 @@ class Checkpointer:
             bytes_total=result.bytes_total,
             bytes_uploaded=result.bytes_uploaded,
             gpu_memory_bytes=meta.gpu.get("device_memory_bytes") if meta.gpu else None,
+            parent=meta.parent,
+            criu_seconds=round(frozen, 3),
+            store_seconds=round(result.seconds, 3),
+            bytes_new=result.bytes_new,
+            bytes_changed=result.bytes_changed,
+            read_seconds=round(result.read_seconds, 3),
+            hash_seconds=round(result.hash_seconds, 3),
+            compress_seconds=round(result.compress_seconds, 3),
+            upload_seconds=round(result.upload_seconds, 3),
         )
 
 

@@ -17,6 +17,7 @@ from spotcr_contracts.tags import DEFAULT_TCP, MODES, STORAGES, TCP_POLICIES
 
 from .carry import IMAGE_DIRS, LOCAL_DIRS
 from .criu import DEFAULT_GHOST_LIMIT_MB
+from .deadline import AWS_NOTICE_S, DEFAULT_MARGIN_S
 
 DEFAULT_CONFIG_PATH = Path("/etc/spotcr/agent.json")
 DEFAULT_STATE_DIR = Path("/var/lib/spotcr")
@@ -63,6 +64,9 @@ class AgentConfig:
     interval_s: int = 300
     state_dir: Path = DEFAULT_STATE_DIR
     scratch_dir: Path = Path()  # local dir (ideally tmpfs) for periodic dumps; default <state_dir>/scratch
+    # Dumps go to a tmpfs mounted for each (at <state_dir>/memory-scratch) when free memory holds them, so the job
+    # is frozen only while CRIU writes to memory; false: always scratch_dir.
+    memory_scratch: bool = True
     imds_endpoint: str = DEFAULT_IMDS_ENDPOINT
     criu_bin: str = "criu"
     keep_checkpoints: int = 3
@@ -72,6 +76,8 @@ class AgentConfig:
     image_dirs: tuple[str, ...] = IMAGE_DIRS  # the AMI's system: checked at restore, never carried
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB  # a checkpoint fails, naming the biggest, above this
     restart_from_scratch: bool = True  # with no restorable checkpoint, a backup starts the job over
+    notice_s: int = AWS_NOTICE_S  # the interruption notice the final dump must fit in
+    deadline_margin_s: int = DEFAULT_MARGIN_S  # spotcr:deadline-margin: kept free of the notice by the plan
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
@@ -82,6 +88,8 @@ class AgentConfig:
             raise ConfigError("bucket: s3 storage needs a bucket")
         if self.tcp not in TCP_POLICIES:
             raise ConfigError(f"tcp: unknown policy {self.tcp!r}; one of {', '.join(TCP_POLICIES)}")
+        if not 0 <= self.deadline_margin_s < self.notice_s:
+            raise ConfigError(f"deadline_margin_s: must be from 0 to less than notice_s, got {self.deadline_margin_s}")
         for name in ("ghost_limit_mb", "local_files_limit_mb"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1, got {getattr(self, name)}")

@@ -3,17 +3,30 @@
 CRIU writes the job's anonymous memory uncompressed (resident, shared-anonymous and swapped pages of
 every process in the job's tree), and a periodic dump also copies the work dir there. The estimate
 counts those from /proc with a margin; a dump that would not fit is refused with both figures.
+
+When free memory can hold the dump, it goes to a tmpfs the agent mounts for it, sized to the estimate:
+the job is then frozen only as long as CRIU takes to write to memory, whatever the disk, and the store
+reads the images from memory after the job runs again. Otherwise the dump goes to the scratch dir.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 MARGIN = 1.10  # CRIU's page-map and metadata images, and pages dirtied between the check and the freeze
 OVERHEAD_BYTES = 64 << 20  # logs, the post-dump script, small images
 GIB = 1 << 30
+MEMORY_RESERVE_SHARE = 0.10  # of the VM's memory, left free beside a memory scratch: the job runs on meanwhile
+MEMORY_RESERVE_MIN = 512 << 20
+TMPFS_MAGIC = 0x01021994
 
 
 class ScratchTooSmall(RuntimeError):
@@ -113,3 +126,72 @@ def capacity_warning(scratch_dir: Path, *, memory: int | None = None, free: int 
         f"of memory: a job using more than about {max(0, free - OVERHEAD_BYTES) / MARGIN / GIB:.1f} GiB cannot be "
         "checkpointed here (raise root_volume_gib)"
     )
+
+
+def memory_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"{meminfo} has no MemAvailable")
+
+
+def memory_room(
+    pid: int,
+    workdir: Path | None = None,
+    *,
+    estimate: Callable[[int, Path | None], int] = dump_estimate,
+    available: Callable[[], int] = memory_available,
+    total: Callable[[], int] = memory_total,
+) -> int | None:
+    """The size of a memory scratch for this dump, or None when free memory cannot hold it beside a reserve."""
+    needed = estimate(pid, workdir)
+    reserve = max(MEMORY_RESERVE_MIN, int(total() * MEMORY_RESERVE_SHARE))
+    return needed if needed + reserve <= available() else None
+
+
+def on_tmpfs(path: Path) -> bool:
+    """Whether path is on a memory file system already (then it is the memory scratch itself)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    result = subprocess.run(["stat", "-f", "-c", "%t", str(path)], capture_output=True, text=True, check=False)
+    return result.returncode == 0 and int(result.stdout.strip() or "0", 16) == TMPFS_MAGIC
+
+
+@contextlib.contextmanager
+def dump_scratch(
+    disk: Path,
+    memory: Path | None,
+    pid: int,
+    workdir: Path | None = None,
+    *,
+    gpu_bytes: int = 0,
+    room: Callable[[int, Path | None], int | None] = memory_room,
+) -> Iterator[tuple[Path, str]]:
+    """Where this dump's images go, checked before the freeze: ("memory") a tmpfs mounted at `memory` and sized
+    to fit, removed afterwards (CRIU's logs are copied to `disk` first when the dump failed); or ("disk") the
+    scratch dir, refused with the figures when the dump would not fit there either. A GPU job's images go to disk:
+    the CUDA plugin already copies its device memory into host memory."""
+    size = room(pid, workdir) if memory is not None and not gpu_bytes and not on_tmpfs(disk) else None
+    if memory is None or size is None or not _mount_tmpfs(memory, size):
+        require_room(disk, pid, workdir, gpu_bytes=gpu_bytes)
+        yield disk, "memory" if on_tmpfs(disk) else "disk"
+        return
+    try:
+        yield memory, "memory"
+    except BaseException:
+        for logs in memory.glob("*/logs"):
+            shutil.copytree(logs, disk / logs.parent.name / "logs", dirs_exist_ok=True)
+        raise
+    finally:
+        subprocess.run(["umount", str(memory)], capture_output=True, check=False)
+
+
+def _mount_tmpfs(path: Path, size: int) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["umount", str(path)], capture_output=True, check=False)  # a mount a killed agent left
+    argv = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "spotcr-scratch", str(path)]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        log.warning("no memory scratch (%s); the dump goes to the scratch dir", result.stderr.strip())
+        return False
+    return True

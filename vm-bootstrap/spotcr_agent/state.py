@@ -51,6 +51,8 @@ class AgentState:
     result_error: str = ""  # why it could not be; with `result`, empty until the commit was tried
     # The final dumps of the job's run on this VM, by the generation that asked (JSON keys are strings).
     final_dumps: dict[str, FinalDump] = field(default_factory=dict)
+    # The newest periodic dumps' figures (deadline.Sample), from which the final dump's time is predicted.
+    dump_samples: list[dict[str, Any]] = field(default_factory=list)
 
     def final_dump(self) -> FinalDump | None:
         """The final dump that stops this run of the job, whichever trigger and generation asked for it: the

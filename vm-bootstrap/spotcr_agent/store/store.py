@@ -77,6 +77,12 @@ class CommitResult:
     chunks_total: int
     chunks_uploaded: int
     seconds: float
+    bytes_new: int = 0  # raw bytes of the chunks sent
+    bytes_changed: int = 0  # raw bytes of the chunks the parent did not hold (what changed since it)
+    read_seconds: float = 0.0  # reading and chunking the files (one thread)
+    hash_seconds: float = 0.0  # busy seconds summed over the store's threads, as are the next two
+    compress_seconds: float = 0.0
+    upload_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -183,15 +189,17 @@ class CheckpointStore:
         *,
         inherited: Mapping[str, tuple[str, Path]],
     ) -> CommitResult:
-        known, parent_since_full = self._known_chunks(meta.parent)
+        known, in_parent, parent_since_full = self._known_chunks(meta.parent)
         since_full = parent_since_full + 1 if known else 0
         if meta.kind == "periodic" and since_full >= self.full_every:
             known, since_full = set(), 0  # a fresh full checkpoint: every chunk is written again
         reused = self._inherit(meta.parent, inherited, known)
         unread = {name: source for name, (_, source) in inherited.items() if name not in reused}
         tails: dict[str, _FileTail] = {}
+        level = self.compression_level
+        uploader = _Uploader(self.backend, self._prefix, known, self.workers, level, in_parent=in_parent)
         try:
-            with _Uploader(self.backend, self._prefix, known, self.workers, self.compression_level) as uploader:
+            with uploader:
                 if still_writing is not None:
                     while still_writing():
                         if not self._pump_images(image_dir, tails, uploader):
@@ -239,6 +247,12 @@ class CheckpointStore:
             chunks_total=sum(len(f.chunks) for f in files),
             chunks_uploaded=uploader.chunks_uploaded,
             seconds=time.monotonic() - started,
+            bytes_new=uploader.bytes_new,
+            bytes_changed=uploader.bytes_changed,
+            read_seconds=uploader.read_s,
+            hash_seconds=uploader.hash_s,
+            compress_seconds=uploader.compress_s,
+            upload_seconds=uploader.upload_s,
         )
 
     def _inherit(
@@ -411,9 +425,9 @@ class CheckpointStore:
                             tails[path] = _FileTail(path, source, self.chunking, self.compression_level)
         return sum(tail.pump(uploader) for tail in tails.values())
 
-    def _known_chunks(self, parent: str | None) -> tuple[set[str], int]:
-        """Chunks committed by the parent (else the newest checkpoint): sent once, never again; and the parent's
-        `since_full`.
+    def _known_chunks(self, parent: str | None) -> tuple[set[str], set[str], int]:
+        """Chunks committed by the parent (else the newest checkpoint) that the store still holds: sent once, never
+        again; every chunk the parent names (what did not change since it); and the parent's `since_full`.
 
         The parent is the checkpoint the job was restored from or last committed, so its chunks were verified or
         just written; a newer one may hold a damaged chunk a restore fell back from, which must be sent afresh.
@@ -421,17 +435,17 @@ class CheckpointStore:
         ids = self.checkpoint_ids()
         source = parent if parent and parent in ids else (ids[0] if ids else None)
         if source is None:
-            return set(), 0
+            return set(), set(), 0
         try:
             manifest = self.load(source)
         except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
-            return set(), 0  # a manifest this agent cannot read only costs dedup, never correctness
+            return set(), set(), 0  # a manifest this agent cannot read only costs dedup, never correctness
         known = manifest.chunk_hashes()
         if not known:
-            return known, manifest.since_full
+            return known, known, manifest.since_full
         # Rely only on chunks the store still holds: one listing, and a lost chunk is sent afresh.
         stored = {obj.key.rsplit("/", 1)[-1] for obj in self.backend.scan(self._prefix + "chunks/")}
-        return known & stored, manifest.since_full
+        return known & stored, known, manifest.since_full
 
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints, newest first, from one listing: no manifest is read."""
@@ -453,8 +467,11 @@ class CheckpointStore:
 class _Uploader:
     """Hashes, compresses and stores chunks on a thread pool; skips chunks the store already holds."""
 
-    def __init__(self, backend: Backend, prefix: str, known: set[str], workers: int, level: int) -> None:
+    def __init__(
+        self, backend: Backend, prefix: str, known: set[str], workers: int, level: int, *, in_parent: set[str]
+    ) -> None:
         self._backend = backend
+        self._in_parent = in_parent
         self._prefix = prefix
         self._level = level
         self._claimed = set(known)
@@ -465,6 +482,10 @@ class _Uploader:
         self._failure: BaseException | None = None
         self.bytes_uploaded = 0
         self.chunks_uploaded = 0
+        self.bytes_new = 0
+        self.bytes_changed = 0
+        self.read_s = 0.0  # added to by the reading thread (_FileTail.pump)
+        self.hash_s = self.compress_s = self.upload_s = 0.0
 
     def __enter__(self) -> _Uploader:
         return self
@@ -486,18 +507,27 @@ class _Uploader:
             self._failure = error
 
     def _store(self, data: bytes) -> ChunkRef:
+        began = time.perf_counter()
         digest = hashlib.sha256(data).hexdigest()
+        hashed = time.perf_counter()
         with self._lock:
+            self.hash_s += hashed - began
             new = digest not in self._claimed
             self._claimed.add(digest)
+            if new and digest not in self._in_parent:
+                self.bytes_changed += len(data)
         if new:
             compressor = getattr(self._local, "compressor", None)
             if compressor is None:
                 compressor = self._local.compressor = zstandard.ZstdCompressor(level=self._level)
             compressed = compressor.compress(data)
+            compressed_at = time.perf_counter()
             self._backend.put(f"{self._prefix}chunks/{digest[:2]}/{digest}", compressed)
             with self._lock:
+                self.compress_s += compressed_at - hashed
+                self.upload_s += time.perf_counter() - compressed_at
                 self.bytes_uploaded += len(compressed)
+                self.bytes_new += len(data)
                 self.chunks_uploaded += 1
         return ChunkRef(digest, len(data))
 
@@ -520,9 +550,16 @@ class _FileTail:
     def pump(self, uploader: _Uploader) -> int:
         """Read everything written so far; hand complete chunks to the uploader."""
         read = 0
-        while block := os.read(self._fd, READ_BLOCK):
+        while True:
+            began = time.perf_counter()
+            block = os.read(self._fd, READ_BLOCK)
+            if not block:
+                uploader.read_s += time.perf_counter() - began
+                break
             read += len(block)
-            self._chunks.extend(uploader.submit(chunk) for chunk in self._chunker.feed(block))
+            chunks = self._chunker.feed(block)
+            uploader.read_s += time.perf_counter() - began
+            self._chunks.extend(uploader.submit(chunk) for chunk in chunks)
         self.size += read
         return read
 
