@@ -355,6 +355,8 @@ class LocalCloud:
             "LaunchTemplateId": template_id,
             "RecoveryStateMachineArn": state_machine_arn,
         }
+        for command in COMMANDS.values():
+            outputs[f"{command.name.capitalize()}Document"] = self.settings_env[ENV[f"{command.name}_document"]]
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
                 clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)

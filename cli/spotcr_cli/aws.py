@@ -32,6 +32,7 @@ class StackOutputs:
     subnets: tuple[str, ...] = ()
     security_group: str = ""
     experiment_templates: tuple[tuple[str, str], ...] = ()  # (kind, template id), spotcr_contracts/fis.py
+    status_document: str = ""  # the SSM document that runs `spotcr-agent status` on a job VM
 
     @classmethod
     def from_outputs(cls, name: str, outputs: dict[str, str]) -> StackOutputs:
@@ -53,6 +54,7 @@ class StackOutputs:
             name=name,
             subnets=tuple(s for s in outputs.get("JobSubnets", "").split(",") if s),
             security_group=outputs.get("JobSecurityGroup", ""),
+            status_document=outputs.get("StatusDocument", ""),
             experiment_templates=templates,
             **{field: outputs[output] for field, output in required.items()},
         )
@@ -72,6 +74,7 @@ class Cloud:
         self.region = region
         self.stack_name = stack or os.environ.get(STACK_ENV) or DEFAULT_STACK
         self._clients: dict[str, Any] = {}
+        self.prices: dict[str, tuple[float | None, str]] = {}  # read once per command run
 
     def client(self, service: str) -> Any:
         if service not in self._clients:

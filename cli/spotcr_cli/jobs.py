@@ -235,17 +235,31 @@ def _on_demand_price(cloud: Cloud, instance_type: str, notes: list[str]) -> floa
             ("capacitystatus", "Used"),
         )
     ]
+    key = f"on-demand:{region}:{instance_type}"
+    if key in cloud.prices:
+        price, note = cloud.prices[key]
+        notes.extend([note] if note else [])
+        return price
     try:
         import boto3
+        from botocore.config import Config
 
-        pricing = boto3.client("pricing", region_name="us-east-1", endpoint_url=cloud.endpoint_url)
+        pricing = boto3.client(
+            "pricing",
+            region_name="us-east-1",
+            endpoint_url=cloud.endpoint_url,
+            config=Config(retries={"max_attempts": 1}),
+        )
         products = pricing.get_products(ServiceCode="AmazonEC2", Filters=filters, MaxResults=1)["PriceList"]
         terms = json.loads(products[0])["terms"]["OnDemand"]
         dimension = next(iter(next(iter(terms.values()))["priceDimensions"].values()))
-        return float(dimension["pricePerUnit"]["USD"])
+        cloud.prices[key] = (float(dimension["pricePerUnit"]["USD"]), "")
     except Exception as error:
-        notes.append(f"on-demand price unknown: Price List API: {type(error).__name__}: {str(error)[:120]}")
-        return None
+        cloud.prices[key] = (
+            None,
+            f"on-demand price unknown: Price List API: {type(error).__name__}: {str(error)[:120]}",
+        )
+    return _on_demand_price(cloud, instance_type, notes)
 
 
 def time_lost(record: JobRecord) -> dict[str, Any]:
@@ -310,12 +324,47 @@ def criu_logs(cloud: Cloud, record: JobRecord) -> list[dict[str, Any]]:
     """CRIU's logs of failed dumps and restores, kept in the job's store (S3 jobs: the bucket)."""
     if record.storage != "s3":
         return []
+    from spotcr_agent.criu import explain
+
     s3, bucket = cloud.client("s3"), cloud.stack.bucket
     logs = []
     for obj in _objects(s3, bucket, jobs_prefix(record.job_id) + "criu-logs/"):
         text = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read().decode(errors="replace")
-        logs.append({"key": obj["Key"], "size_bytes": int(obj["Size"]), "text": text})
+        logs.append({"key": obj["Key"], "size_bytes": int(obj["Size"]), "error": explain(text), "text": text})
     return sorted(logs, key=lambda log: log["key"])
+
+
+def agent_view(cloud: Cloud, record: JobRecord, wait_s: float = 60.0) -> dict[str, Any]:
+    """The agent's own view of the job on its current VM (`spotcr-agent status`, through the stack's SSM document):
+    the job's process, its last checkpoint, its final dumps and its newest CRIU logs (on any storage)."""
+    import time
+
+    document = cloud.stack.status_document
+    if not document:
+        return {"error": f"stack {cloud.stack.name} has no StatusDocument output"}
+    ssm = cloud.client("ssm")
+    try:
+        command = ssm.send_command(
+            InstanceIds=[record.instance_id], DocumentName=document, Parameters={"JobId": [record.job_id]}
+        )["Command"]["CommandId"]
+    except Exception as error:
+        return {"error": f"{record.instance_id} cannot be asked: {error}"}
+    deadline = time.monotonic() + wait_s
+    while True:
+        time.sleep(1)
+        try:
+            invocation = ssm.get_command_invocation(CommandId=command, InstanceId=record.instance_id)
+        except ssm.exceptions.InvocationDoesNotExist:
+            invocation = {"Status": "Pending"}
+        if invocation["Status"] not in ("Pending", "InProgress", "Delayed"):
+            break
+        if time.monotonic() > deadline:
+            return {"error": f"the agent on {record.instance_id} did not answer within {wait_s:.0f} s"}
+    try:
+        view = json.loads(invocation.get("StandardOutputContent") or "")
+    except json.JSONDecodeError:
+        return {"error": f"{invocation['Status']}: {invocation.get('StandardErrorContent', '')[-400:]}"}
+    return dict(view) if isinstance(view, dict) else {"error": "the agent's answer is not a JSON object"}
 
 
 def instance_errors(cloud: Cloud, job_id: str) -> list[dict[str, str]]:

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs = commands.add_parser("logs", help="CRIU's logs kept in the store and the job's failure reasons")
     logs.add_argument("job", metavar="JOB")
+    logs.add_argument(
+        "--no-agent", dest="agent", action="store_false", help="do not ask the job's agent (on a running job's VM)"
+    )
     logs.add_argument("--json", action="store_true")
     logs.set_defaults(func=cmd_logs)
 
@@ -277,13 +280,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
     record = jobs.get_record(args.cloud, args.job)
     reasons = jobs.failures(record) + jobs.instance_errors(args.cloud, args.job)
     logs = jobs.criu_logs(args.cloud, record)
+    running = record.status in ("RUNNING", "CHECKPOINTING", "PENDING")
+    agent = jobs.agent_view(args.cloud, record) if args.agent and running else None
     if args.json:
-        render.as_json({"job_id": args.job, "failures": reasons, "criu_logs": logs}, args.out)
+        render.as_json({"job_id": args.job, "failures": reasons, "criu_logs": logs, "agent": agent}, args.out)
         return 0
     for reason in reasons:
         print(f"{reason['what']}: {reason['reason']}", file=args.out)
+    if agent is not None:
+        print(f"agent on {record.instance_id}:", file=args.out)
+        for key, value in sorted(agent.items()):
+            print(f"  {key}: {value}", file=args.out)
     for log in logs:
-        print(f"==> {log['key']} ({render.size(log['size_bytes'])}) <==", file=args.out)
+        print(f"==> {log['key']} ({render.size(log['size_bytes'])}): {log['error']} <==", file=args.out)
         print(log["text"].rstrip(), file=args.out)
     if not reasons and not logs:
         print(f"job {args.job}: no failure recorded and no CRIU log kept", file=args.out)

@@ -119,6 +119,7 @@ def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(
     assert keys == ["jobs/job-1/result/manifest.json"]
     # And a late exit report from its VM does not end it a second time
     cancelled = registry.get("job-1")
+    assert cancelled is not None
     assert cancelled.status == Status.CANCELLED and cancelled.next_checkpoint_at is None
     exited = events.JobExited(job_id="job-1", instance_id=record.instance_id, generation=0, at="", exit_code=0)
     assert exit_ends_job(cancelled, exited) is None

@@ -69,7 +69,7 @@ def test_the_plan_engineers_commands_are_registered_when_present_and_skipped_whe
     def register(subparsers):
         subparsers.add_parser("plan").set_defaults(func=lambda args: 7)
 
-    plan.register = register
+    plan.register = register  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "spotcr_cli.plan", plan)
     assert main(["plan"], out=io.StringIO()) == 7
 

@@ -26,7 +26,7 @@ def poll(read, until, what, timeout_s=60.0):
 
 @pytest.mark.e2e
 @pytest.mark.criu
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_path, capsys):
     options = Options(
         storage="s3",
@@ -103,9 +103,14 @@ def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_pa
         again = watcher.wait(restored_after(1), 120, "the restore the user ordered")
         assert again.checkpoint_id == first
 
-        # And its logs say nothing failed
-        logs = spotcr("logs", job, "--json")
+        # And its logs say nothing failed; its agent, asked on its VM, shows the job alive at the new generation
+        logs = poll(
+            lambda: spotcr("logs", job, "--json"),
+            lambda v: v["agent"] is not None and v["agent"].get("generation") == 2,
+            "the agent's view at generation 2",
+        )
         assert logs["failures"] == [] and logs["criu_logs"] == []
+        assert logs["agent"]["job_alive"] is True and logs["agent"]["instance_id"] == again.instance_id
 
         # When it is cancelled, with its checkpoints deleted
         cancelled = spotcr("cancel", job, "--delete-checkpoints", "--json")
