@@ -234,7 +234,7 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
         raise CommandError(f"job {job_id} is {record.status}: {_why_not_restorable(record.status)}")
     committed = jobs.checkpoints(cloud, record)
     ids = [c.checkpoint_id for c in committed]
-    if not jobs.CHECKPOINT_ID.match(checkpoint_id):
+    if not jobs.is_checkpoint_id(checkpoint_id):
         raise CommandError(f"--checkpoint {checkpoint_id!r} is not a checkpoint id (spotcr checkpoints {job_id})", 2)
     if record.storage == "s3" and checkpoint_id not in ids:
         raise CommandError(

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
 from spotcr_functions.models import JobRecord
 
 from spotcr_cli.aws import Cloud, CommandError
 
-CHECKPOINT_ID = re.compile(r"^(?P<ms>[0-9]{13})-g(?P<generation>[0-9]+)-(?P<kind>periodic|final)$")
+_GENERATION = re.compile(r"-g([0-9]+)-")
 _TERMINATED_AT = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) GMT\)")
 RUNNING_STATES = ("pending", "running", "stopping", "stopped")
 PRICE_SOURCE = "EC2 spot price history (DescribeSpotPriceHistory, Linux/UNIX) and the AWS Price List API"
@@ -51,9 +52,15 @@ def _plain_item(item: Mapping[str, Any]) -> dict[str, Any]:
     return {key: deserializer.deserialize(value) for key, value in item.items()}
 
 
+def is_checkpoint_id(checkpoint_id: str) -> bool:
+    return re.fullmatch(CHECKPOINT_ID_PATTERN, checkpoint_id) is not None
+
+
 def checkpoint_time(checkpoint_id: str) -> datetime | None:
-    match = CHECKPOINT_ID.match(checkpoint_id)
-    return datetime.fromtimestamp(int(match["ms"]) / 1000, UTC) if match else None
+    """A checkpoint id starts with its time in Unix milliseconds (spotcr_contracts.commands.CHECKPOINT_ID_PATTERN)."""
+    if not is_checkpoint_id(checkpoint_id):
+        return None
+    return datetime.fromtimestamp(int(checkpoint_id.split("-", 1)[0]) / 1000, UTC)
 
 
 @dataclass(frozen=True)
@@ -118,11 +125,12 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
 
 
 def _from_id(checkpoint_id: str) -> Checkpoint:
-    match = CHECKPOINT_ID.match(checkpoint_id)
+    valid = is_checkpoint_id(checkpoint_id)
+    generation = _GENERATION.search(checkpoint_id) if valid else None
     return Checkpoint(
         checkpoint_id=checkpoint_id,
-        kind=match["kind"] if match else "?",
-        generation=int(match["generation"]) if match else -1,
+        kind=checkpoint_id.rsplit("-", 1)[-1] if valid else "?",
+        generation=int(generation[1]) if generation else -1,
         created_at=checkpoint_time(checkpoint_id),
         size=None,
         stored=None,
