@@ -3,8 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PYTHON_DIRS := functions vm-bootstrap infra rehearsal bench tests
-export PYTHONPATH := $(CURDIR)/functions:$(CURDIR)/vm-bootstrap:$(CURDIR)
+PYTHON_DIRS := functions vm-bootstrap infra rehearsal bench cli tests
+export PYTHONPATH := $(CURDIR)/functions:$(CURDIR)/vm-bootstrap:$(CURDIR)/cli:$(CURDIR)
 export CDK_DISABLE_CLI_TELEMETRY := 1
 export CDK_DISABLE_VERSION_CHECK := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
@@ -12,7 +12,7 @@ CDK := npx --no-install cdk --no-notices
 
 .PHONY: where setup criu artifacts workload-deps tracked-deps lint test test-gpu nvidia-gpu demo bench synth deploy destroy lock clean
 
-setup: $(VENV)/.installed node_modules/.installed criu artifacts
+setup: $(VENV)/.installed $(VENV)/bin/spotcr node_modules/.installed criu artifacts
 
 $(VENV)/.installed: requirements/dev.lock
 	@command -v $(PYTHON) >/dev/null || { apt-get update -qq && apt-get install -y -qq python3 python3-venv; }
@@ -21,6 +21,11 @@ $(VENV)/.installed: requirements/dev.lock
 	$(VENV)/bin/pip install -q uv==0.13.8
 	$(VENV)/bin/uv pip sync -q --python $(PY) requirements/dev.lock
 	touch $@
+
+# The `spotcr` command ([project.scripts]), editable: it runs this checkout's code; its dependencies are in dev.lock.
+$(VENV)/bin/spotcr: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .
+	@test -x $@ && touch $@
 
 node_modules/.installed: package-lock.json
 	@command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm; }

@@ -6,10 +6,12 @@ from pathlib import Path
 
 from aws_cdk import CfnOutput, Fn, Stack
 from constructs import Construct
+from spotcr_contracts import fis
 from spotcr_functions import catalog, config
 
 from infra import grants
 from infra.control_plane import FunctionEnvironment, Functions, Registry
+from infra.fault_injection import FaultInjection
 from infra.monitoring import Monitoring
 from infra.network import Network
 from infra.probe import ProbeDocument
@@ -134,6 +136,8 @@ class SpotcrStack(Stack):
             state_machine=workflow.state_machine,
         )
 
+        faults = FaultInjection(self, "FaultInjection", settings=settings)
+
         outputs = {
             "CheckpointBucket": storage.bucket.bucket_name,
             "JobTable": registry.jobs_table.table_name,
@@ -150,6 +154,8 @@ class SpotcrStack(Stack):
         for name, document in documents.items():
             outputs[f"{name.capitalize()}Document"] = document
         outputs["ProbeDocument"] = probe.document.ref
+        for kind, template in faults.templates.items():
+            outputs[fis.OUTPUTS[kind]] = template.ref
         if storage.file_system is not None:
             outputs["EfsFileSystemId"] = storage.file_system.file_system_id
         if storage.lustre is not None:

@@ -10,7 +10,13 @@ real ASL). The rehearsal adds, in-process and only here:
 - Lambda function URLs: the store-credentials URL (AuthType AWS_IAM) has a stand-in on the VMs' network that
   knows the caller by its VM address (rehearsal/store_credentials.py) and calls the real handler;
 - EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
-  instance state-change events are emitted as AWS emits them.
+  instance state-change events are emitted as AWS emits them;
+- FIS: StartExperiment of an `aws:ec2:send-spot-instance-interruptions` template does what FIS does to its
+  target spot instances: the rebalance recommendation (when the duration is above two minutes) and the
+  interruption notice on the VM's IMDS and as EC2 events, then the termination (`fis_notice_s` stands for
+  FIS's two minutes);
+- CloudFormation: a stack named like the rehearsal's resources whose outputs are the real stack's, so the
+  `spotcr` command reads it with `--stack` as it reads a deployed one.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
 from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
@@ -93,6 +100,7 @@ class LocalCloud:
         boot_commands: list[list[str]] | None = None,
         agent_command: list[str] | None = None,
         with_workflow: bool = True,
+        fis_notice_s: float = 120.0,
     ) -> None:
         self.run_dir = run_dir
         self.timeline = timeline
@@ -103,6 +111,7 @@ class LocalCloud:
         self.boot_commands = boot_commands
         self.agent_command = agent_command
         self.with_workflow = with_workflow
+        self.fis_notice_s = fis_notice_s
         self.endpoint = ""
         self.vm_endpoint = ""  # the same server, where the VMs reach it: the host end of their network
         self.network: VmNetwork | None = None
@@ -344,6 +353,7 @@ class LocalCloud:
             function_arns[function.name] = arn
         if self.with_workflow:
             self._create_state_machine(role_arn, function_arns)
+        self._create_stack_outputs(role_arn, template_id, state_machine_arn)
         events = self.client("events")
         for function in catalog.FUNCTIONS:
             for rule in function.rules:
@@ -361,6 +371,34 @@ class LocalCloud:
                     EventBusName=bus,
                     Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
                 )
+
+    def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:
+        """The stack's FIS experiment templates, and a CloudFormation stack whose outputs name what `spotcr` reads."""
+        fis = self.client("fis")
+        outputs = {
+            "CheckpointBucket": self.names["checkpoint_bucket"],
+            "JobTable": self.names["jobs_table"],
+            "AgentEventBus": self.names["event_bus_name"],
+            "LaunchTemplateId": template_id,
+            "RecoveryStateMachineArn": state_machine_arn,
+        }
+        for command in COMMANDS.values():
+            outputs[f"{command.name.capitalize()}Document"] = self.settings_env[ENV[f"{command.name}_document"]]
+        for kind, output in fis_templates.OUTPUTS.items():
+            created = fis.create_experiment_template(
+                clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
+            )
+            outputs[output] = created["experimentTemplate"]["id"]
+        template = {
+            "Resources": {
+                "Marker": {
+                    "Type": "AWS::SSM::Parameter",
+                    "Properties": {"Name": f"/{PREFIX}/stack", "Type": "String", "Value": "rehearsal"},
+                }
+            },
+            "Outputs": {name: {"Value": value} for name, value in outputs.items()},
+        }
+        self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(template))
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
         definition = ASL_PATH.read_text()
@@ -442,6 +480,54 @@ class LocalCloud:
             lambda original: lambda command: original(command) if command.targets else [],
         )
         self._install_ec2_hooks()
+        self._install_fis_hooks()
+
+    def _install_fis_hooks(self) -> None:
+        from moto.fis.models import FISBackend
+
+        cloud = self
+
+        def start_experiment(original: Any) -> Any:
+            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
+                started = original(backend, *args, **kwargs)
+                experiment = backend.experiments[started["id"]]
+                from moto.ec2.models import ec2_backends
+
+                ec2 = ec2_backends[ACCOUNT][REGION]
+                for action in experiment.actions.values():
+                    if action.get("actionId") != fis_templates.ACTION_ID:
+                        continue
+                    duration = fis_templates.duration_s(action.get("parameters", {}).get("durationBeforeInterruption"))
+                    for target_name in action.get("targets", {}).values():
+                        for instance_id in _spot_targets(ec2, experiment.targets.get(target_name, {})):
+                            threading.Thread(
+                                target=cloud._fis_interrupt, args=(instance_id, duration), daemon=True
+                            ).start()
+                return started
+
+            return hooked
+
+        self._patch(FISBackend, "start_experiment", start_experiment)
+
+    def _fis_interrupt(self, instance_id: str, duration_s: float) -> None:
+        """What FIS's send-spot-instance-interruptions does to one instance, with its two minutes as fis_notice_s."""
+        notice = self.fis_notice_s
+        vm = self.vms.get(instance_id)
+        if duration_s > 120:
+            if vm is not None:
+                vm.imds.rebalance = {"noticeTime": _now()}
+            self.timeline.say(f"FIS: rebalance recommendation for {instance_id}")
+            self.emit_ec2(catalog.REBALANCE_RECOMMENDATION, instance_id, {})
+            if self._stop.wait((duration_s - 120) * notice / 120):
+                return
+        action_time = datetime.now(UTC).timestamp() + notice
+        if vm is not None:
+            when = datetime.fromtimestamp(action_time, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            vm.imds.instance_action = {"action": "terminate", "time": when}
+        self.timeline.point(instance_id, "warning", f"FIS: spot interruption warning for {instance_id}")
+        self.emit_ec2(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
+        if not self._stop.wait(notice):
+            self.client("ec2").terminate_instances(InstanceIds=[instance_id])
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = getattr(owner, name, None)  # None: an action moto lacks, added here
@@ -756,6 +842,28 @@ def _listen_for_vms(address: str, port: int) -> Any:
     server = make_server(address, port, _moto_server()._server.app, True, request_handler=MotoRequestHandler)
     threading.Thread(target=server.serve_forever, name="moto-for-vms", daemon=True).start()
     return server
+
+
+def _spot_targets(ec2: Any, target: dict[str, Any]) -> list[str]:
+    """The running spot instances an FIS target selects, by ARN or by tags and filters (selection mode ALL)."""
+    if target.get("resourceType") != "aws:ec2:spot-instance":
+        return []
+    arns = target.get("resourceArns") or []
+    wanted_tags = target.get("resourceTags") or {}
+    states = [v for f in target.get("filters") or [] if f.get("path") == "State.Name" for v in f.get("values", [])]
+    chosen = []
+    for reservation in ec2.reservations.values():
+        for instance in reservation.instances:
+            tags = _tags_of(ec2, instance.id)
+            if arns and not any(arn.endswith(f"/{instance.id}") for arn in arns):
+                continue
+            if any(tags.get(key) != value for key, value in wanted_tags.items()):
+                continue
+            if states and instance.state not in states:
+                continue
+            if getattr(instance, "lifecycle", None) == "spot":
+                chosen.append(instance.id)
+    return chosen
 
 
 def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:

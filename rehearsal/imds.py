@@ -39,6 +39,7 @@ class Imds:
         self.user_data = user_data
         self.tags = tags
         self.instance_action: dict[str, str] | None = None
+        self.rebalance: dict[str, str] | None = None  # {"noticeTime": ...} once a rebalance recommendation came
         self.local_ipv4 = ""
         self._token = secrets.token_hex(16)
         self._server = ThreadingHTTPServer((host, 0), self._handler_class())
@@ -74,6 +75,7 @@ class Imds:
             "placement/region": self.availability_zone[:-1],
             "local-ipv4": self.local_ipv4 or None,
             "spot/instance-action": json.dumps(self.instance_action) if self.instance_action else None,
+            "events/recommendations/rebalance": json.dumps(self.rebalance) if self.rebalance else None,
         }
         if key in values:
             return values[key]

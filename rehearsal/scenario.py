@@ -329,6 +329,7 @@ class Rehearsal:
                 "ebs_volume_gib": 2,
             },
             on_event=self.watcher,
+            fis_notice_s=notice,
         )
         self.recoveries_s: list[float] = []
         self.outcome: Outcome | None = None

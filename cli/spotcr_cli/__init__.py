@@ -1,0 +1,1 @@
+"""spotcr: the user's command for jobs, checkpoints, interruptions and plans."""

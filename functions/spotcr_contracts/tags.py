@@ -28,6 +28,9 @@ ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
 GENERATION = "spotcr:generation"
+# Set by `spotcr interrupt` on the one instance the stack's FIS experiment templates target, then removed.
+INTERRUPT = "spotcr:interrupt"
+INTERRUPT_REQUESTED = "requested"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's

@@ -10,7 +10,7 @@ from spotcr_contracts import events, tags
 
 from spotcr_functions import jobs, rendezvous
 from spotcr_functions.deps import Deps
-from spotcr_functions.models import ACTIVE, JobRecord, Status
+from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 from spotcr_functions.observability import SERVICE
 from spotcr_functions.registry import WAIT_KEYS
 
@@ -230,7 +230,7 @@ MAX_END_ATTEMPTS = 8
 
 def exit_ends_job(record: JobRecord, event: events.JobExited) -> str | None:
     """Whether this exit ends the job as the record stands; the reason, or None when it must be ignored."""
-    if record.status in (Status.COMPLETED, Status.FAILED):
+    if record.status in ENDED:
         return None
     if record.status in ACTIVE:
         same = event.instance_id == record.instance_id and event.generation == record.generation

@@ -21,9 +21,11 @@ class Status(StrEnum):
     RECOVERING = "RECOVERING"  # the generation was bumped; the recovery workflow owns the job
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
+    CANCELLED = "CANCELLED"  # the user stopped it (`spotcr cancel`): no dump is ordered, no recovery started
 
 
 ACTIVE = (Status.PENDING, Status.RUNNING, Status.CHECKPOINTING)
+ENDED = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)  # no writer moves a job out of these but a new submit
 
 
 @dataclass(frozen=True)

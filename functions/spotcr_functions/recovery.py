@@ -132,9 +132,9 @@ def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at
     return True
 
 
-def _start(deps: Deps, record: JobRecord, instance_id: str, reason: str, final_dump: bool) -> bool:
-    settings = deps.settings
-    payload = {
+def recovery_input(record: JobRecord, instance_id: str, reason: str, final_dump: bool, settings: Any) -> dict[str, Any]:
+    """The recovery workflow's input for a fenced record (`settings`: any object with the Settings wait fields)."""
+    return {
         "job_id": record.job_id,
         "generation": record.generation,
         "interrupted_instance_id": instance_id,
@@ -148,6 +148,11 @@ def _start(deps: Deps, record: JobRecord, instance_id: str, reason: str, final_d
             "poll_seconds": settings.poll_s,
         },
     }
+
+
+def _start(deps: Deps, record: JobRecord, instance_id: str, reason: str, final_dump: bool) -> bool:
+    settings = deps.settings
+    payload = recovery_input(record, instance_id, reason, final_dump, settings)
     name = execution_name(record)
     started = deps.cloud.start_recovery(settings.recovery_state_machine_arn, name, payload)
     logger.info("recovery workflow", execution=name, started=started, reason=reason)

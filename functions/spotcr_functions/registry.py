@@ -7,7 +7,7 @@ from functools import cached_property
 from typing import Any
 
 from spotcr_functions import registry_schema
-from spotcr_functions.models import ACTIVE, JobRecord, Status, event_attribute, token_attribute
+from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 
 WAIT_KEYS = ("final-dump", "backup-ready", "restore")  # what a workflow step waits for
 
@@ -53,9 +53,9 @@ class Registry:
         try:
             self.table.put_item(
                 Item=record.to_item(),
-                ConditionExpression="attribute_not_exists(job_id) OR #s IN (:completed, :failed)",
+                ConditionExpression="attribute_not_exists(job_id) OR #s IN (:completed, :failed, :cancelled)",
                 ExpressionAttributeNames={"#s": "status"},
-                ExpressionAttributeValues={":completed": Status.COMPLETED.value, ":failed": Status.FAILED.value},
+                ExpressionAttributeValues={f":{s.value.lower()}": s.value for s in ENDED},
             )
         except self._conditional_failure:
             existing = self.get(record.job_id)

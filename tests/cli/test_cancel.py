@@ -1,0 +1,144 @@
+"""`spotcr cancel` and the refusals of restore and interrupt, against in-process moto (no VMs)."""
+
+import io
+import json
+
+import boto3
+import pytest
+from moto import mock_aws
+from spotcr_cli import actions
+from spotcr_cli.aws import Cloud, CommandError, StackOutputs
+from spotcr_cli.main import main
+from spotcr_contracts import events
+from spotcr_functions import registry_schema
+from spotcr_functions.agent_events import exit_ends_job
+from spotcr_functions.models import JobRecord, Status
+from spotcr_functions.registry import Registry
+
+REGION = "us-east-1"
+ASL = {"StartAt": "Wait", "States": {"Wait": {"Type": "Wait", "Seconds": 3600, "End": True}}}
+
+
+@pytest.fixture
+def world(monkeypatch):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")
+    with mock_aws():
+        dynamodb = boto3.client("dynamodb", region_name=REGION)
+        dynamodb.create_table(**registry_schema.create_table_arguments("jobs"))
+        boto3.client("s3", region_name=REGION).create_bucket(Bucket="checkpoints")
+        sfn = boto3.client("stepfunctions", region_name=REGION)
+        machine = sfn.create_state_machine(
+            name="recovery", definition=json.dumps(ASL), roleArn="arn:aws:iam::123456789012:role/r"
+        )["stateMachineArn"]
+        ec2 = boto3.client("ec2", region_name=REGION)
+        image = ec2.register_image(Name="job-vm", Architecture="x86_64")["ImageId"]
+        template = ec2.create_launch_template(
+            LaunchTemplateName="job-vm", LaunchTemplateData={"ImageId": image, "InstanceType": "c5.large"}
+        )["LaunchTemplate"]["LaunchTemplateId"]
+        outputs = {
+            "CheckpointBucket": "checkpoints",
+            "JobTable": "jobs",
+            "LaunchTemplateId": template,
+            "RecoveryStateMachineArn": machine,
+        }
+        stack = {
+            "Resources": {
+                "Marker": {"Type": "AWS::SSM::Parameter", "Properties": {"Name": "/m", "Type": "String", "Value": "m"}}
+            },
+            "Outputs": {name: {"Value": value} for name, value in outputs.items()},
+        }
+        boto3.client("cloudformation", region_name=REGION).create_stack(
+            StackName="spotcr", TemplateBody=json.dumps(stack)
+        )
+        cloud = Cloud(region=REGION)
+        assert cloud.stack == StackOutputs("spotcr", "checkpoints", "jobs", template, machine)
+        yield cloud
+
+
+def running_job(cloud, job_id="job-1", status=Status.RUNNING):
+    submitted = actions.submit(
+        cloud,
+        actions.job_tags(
+            job_id,
+            command="python3 a.py",
+            spec=None,
+            storage=None,
+            interval_s=10,
+            fallback_types=None,
+            workdir=None,
+            tcp=None,
+            restart_from_scratch=None,
+        ),
+        instance_id=None,
+        instance_type=None,
+        on_demand=False,
+        say=lambda line: None,
+    )
+    record = JobRecord(
+        job_id=job_id,
+        status=status,
+        generation=0,
+        instance_id=submitted["instance_id"],
+        az="us-east-1a",
+        subnet_id="subnet-1",
+        vpc_id="vpc-1",
+        instance_type="c5.large",
+        storage="s3",
+        interval_s=10,
+        tags={"spotcr:job": job_id},
+        next_checkpoint_at=1,
+    )
+    Registry("jobs").register(record)
+    return record
+
+
+def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(world):
+    # Given a running job whose periodic checkpoint is due, with a recovery of it in flight
+    record = running_job(world)
+    registry = Registry("jobs")
+    assert [r.job_id for r in registry.due_jobs(now=10)] == ["job-1"]
+    sfn = world.client("stepfunctions")
+    sfn.start_execution(stateMachineArn=world.stack.state_machine_arn, name="job-1-g1-abcdef12", input="{}")
+    s3 = world.client("s3")
+    s3.put_object(Bucket="checkpoints", Key="jobs/job-1/checkpoints/1700000000000-g0-periodic.json", Body=b"{}")
+    s3.put_object(Bucket="checkpoints", Key="jobs/job-1/result/manifest.json", Body=b"{}")
+    # When it is cancelled with its checkpoints
+    out = io.StringIO()
+    assert main(["cancel", "job-1", "--delete-checkpoints", "--json"], out=out) == 0
+    result = json.loads(out.getvalue())
+    # Then it is CANCELLED, the scheduler finds nothing due, its recovery is stopped and its VM terminated
+    assert result["state"] == "CANCELLED" and result["was"] == "RUNNING"
+    assert registry.due_jobs(now=10**12) == []
+    assert result["workflows_stopped"] == ["job-1-g1-abcdef12"]
+    assert result["instances_terminated"] == [record.instance_id]
+    state = world.client("ec2").describe_instances(InstanceIds=[record.instance_id])["Reservations"][0]
+    assert state["Instances"][0]["State"]["Name"] in ("shutting-down", "terminated")
+    # And its checkpoints are gone, its stored result kept
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="checkpoints")["Contents"]]
+    assert keys == ["jobs/job-1/result/manifest.json"]
+    # And a late exit report from its VM does not end it a second time
+    cancelled = registry.get("job-1")
+    assert cancelled is not None
+    assert cancelled.status == Status.CANCELLED and cancelled.next_checkpoint_at is None
+    exited = events.JobExited(job_id="job-1", instance_id=record.instance_id, generation=0, at="", exit_code=0)
+    assert exit_ends_job(cancelled, exited) is None
+    # And the job's name can be submitted again
+    assert registry.register(record) == record
+
+
+def test_cancel_restore_and_interrupt_refuse_what_they_cannot_do_naming_the_state(world, capsys):
+    running_job(world, "done-1", status=Status.COMPLETED)
+    out = io.StringIO()
+    assert main(["cancel", "done-1"], out=out) == 0 and "COMPLETED already" in out.getvalue()
+    assert main(["restore", "done-1", "--checkpoint", "1700000000000-g0-periodic"]) == 1
+    assert "done-1 is COMPLETED" in capsys.readouterr().err
+    assert main(["interrupt", "done-1"]) == 1
+    assert "only a running job's instance can be interrupted" in capsys.readouterr().err
+    running_job(world, "run-1")
+    assert main(["restore", "run-1", "--checkpoint", "1700000000000-g0-periodic"]) == 1
+    assert "is not committed for job run-1" in capsys.readouterr().err
+    assert main(["restore", "run-1", "--checkpoint", "newest"]) == 2
+    assert main(["status", "nope"]) == 1 and "no job 'nope'" in capsys.readouterr().err
+    with pytest.raises(CommandError, match="no FIS experiment template"):
+        actions.interrupt(world, "run-1", rebalance_first=False, say=lambda line: None)
