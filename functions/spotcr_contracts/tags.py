@@ -7,6 +7,7 @@ Values never reach a shell: commands become argv lists, everything else typed fi
 from __future__ import annotations
 
 import re
+import secrets
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,10 @@ ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
 GENERATION = "spotcr:generation"
+# Set by spotcr on the one instance registered for a run of the job (and on its backups): the run's identity.
+# An agent in run mode starts the job only once this tag is on its instance; an instance refused gets ERROR instead.
+RUN = "spotcr:run"
+RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
@@ -43,6 +48,7 @@ _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")
+_RUN_ID = re.compile(RUN_ID_PATTERN)
 _ASCII_NUMBER = re.compile(r"^[0-9]{1,10}$")  # str.isdigit() also accepts superscripts and full-width digits
 # Restore replaces the work dir with the checkpoint's: it must be the job's own directory, never one the system
 # needs. These, and anything under the first group, are refused.
@@ -76,6 +82,7 @@ class JobSpec:
     generation: int = 0
     tcp: str = DEFAULT_TCP
     restart_from_scratch: bool = True
+    run_id: str = ""  # spotcr:run, set by spotcr once the job is registered (empty on a user's instance before)
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -101,7 +108,14 @@ class JobSpec:
             tags[TCP] = self.tcp
         if not self.restart_from_scratch:
             tags[RESTART_FROM_SCRATCH] = "false"
+        if self.run_id:
+            tags[RUN] = self.run_id
         return tags
+
+
+def new_run_id() -> str:
+    """A fresh run identity, minted by the control plane when it registers a job (never by a VM)."""
+    return "r-" + secrets.token_hex(8)
 
 
 def is_job(tags: Mapping[str, str]) -> bool:
@@ -148,6 +162,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     if workdir is not None and (problem := workdir_problem(workdir)):
         raise InvalidJobTags(WORKDIR, problem)
     restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
+    run_id = _parse_run(tags)
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -161,6 +176,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         generation=generation,
         tcp=tcp,
         restart_from_scratch=restart,
+        run_id=run_id,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )
@@ -208,6 +224,13 @@ def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: 
     if not low <= value <= high:
         raise InvalidJobTags(tag, f"must be between {low} and {high}, got {value}")
     return value
+
+
+def _parse_run(tags: Mapping[str, str]) -> str:
+    run_id = tags.get(RUN, "")
+    if run_id and not _RUN_ID.match(run_id):
+        raise InvalidJobTags(RUN, f"is set by spotcr as r- and 16 hex digits, got {run_id[:32]!r}")
+    return run_id
 
 
 def _parse_bool(tags: Mapping[str, str], tag: str, *, default: bool) -> bool:

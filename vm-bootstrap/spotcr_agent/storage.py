@@ -49,12 +49,12 @@ def is_mount(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool
 def open_store(config: AgentConfig) -> CheckpointStore:
     """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
     if config.storage == "s3":
-        return CheckpointStore.for_s3(config.bucket, config.job_id, region=config.region)
+        return CheckpointStore.for_s3(config.bucket, config.job_id, region=config.region, run_id=config.run_id)
     if not is_mount(config.mount_point):
         raise StorageError(
             f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
         )
-    return CheckpointStore.for_directory(config.mount_point, config.job_id)
+    return CheckpointStore.for_directory(config.mount_point, config.job_id, run_id=config.run_id)
 
 
 def result_backend(config: AgentConfig, job_storage: Backend) -> Backend:
