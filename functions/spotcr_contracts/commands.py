@@ -11,8 +11,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spotcr_contracts.tags import RUN_ID_PATTERN
+
 AGENT_BIN = "/opt/spotcr/bin/spotcr-agent"
 CHECKPOINT_ID_PATTERN = r"^[0-9]{13}-g[0-9]{1,10}-(periodic|final)$"
+
+
+def checkpoint_generation(checkpoint_id: str) -> int:
+    """The generation a checkpoint was taken at (the dump order's, minted by the control plane)."""
+    return int(checkpoint_id.split("-")[1].removeprefix("g"))
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,14 @@ class Command:
 
 
 _JOB = Parameter("JobId", "The job's name (spotcr:job).", r"^[a-z0-9][a-z0-9-]{0,62}$")
+# The run the command is for (the job record's run_id): the agent refuses a command for another run of the same name.
+_RUN = Parameter(
+    "RunId", "The job's run (spotcr:run); the agent refuses another run's command.", f"^$|{RUN_ID_PATTERN}", ""
+)
+# Which restore attempt of the generation a restore command is (the workflow's step): the agent's answer names it,
+# so a late or duplicated answer to one attempt never resumes another.
+RESTORE_ATTEMPTS = ("newest", "previous")
+_ATTEMPT = Parameter("Attempt", "The workflow's restore attempt this command is.", r"^$|^(newest|previous)$", "")
 _GENERATION = Parameter("Generation", "Fencing token: the agent refuses a stale generation.", r"^[0-9]{1,10}$")
 
 CHECKPOINT = Command(
@@ -86,8 +101,9 @@ CHECKPOINT = Command(
         _JOB,
         _GENERATION,
         Parameter("Kind", "periodic or final.", r"^(periodic|final)$"),
+        _RUN,
     ),
-    flags={"JobId": "--job", "Generation": "--generation", "Kind": "--kind"},
+    flags={"JobId": "--job", "Generation": "--generation", "Kind": "--kind", "RunId": "--run"},
 )
 RESTORE = Command(
     name="restore",
@@ -96,14 +112,22 @@ RESTORE = Command(
         _JOB,
         _GENERATION,
         Parameter("CheckpointId", "Checkpoint to restore; empty for the newest.", f"^$|{CHECKPOINT_ID_PATTERN}", ""),
+        _RUN,
+        _ATTEMPT,
     ),
-    flags={"JobId": "--job", "Generation": "--generation", "CheckpointId": "--checkpoint"},
+    flags={
+        "JobId": "--job",
+        "Generation": "--generation",
+        "CheckpointId": "--checkpoint",
+        "RunId": "--run",
+        "Attempt": "--attempt",
+    },
 )
 RELEASE = Command(
     name="release",
     description="spotcr: stop using the job's storage (unmount an EBS volume) so it can move.",
-    parameters=(_JOB, _GENERATION),
-    flags={"JobId": "--job", "Generation": "--generation"},
+    parameters=(_JOB, _GENERATION, _RUN),
+    flags={"JobId": "--job", "Generation": "--generation", "RunId": "--run"},
 )
 STATUS = Command(
     name="status",

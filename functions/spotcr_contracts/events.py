@@ -22,7 +22,9 @@ class InvalidEvent(ValueError):
 
 @dataclass(frozen=True)
 class AgentEvent:
-    """Fields every agent event carries. `generation` is the fencing token the VM serves."""
+    """Fields every agent event carries. `generation` is the fencing token the VM serves; `run_id` the run of the
+    job it serves (spotcr:run), empty only before the control plane registered this VM's run (AgentReady,
+    BootstrapFailed): an event of another run never moves the job."""
 
     DETAIL_TYPE: ClassVar[str] = ""
 
@@ -30,6 +32,10 @@ class AgentEvent:
     instance_id: str
     generation: int
     at: str  # ISO 8601 UTC time on the VM
+    run_id: str = ""
+    # Minted by the agent once per event; a resend after an ambiguous PutEvents failure carries the same one, and
+    # the control plane handles each event once (the agent-events function is idempotent on the whole detail).
+    event_id: str = ""
 
     def detail(self) -> dict[str, Any]:
         return {"version": VERSION, **dataclasses.asdict(self)}
@@ -110,6 +116,7 @@ class CheckpointFailed(AgentEvent):
 class RestoreCompleted(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "RestoreCompleted"
     checkpoint_id: str = ""
+    attempt: str = ""  # the restore command's Attempt this answers (empty: a restore run by hand)
     seconds: float = 0.0
     pid: int = 0
     skipped: str = ""  # why newer checkpoints were not restored (corrupt, incompatible); empty if none were
@@ -119,6 +126,7 @@ class RestoreCompleted(AgentEvent):
 class RestoreFailed(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "RestoreFailed"
     checkpoint_id: str = ""
+    attempt: str = ""  # the restore command's Attempt this answers (empty: a restore run by hand)
     reason: str = ""
     log_tail: str = ""  # the end of CRIU's log when CRIU failed
     criu_log: str = ""  # where CRIU's whole log was kept in the job's storage (s3://... or a path)

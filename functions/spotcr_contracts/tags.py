@@ -7,6 +7,7 @@ Values never reach a shell: commands become argv lists, everything else typed fi
 from __future__ import annotations
 
 import re
+import secrets
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ GENERATION = "spotcr:generation"
 # Set by `spotcr interrupt` on the one instance the stack's FIS experiment templates target, then removed.
 INTERRUPT = "spotcr:interrupt"
 INTERRUPT_REQUESTED = "requested"
+# Set by spotcr on the one instance registered for a run of the job (and on its backups): the run's identity.
+# An agent in run mode starts the job only once this tag is on its instance; an instance refused gets ERROR instead.
+RUN = "spotcr:run"
+RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
@@ -53,6 +58,7 @@ JOB_NAME = _JOB_NAME  # a job name: safe as an S3 prefix and an STS session tag 
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")
+_RUN_ID = re.compile(RUN_ID_PATTERN)
 _ASCII_NUMBER = re.compile(r"^[0-9]{1,10}$")  # str.isdigit() also accepts superscripts and full-width digits
 # Restore replaces the work dir with the checkpoint's: it must be the job's own directory, never one the system
 # needs. These, and anything under the first group, are refused.
@@ -87,6 +93,7 @@ class JobSpec:
     tcp: str = DEFAULT_TCP
     restart_from_scratch: bool = True
     deadline_margin_s: int = DEFAULT_DEADLINE_MARGIN_S
+    run_id: str = ""  # spotcr:run, set by spotcr once the job is registered (empty on a user's instance before)
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -114,7 +121,14 @@ class JobSpec:
             tags[RESTART_FROM_SCRATCH] = "false"
         if self.deadline_margin_s != DEFAULT_DEADLINE_MARGIN_S:
             tags[DEADLINE_MARGIN] = str(self.deadline_margin_s)
+        if self.run_id:
+            tags[RUN] = self.run_id
         return tags
+
+
+def new_run_id() -> str:
+    """A fresh run identity, minted by the control plane when it registers a job (never by a VM)."""
+    return "r-" + secrets.token_hex(8)
 
 
 def is_job(tags: Mapping[str, str]) -> bool:
@@ -162,6 +176,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         raise InvalidJobTags(WORKDIR, problem)
     restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
     margin = _parse_int(tags, DEADLINE_MARGIN, DEFAULT_DEADLINE_MARGIN_S, 0, MAX_DEADLINE_MARGIN_S)
+    run_id = _parse_run(tags)
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -176,6 +191,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         tcp=tcp,
         restart_from_scratch=restart,
         deadline_margin_s=margin,
+        run_id=run_id,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )
@@ -223,6 +239,13 @@ def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: 
     if not low <= value <= high:
         raise InvalidJobTags(tag, f"must be between {low} and {high}, got {value}")
     return value
+
+
+def _parse_run(tags: Mapping[str, str]) -> str:
+    run_id = tags.get(RUN, "")
+    if run_id and not _RUN_ID.match(run_id):
+        raise InvalidJobTags(RUN, f"is set by spotcr as r- and 16 hex digits, got {run_id[:32]!r}")
+    return run_id
 
 
 def _parse_bool(tags: Mapping[str, str], tag: str, *, default: bool) -> bool:

@@ -7,12 +7,13 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 from spotcr_contracts import events, tags
+from spotcr_contracts.commands import checkpoint_generation
 
 from spotcr_functions import jobs, rendezvous
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 from spotcr_functions.observability import SERVICE
-from spotcr_functions.registry import WAIT_KEYS
+from spotcr_functions.registry import WAIT_KEYS, restore_key
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -23,14 +24,28 @@ FINAL_DUMPS_AT_RISK = "FinalDumpsAtRisk"
 
 def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     record = deps.registry.get(event.job_id)
-    if record is None and isinstance(event, events.JobStarted):
-        # Events come in any order: the job may start before its instance's "running" state change arrives
-        # (or that event is lost). The agent's word that a tagged instance runs it registers the job as well.
+    waiting = isinstance(event, events.AgentReady) and event.mode == "run" and not event.run_id
+    if waiting or (record is None and isinstance(event, events.JobStarted)):
+        # Events come in any order: the agent may be up before its instance's "running" state change arrives (or
+        # that event is lost). An agent waiting for its run registers the job as the state change would: the
+        # instance's own tags decide, and it gets either the run's tag (a lost tag write is put again) or
+        # spotcr:error when the name runs elsewhere.
         jobs.register_instance(deps, event.instance_id)
         record = deps.registry.get(event.job_id)
     if record is None:
         logger.info("agent event for an unknown job", job_id=event.job_id, detail_type=event.DETAIL_TYPE)
         return {"action": "ignored", "reason": "unknown job"}
+    if not _of_this_run(record, event):
+        # Another run of the same name (an instance refused, or an earlier run's VM) never moves this one.
+        logger.warning(
+            "agent event from another run ignored",
+            job_id=event.job_id,
+            detail_type=event.DETAIL_TYPE,
+            event_run=event.run_id,
+            job_run=record.run_id,
+            instance_id=event.instance_id,
+        )
+        return {"action": "ignored", "reason": "another run"}
     if event.generation != record.generation and not (
         _last_checkpoint_of_interrupted_primary(record, event) or _exit_of_interrupted_primary(record, event)
     ):
@@ -48,6 +63,17 @@ def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     if handler is None:
         return {"action": "ignored", "reason": f"no action for {event.DETAIL_TYPE}"}
     return handler(deps, record, event)
+
+
+# An agent knows its run once the control plane tagged its instance; before that it can only say it is up or failed.
+_BEFORE_RUN = (events.AgentReady, events.BootstrapFailed)
+
+
+def _of_this_run(record: JobRecord, event: events.AgentEvent) -> bool:
+    """An event moves the job only if it carries the job's run id (AgentReady and BootstrapFailed may carry none)."""
+    if event.run_id == record.run_id:
+        return True
+    return not event.run_id and isinstance(event, _BEFORE_RUN)
 
 
 def _last_checkpoint_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
@@ -103,7 +129,7 @@ def _job_started(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
 
 
 def _checkpoint_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
-    committed = _record_checkpoint(deps, record, event.checkpoint_id)
+    committed = _record_checkpoint(deps, record, event.checkpoint_id, event.instance_id)
     deps.metric("CheckpointSeconds", "Seconds", event.seconds)
     if event.kind == "final":
         deps.metric("FinalDumpSeconds", "Seconds", event.seconds)
@@ -181,13 +207,14 @@ def _restore_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str, A
         "pid": event.pid,
         "skipped": event.skipped,
     }
-    rendezvous.arrive(deps, record.job_id, "restore", record.generation, output)
+    rendezvous.arrive(deps, record.job_id, restore_key(event.attempt), record.generation, output)
     return {"action": "restored"}
 
 
 def _restore_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     cause = f"{event.checkpoint_id or 'newest'}: {event.reason}"
-    rendezvous.arrive(deps, record.job_id, "restore", record.generation, {}, error="RestoreFailed", cause=cause)
+    key = restore_key(event.attempt)
+    rendezvous.arrive(deps, record.job_id, key, record.generation, {}, error="RestoreFailed", cause=cause)
     return {"action": "restore-failed"}
 
 
@@ -288,16 +315,53 @@ def _stop_recovery(deps: Deps, record: JobRecord, ran_on: str, reason: str) -> N
         deps.cloud.terminate_instance(record.backup_instance_id)
 
 
-def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str) -> bool:
-    """Newest committed checkpoint wins; the one it replaces becomes the fallback for a failed restore."""
+def may_record(record: JobRecord, instance_id: str) -> bool:
+    """Who may commit the job's checkpoints now: the instance that runs it (PENDING, RUNNING, CHECKPOINTING), or
+    while it recovers the interrupted instance (its final dump) until the restore is ordered. Once the recovery
+    ordered the restore (Registry.close_generation) that instance's dumps are late: a final dump that outlived its
+    wait is never recorded as current, before or after the backup took over."""
+    if record.status in ACTIVE:
+        return instance_id == record.instance_id
+    if record.status == Status.RECOVERING:
+        return instance_id == record.recovering_from and not record.restore_ordered_at
+    return False
+
+
+def is_newer(record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:
+    """Order from the control plane: (generation, writer, time). A higher generation (minted by the control plane,
+    carried in the id) is newer. At one generation at most two instances commit, the interrupted one first (until
+    the restore is ordered) and then the one that restored from it or from an older one: a checkpoint of the
+    instance that may record now supersedes another instance's at the same generation, whatever their clocks say.
+    Only one VM's checkpoints are compared by that VM's own clock."""
+    if not record.checkpoint_id:
+        return True
+    recorded, candidate = checkpoint_generation(record.checkpoint_id), checkpoint_generation(checkpoint_id)
+    if candidate != recorded:
+        return candidate > recorded
+    if record.checkpoint_instance_id and record.checkpoint_instance_id != instance_id:
+        return True
+    return checkpoint_id > record.checkpoint_id
+
+
+def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:
+    """Newest committed checkpoint wins; the one it replaces becomes the fallback for a failed restore.
+
+    The write is conditional on the record as read (generation, checkpoint, and who may record), so a bump, a
+    Finish or a closed generation in between is seen: re-read and decided again."""
     for _ in range(3):
-        if record.checkpoint_id and record.checkpoint_id >= checkpoint_id:
+        if not may_record(record, instance_id) or not is_newer(record, checkpoint_id, instance_id):
             return False
-        condition = "#generation = :g AND " + (
+        condition = "#generation = :g AND #status = :s AND #instance = :i AND " + (
             "checkpoint_id = :old" if record.checkpoint_id else "attribute_not_exists(checkpoint_id)"
         )
-        values: dict[str, Any] = {":g": record.generation}
-        set_values: dict[str, Any] = {"checkpoint_id": checkpoint_id, "updated_at": deps.iso_now()}
+        values: dict[str, Any] = {":g": record.generation, ":s": record.status.value, ":i": record.instance_id}
+        if record.status == Status.RECOVERING:
+            condition += " AND attribute_not_exists(restore_ordered_at)"
+        set_values: dict[str, Any] = {
+            "checkpoint_id": checkpoint_id,
+            "checkpoint_instance_id": instance_id,
+            "updated_at": deps.iso_now(),
+        }
         if record.checkpoint_id:
             values[":old"] = record.checkpoint_id
             set_values["previous_checkpoint_id"] = record.checkpoint_id

@@ -166,7 +166,16 @@ FUNCTIONS: tuple[Function, ...] = (
         description="Agent lifecycle events: update the job registry and resume waiting workflows.",
         # Registering a job whose JobStarted came first needs what registration needs; a job that ends during
         # its recovery terminates the backup that never ran it.
-        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, EC2_TERMINATE),
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            IDEMPOTENCY,
+            TASK_CALLBACK,
+            EC2_DESCRIBE,
+            EC2_TAG,
+            EC2_VOLUMES,
+            EC2_TERMINATE,
+        ),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
         timeout_s=REGISTERING_TIMEOUT_S,
     ),

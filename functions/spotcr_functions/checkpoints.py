@@ -58,7 +58,12 @@ def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> 
     )
     if claimed is None:
         return False
-    parameters = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "periodic"}
+    parameters = {
+        "JobId": record.job_id,
+        "Generation": str(record.generation),
+        "Kind": "periodic",
+        "RunId": record.run_id,
+    }
     try:
         deps.cloud.send_command(deps.settings.checkpoint_document, commands.CHECKPOINT, record.instance_id, parameters)
     except ClientError as error:

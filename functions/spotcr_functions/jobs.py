@@ -1,7 +1,15 @@
-"""Submit by tagging: register a job from a running instance's tags, or tag the instance with why it cannot run."""
+"""Submit by tagging: register a job from a running instance's tags, or tag the instance with why it cannot run.
+
+One identity per run: registering mints the run's id (`spotcr:run`) and tags the registered instance with it. An
+agent in run mode starts the job only once that tag is on its instance, so an instance refused (the name already
+runs elsewhere: PENDING, RUNNING, CHECKPOINTING or RECOVERING) gets `spotcr:error` and never starts the job. A name
+reused after COMPLETED or FAILED is a new run with a new id: its checkpoints live apart from the earlier run's
+(the store is keyed by run), and the earlier run's events and commands are refused by both sides.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aws_lambda_powertools import Logger
@@ -45,17 +53,26 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
         instance_type=instance.instance_type,
         storage=spec.storage,
         interval_s=spec.interval_s,
-        tags=spec.to_tags(),
+        tags={k: v for k, v in spec.to_tags().items() if k != tags.RUN},  # spotcr mints the run, never the user
         fallback_types=spec.fallback_types,
+        run_id=tags.new_run_id(),
         updated_at=deps.iso_now(),
     )
     registered = deps.registry.register(record)
     if registered.instance_id != instance_id:
         return _reject(deps, instance_id, f"{tags.JOB}: job {spec.job_id} already runs on {registered.instance_id}")
+    tag_run(deps, registered, instance.tags)
     if spec.storage == "ebs" and registered.volume_id is None:
         registered = _create_job_volume(deps, registered)
     logger.info("job registered", job_id=spec.job_id, instance_id=instance_id, storage=spec.storage)
     return {"registered": True, "job_id": spec.job_id, "volume_id": registered.volume_id}
+
+
+def tag_run(deps: Deps, record: JobRecord, instance_tags: Mapping[str, str] | None = None) -> None:
+    """Put the run's id on its registered instance: the agent's signal that this VM may start the job."""
+    if record.run_id and (instance_tags or {}).get(tags.RUN) != record.run_id:
+        deps.cloud.tag_instance(record.instance_id, {tags.RUN: record.run_id})
+        logger.info("run tagged", job_id=record.job_id, instance_id=record.instance_id, run_id=record.run_id)
 
 
 def _reject(deps: Deps, instance_id: str, reason: str) -> dict[str, Any]:

@@ -44,9 +44,14 @@ class JobRecord:
     interval_s: int
     tags: Mapping[str, str]  # the job's spotcr tags, as a backup VM carries them
     fallback_types: tuple[str, ...] = ()
+    # This run's identity (spotcr:run), minted at registration: a name reused after COMPLETED or FAILED is a new run
+    # that never sees the earlier run's checkpoints; events and commands of another run never move this one.
+    run_id: str = ""
     volume_id: str | None = None
     checkpoint_id: str | None = None  # newest committed
     previous_checkpoint_id: str | None = None
+    checkpoint_instance_id: str | None = None  # the instance that committed checkpoint_id
+    restore_ordered_at: str | None = None  # ISO time the recovery ordered a restore: the old instance's dumps are late
     next_checkpoint_at: int | None = None  # unix seconds; only while RUNNING/CHECKPOINTING
     recovering_from: str | None = None  # the instance whose interruption bumped the generation
     interrupted_at: str | None = None  # ISO time of the warning (or of the missed-warning state change)

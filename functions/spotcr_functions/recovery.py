@@ -16,7 +16,7 @@ from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE
-from spotcr_functions.registry import WAIT_KEYS, StaleGeneration
+from spotcr_functions.registry import RESTORE_KEYS, WAIT_KEYS, StaleGeneration, restore_key
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -121,7 +121,7 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
 
 
 def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at: str) -> bool:
-    values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final"}
+    values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final", "RunId": record.run_id}
     try:
         deps.cloud.send_command(deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values)
     except ClientError as error:
@@ -202,6 +202,8 @@ def _restorable_fallbacks(deps: Deps, record: JobRecord) -> list[str]:
 def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidate: dict[str, Any]) -> dict[str, Any]:
     record = _current(deps, job_id, generation)
     backup_tags = {**record.tags, tags.MODE: "restore", tags.GENERATION: str(generation)}
+    if record.run_id:
+        backup_tags[tags.RUN] = record.run_id  # the backup serves this run: it restores only this run's checkpoints
     try:
         instance = deps.cloud.run_instance(
             launch_template_id=deps.settings.launch_template_id,
@@ -301,17 +303,30 @@ def _check_handover_deadline(deps: Deps, record: JobRecord, volume_id: str, stat
 def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) -> dict[str, Any]:
     """Order the restore on the backup and wait (task token) for RestoreCompleted or RestoreFailed."""
     record = _current(deps, job_id, generation)
-    if record.backup_instance_id is None:
+    backup_instance_id = record.backup_instance_id
+    if backup_instance_id is None:
         raise ValueError(f"job {job_id} has no backup instance to restore on")
+    _retire_primary(deps, record)
+    # Then close the generation to the interrupted instance: a final dump that outlived its wait is never recorded
+    # after this, so the checkpoint chosen below stays the job's newest until the backup commits its own.
+    closed = deps.registry.close_generation(job_id, generation, deps.iso_now())
+    if closed is None:
+        raise StaleGeneration(f"job {job_id} moved on before its restore was ordered")
+    record = closed
     # The agent walks back from this one through every older committed checkpoint; with none it restarts the job
     # from the beginning (unless its tags turn that off). A second attempt starts the walk one checkpoint back.
     checkpoint_id = record.checkpoint_id if attempt == "newest" else record.previous_checkpoint_id
-    _retire_primary(deps, record)
     # Token first, then the command: the agent's answer always finds the token (or the token finds the answer).
-    rendezvous.wait_for(deps, job_id, "restore", generation, token, reset=True)
-    values = {"JobId": job_id, "Generation": str(generation), "CheckpointId": checkpoint_id or ""}
-    deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, record.backup_instance_id, values)
-    logger.info("restore ordered", job_id=job_id, instance_id=record.backup_instance_id, checkpoint_id=checkpoint_id)
+    rendezvous.wait_for(deps, job_id, restore_key(attempt), generation, token)
+    values = {
+        "JobId": job_id,
+        "Generation": str(generation),
+        "CheckpointId": checkpoint_id or "",
+        "RunId": record.run_id,
+        "Attempt": attempt,
+    }
+    deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, backup_instance_id, values)
+    logger.info("restore ordered", job_id=job_id, instance_id=backup_instance_id, checkpoint_id=checkpoint_id)
     return {"checkpoint_id": checkpoint_id}
 
 
@@ -357,7 +372,8 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     if record.backup_instance_id is None or record.backup_az is None:
         raise ValueError(f"job {job_id} has no backup to finish on")
     backup = deps.cloud.describe_instance(record.backup_instance_id)
-    restored = (record.arrival("restore") or {}).get("output") or {}
+    answers = [record.arrival(key) or {} for key in reversed(RESTORE_KEYS)]  # the last attempt's answer first
+    restored = next((a.get("output") or {} for a in answers if a and not a.get("error")), {})
     values: dict[str, Any] = {
         "status": Status.RUNNING.value,
         "instance_id": record.backup_instance_id,
@@ -372,7 +388,7 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     updated = deps.registry.update(
         job_id,
         values,
-        remove=("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id"),
+        remove=("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id", "restore_ordered_at"),
         condition="#generation = :g AND #status = :recovering",
         condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
     )

@@ -6,10 +6,20 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
 
+from spotcr_contracts import commands
+
 from spotcr_functions import registry_schema
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 
-WAIT_KEYS = ("final-dump", "backup-ready", "restore")  # what a workflow step waits for
+
+def restore_key(attempt: str) -> str:
+    """The rendezvous of one restore attempt: each attempt has its own token and its own answer, so a duplicated
+    or late answer to attempt N (a RestoreFailed redelivered) never completes attempt N+1's token."""
+    return "restore" if attempt in ("", commands.RESTORE_ATTEMPTS[0]) else f"restore-{attempt}"
+
+
+RESTORE_KEYS = tuple(restore_key(a) for a in commands.RESTORE_ATTEMPTS)
+WAIT_KEYS = ("final-dump", "backup-ready", *RESTORE_KEYS)  # what a workflow step waits for
 
 
 class StaleGeneration(Exception):
@@ -145,6 +155,7 @@ class Registry:
                 },
                 remove=(
                     "next_checkpoint_at",
+                    "restore_ordered_at",
                     "backup_instance_id",
                     "backup_az",
                     "handover_snapshot_id",
@@ -177,7 +188,7 @@ class Registry:
                 "updated_at": at,
             },
             # The handed-over EBS volume (if any) stays named: it holds the job's data and moves on from the backup.
-            remove=("backup_instance_id", "backup_az", "handover_snapshot_id", *waits),
+            remove=("backup_instance_id", "backup_az", "handover_snapshot_id", "restore_ordered_at", *waits),
             condition="#generation = :g AND #status = :recovering AND backup_instance_id = :b",
             condition_values={
                 ":g": seen.generation,
@@ -202,6 +213,17 @@ class Registry:
             },
         )
 
+    def close_generation(self, job_id: str, generation: int, at: str) -> JobRecord | None:
+        """The recovery orders a restore: from now on the interrupted instance's checkpoints of this generation are
+        late and never recorded (agent_events.may_record), so the checkpoint chosen from the returned record is the
+        newest the job will ever have at this generation until the backup commits its own. None when stale."""
+        return self.update(
+            job_id,
+            {"restore_ordered_at": at, "updated_at": at},
+            condition="#generation = :g AND #status = :recovering",
+            condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+        )
+
     def due_jobs(self, now: int) -> list[JobRecord]:
         """Jobs whose periodic checkpoint is due: RUNNING ones, and CHECKPOINTING ones whose dump never reported."""
         records = []
@@ -220,12 +242,11 @@ class Registry:
                 arguments["ExclusiveStartKey"] = response["LastEvaluatedKey"]
         return records
 
-    def store_token(self, job_id: str, key: str, generation: int, token: str, reset: bool = False) -> JobRecord:
-        """The waiter's half of the rendezvous; `reset` forgets an earlier arrival (a second restore attempt)."""
+    def store_token(self, job_id: str, key: str, generation: int, token: str) -> JobRecord:
+        """The waiter's half of the rendezvous (each restore attempt waits under its own key: restore_key)."""
         record = self.update(
             job_id,
             {token_attribute(key): {"token": token, "generation": generation}},
-            remove=(event_attribute(key),) if reset else (),
             condition="#generation = :g AND #status = :recovering",
             condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
         )

@@ -1,6 +1,12 @@
 """Task tokens meet agent events: whichever of (token stored, event arrived) comes second resumes the workflow.
 
 Both sides write with one atomic UpdateItem returning ALL_NEW, so at least one of them sees both halves.
+
+Invariant: an answer completes only the wait it answers. The key names the wait, and each restore attempt of a
+generation has its own key (registry.restore_key, from the Attempt the restore command carried and the agent's
+answer echoes); the generation stored with both halves must match. So a duplicated RestoreFailed for attempt N
+lands on attempt N's key (whose token was used already) and never completes attempt N+1's token, and a retried
+step of the same attempt finds its answer instead of forgetting it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ from spotcr_functions.observability import SERVICE
 logger = Logger(service=SERVICE, child=True)
 
 
-def wait_for(deps: Deps, job_id: str, key: str, generation: int, token: str, *, reset: bool = False) -> None:
+def wait_for(deps: Deps, job_id: str, key: str, generation: int, token: str) -> None:
     """Store the waiting step's token; complete it now if the event is already here."""
-    record = deps.registry.store_token(job_id, key, generation, token, reset=reset)
+    record = deps.registry.store_token(job_id, key, generation, token)
     arrival = record.arrival(key)
     if arrival and arrival.get("generation") == generation:
         _complete(deps, token, arrival, job_id=job_id, key=key, how="token stored after the event")

@@ -60,6 +60,7 @@ def make_config(tmp_path, name="vm1", **overrides):
         "instance_id": f"i-{name}",
         "storage": "efs",
         "generation": 1,
+        "run_id": "r-00000000000000a1",  # registered: the daemon starts the job at once
         "workdir": tmp_path / "work",
         "state_dir": tmp_path / name / "state",
         "scratch_dir": tmp_path / name / "scratch",

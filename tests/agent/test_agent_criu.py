@@ -8,7 +8,7 @@ import pytest
 from spotcr_agent.store import CheckpointStore
 
 from .conftest import JOBS, compute_command, wait_for
-from .vm_agent import ROOT, JobVM, reference_output
+from .vm_agent import ROOT, RUN_ID, JobVM, reference_output
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
@@ -83,7 +83,7 @@ def test_two_triggers_for_one_interruption_take_one_final_dump(bare_vm, storage,
     # Then exactly one final dump exists, and both triggers report it
     assert both["ssm_exit"] == 0, both["ssm_stderr"]
     reported = both["reported"]
-    finals = [m.checkpoint_id for m in CheckpointStore.for_directory(storage, "job-1").checkpoints()]
+    finals = [m.checkpoint_id for m in CheckpointStore.for_directory(storage, "job-1", run_id=RUN_ID).checkpoints()]
     assert finals == [reported["checkpoint_id"]]
     assert both["final_status"] == "done"
     assert both["final_result"]["checkpoint_id"] == reported["checkpoint_id"]
@@ -104,10 +104,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(bare_vm, sto
     wait_for(lambda: len(primary.progress()) >= 8, what="more progress")
     newer = primary.agent("checkpoint", "periodic", "1")
     primary.vm.terminate()
-    store = CheckpointStore.for_directory(storage, "job-1")
+    store = CheckpointStore.for_directory(storage, "job-1", run_id=RUN_ID)
     manifests = {m.checkpoint_id: m for m in store.checkpoints()}
     unique = manifests[newer["checkpoint_id"]].chunk_hashes() - manifests[older["checkpoint_id"]].chunk_hashes()
-    job_root = storage / "jobs" / "job-1"
+    job_root = storage / "jobs" / "job-1" / "runs" / RUN_ID
     if damage == "chunk":
         victim = next((job_root / "chunks").glob(f"*/{sorted(unique)[0]}"))
     else:

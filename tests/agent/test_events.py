@@ -13,7 +13,7 @@ from spotcr_contracts.events import EVENT_TYPES, SOURCE, JobExited, parse_detail
 from .conftest import make_agent, make_config
 
 VECTORS = sorted((Path(__file__).parents[1] / "events" / "agent").glob("*.json"))
-COMMON = {"version", "job_id", "instance_id", "generation", "at"}
+COMMON = {"version", "job_id", "instance_id", "generation", "at", "run_id", "event_id"}
 
 
 def test_there_is_one_vector_per_agent_event():
@@ -38,8 +38,12 @@ def test_agent_builds_each_event_as_its_vector(vector, tmp_path, publisher):
     assert entry["DetailType"] == doc["detail-type"]
     built = json.loads(entry["Detail"])
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", built.pop("at"))
-    assert built == {k: v for k, v in detail.items() if k != "at"}
-    assert parse_detail(doc["detail-type"], detail) == parse_detail(doc["detail-type"], {**built, "at": detail["at"]})
+    assert re.fullmatch(r"[0-9a-f]{32}", built.pop("event_id"))  # one per event, minted by the agent
+    assert built == {k: v for k, v in detail.items() if k not in ("at", "event_id")}
+    vector_event = parse_detail(doc["detail-type"], detail)
+    assert vector_event == parse_detail(
+        doc["detail-type"], {**built, "at": detail["at"], "event_id": detail["event_id"]}
+    )
 
 
 def _event():

@@ -22,6 +22,7 @@ from spotcr_agent.store import CheckpointStore, DirectoryBackend, StoreError
 EVENTS = DEFAULT_CONFIG_PATH.parent / "events.jsonl"
 ROOT = Path(__file__).parents[2]
 WORKDIR = "/var/lib/spotcr/work/job-1"
+RUN_ID = "r-00000000000000a1"
 
 
 class FilePublisher:
@@ -56,10 +57,10 @@ class StreamingBreaks(CheckpointStore):
 def _store(config):
     kind = os.environ.get("SPOTCR_TEST_STORE", "")
     if kind.startswith("s3:"):
-        return CheckpointStore.for_s3(kind.removeprefix("s3:"), config.job_id)
+        return CheckpointStore.for_s3(kind.removeprefix("s3:"), config.job_id, run_id=config.run_id)
     if kind == "streaming-breaks":
-        return StreamingBreaks(DirectoryBackend(config.mount_point), config.job_id)
-    return CheckpointStore.for_directory(config.mount_point, config.job_id)
+        return StreamingBreaks(DirectoryBackend(config.mount_point), config.job_id, run_id=config.run_id)
+    return CheckpointStore.for_directory(config.mount_point, config.job_id, run_id=config.run_id)
 
 
 def _full_disk(entries, dest):
@@ -143,6 +144,7 @@ class JobVM:
         self.vm = vm
         self.agent_env = dict(agent_env or {})  # e.g. SPOTCR_TEST_STORE, SPOTCR_TEST_FAULT (see the module's doc)
         values = {"job_id": "job-1", "instance_id": vm.instance_id, "storage": "efs", "generation": generation}
+        config.setdefault("run_id", RUN_ID)  # the run the control plane registered (spotcr:run)
         AgentConfig(**values, mode=mode, **config).write(vm.dir("etc") / "agent.json")
 
     def agent(self, *op, check=True):

@@ -59,13 +59,17 @@ def test_job_registers_on_running_and_once_on_tag_change(plane: ControlPlane) ->
     assert tag_names.ERROR not in plane.instance_tags(instance_id)
 
 
-def test_job_started_before_its_running_state_change_registers_and_runs_the_job(plane: ControlPlane) -> None:
+def test_an_agent_up_before_its_running_state_change_registers_and_runs_the_job(plane: ControlPlane) -> None:
     # Given a tagged instance whose "running" state change has not arrived (late, or lost)
     instance_id = plane.launch_job_instance({"spotcr:job": "early-1", "spotcr:command": "/opt/job/run"})
-    # When the agent reports the job started, and the state change comes after
+    # When its agent says it is up and waits for its run
+    route(agent_event(events.AgentReady("early-1", instance_id, 0, now_iso(), mode="run")))
+    # Then the job is registered and the instance tagged with the run, which lets the agent start the job
+    run_id = plane.job("early-1").run_id
+    assert plane.instance_tags(instance_id)[tag_names.RUN] == run_id
     route(agent_event(events.JobStarted("early-1", instance_id, 0, now_iso(), pid=7)))
     route(ec2_event("state-change-running", instance_id))
-    # Then the job is registered and running on that instance, so periodic checkpoints will be ordered
+    # And it runs on that instance, so periodic checkpoints will be ordered
     job = plane.job("early-1")
     assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, instance_id, 0)
     assert job.next_checkpoint_at is not None
@@ -154,7 +158,12 @@ def test_scheduler_orders_due_periodic_checkpoints_once(plane: ControlPlane) -> 
     assert (first, second) == ({"ordered": ["due-1"]}, {"ordered": []})
     [command] = plane.sent_commands("checkpoint")
     assert command["instances"] == [due]
-    assert command["parameters"] == {"JobId": "due-1", "Generation": "0", "Kind": "periodic"}
+    assert command["parameters"] == {
+        "JobId": "due-1",
+        "Generation": "0",
+        "Kind": "periodic",
+        "RunId": plane.job("due-1").run_id,
+    }
     job = plane.job("due-1")
     assert job.status == Status.CHECKPOINTING
     assert job.next_checkpoint_at and job.next_checkpoint_at > 1

@@ -19,7 +19,7 @@ from spotcr_agent.store import (
     UnsupportedManifest,
 )
 
-from .support import MiB, checkpoint_id, meta, random_bytes, tree_bytes
+from .support import JOB, MiB, checkpoint_id, meta, random_bytes, tree_bytes
 
 
 def write_images(image_dir: Path, pages: bytes) -> None:
@@ -395,3 +395,23 @@ def test_a_commit_says_how_much_changed_since_its_parent_even_when_it_sends_ever
     assert MiB <= second.bytes_changed < 10 * MiB
     # And the store's time is accounted for by stage
     assert second.read_seconds > 0 and second.hash_seconds > 0 and second.upload_seconds > 0
+
+
+def test_each_run_of_a_job_name_has_its_own_checkpoints(tmp_path: Path) -> None:
+    # Given a run of the job that committed a checkpoint
+    images = tmp_path / "img"
+    write_images(images, random_bytes(MiB, seed=11))
+    (tmp_path / "root").mkdir()
+    earlier = CheckpointStore.for_directory(tmp_path / "root", JOB, run_id="r-00000000000000e1")
+    earlier.commit(images, meta(1))
+
+    # When the name is reused for a new run in the same store
+    later = CheckpointStore.for_directory(tmp_path / "root", JOB, run_id="r-00000000000000e2")
+
+    # Then the new run sees none of the earlier run's checkpoints, and a manifest copied across runs is refused
+    assert later.checkpoint_ids() == [] and earlier.checkpoint_ids() == [checkpoint_id(1)]
+    assert earlier.load(checkpoint_id(1)).run_id == "r-00000000000000e1"
+    copied = earlier.backend.get(f"jobs/{JOB}/runs/r-00000000000000e1/checkpoints/{checkpoint_id(1)}.json")
+    later.backend.put(f"jobs/{JOB}/runs/r-00000000000000e2/checkpoints/{checkpoint_id(1)}.json", copied)
+    with pytest.raises(CorruptCheckpoint, match="run r-00000000000000e1"):
+        later.load(checkpoint_id(1))

@@ -6,6 +6,7 @@ are routed to handlers by the catalog's own patterns, and the test plays the age
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from botocore.exceptions import ClientError
 from moto.awslambda_simple.models import LambdaSimpleBackend
 from moto.core.botocore_stubber import BotocoreStubber
 from moto.core.responses import EmptyResult
@@ -128,6 +130,13 @@ def ec2_event(name: str, instance_id: str, **detail: Any) -> dict[str, Any]:
 
 
 def agent_event(event: events.AgentEvent) -> dict[str, Any]:
+    """The event as the VM's agent puts it: with the run its instance is tagged with (spotcr:run), as a real agent
+    learns it; an instance without that tag (refused, or made up by the test) sends none, unless the test set one."""
+    if not event.run_id:
+        event = dataclasses.replace(event, run_id=_run_tag(event.instance_id))
+    if isinstance(event, (events.RestoreCompleted, events.RestoreFailed)) and not event.attempt:
+        # The agent answers the restore command it ran: the newest one sent to its instance.
+        event = dataclasses.replace(event, attempt=_last_restore_attempt(event.instance_id))
     entry = event.to_entry("spotcr-agent")
     return {
         "version": "0",
@@ -140,6 +149,22 @@ def agent_event(event: events.AgentEvent) -> dict[str, Any]:
         "resources": [],
         "detail": json.loads(entry["Detail"]),
     }
+
+
+def _last_restore_attempt(instance_id: str) -> str:
+    sent = boto3.client("ssm", region_name=REGION).list_commands(InstanceId=instance_id)["Commands"]
+    restores = [c for c in sent if "Attempt" in c.get("Parameters", {})]  # in the order they were sent
+    return str(restores[-1]["Parameters"]["Attempt"][0]) if restores else ""
+
+
+def _run_tag(instance_id: str) -> str:
+    try:
+        reservations = boto3.client("ec2", region_name=REGION).describe_instances(InstanceIds=[instance_id])
+    except ClientError:
+        return ""
+    found = [i for r in reservations["Reservations"] for i in r["Instances"]]
+    tags = {t["Key"]: t["Value"] for i in found for t in i.get("Tags", [])}
+    return tags.get(tag_names.RUN, "")
 
 
 def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:

@@ -177,7 +177,12 @@ def test_capacity_reservation_warning_recovers_like_the_spot_warning(plane: Cont
     [(name, result)] = route(event)
     assert (name, result["action"]) == ("interruption", "recovering")
     [dump] = plane.sent_commands("checkpoint")
-    assert dump["parameters"] == {"JobId": "cr-1", "Generation": "1", "Kind": "final"}
+    assert dump["parameters"] == {
+        "JobId": "cr-1",
+        "Generation": "1",
+        "Kind": "final",
+        "RunId": plane.job("cr-1").run_id,
+    }
     assert plane.executions()[0]["name"].startswith("cr-1-g1-")
     plane.wait_for_token("cr-1", "final-dump")
 

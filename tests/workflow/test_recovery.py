@@ -74,7 +74,12 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
     # Then the final dump is ordered at generation 1 and the workflow launches a backup for generation 1
     [dump] = plane.sent_commands("checkpoint")
     assert dump["instances"] == [primary]
-    assert dump["parameters"] == {"JobId": "render-1", "Generation": "1", "Kind": "final"}
+    assert dump["parameters"] == {
+        "JobId": "render-1",
+        "Generation": "1",
+        "Kind": "final",
+        "RunId": plane.job("render-1").run_id,
+    }
     record = plane.wait_until(lambda: (r := plane.job("render-1")).backup_instance_id and r, "the backup launch")
     backup = record.backup_instance_id
     assert plane.instance_tags(backup)[tag_names.MODE] == "restore"
@@ -88,7 +93,13 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
     # Then the restore of the final dump is ordered on the backup
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     assert restore["instances"] == [backup]
-    assert restore["parameters"] == {"JobId": "render-1", "Generation": "1", "CheckpointId": final}
+    assert restore["parameters"] == {
+        "JobId": "render-1",
+        "Generation": "1",
+        "CheckpointId": final,
+        "RunId": plane.job("render-1").run_id,
+        "Attempt": "newest",
+    }
     route(
         agent_event(events.RestoreCompleted("render-1", backup, 1, now_iso(), checkpoint_id=final, seconds=2.0, pid=99))
     )

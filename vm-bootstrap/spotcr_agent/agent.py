@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,23 +58,37 @@ class Agent:
     store_factory: Callable[[AgentConfig], Store] = storage.open_store
     result_backend: Callable[[AgentConfig, Backend], Backend] = storage.result_backend
     _store: Store | None = None
+    _store_run: str = ""
     _launchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def state(self) -> StateFile:
         return StateFile(self.config.state_dir)
 
+    def run_id(self) -> str:
+        """The run of the job this VM serves: the one it started or restored, else the spotcr:run it booted with."""
+        with self.state.locked() as state:
+            return state.run_id or self.config.run_id
+
     def store(self) -> Store:
-        if self._store is None:
-            self._store = self.store_factory(self.config)
+        """The store of this VM's run: a name reused for a new run never sees the earlier run's checkpoints."""
+        run_id = self.run_id()
+        if self._store is None or self._store_run != run_id:
+            self._store = self.store_factory(dataclasses.replace(self.config, run_id=run_id))
+            self._store_run = run_id
         return self._store
 
     def host(self) -> HostInfo:
         return read_host(self.criu.version())
 
-    def check_job(self, job_id: str) -> None:
+    def check_job(self, job_id: str, run_id: str = "") -> None:
+        """Refuse a command for another job, or for another run of this job's name (a command without a run id
+        is one sent by hand, or by the release step, which is harmless for any run)."""
         if job_id != self.config.job_id:
             raise WrongJob(f"this VM runs job {self.config.job_id!r}, not {job_id!r}")
+        served = self.run_id()
+        if run_id and run_id != served:
+            raise WrongJob(f"this VM serves run {served or 'none'} of job {job_id!r}, not run {run_id}")
 
     def served_generation(self) -> int:
         with self.state.locked() as state:
@@ -81,7 +96,15 @@ class Agent:
 
     def emit(self, cls: type[AgentEvent], generation: int, **fields: Any) -> None:
         config = self.config
-        event = cls(job_id=config.job_id, instance_id=config.instance_id, generation=generation, at=now_iso(), **fields)
+        event = cls(
+            job_id=config.job_id,
+            instance_id=config.instance_id,
+            generation=generation,
+            at=now_iso(),
+            run_id=self.run_id(),
+            event_id=uuid.uuid4().hex,
+            **fields,
+        )
         self.publisher.publish(event)
 
     def ready(self) -> None:
@@ -211,8 +234,11 @@ class Agent:
             (log.info if plan.fits else log.warning)("deadline: %s", plan.reason)
         return plan
 
-    def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
+    def restore(self, generation: int, checkpoint_id: str | None = None, attempt: str = "") -> RestoreOutcome:
+        """Restore the job; the answer (RestoreCompleted or RestoreFailed) names the workflow's `attempt`."""
         self.fence(generation)
+        with self.state.locked() as state:
+            state.run_id = state.run_id or self.config.run_id  # a backup serves the run it was launched for
         try:
             if storage.handed_over_at_restore(self.config):
                 storage.prepare(self.config)  # waits for the handed-over volume's device, then mounts it
@@ -248,11 +274,13 @@ class Agent:
                     reason=str(error)[:1000],
                     log_tail=tail,
                     criu_log=kept,
+                    attempt=attempt,
                 )
             raise
         self.emit(
             RestoreCompleted,
             generation,
+            attempt=attempt,
             checkpoint_id=outcome.checkpoint_id,
             seconds=outcome.seconds,
             pid=outcome.pid,
@@ -306,6 +334,7 @@ class Agent:
             alive = state.job_status == "running" and job_alive(state.job_pid, state.job_start_time)
             status = {
                 "job_id": self.config.job_id,
+                "run_id": state.run_id or self.config.run_id,
                 "instance_id": self.config.instance_id,
                 "storage": self.config.storage,
                 "mode": self.config.mode,
@@ -323,8 +352,11 @@ class Agent:
             status["criu_logs_error"] = f"the job's storage cannot be read: {error}"
         return status
 
-    def start_job(self) -> int | None:
+    def start_job(self, run_id: str = "") -> int | None:
         """Start the job unless this VM already started it (a job never runs twice); returns its PID.
+
+        `run_id` is the run the control plane registered this VM for (its spotcr:run tag; the config's when
+        empty): the daemon calls this only once that tag is on the instance, never on a refused one.
 
         A job that cannot start (a missing program, an unusable work dir) is recorded as ended here and reported
         as BootstrapFailed with the reason, so the control plane marks it FAILED instead of leaving it PENDING."""
@@ -334,6 +366,7 @@ class Agent:
             if state.job_status != "none":
                 log.info("the job was already started here (%s); not starting it again", state.job_status)
                 return None
+            state.run_id = run_id or state.run_id or self.config.run_id
             env = {**self.job_env, **self.config.env}
             try:
                 job = start_job(self.config.command, self.config.workdir, env)

@@ -100,6 +100,7 @@ def _config(
         "storage": job.storage,
         "generation": job.generation,
         "mode": job.mode,
+        "run_id": job.run_id,
         "event_bus": args.event_bus,
         "bucket": args.bucket,
         "ebs_volume_id": args.ebs_volume_id,

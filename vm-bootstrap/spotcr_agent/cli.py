@@ -17,8 +17,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
-from spotcr_contracts.tags import InvalidJobTags
+from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, RESTORE_ATTEMPTS
+from spotcr_contracts.tags import RUN_ID_PATTERN, InvalidJobTags
 
 from . import config as agent_config
 from .agent import Agent, WrongJob, base_job_env
@@ -54,6 +54,12 @@ def _checkpoint_id(value: str) -> str:
     return value
 
 
+def _run_id(value: str) -> str:
+    if value and not re.fullmatch(RUN_ID_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"run id {value[:64]!r} does not match {RUN_ID_PATTERN}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     root = _Parser(prog="spotcr-agent", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -80,15 +86,19 @@ def parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--job", required=True)
     checkpoint.add_argument("--generation", required=True, type=_generation)
     checkpoint.add_argument("--kind", required=True, choices=("periodic", "final"))
+    checkpoint.add_argument("--run", type=_run_id, default="", help="the run it is for; another run's is refused")
 
     restore = commands.add_parser("restore", help="restore the job from a committed checkpoint")
     restore.add_argument("--job", required=True)
     restore.add_argument("--generation", required=True, type=_generation)
     restore.add_argument("--checkpoint", type=_checkpoint_id, default=None)
+    restore.add_argument("--run", type=_run_id, default="", help="the run it is for; another run's is refused")
+    restore.add_argument("--attempt", choices=("", *RESTORE_ATTEMPTS), default="", help="the workflow's attempt")
 
     release = commands.add_parser("release", help="release the job's storage (unmount EBS) so it can move")
     release.add_argument("--job", required=True)
     release.add_argument("--generation", required=True, type=_generation)
+    release.add_argument("--run", type=_run_id, default="", help="the run it is for; another run's is refused")
 
     status = commands.add_parser("status", help="print the agent's view of the job")
     status.add_argument("--job", required=True)
@@ -154,11 +164,11 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
             signal.signal(signum, lambda *_: stop.set())
         daemon.run(agent, Imds(agent.config.imds_endpoint), stop)
         return OK
-    agent.check_job(args.job)
+    agent.check_job(args.job, getattr(args, "run", ""))
     if args.command == "checkpoint":
         _print({"ok": True, **agent.checkpoint(args.kind, args.generation).to_json()})
     elif args.command == "restore":
-        _print({"ok": True, **agent.restore(args.generation, args.checkpoint).to_json()})
+        _print({"ok": True, **agent.restore(args.generation, args.checkpoint, args.attempt).to_json()})
     elif args.command == "release":
         _print({"ok": True, "released": agent.release(args.generation)})
     else:

@@ -45,6 +45,7 @@ class AgentConfig:
     storage: str
     generation: int
     mode: str = "run"
+    run_id: str = ""  # spotcr:run when the VM booted with it (a backup); a primary learns it from its tags later
     region: str = ""
     availability_zone: str = ""
     event_bus: str = ""

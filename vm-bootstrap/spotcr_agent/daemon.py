@@ -1,13 +1,21 @@
 """The agent service: starts the job (run mode) or waits for a restore, watches it, and takes the final
-dump as soon as IMDS announces the spot interruption (the SSM command may race it: one dump either way)."""
+dump as soon as IMDS announces the spot interruption (the SSM command may race it: one dump either way).
+
+In run mode the job starts only on the instance the control plane registered for the run: once the instance
+carries `spotcr:run` (read from IMDS, which shows tag changes). An instance refused (the job's name runs
+elsewhere) gets `spotcr:error` instead and never starts the job.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 
+from spotcr_contracts import tags
+
 from .agent import Agent
-from .imds import ImdsError, Metadata, spot_instance_action
+from .imds import ImdsError, Metadata, instance_tags, spot_instance_action
 
 log = logging.getLogger(__name__)
 
@@ -16,15 +24,39 @@ POLL_S = 1.0
 
 def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float = POLL_S) -> None:
     agent.ready()
-    if agent.config.mode == "run":
-        agent.start_job()
+    waiting = agent.config.mode == "run"
     interrupted = False
     while True:
+        if waiting:
+            waiting = not _start_when_registered(agent, metadata)
         if not interrupted:
             interrupted = _check_interruption(agent, metadata)
         agent.watch_job()
         if stop.wait(poll_s):
             return
+
+
+def _start_when_registered(agent: Agent, metadata: Metadata) -> bool:
+    """Start the job once this instance is the run's registered one; True when nothing is left to wait for."""
+    run_id = agent.run_id()
+    if run_id:  # booted with its run's tag, or started the job before this restart (it never starts twice)
+        agent.start_job(run_id)
+        return True
+    try:
+        found = instance_tags(metadata)
+    except ImdsError as error:
+        log.warning("reading this instance's tags failed: %s", error)
+        return False
+    if tags.ERROR in found:
+        log.error("spotcr refused this instance (%s): the job is not started here", found[tags.ERROR])
+        return True
+    if tags.RUN in found:
+        if not re.fullmatch(tags.RUN_ID_PATTERN, found[tags.RUN]):
+            log.error("%s=%r is not a run spotcr minted: the job is not started here", tags.RUN, found[tags.RUN][:32])
+            return True
+        agent.start_job(found[tags.RUN])
+        return True
+    return False
 
 
 def _check_interruption(agent: Agent, metadata: Metadata) -> bool:

@@ -41,6 +41,7 @@ class FinalDump:
 @dataclass
 class AgentState:
     job_id: str = ""
+    run_id: str = ""  # the run of the job this VM serves (spotcr:run), set when it starts or restores the job
     generation: int = 0  # the generation this VM serves (fencing token)
     job_pid: int = 0  # host PID of the job's PID 1; 0 when no job runs here
     job_start_time: int = 0

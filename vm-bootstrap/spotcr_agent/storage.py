@@ -65,12 +65,14 @@ def store_session(config: AgentConfig) -> Any:
 def open_store(config: AgentConfig) -> CheckpointStore:
     """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
     if config.storage == "s3":
-        return CheckpointStore.for_s3(config.bucket, config.job_id, region=config.region, session=store_session(config))
+        return CheckpointStore.for_s3(
+            config.bucket, config.job_id, region=config.region, session=store_session(config), run_id=config.run_id
+        )
     if not is_mount(config.mount_point):
         raise StorageError(
             f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
         )
-    return CheckpointStore.for_directory(config.mount_point, config.job_id)
+    return CheckpointStore.for_directory(config.mount_point, config.job_id, run_id=config.run_id)
 
 
 def result_backend(config: AgentConfig, job_storage: Backend) -> Backend:

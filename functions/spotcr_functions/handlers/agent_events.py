@@ -27,4 +27,6 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     except events.InvalidEvent as error:
         logger.warning("malformed agent event ignored", error=str(error))
         return {"action": "ignored", "reason": str(error)}
-    return agent_events.on_agent_event(_edge.deps(), agent_event)
+    deps = _edge.deps()
+    # Once per event: a copy EventBridge redelivers, or the agent resends with the same event_id, changes nothing.
+    return _edge.once(deps, event, context, lambda _: agent_events.on_agent_event(deps, agent_event))

@@ -12,6 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
+from spotcr_contracts.tags import RUN_ID_PATTERN
 
 from .errors import CorruptCheckpoint, UnsupportedManifest
 
@@ -20,6 +21,7 @@ HASH_ALGORITHM = "sha256"
 KINDS = ("periodic", "final")
 
 _CHECKPOINT_ID = re.compile(CHECKPOINT_ID_PATTERN)
+_RUN_ID = re.compile(RUN_ID_PATTERN)
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
@@ -28,6 +30,12 @@ def check_job_id(job_id: str) -> str:
     if not _JOB_ID.fullmatch(job_id):
         raise ValueError(f"job id {job_id!r} is not a safe store name (letters, digits, '.', '_', '-')")
     return job_id
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run id {run_id!r} does not match {RUN_ID_PATTERN}")
+    return run_id
 
 
 def check_checkpoint_id(checkpoint_id: str) -> str:
@@ -145,6 +153,7 @@ class Manifest:
     since_full: int = 0  # commits since the last one that sent every chunk afresh (0: this one did)
     # GPU model, count and driver (and device memory) when the job held an NVIDIA GPU: a restore needs the same.
     gpu: Mapping[str, Any] | None = None
+    run_id: str = ""  # the run of the job that committed it (spotcr:run); empty for a store used without runs
 
     @property
     def bytes_total(self) -> int:
@@ -176,6 +185,8 @@ class Manifest:
         }
         if self.gpu is not None:
             doc["gpu"] = dict(self.gpu)
+        if self.run_id:
+            doc["run_id"] = self.run_id
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -212,6 +223,7 @@ class Manifest:
                 files=tuple(_file_from_dict(f) for f in doc["files"]),
                 since_full=int(doc.get("since_full", 0)),
                 gpu=_gpu_from_dict(doc["gpu"]) if doc.get("gpu") is not None else None,
+                run_id=str(doc.get("run_id", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CorruptCheckpoint(checkpoint_id, f"manifest is malformed ({type(e).__name__}: {e})") from e

@@ -1,10 +1,14 @@
 """The deduplicating checkpoint store: chunk, hash, compress and ship images; commit with a manifest, last.
 
-Layout under the bucket or mount root:
-  jobs/<job_id>/chunks/<h[:2]>/<h>                    zstd-compressed chunk whose raw bytes hash to h (sha256)
-  jobs/<job_id>/checkpoints/<checkpoint_id>.json      manifest; a checkpoint without one does not exist
-  jobs/<job_id>/commits/<checkpoint_id>               a commit in flight (removed once its manifest is written)
-  jobs/<job_id>/sweeps/<uuid>                         a prune in flight (removed when it is done)
+Layout under the bucket or mount root (<run> is `jobs/<job_id>/runs/<run_id>`, or `jobs/<job_id>` without a run):
+  <run>/chunks/<h[:2]>/<h>                    zstd-compressed chunk whose raw bytes hash to h (sha256)
+  <run>/checkpoints/<checkpoint_id>.json      manifest; a checkpoint without one does not exist
+  <run>/commits/<checkpoint_id>               a commit in flight (removed once its manifest is written)
+  <run>/sweeps/<uuid>                         a prune in flight (removed when it is done)
+
+One run never sees another's checkpoints: a job name reused after COMPLETED or FAILED is a new run (a new
+spotcr:run), whose listing, restore walk, parents and prune cover only its own prefix; a manifest that names
+another run than the store's is corrupt.
 
 Garbage collection never loses a committed checkpoint. The invariant: prune deletes a chunk only if no
 committed manifest it read references it AND no commit was in flight when it last looked. A commit writes its
@@ -42,6 +46,7 @@ from types import TracebackType
 from typing import Any
 
 import zstandard
+from spotcr_contracts.commands import checkpoint_generation
 
 from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import Chunker, Chunking
@@ -55,6 +60,7 @@ from .manifest import (
     check_checkpoint_id,
     check_job_id,
     check_manifest_path,
+    check_run_id,
     file_digest,
 )
 
@@ -105,14 +111,16 @@ class CheckpointStore:
         compression_level: int = 1,
         chunking: Chunking | None = None,
         full_every: int = FULL_EVERY,
+        run_id: str = "",
     ) -> None:
         self.backend = backend
         self.full_every = full_every
         self.job_id = check_job_id(job_id)
+        self.run_id = check_run_id(run_id) if run_id else ""
         self.workers = workers
         self.compression_level = compression_level
         self.chunking = chunking or Chunking()
-        self._prefix = f"jobs/{job_id}/"
+        self._prefix = f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
         self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
         self.sweep_lease_s = SWEEP_LEASE_S
 
@@ -127,21 +135,33 @@ class CheckpointStore:
         compression_level: int = 1,
         chunking: Chunking | None = None,
         session: Any = None,
+        run_id: str = "",
     ) -> CheckpointStore:
         """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment, and uses
         `session` (a boto3 session, e.g. the job's vended store credentials) when given."""
         backend = S3Backend(
             bucket, max_connections=workers + 4, region=region or None, session=session, scope=f"jobs/{job_id}/"
         )
-        return cls(backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking)
+        return cls(
+            backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking, run_id=run_id
+        )
 
     @classmethod
     def for_directory(
-        cls, root: Path, job_id: str, *, workers: int = 8, compression_level: int = 1, chunking: Chunking | None = None
+        cls,
+        root: Path,
+        job_id: str,
+        *,
+        workers: int = 8,
+        compression_level: int = 1,
+        chunking: Chunking | None = None,
+        run_id: str = "",
     ) -> CheckpointStore:
         """A store on a mounted file system (EBS, EFS, FSx for Lustre) at root."""
         backend = DirectoryBackend(Path(root))
-        return cls(backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking)
+        return cls(
+            backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking, run_id=run_id
+        )
 
     @property
     def location(self) -> str:
@@ -235,6 +255,7 @@ class CheckpointStore:
             chunking=self.chunking.describe(),
             since_full=since_full,
             gpu=meta.gpu,
+            run_id=self.run_id,
         )
         document = manifest.to_json()
         self.backend.flush()
@@ -295,6 +316,10 @@ class CheckpointStore:
         manifest = Manifest.from_json(raw, checkpoint_id)
         if manifest.job_id != self.job_id:
             raise CorruptCheckpoint(checkpoint_id, f"manifest is for job {manifest.job_id}, stored under {self.job_id}")
+        if manifest.run_id != self.run_id:
+            raise CorruptCheckpoint(
+                checkpoint_id, f"manifest is for run {manifest.run_id or 'none'}, stored under {self.run_id or 'none'}"
+            )
         return manifest
 
     def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest:
@@ -448,14 +473,16 @@ class CheckpointStore:
         return known & stored, known, manifest.since_full
 
     def checkpoint_ids(self) -> list[str]:
-        """Ids of committed checkpoints, newest first, from one listing: no manifest is read."""
+        """Ids of committed checkpoints, newest first (by generation, then time), from one listing: no manifest is
+        read."""
         ids = []
         for obj in self.backend.scan(self._prefix + "checkpoints/"):
             name = obj.key.rsplit("/", 1)[-1]
             if name.endswith(".json"):
                 with contextlib.suppress(ValueError):
                     ids.append(check_checkpoint_id(name.removesuffix(".json")))
-        return sorted(ids, reverse=True)
+        # The control plane's order first (the generation the dump was ordered at), then the committing VM's time.
+        return sorted(ids, key=lambda c: (checkpoint_generation(c), c), reverse=True)
 
     def _manifest_key(self, checkpoint_id: str) -> str:
         return f"{self._prefix}checkpoints/{checkpoint_id}.json"

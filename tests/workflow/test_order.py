@@ -1,0 +1,82 @@
+"""Order from the control plane: which checkpoint is the job's newest never depends on VM clocks, and the
+interrupted instance's late final dump is never recorded once the restore was ordered."""
+
+from __future__ import annotations
+
+import pytest
+from spotcr_contracts import events
+from spotcr_functions.config import OPTIONAL_ENV
+from spotcr_functions.models import Status
+
+from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+
+T = 1_795_000_000_000  # the primary's clock, in unix milliseconds
+
+
+def _commit(job_id: str, instance_id: str, generation: int, kind: str, at_ms: int) -> str:
+    checkpoint = checkpoint_id(kind, generation, at_ms)
+    route(
+        agent_event(
+            events.CheckpointCompleted(job_id, instance_id, generation, now_iso(), checkpoint_id=checkpoint, kind=kind)
+        )
+    )
+    return checkpoint
+
+
+def _recover(plane: ControlPlane, job_id: str, generation: int) -> tuple[str, dict]:
+    backup = plane.wait_until(lambda: plane.job(job_id).backup_instance_id, "the backup launch")
+    route(agent_event(events.AgentReady(job_id, backup, generation, now_iso(), mode="restore")))
+    restore = plane.wait_until(
+        lambda: [c for c in plane.sent_commands("restore") if c["instances"] == [backup]], "the restore command"
+    )[-1]
+    return backup, restore
+
+
+def test_a_backup_whose_clock_is_behind_has_its_checkpoints_recorded_and_restored(plane: ControlPlane) -> None:
+    # Given a job recovered once: the primary's final dump (its clock) is the job's newest
+    primary = plane.start_job("skew-1")
+    _commit("skew-1", primary, 0, "periodic", T)
+    route(ec2_event("spot-interruption-warning", primary))
+    plane.wait_for_token("skew-1", "final-dump")
+    final = _commit("skew-1", primary, 1, "final", T + 10_000)
+    backup, restore = _recover(plane, "skew-1", 1)
+    assert restore["parameters"]["CheckpointId"] == final
+    route(agent_event(events.RestoreCompleted("skew-1", backup, 1, now_iso(), checkpoint_id=final)))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+
+    # When the backup, whose clock is 120 s behind, commits a periodic checkpoint a minute later
+    periodic = _commit("skew-1", backup, 1, "periodic", T + 10_000 + 60_000 - 120_000)
+
+    # Then it is the job's newest (its id's time is older than the primary's final dump)
+    assert plane.job("skew-1").checkpoint_id == periodic
+    # And when the backup is lost, the next cycle restores it
+    route(ec2_event("state-change-terminated", backup))
+    plane.wait_until(lambda: plane.job("skew-1").generation == 2, "the second cycle")
+    _, restore = _recover(plane, "skew-1", 2)
+    assert restore["parameters"]["CheckpointId"] == periodic
+
+
+def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore_is_ordered(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job whose final dump does not arrive within the wait, so the backup restores the periodic one
+    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    primary = plane.start_job("late-1")
+    periodic = _commit("late-1", primary, 0, "periodic", T)
+    route(ec2_event("spot-interruption-warning", primary))
+    backup, restore = _recover(plane, "late-1", 1)
+    assert restore["parameters"]["CheckpointId"] == periodic
+
+    # When the primary's final dump (ordered at generation 1) commits after all, while the backup restores
+    late = checkpoint_id("final", 1, T + 30_000)
+    completed = events.CheckpointCompleted("late-1", primary, 1, now_iso(), checkpoint_id=late, kind="final")
+    route(agent_event(completed))
+
+    # Then it is not the job's newest: the backup's run continues from the periodic checkpoint
+    assert plane.job("late-1").checkpoint_id == periodic
+    route(agent_event(events.RestoreCompleted("late-1", backup, 1, now_iso(), checkpoint_id=periodic)))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    # And a copy delivered after the backup took over is not either
+    route(agent_event(completed))
+    record = plane.job("late-1")
+    assert (record.status, record.instance_id, record.checkpoint_id) == (Status.RUNNING, backup, periodic)
