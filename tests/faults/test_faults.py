@@ -3,6 +3,7 @@ with one injected fault per scenario. The invariants each scenario asserts are i
 
 from __future__ import annotations
 
+import fcntl
 import threading
 from typing import Any
 
@@ -49,8 +50,12 @@ def test_store_outage_during_the_final_dump_stops_the_primary_and_restores_the_p
     warn = rehearsal.warn
 
     def interrupt(instance_id: str, number: int) -> float:
-        rehearsal.outage.set()
-        return warn(instance_id, number)
+        # Holding the agent's dump lock: no periodic dump is half done when the warning comes, so the final dump
+        # starts (and fails) within the notice rather than queue behind it.
+        with rehearsal.cloud.vms[instance_id].host_path("/var/lib/spotcr/dump.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            rehearsal.outage.set()
+            return warn(instance_id, number)
 
     rehearsal._interrupt = interrupt  # type: ignore[method-assign]
     _first(rehearsal, "CheckpointFailed", lambda e: e.kind == "final", lambda e: rehearsal.outage.clear())
