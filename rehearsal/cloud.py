@@ -49,6 +49,7 @@ from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
 from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from werkzeug.exceptions import Forbidden
 
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
@@ -112,6 +113,11 @@ class LocalCloud:
         self.agent_command = agent_command
         self.with_workflow = with_workflow
         self.fis_notice_s = fis_notice_s
+        # The fault suite's hook (tests/faults): called as (action, bucket, key) before S3 serves a request; it may
+        # raise StoreFault (an outage), or act at that exact point (kill an agent mid-upload).
+        self.store_fault: Callable[[str, str, str], None] | None = None
+        # Also the fault suite's: called as (instance_id, agent argv) just before a command runs in its VM.
+        self.on_command: Callable[[str, list[str]], None] | None = None
         self.endpoint = ""
         self.vm_endpoint = ""  # the same server, where the VMs reach it: the host end of their network
         self.network: VmNetwork | None = None
@@ -481,6 +487,7 @@ class LocalCloud:
         )
         self._install_ec2_hooks()
         self._install_fis_hooks()
+        self._install_s3_hooks()
 
     def _install_fis_hooks(self) -> None:
         from moto.fis.models import FISBackend
@@ -528,6 +535,29 @@ class LocalCloud:
         self.emit_ec2(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
         if not self._stop.wait(notice):
             self.client("ec2").terminate_instances(InstanceIds=[instance_id])
+
+    def _install_s3_hooks(self) -> None:
+        from moto.s3.models import S3Backend
+
+        cloud = self
+
+        def faulty(action: str) -> Callable[[Any], Any]:
+            def make(original: Any) -> Any:
+                def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
+                    named = [kwargs.get("bucket_name"), kwargs.get("key_name")]
+                    positional = [a for a in args if isinstance(a, str)]
+                    bucket = str(named[0] or (positional.pop(0) if positional else ""))
+                    key = str(named[1] or (positional[0] if positional and action.endswith("_object") else ""))
+                    if cloud.store_fault is not None:
+                        cloud.store_fault(action, bucket, key)
+                    return original(backend, *args, **kwargs)
+
+                return hooked
+
+            return make
+
+        for action in ("head_bucket", "put_object", "get_object", "head_object", "list_objects", "list_objects_v2"):
+            self._patch(S3Backend, action, faulty(action))
 
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = getattr(owner, name, None)  # None: an action moto lacks, added here
@@ -782,6 +812,8 @@ class LocalCloud:
         try:
             if vm is None or vm.terminated:
                 raise VmError(f"{instance_id} is not running")
+            if self.on_command is not None:
+                self.on_command(instance_id, argv)
             result = vm.run(argv, timeout_s=float(command.timeout_seconds))
             status = "Success" if result.returncode == 0 else "Failed"
             invocation.update(
@@ -806,6 +838,11 @@ class LocalCloud:
         if "InProgress" not in statuses:
             command.status = "Success" if statuses == {"Success"} else "Failed"
             command.status_details = command.status
+
+
+class StoreFault(Forbidden):
+    """A store failure injected by the fault suite: S3 refuses the request (HTTP 403, as when a bucket policy or
+    a KMS key stops the job's role). Unlike a 503 it is not retried, so the failure comes at a known point."""
 
 
 class _Redirect(io.TextIOBase):

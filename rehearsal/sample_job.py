@@ -5,21 +5,30 @@ earlier ones: any lost, repeated or corrupted step changes the final checksum. `
 between steps to stretch the run (it does not change the result); the uninterrupted reference
 run uses `--pace 0`.
 
-Usage: sample_job.py --mb 256 --steps 3000 [--pace 0.02] [--result result.txt]
+Usage: sample_job.py --mb 256 --steps 3000 [--pace 0.02] [--result result.txt] [--stop-file NAME]
+
+`--stop-file` lets the fault suite end the job at a chosen moment: once that file exists in the work dir, the
+job exits with code 3 (STOPPED_EXIT_CODE) before its next step.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import time
 
 BLOCK = 1 << 20
 DIGEST = 32
+STOPPED_EXIT_CODE = 3
 
 
-def run(mb: int, steps: int, pace: float) -> str:
+class Stopped(Exception):
+    pass
+
+
+def run(mb: int, steps: int, pace: float, stop_file: str = "") -> str:
     size = mb * (1 << 20)
     state = bytearray(hashlib.shake_256(b"spotcr sample job").digest(size))
     view = memoryview(state)
@@ -27,6 +36,8 @@ def run(mb: int, steps: int, pace: float) -> str:
     chain = hashlib.blake2b(digest_size=DIGEST)
     report_every = max(1, steps // 20)
     for step in range(steps):
+        if stop_file and os.path.exists(stop_file):
+            raise Stopped(f"stopped at step {step}: {stop_file} exists")
         block = (step * 2_654_435_761) % blocks
         offset = block * BLOCK
         digest = hashlib.blake2b(view[offset : offset + BLOCK], digest_size=DIGEST, salt=step.to_bytes(16, "big"))
@@ -48,8 +59,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--result", default="", help="also write the result to this file")
+    parser.add_argument("--stop-file", default="", help="exit with code 3 once this file exists")
     args = parser.parse_args(argv)
-    result = run(args.mb, args.steps, args.pace)
+    try:
+        result = run(args.mb, args.steps, args.pace, args.stop_file)
+    except Stopped as stopped:
+        print(stopped, file=sys.stderr, flush=True)
+        return STOPPED_EXIT_CODE
     print(f"result {result}", flush=True)
     if args.result:
         with open(args.result, "a") as out:

@@ -62,6 +62,10 @@ class Options:
     command: str | None = None  # the user's own job, as its spotcr:command tag; None: the sample job
     result_file: str = RESULT_FILE  # what the job leaves in its work dir, compared byte for byte
     leak_grace_s: float = 30.0  # after the job finished, how long cleanup may take before leftovers fail the run
+    reference: bytes | None = None  # the uninterrupted run's result when already known: no reference run then
+    exit_code: int = 0  # the exit code the job must end with (the fault suite makes some jobs fail on purpose)
+    timeline_png: bool = True  # draw timeline.png besides timeline.json (the fault suite skips it: matplotlib)
+    stop_file: str = ""  # the sample job exits with STOPPED_EXIT_CODE once this file is in its work dir
 
 
 @dataclass
@@ -224,6 +228,7 @@ def job_command(options: Options, pace: float | None = None) -> list[str]:
         str(options.pace_s if pace is None else pace),
         "--result",
         RESULT_FILE,
+        *(["--stop-file", options.stop_file] if options.stop_file else []),
     ]
 
 
@@ -303,8 +308,22 @@ def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file:
     return fetch_result_file(backend, job_id, PurePosixPath(result_file).as_posix())
 
 
+def workflow_waits(options: Options) -> dict[str, int]:
+    return {
+        # The workflow waits for the final dump until shortly before the instance goes away.
+        "final_dump_wait_s": max(5, int(options.notice_s * 110 / 120)),
+        "backup_ready_wait_s": 300,
+        "restore_wait_s": 300,
+        "poll_s": 1,
+        "ebs_volume_gib": 2,
+    }
+
+
 class Rehearsal:
-    def __init__(self, options: Options, echo: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, options: Options, echo: Callable[[str], None] | None = None, cloud: LocalCloud | None = None
+    ) -> None:
+        """`cloud`: a local cloud already started, shared by several runs (the fault suite), each its own job."""
         self.options = options
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
         self.job_id = f"demo-{options.storage}-{stamp[-6:]}"
@@ -314,43 +333,49 @@ class Rehearsal:
         shared = self.run_dir / "shared-storage" if options.storage in ("efs", "fsx") else None
         if shared is not None:
             shared.mkdir(parents=True, exist_ok=True)
-        notice = options.notice_s
-        self.cloud = LocalCloud(
-            run_dir=self.run_dir,
-            timeline=self.timeline,
-            schedule_every_s=options.schedule_every_s,
-            shared_storage=shared,
-            workflow_waits={
-                # The workflow waits for the final dump until shortly before the instance goes away.
-                "final_dump_wait_s": max(5, int(notice * 110 / 120)),
-                "backup_ready_wait_s": 300,
-                "restore_wait_s": 300,
-                "poll_s": 1,
-                "ebs_volume_gib": 2,
-            },
-            on_event=self.watcher,
-            fis_notice_s=notice,
-        )
+        self._own_cloud = cloud is None
+        if cloud is None:
+            cloud = LocalCloud(
+                run_dir=self.run_dir,
+                timeline=self.timeline,
+                schedule_every_s=options.schedule_every_s,
+                shared_storage=shared,
+                workflow_waits=workflow_waits(options),
+                on_event=self.watcher,
+                fis_notice_s=options.notice_s,
+            )
+        else:
+            cloud.timeline, cloud.on_event = self.timeline, self.watcher
+        self.cloud = cloud
+        self._vms_before = set(cloud.vms)
         self.recoveries_s: list[float] = []
         self.outcome: Outcome | None = None
         self._reference_vms: list[LocalVM] = []
+        self.before_cleanup: list[Callable[[], None]] = []  # checks run once the job ended, before the leak check
 
     def run(self) -> Outcome:
         """Run the whole rehearsal; the timeline is written even when it fails, to show how far it got."""
         self.job_tags()  # a bad command or result path fails here, before anything starts
-        self.cloud.start()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._own_cloud:
+            self.cloud.start()
         try:
             return self._run()
         except RehearsalFailed as error:
             raise RehearsalFailed(f"{error}{self._workflow_position()}") from None
         finally:
-            for vm in self.cloud.vms.values():
+            mine = [vm for vm in list(self.cloud.vms.values()) if vm.instance_id not in self._vms_before]
+            for vm in mine:
                 self.watcher.vm_stopped(vm.instance_id)
             for vm in self._reference_vms:
                 vm.terminate()
-            self.cloud.stop()
+            if self._own_cloud:
+                self.cloud.stop()
+            else:
+                for vm in mine:
+                    vm.terminate()
             if not self.options.keep_vms:
-                for vm in self.cloud.vms.values():
+                for vm in mine:
                     vm.remove()
             self._write_timeline()
 
@@ -376,31 +401,24 @@ class Rehearsal:
         say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
         instance_id = self._submit()
         self.watcher.wait(lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start")
-        reference.start()
+        if options.reference is None:
+            reference.start()
+        else:
+            expected_box["result"] = options.reference
         current, generation = instance_id, 0
         for number in range(1, options.interruptions + 1):
-            self._await_periodic(current, generation, number)
-            warned = self._interrupt(current, number)
-            restored = self.watcher.wait(
-                restored_after(generation),
-                options.timeout_s,
-                f"the job to be restored after interruption {number}",
-                self._workflow_health,
-            )
-            recovery = self.timeline.now() - warned
-            self.recoveries_s.append(round(recovery, 2))
-            say(f"interruption {number}: warning to running again in {recovery:.1f} s")
-            current, generation = restored.instance_id, restored.generation
+            current, generation = self._interruption(number, current, generation)
         exited = self.watcher.wait(
             lambda t, e: t == "JobExited", options.timeout_s, "the job to finish", self._workflow_health
         )
-        if exited.exit_code != 0:
+        if exited.exit_code != options.exit_code:
             vm = self.cloud.vms[exited.instance_id]
             raise RehearsalFailed(
                 f"the job exited with {exited.exit_code} on {exited.instance_id}{stderr_tail(vm, self.workdir)}"
             )
-        result = self._result(exited)
-        reference.join(options.timeout_s)
+        result = self._result(exited) if exited.exit_code == 0 else b""
+        if options.reference is None:
+            reference.join(options.timeout_s)
         if "error" in expected_box:
             raise expected_box["error"]
         if "result" not in expected_box:
@@ -414,11 +432,28 @@ class Rehearsal:
         say(f"{options.result_file} after {options.interruptions} interruption(s): {outcome.describe(result)}")
         say(f"{options.result_file} of the uninterrupted run:  {outcome.describe(expected)}")
         self.outcome = outcome
+        for check in self.before_cleanup:
+            check()
         left = leaks.wait_until_tidy(self.cloud.client, options.leak_grace_s)
         if left:
             raise RehearsalFailed(leaks.describe(left))
         say("leak check: no instance, volume, snapshot or command left but the job's checkpoints")
         return outcome
+
+    def _interruption(self, number: int, current: str, generation: int) -> tuple[str, int]:
+        """One interruption of the job's current VM, once it has checkpointed; returns where the job runs again."""
+        self._await_periodic(current, generation, number)
+        warned = self._interrupt(current, number)
+        restored = self.watcher.wait(
+            restored_after(generation),
+            self.options.timeout_s,
+            f"the job to be restored after interruption {number}",
+            self._workflow_health,
+        )
+        recovery = self.timeline.now() - warned
+        self.recoveries_s.append(round(recovery, 2))
+        self.timeline.say(f"interruption {number}: warning to running again in {recovery:.1f} s")
+        return restored.instance_id, restored.generation
 
     def _workflow_position(self) -> str:
         """Where each unfinished recovery workflow stands, to say what a timeout was waiting on."""
@@ -426,7 +461,7 @@ class Rehearsal:
             sfn = self.cloud.client("stepfunctions")
             machine = self.cloud.settings_env[ENV["recovery_state_machine_arn"]]
             positions = []
-            for execution in sfn.list_executions(stateMachineArn=machine, statusFilter="RUNNING")["executions"]:
+            for execution in self._executions(sfn, machine, "RUNNING"):
                 history = sfn.get_execution_history(executionArn=execution["executionArn"], maxResults=1000)
                 entered = [e for e in history["events"] if "stateEnteredEventDetails" in e]
                 last = max(entered, key=lambda e: e["id"])["stateEnteredEventDetails"]["name"] if entered else "?"
@@ -435,11 +470,16 @@ class Rehearsal:
             return f" (workflow state unknown: {error})"
         return f"; running workflows: {', '.join(positions)}" if positions else ""
 
+    def _executions(self, sfn: Any, machine: str, status: str = "") -> list[dict[str, Any]]:
+        """This job's recovery executions (recovery.execution_name starts with the job id)."""
+        found = sfn.list_executions(stateMachineArn=machine, **({"statusFilter": status} if status else {}))
+        return [e for e in found["executions"] if e["name"].startswith(f"{self.job_id[:56]}-g")]
+
     def _workflow_health(self) -> None:
         """A recovery workflow that failed ends the rehearsal with its error, not with a timeout."""
         sfn = self.cloud.client("stepfunctions")
         machine = self.cloud.settings_env[ENV["recovery_state_machine_arn"]]
-        for execution in sfn.list_executions(stateMachineArn=machine)["executions"]:
+        for execution in self._executions(sfn, machine):
             if execution["status"] in ("FAILED", "TIMED_OUT", "ABORTED"):
                 detail = sfn.describe_execution(executionArn=execution["executionArn"])
                 raise RehearsalFailed(
@@ -589,5 +629,5 @@ class Rehearsal:
         title = f"spotcr rehearsal: {self.options.storage}, {job}, {self.options.interruptions} interruption(s)" + (
             "" if outcome else " - FAILED"
         )
-        json_path, png_path = self.timeline.write(self.run_dir, summary, title)
+        json_path, png_path = self.timeline.write(self.run_dir, summary, title, png=self.options.timeline_png)
         self.timeline.say(f"timeline: {png_path} and {json_path}")

@@ -94,13 +94,14 @@ class Timeline:
                 "summary": summary,
             }
 
-    def write(self, directory: Path, summary: dict[str, Any], title: str) -> tuple[Path, Path]:
+    def write(self, directory: Path, summary: dict[str, Any], title: str, png: bool = True) -> tuple[Path, Path]:
         directory.mkdir(parents=True, exist_ok=True)
         data = self.to_json(summary)
         json_path = directory / "timeline.json"
         json_path.write_text(json.dumps(data, indent=2) + "\n")
         png_path = directory / "timeline.png"
-        draw(data, png_path, title)
+        if png:
+            draw(data, png_path, title)
         return json_path, png_path
 
 

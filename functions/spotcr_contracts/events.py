@@ -110,6 +110,8 @@ class CheckpointFailed(AgentEvent):
     reason: str = ""
     log_tail: str = ""  # the end of CRIU's log when CRIU failed
     criu_log: str = ""  # where CRIU's whole log was kept in the job's storage (s3://... or a path)
+    # A failed final dump: the agent killed the job's whole tree, confirmed it gone, and fenced it off this VM.
+    job_stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ EVENT_TYPES: dict[str, type[AgentEvent]] = {
 
 
 # Field annotations are strings here (postponed evaluation); these are the ones events use.
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str}
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str, "bool": bool}
 
 
 def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
@@ -179,7 +181,8 @@ def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
                 raise InvalidEvent(f"{detail_type}: missing field {spec.name!r}")
             continue
         value = detail[spec.name]
-        if isinstance(value, bool) or not isinstance(value, _FIELD_TYPES[str(spec.type)]):
+        wanted = _FIELD_TYPES[str(spec.type)]
+        if (isinstance(value, bool) and wanted is not bool) or not isinstance(value, wanted):
             raise InvalidEvent(f"{detail_type}: field {spec.name!r} has type {type(value).__name__}")
         values[spec.name] = float(value) if isinstance(value, int) and str(spec.type) == "float" else value
     return cls(**values)

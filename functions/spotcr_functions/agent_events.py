@@ -78,9 +78,11 @@ def _of_this_run(record: JobRecord, event: events.AgentEvent) -> bool:
 
 def _last_checkpoint_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
     """The primary may commit its final dump (on its own IMDS notice) at the generation it served before the
-    warning bumped it; while the job recovers, that checkpoint is exactly the one recovery wants."""
+    warning bumped it; while the job recovers, that checkpoint is exactly the one recovery wants. A final dump
+    that failed there and stopped the job says the old copy is gone, which the restore waits for."""
+    failed_and_stopped = isinstance(event, events.CheckpointFailed) and event.kind == "final" and event.job_stopped
     return (
-        isinstance(event, events.CheckpointCompleted)
+        (isinstance(event, events.CheckpointCompleted) or failed_and_stopped)
         and record.status == Status.RECOVERING
         and event.generation == record.generation - 1
         and event.instance_id == record.recovering_from
@@ -191,8 +193,10 @@ def _final_dump_at_risk(deps: Deps, record: JobRecord, event: Any) -> dict[str, 
 def _checkpoint_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     logger.warning("checkpoint failed", job_id=record.job_id, kind=event.kind, reason=event.reason)
     if event.kind == "final":
+        output = {"instance_id": event.instance_id, "job_stopped": event.job_stopped}
+        cause = event.reason + ("; the agent stopped the job there" if event.job_stopped else "")
         rendezvous.arrive(
-            deps, record.job_id, "final-dump", record.generation, {}, error="CheckpointFailed", cause=event.reason
+            deps, record.job_id, "final-dump", record.generation, output, error="CheckpointFailed", cause=cause
         )
     elif record.status == Status.CHECKPOINTING:
         _set_status(deps, record, Status.RUNNING, expect=Status.CHECKPOINTING)

@@ -333,9 +333,13 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
 def _retire_primary(deps: Deps, record: JobRecord) -> None:
     """The job never runs in two places: before the backup restores, the interrupted instance is terminated and its
     persistent spot request cancelled, so a stopped or hibernated primary that EC2 starts again later cannot resume
-    the job (hibernation resumes its processes from RAM before any agent could fence them). The restore waits
-    until the primary is gone unless nothing of the job can run there: it is stopped or terminated, or its final
-    dump (which ends the job's processes) committed at this generation."""
+    the job (hibernation resumes its processes from RAM before any agent could fence them).
+
+    Invariant (at most one live copy): a checkpoint is restored only once the old copy is known dead. The restore
+    waits (PrimaryStillRunning, retried by the workflow) until EC2 says the primary is gone, unless nothing of the
+    job can run there: it is stopped or terminated, or at this generation its final dump committed (CRIU ends the
+    job's processes) or failed with the agent's confirmed kill (the agent fences a stopped job off that VM), and
+    the instance was not started again since the warning."""
     instance_id = record.recovering_from
     if not instance_id or instance_id == record.backup_instance_id:
         return
@@ -346,7 +350,7 @@ def _retire_primary(deps: Deps, record: JobRecord) -> None:
         deps.cloud.cancel_spot_request(instance.spot_request_id)
     deps.cloud.terminate_instance(instance_id)
     logger.info("interrupted instance terminated", job_id=record.job_id, instance_id=instance_id, was=instance.state)
-    if instance.state in NOT_RUNNING_STATES or (_final_dump_committed(record) and not _restarted(instance, record)):
+    if instance.state in NOT_RUNNING_STATES or (_job_gone_from(instance, record) and not _restarted(instance, record)):
         return
     after = deps.cloud.describe_instance(instance_id)
     if after is not None and after.state != "terminated":
@@ -361,9 +365,16 @@ def _restarted(instance: Instance, record: JobRecord) -> bool:
     return parse_time(instance.launched_at) > parse_time(record.interrupted_at)
 
 
-def _final_dump_committed(record: JobRecord) -> bool:
+def _job_gone_from(instance: Instance, record: JobRecord) -> bool:
+    """The final dump at this generation ended the job's processes on the instance: it committed, or it failed and
+    the agent there confirmed it killed the job."""
     arrival = record.arrival("final-dump") or {}
-    return arrival.get("generation") == record.generation and not arrival.get("error")
+    if arrival.get("generation") != record.generation:
+        return False
+    if not arrival.get("error"):
+        return True
+    output = arrival.get("output") or {}
+    return bool(output.get("job_stopped")) and output.get("instance_id") == instance.instance_id
 
 
 def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:

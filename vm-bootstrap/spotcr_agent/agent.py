@@ -34,7 +34,7 @@ from .config import AgentConfig
 from .criu import Criu
 from .events import Publisher, now_iso
 from .host import HostInfo, read_host
-from .restore import RestoreError, RestoreOutcome, Restorer
+from .restore import STOPPED_HERE, RestoreError, RestoreOutcome, Restorer
 from .runner import JobError, JobFiles, job_alive, start_job
 from .state import AgentState, StaleGeneration, StateFile, admit, exclusive
 from .store.backends import Backend
@@ -173,8 +173,16 @@ class Agent:
                 tail, kept = "", ""
                 if isinstance(error, CheckpointError) and error.log:
                     tail, kept = error.log_tail[-LOG_TAIL_CHARS:], self._keep_log(f"dump-{kind}", "", error.log)
+                # A failed final dump stopped the job for good (Checkpointer._stop_for_good): say it is gone.
+                stopped = kind == "final" and self.state.read().job_status == "stopped"
                 self.emit(
-                    CheckpointFailed, generation, kind=kind, reason=str(error)[:1000], log_tail=tail, criu_log=kept
+                    CheckpointFailed,
+                    generation,
+                    kind=kind,
+                    reason=str(error)[:1000],
+                    log_tail=tail,
+                    criu_log=kept,
+                    job_stopped=stopped,
                 )
             raise
         # A final dump this VM took on its own notice is reported again to the generation that now asks for it.
@@ -304,6 +312,8 @@ class Agent:
             admit(state, generation)
             if state.job_status == "running" and job_alive(state.job_pid, state.job_start_time):
                 raise RestoreError(f"the job already runs on this VM (pid {state.job_pid}); it never runs twice")
+            if state.job_status == "stopped":
+                raise RestoreError(STOPPED_HERE)
             shutil.rmtree(self.config.workdir, ignore_errors=True)  # what a failed restore may have placed
             aliases.release(self.config.state_dir)
             job = start_job(self.config.command, self.config.workdir, {**self.job_env, **self.config.env})

@@ -41,8 +41,8 @@ from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
 from .criu import Criu, CriuError, dump_stats
 from .host import HostInfo
-from .runner import checkpointable_problem, job_alive, open_files
-from .state import FinalDump, StateFile, admit, exclusive, pid_alive
+from .runner import JobFiles, checkpointable_problem, job_alive, open_files, stop_job
+from .state import AgentState, FinalDump, StateFile, admit, exclusive, pid_alive
 from .store import Backend, CheckpointMeta, CommitResult, Manifest
 
 log = logging.getLogger(__name__)
@@ -360,12 +360,33 @@ class Checkpointer:
             outcome = self._take_final(generation)
         except Exception as error:
             with self.state.locked() as state:
-                state.final_dumps[str(generation)] = FinalDump("failed", os.getpid(), {"reason": str(error)})
+                stopped = self._stop_for_good(state)
+                result = {"reason": str(error), "job_stopped": stopped}
+                state.final_dumps[str(generation)] = FinalDump("failed", os.getpid(), result)
             raise
         with self.state.locked() as state:
             state.final_dumps[str(generation)] = FinalDump("done", os.getpid(), outcome.to_json())
             state.job_status = "checkpointed"
         return outcome
+
+    def _stop_for_good(self, state: AgentState) -> bool:
+        """At most one live copy: a final dump is ordered only when this VM is going away, and when it fails the
+        backup restores an older checkpoint. So the job is killed here (its whole tree, confirmed gone) and fenced:
+        a stopped job is never started, restored or dumped on this VM again. True once the job is known gone.
+
+        A job that ended on its own just before (its exit code is recorded) is left to report its end."""
+        if state.job_status == "stopped":
+            return True
+        if state.job_status != "running":
+            return False
+        if not job_alive(state.job_pid, state.job_start_time) and JobFiles(self.workdir).read_exit_code() is not None:
+            return False
+        if not stop_job(state.job_pid, state.job_start_time):
+            log.error("the job (pid %d) outlived SIGKILL; it is not known to be gone", state.job_pid)
+            return False
+        log.warning("the final dump failed: the job (pid %d) is stopped here for good", state.job_pid)
+        state.job_status = "stopped"
+        return True
 
     def _wait_for_final(self, generation: int) -> CheckpointOutcome:
         log.info("the final dump of generation %d is already being taken; waiting for it", generation)
@@ -709,6 +730,8 @@ def _not_running(status: str, exit_code: int | None) -> str:
         return f"the job is not running: it exited with code {exit_code}"
     if status == "checkpointed":
         return "the job is not running: its final dump was taken"
+    if status == "stopped":
+        return "the job is not running: it was stopped here after its final dump failed"
     return "the job is not running on this VM"
 
 

@@ -36,6 +36,9 @@ STORE_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # 15.5 s of retries: a store browno
 PERMANENT_STORE_ERRORS = (CorruptCheckpoint, CheckpointNotFound, UnsupportedManifest)
 
 
+STOPPED_HERE = "the job was stopped on this VM after its final dump failed; it is never resumed here"
+
+
 class RestoreError(RuntimeError):
     """No checkpoint could be restored; the message gives each attempt's reason, log_tail the last CRIU log's end."""
 
@@ -174,6 +177,8 @@ class Restorer:
                 admit(state, generation)
                 if state.job_status == "running" and job_alive(state.job_pid, state.job_start_time):
                     raise RestoreError(f"the job already runs on this VM (pid {state.job_pid}); it never runs twice")
+                if state.job_status == "stopped":
+                    raise RestoreError(STOPPED_HERE)
             candidates = self._candidates(checkpoint_id)
             host = self.host()
             failures: list[str] = []

@@ -10,9 +10,11 @@ job ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -209,6 +211,31 @@ def process_tree(pid: int) -> list[int]:
         tree.append(current)
         todo.extend(children.get(current, []))
     return tree
+
+
+STOP_CONFIRM_S = 10.0  # SIGKILL is not deferrable: a tree still there after this is stuck in the kernel (D state)
+
+
+def stop_job(pid: int, start_time: int, timeout_s: float = STOP_CONFIRM_S) -> bool:
+    """Kill the job's whole process tree and confirm it is gone; False when some process outlived the wait.
+
+    SIGKILL to the job's PID 1 ends its PID namespace (the kernel kills every process in it); each process of the
+    tree is killed as well, in case one was moved out of it. Gone means no process of the tree runs any more (a
+    zombie runs nothing)."""
+    if not pid or not job_alive(pid, start_time):
+        return True
+    tree = [(member, process_start_time(member)) for member in process_tree(pid)]
+    for member, _ in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [member for member, started in tree if started is not None and process_start_time(member) == started]
+        if not left:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def checkpointable_problem(pid: int) -> str | None:

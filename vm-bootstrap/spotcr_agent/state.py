@@ -45,7 +45,8 @@ class AgentState:
     generation: int = 0  # the generation this VM serves (fencing token)
     job_pid: int = 0  # host PID of the job's PID 1; 0 when no job runs here
     job_start_time: int = 0
-    job_status: str = "none"  # none | running | exited | checkpointed
+    # none | running | exited | checkpointed | stopped (killed after its final dump failed: never resumed here)
+    job_status: str = "none"
     exit_code: int | None = None
     last_checkpoint: str | None = None
     result: str = ""  # where the ended job's work dir was committed as its result

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from rehearsal.cloud import LocalCloud
+from rehearsal.scenario import reference_result, workflow_waits
+from rehearsal.timeline import Timeline
+from tests.faults.harness import OPTIONS
+
+
+@pytest.fixture(scope="session")
+def shared_cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCloud]:
+    """One local cloud for the whole suite (its start is the costly part); each scenario runs its own job on its
+    own VMs, and ends with the leak check, so the next one starts from a tidy account."""
+    cloud = LocalCloud(
+        run_dir=tmp_path_factory.mktemp("fault-cloud"),
+        timeline=Timeline(),
+        schedule_every_s=OPTIONS.schedule_every_s,
+        workflow_waits=workflow_waits(OPTIONS),
+    )
+    cloud.start()
+    try:
+        yield cloud
+    finally:
+        cloud.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(shared_cloud: LocalCloud) -> bytes:
+    """The uninterrupted run's result, computed once for every scenario (the same job, on a bare VM of its own)."""
+    return reference_result(shared_cloud, OPTIONS, "/var/lib/spotcr/work/fault-reference", print, lambda vm: None)
+
+
+@pytest.fixture
+def cloud(shared_cloud: LocalCloud) -> Iterator[LocalCloud]:
+    yield shared_cloud
+    shared_cloud.store_fault = None
+    shared_cloud.on_command = None

@@ -1,0 +1,300 @@
+"""The fault suite: the rehearsal (real handlers, real ASL through moto, real agent and CRIU on bare local VMs)
+with one injected fault per scenario. The invariants each scenario asserts are in tests/faults/harness.py."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+from typing import Any
+
+import pytest
+
+from rehearsal.sample_job import STOPPED_EXIT_CODE
+from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
+
+pytestmark = [pytest.mark.faults, pytest.mark.criu, pytest.mark.timeout(300)]
+
+
+def _run(rehearsal: FaultRehearsal) -> Any:
+    try:
+        return rehearsal.run_checked()
+    except Exception as error:
+        raise AssertionError(f"{error}\n" + "\n".join(rehearsal.lines)) from None
+
+
+def _assert_invariants(rehearsal: FaultRehearsal, outcome: Any, *, status: str = "COMPLETED") -> None:
+    log = "\n".join(rehearsal.lines)
+    assert rehearsal.sampler.samples > 0, log
+    assert rehearsal.sampler.overlaps == [], f"two live copies at {rehearsal.sampler.overlaps}\n{log}"
+    record = rehearsal.end["record"]
+    assert record["status"] == status, f"{record}\n{log}"
+    if status == "COMPLETED":
+        assert outcome.result == outcome.expected, log
+
+
+def _first(rehearsal: FaultRehearsal, detail_type: str, predicate: Any, react: Any) -> None:
+    """Run `react(event)` once, on the first event of this type that satisfies predicate."""
+    done = threading.Event()
+
+    def reaction(kind: str, event: Any) -> None:
+        if kind == detail_type and predicate(event) and not done.is_set():
+            done.set()
+            react(event)
+
+    rehearsal.reactions.append(reaction)
+
+
+def test_store_outage_during_the_final_dump_stops_the_primary_and_restores_the_periodic(reference, cloud, tmp_path):
+    # Given the checkpoint store unreachable from the warning until the final dump has failed
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    warn = rehearsal.warn
+
+    def interrupt(instance_id: str, number: int) -> float:
+        # Holding the agent's dump lock: no periodic dump is half done when the warning comes, so the final dump
+        # starts (and fails) within the notice rather than queue behind it.
+        with rehearsal.cloud.vms[instance_id].host_path("/var/lib/spotcr/dump.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            rehearsal.outage.set()
+            return warn(instance_id, number)
+
+    rehearsal._interrupt = interrupt  # type: ignore[method-assign]
+    _first(rehearsal, "CheckpointFailed", lambda e: e.kind == "final", lambda e: rehearsal.outage.clear())
+    _first(rehearsal, "AgentReady", lambda e: e.mode == "restore", lambda e: rehearsal.outage.clear())
+
+    # When the job is interrupted
+    outcome = _run(rehearsal)
+
+    # Then the primary's agent stopped the job (never two copies), and the backup restored the periodic checkpoint
+    failed = [e for e in rehearsal.events("CheckpointFailed") if e.kind == "final"]
+    assert failed and all(e.job_stopped for e in failed), rehearsal.lines
+    [restored] = rehearsal.events("RestoreCompleted")
+    assert restored.checkpoint_id.endswith("-periodic")
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_store_outage_during_a_periodic_dump_fails_that_dump_only(reference, cloud, tmp_path):
+    # Given a store outage from the first periodic checkpoint until the next periodic dump has failed
+    rehearsal = FaultRehearsal(options(reference, tmp_path, checkpoints_before_interruption=2), cloud)
+    _first(rehearsal, "CheckpointCompleted", lambda e: e.kind == "periodic", lambda e: rehearsal.outage.set())
+    _first(rehearsal, "CheckpointFailed", lambda e: e.kind == "periodic", lambda e: rehearsal.outage.clear())
+
+    # When the job is interrupted after a later periodic checkpoint
+    outcome = _run(rehearsal)
+
+    # Then the failed dump changed nothing: the job recovered and ended with the uninterrupted result
+    assert [e for e in rehearsal.events("CheckpointFailed") if e.kind == "periodic"], rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_the_agent_killed_mid_upload_loses_only_that_checkpoint(reference, cloud, tmp_path):
+    # Given the agent's periodic-dump process killed while it uploads a chunk of the second periodic checkpoint
+    rehearsal = FaultRehearsal(options(reference, tmp_path, checkpoints_before_interruption=2), cloud)
+    armed, killed = threading.Event(), []
+
+    def upload(action: str, key: str) -> None:
+        if armed.is_set() and action == "put_object" and "/chunks/" in key:
+            armed.clear()
+            for vm in list(rehearsal.cloud.vms.values()):
+                killed.extend(kill_agent_commands(vm, b"checkpoint"))
+
+    rehearsal.store_hooks.append(upload)
+    _first(rehearsal, "CheckpointCompleted", lambda e: e.kind == "periodic", lambda e: armed.set())
+
+    # When the job is interrupted after a later periodic checkpoint
+    outcome = _run(rehearsal)
+
+    # Then the killed upload was never taken for a checkpoint, and the job recovered from a whole one
+    assert killed, rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def _vanish(rehearsal: FaultRehearsal, instance_id: str) -> float:
+    """The instance goes away with no warning (the missed-warning path): no final dump."""
+    rehearsal.timeline.say(f"fault: {instance_id} vanishes without a warning")
+    rehearsal.cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    return rehearsal.timeline.now()
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(reference, cloud, tmp_path):
+    # Given two periodic checkpoints, the newest with a corrupt manifest, and a primary that vanishes with no warning
+    rehearsal = FaultRehearsal(options(reference, tmp_path, checkpoints_before_interruption=2), cloud)
+    s3 = rehearsal.cloud.client("s3")
+    bucket = rehearsal.cloud.names["checkpoint_bucket"]
+
+    def corrupt_and_vanish(instance_id: str, number: int) -> float:
+        periodic = sorted(e.checkpoint_id for e in rehearsal.events("CheckpointCompleted"))
+        key = f"jobs/{rehearsal.job_id}/checkpoints/{periodic[-1]}.json"
+        s3.put_object(Bucket=bucket, Key=key, Body=b'{"corrupt": ')
+        rehearsal.timeline.say(f"fault: {key} corrupted")
+        return _vanish(rehearsal, instance_id)
+
+    rehearsal._interrupt = corrupt_and_vanish  # type: ignore[method-assign]
+
+    # When the job recovers
+    outcome = _run(rehearsal)
+
+    # Then the restore skipped the corrupt checkpoint, said why, and restored the one before
+    [restored] = rehearsal.events("RestoreCompleted")
+    periodic = sorted(
+        e.checkpoint_id for e in rehearsal.events("CheckpointCompleted") if e.instance_id != restored.instance_id
+    )
+    assert restored.checkpoint_id == periodic[-2] and periodic[-1] in restored.skipped, rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_duplicated_and_reordered_warnings_start_one_recovery(reference, cloud, tmp_path):
+    # Given a warning delivered three times, with a rebalance recommendation and a stale "running" after it
+    from spotcr_functions import catalog
+
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    warn = rehearsal.warn
+
+    def storm(instance_id: str, number: int) -> float:
+        warned = warn(instance_id, number)
+        emit = rehearsal.cloud.emit_ec2
+        emit(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
+        emit(catalog.REBALANCE_RECOMMENDATION, instance_id, {})
+        emit(catalog.STATE_CHANGE, instance_id, {"state": "running"})
+        emit(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
+        return warned
+
+    rehearsal._interrupt = storm  # type: ignore[method-assign]
+
+    # When the job recovers
+    outcome = _run(rehearsal)
+
+    # Then one workflow ran and one backup was launched
+    assert len(rehearsal.end["workflows"]) == 1 and len(rehearsal.end["backups"]) == 1, rehearsal.end
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_a_backup_interrupted_while_it_restores_hands_the_job_to_another(reference, cloud, tmp_path):
+    # Given the first backup warned the moment its restore command starts
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    primary: list[str] = []
+    warned = threading.Event()
+
+    def on_command(instance_id: str, argv: list[str]) -> None:
+        if "restore" in argv and not warned.is_set():
+            warned.set()
+            rehearsal.timeline.say(f"fault: backup {instance_id} warned as its restore starts")
+            threading.Thread(target=rehearsal.warn, args=(instance_id, 2), daemon=True).start()
+
+    rehearsal.cloud.on_command = on_command
+    del primary
+
+    # When the job recovers
+    outcome = _run(rehearsal)
+
+    # Then a second backup took over and the job ended with the uninterrupted result
+    assert warned.is_set() and len(rehearsal.end["backups"]) == 2, rehearsal.end
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_a_backup_interrupted_right_after_its_restore_hands_the_job_on(reference, cloud, tmp_path):
+    # Given a second interruption the moment the first backup has restored the job (before any periodic dump there)
+    rehearsal = FaultRehearsal(options(reference, tmp_path, interruptions=2), cloud)
+    await_periodic = rehearsal._await_periodic
+
+    def no_wait_on_backups(instance_id: str, generation: int, number: int) -> None:
+        if number == 1:
+            await_periodic(instance_id, generation, number)
+
+    rehearsal._await_periodic = no_wait_on_backups  # type: ignore[method-assign]
+
+    # When the job recovers twice
+    outcome = _run(rehearsal)
+
+    # Then it ended with the uninterrupted result, after two restores
+    assert len(rehearsal.events("RestoreCompleted")) >= 2, rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def _ends_failed(rehearsal: FaultRehearsal) -> None:
+    _run(rehearsal)
+    record = rehearsal.end["record"]
+    assert f"code {STOPPED_EXIT_CODE}" in record.get("reason", ""), record
+    _assert_invariants(rehearsal, None, status="FAILED")
+
+
+def test_a_job_that_exits_before_the_warning_is_not_recovered(reference, cloud, tmp_path):
+    # Given a job that exits (code 3) on its primary, and then the warning
+    rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
+
+    def exit_then_warn(number: int, current: str, generation: int) -> tuple[str, int]:
+        rehearsal._await_periodic(current, generation, number)
+        rehearsal.stop_job_on(current)
+        rehearsal.watcher.wait(lambda t, e: t == "JobExited", 60, "the job to exit")
+        rehearsal.warn(current, number)
+        return current, generation
+
+    rehearsal._interruption = exit_then_warn  # type: ignore[method-assign]
+
+    # Then it ends FAILED with its exit code, and no backup was launched
+    _ends_failed(rehearsal)
+    assert rehearsal.end["backups"] == [], rehearsal.end
+
+
+def test_a_job_that_exits_during_its_final_dump_ends_once(reference, cloud, tmp_path):
+    # Given a job told to exit at the moment of the warning: it exits before the freeze, or on the backup
+    rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
+
+    def exit_at_warning(number: int, current: str, generation: int) -> tuple[str, int]:
+        rehearsal._await_periodic(current, generation, number)
+        rehearsal.stop_job_on(current)
+        rehearsal.warn(current, number)
+        return current, generation
+
+    rehearsal._interruption = exit_at_warning  # type: ignore[method-assign]
+
+    # Then it ends FAILED with its exit code, once
+    _ends_failed(rehearsal)
+
+
+def test_a_job_that_exits_right_after_its_restore_ends_on_the_backup(reference, cloud, tmp_path):
+    # Given a job that exits (code 3) as soon as the backup has restored it
+    rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
+    _first(rehearsal, "RestoreCompleted", lambda e: True, lambda e: rehearsal.stop_job_on(e.instance_id))
+
+    # Then it ends FAILED with its exit code, on the backup
+    _ends_failed(rehearsal)
+    assert rehearsal.events("JobExited")[-1].instance_id in rehearsal.end["backups"]
+
+
+def test_a_second_instance_with_a_running_jobs_name_never_starts_it(reference, cloud, tmp_path):
+    # Given a job running, and a second instance submitted with the same job name
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    interruption = rehearsal._interruption
+    second: list[str] = []
+
+    def collide(number: int, current: str, generation: int) -> tuple[str, int]:
+        second.append(rehearsal._submit())
+        rehearsal.watcher.wait(lambda t, e: t == "AgentReady" and e.instance_id == second[0], 120, "the second VM")
+        return interruption(number, current, generation)
+
+    rehearsal._interruption = collide  # type: ignore[method-assign]
+
+    # When the first is interrupted and recovers
+    outcome = _run(rehearsal)
+
+    # Then the second instance never ran the job, and the job ended with its own result
+    assert [e for e in rehearsal.events("JobStarted") if e.instance_id in second] == [], rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference, cloud, tmp_path):
+    # Given a job that ran to its end, with periodic checkpoints, under a name
+    earlier = FaultRehearsal(options(b"", tmp_path / "earlier", steps=1000, interruptions=0), cloud)
+    _run(earlier)
+    assert earlier.events("CheckpointCompleted"), earlier.lines
+
+    # When a new run with another command is submitted under the same name, and its instance vanishes before its
+    # first checkpoint
+    rehearsal = FaultRehearsal(options(reference, tmp_path / "again"), cloud)
+    rehearsal.job_id = earlier.job_id
+    rehearsal._await_periodic = lambda instance_id, generation, number: None  # type: ignore[method-assign]
+    rehearsal._interrupt = lambda instance_id, number: _vanish(rehearsal, instance_id)  # type: ignore[method-assign]
+    outcome = _run(rehearsal)
+
+    # Then it started from its own beginning (nothing of the earlier run restored): its own result
+    _assert_invariants(rehearsal, outcome)

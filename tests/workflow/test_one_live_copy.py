@@ -1,0 +1,104 @@
+"""At most one live copy: an older checkpoint is restored only once the old copy is known dead.
+
+Known dead is EC2 saying the primary is stopped or terminated, or the primary's agent confirming it killed the job
+after its final dump failed (the agent fences a stopped job off that VM: tests/agent/test_failed_final_dump.py).
+Each test holds the primary's termination back (it "takes a while"), so only those facts can let the restore go.
+"""
+
+from __future__ import annotations
+
+import pytest
+from moto.ec2.models.instances import InstanceBackend
+from spotcr_contracts import events
+from spotcr_functions import recovery
+from spotcr_functions.handlers import _edge
+from spotcr_functions.models import Status
+
+from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+
+
+def _interrupted_with_a_periodic_checkpoint(plane: ControlPlane, job_id: str) -> tuple[str, str]:
+    primary = plane.start_job(job_id)
+    periodic = checkpoint_id("periodic", 0)
+    route(
+        agent_event(events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic, kind="periodic"))
+    )
+    route(ec2_event("spot-interruption-warning", primary))
+    plane.wait_for_token(job_id, "final-dump")
+    return primary, periodic
+
+
+def _final_dump_failed(job_id: str, primary: str, generation: int, *, job_stopped: bool) -> None:
+    failed = events.CheckpointFailed(
+        job_id,
+        primary,
+        generation,
+        now_iso(),
+        kind="final",
+        reason="s3://bucket is unreachable",
+        job_stopped=job_stopped,
+    )
+    route(agent_event(failed))
+
+
+def test_a_failed_final_dump_with_the_agents_confirmed_kill_lets_the_backup_restore(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an interrupted primary whose termination takes a while, and whose final dump failed; its agent killed
+    # the job and confirmed it gone
+    primary, periodic = _interrupted_with_a_periodic_checkpoint(plane, "kill-1")
+    monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
+    _final_dump_failed("kill-1", primary, 1, job_stopped=True)
+
+    # When the backup is ready
+    backup = plane.wait_until(lambda: plane.job("kill-1").backup_instance_id, "the backup launch")
+    route(agent_event(events.AgentReady("kill-1", backup, 1, now_iso(), mode="restore")))
+
+    # Then the backup restores the periodic checkpoint without waiting for EC2: the old copy is known dead
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    assert restore["parameters"]["CheckpointId"] == periodic
+    route(agent_event(events.RestoreCompleted("kill-1", backup, 1, now_iso(), checkpoint_id=periodic)))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    assert plane.job("kill-1").status == Status.RUNNING
+
+
+def test_a_failed_final_dump_without_a_confirmed_kill_waits_for_the_primary_to_be_gone(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a final dump that failed on a primary whose agent could not confirm the job gone, still running
+    primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "nokill-1")
+    _final_dump_failed("nokill-1", primary, 1, job_stopped=False)
+    plane.wait_until(lambda: plane.job("nokill-1").arrival("final-dump"), "the final dump's failure")
+    monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
+
+    # When the restore step retires it, Then it refuses to restore while the primary may still run the job
+    with pytest.raises(recovery.PrimaryStillRunning, match=primary):
+        recovery._retire_primary(_edge.deps(), plane.job("nokill-1"))
+
+
+def test_a_kill_confirmed_by_another_instance_does_not_count(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a confirmed kill reported for the job by an instance that is not the interrupted primary
+    primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "other-1")
+    _final_dump_failed("other-1", "i-0someoneelse000", 1, job_stopped=True)
+    plane.wait_until(lambda: plane.job("other-1").arrival("final-dump"), "the final dump's failure")
+    monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
+
+    # Then the primary is still waited for
+    with pytest.raises(recovery.PrimaryStillRunning, match=primary):
+        recovery._retire_primary(_edge.deps(), plane.job("other-1"))
+
+
+def test_the_kill_confirmed_on_the_primarys_own_notice_is_taken_at_the_generation_it_served(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given the primary's own IMDS notice: its final dump failed at generation 0 (before the bump) and stopped the job
+    primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "imds-1")
+    _final_dump_failed("imds-1", primary, 0, job_stopped=True)
+
+    # Then recovery takes it (no wait for the final dump's timeout), and the restore need not wait for EC2
+    arrival = plane.wait_until(lambda: plane.job("imds-1").arrival("final-dump"), "the final dump's failure")
+    assert arrival["error"] == "CheckpointFailed" and arrival["output"]["job_stopped"] is True
+    monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
+    recovery._retire_primary(_edge.deps(), plane.job("imds-1"))
