@@ -127,7 +127,8 @@ class JobSpec:
 
 
 def new_run_id() -> str:
-    """A fresh run identity, minted by the control plane when it registers a job (never by a VM)."""
+    """A fresh run identity, minted by the control plane when it registers a job (a VM never mints its job's run;
+    the probe mints one for its own scratch objects under a job's prefix)."""
     return "r-" + secrets.token_hex(8)
 
 

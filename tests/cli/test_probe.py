@@ -219,3 +219,38 @@ def test_bad_input_gets_a_clear_error(argv, message, capsys):
     args = spotcr(["probe", *argv])
     assert probe.run(args, ssm=FakeSsm({})) == 2
     assert message in capsys.readouterr().err
+
+
+def test_probe_on_a_job_vm_writes_only_a_run_of_its_own_under_the_jobs_prefix(tmp_path, bucket):
+    # Given a job's committed objects, and every S3 request the probe makes recorded
+    from spotcr_agent import probe as agent_probe
+    from spotcr_agent.store.backends import S3Backend
+
+    s3 = boto3.client("s3")
+    s3.put_object(Bucket=bucket, Key="jobs/render-42/runs/r-00000000000000a1/checkpoints/x.json", Body=b"{}")
+    touched: list[str] = []
+
+    class Recorded(S3Backend):
+        def put(self, key: str, data: bytes) -> None:
+            touched.append(key)
+            super().put(key, data)
+
+    settings = agent_probe.ProbeSettings(streams=(1,), block_kib=(64,), size_mib=1, pipeline_mib=2)
+
+    # When the probe runs as on a job VM, with that job's store credentials (here, the test's own)
+    results = agent_probe.probe(
+        [agent_probe.ProbeTarget("s3", bucket=bucket)],
+        settings,
+        instance_type="m5.xlarge",
+        scratch=tmp_path,
+        s3_backend=lambda name: Recorded(name, session=None, scope="jobs/render-42/"),
+        s3_job="render-42",
+    )
+
+    # Then it wrote only under one run of its own of that job, and removed it, leaving the job's objects alone
+    assert results[0].pipeline is not None and results[0].pipeline.verified
+    runs = {key.split("/")[3] for key in touched}
+    assert all(key.startswith("jobs/render-42/runs/r-") for key in touched) and len(runs) == 1
+    assert runs != {"r-00000000000000a1"}
+    left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert left == ["jobs/render-42/runs/r-00000000000000a1/checkpoints/x.json"]

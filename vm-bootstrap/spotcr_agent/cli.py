@@ -190,6 +190,7 @@ def _probe(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         pipeline_mib=probe.parse_list("--pipeline-mib", args.pipeline_mib)[0],
     )
     instance_type = args.instance_type
+    on_job: dict[str, Any] = {}
     if args.target:
         targets = [probe.parse_target(t) for t in args.target]
         scratch = Path(tempfile.gettempdir())
@@ -197,11 +198,15 @@ def _probe(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         config = agent_config.load(environ)
         targets = probe.config_targets(config.storage, config.bucket, config.mount_point, config.scratch_dir)
         scratch = config.scratch_dir
+        if config.storage == "s3" and config.store_credentials_url:
+            from .storage import store_session
+
+            on_job = {"s3_job": config.job_id, "s3_session": store_session(config)}
         if not instance_type:
             try:
                 instance_type = (Imds(config.imds_endpoint).get("meta-data/instance-type") or "").strip()
             except ImdsError as error:
                 log.warning("instance type unknown: %s", error)
-    results = probe.probe(targets, settings, instance_type=instance_type or "local", scratch=scratch)
+    results = probe.probe(targets, settings, instance_type=instance_type or "local", scratch=scratch, **on_job)
     _print(probe.summary(results))
     return OK
