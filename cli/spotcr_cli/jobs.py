@@ -342,6 +342,18 @@ def criu_logs(cloud: Cloud, record: JobRecord) -> list[dict[str, Any]]:
     return sorted(logs, key=lambda log: log["key"])
 
 
+def agent_logs(cloud: Cloud, record: JobRecord) -> list[dict[str, Any]]:
+    """The agent's own log lines of each failed dump or restore, kept beside CRIU's (S3 jobs: the bucket)."""
+    if record.storage != "s3":
+        return []
+    s3, bucket = cloud.client("s3"), cloud.stack.bucket
+    logs = []
+    for obj in _objects(s3, bucket, jobs_prefix(record.job_id) + "agent-logs/"):
+        text = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read().decode(errors="replace")
+        logs.append({"key": obj["Key"], "size_bytes": int(obj["Size"]), "text": text})
+    return sorted(logs, key=lambda log: log["key"])
+
+
 def agent_view(cloud: Cloud, record: JobRecord, wait_s: float = 60.0) -> dict[str, Any]:
     """The agent's own view of the job on its current VM (`spotcr-agent status`, through the stack's SSM document):
     the job's process, its last checkpoint, its final dumps and its newest CRIU logs (on any storage)."""

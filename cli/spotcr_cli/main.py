@@ -280,10 +280,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
     record = jobs.get_record(args.cloud, args.job)
     reasons = jobs.failures(record) + jobs.instance_errors(args.cloud, args.job)
     logs = jobs.criu_logs(args.cloud, record)
+    agent_logs = jobs.agent_logs(args.cloud, record)
     running = record.status in ("RUNNING", "CHECKPOINTING", "PENDING")
     agent = jobs.agent_view(args.cloud, record) if args.agent and running else None
     if args.json:
-        render.as_json({"job_id": args.job, "failures": reasons, "criu_logs": logs, "agent": agent}, args.out)
+        document = {"job_id": args.job, "failures": reasons, "criu_logs": logs, "agent_logs": agent_logs}
+        render.as_json({**document, "agent": agent}, args.out)
         return 0
     for reason in reasons:
         print(f"{reason['what']}: {reason['reason']}", file=args.out)
@@ -293,6 +295,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
             print(f"  {key}: {value}", file=args.out)
     for log in logs:
         print(f"==> {log['key']} ({render.size(log['size_bytes'])}): {log['error']} <==", file=args.out)
+        print(log["text"].rstrip(), file=args.out)
+    for log in agent_logs:
+        print(f"==> {log['key']} ({render.size(log['size_bytes'])}) <==", file=args.out)
         print(log["text"].rstrip(), file=args.out)
     if not reasons and not logs:
         print(f"job {args.job}: no failure recorded and no CRIU log kept", file=args.out)

@@ -24,13 +24,24 @@ def in_storage(storage, vm_path):
     return storage / Path(vm_path).relative_to(DEFAULT_MOUNT_POINT)
 
 
-def _refused_and_runs_on(job, kind="periodic"):
-    """The checkpoint's error; it committed nothing, and the job was never frozen: it runs on."""
-    failed = job.agent("checkpoint", kind, "1", check=False)
+def _refused_and_runs_on(job):
+    """A refused periodic checkpoint's error; it committed nothing, and the job was never frozen: it runs on."""
+    failed = job.agent("checkpoint", "periodic", "1", check=False)
     assert failed["type"] == "CheckpointError", failed
     assert job.agent("checkpoint-ids")["ids"] == []
     before = len(job.progress())
     wait_for(lambda: len(job.progress()) > before, what="the job to run on, never frozen")
+    return failed["error"]
+
+
+def _refused_and_stopped(job):
+    """A refused final dump: it committed nothing, and the job is stopped for good, since the VM is going away and
+    the backup restores an older checkpoint (at most one live copy)."""
+    failed = job.agent("checkpoint", "final", "1", check=False)
+    assert failed["type"] == "CheckpointError", failed
+    assert job.agent("checkpoint-ids")["ids"] == []
+    status = job.agent("status")
+    assert (status["job_status"], status["job_alive"]) == ("stopped", False), status
     return failed["error"]
 
 
@@ -54,8 +65,8 @@ def test_a_job_holding_a_socket_criu_cannot_dump_is_refused_before_the_dump(bare
     job = JobVM(bare_vm(shared_storage=storage), command=(sys.executable, str(JOBS / "vsock.py"), "300"))
     job.agent("start")
     wait_for(job.progress, what="the job to open its socket")
-    # When a checkpoint is asked for, then it is refused, naming the process and the socket
-    message = _refused_and_runs_on(job, "final")
+    # When its final dump is asked for, then it is refused, naming the process and the socket, and the job stopped
+    message = _refused_and_stopped(job)
     assert re.search(r"pid \d+ \(python[^)]*\), host pid \d+ holds socket:\[\d+\], of a kind", message), message
 
 
@@ -77,6 +88,9 @@ def test_a_failed_dump_reports_criu_s_first_real_error_and_keeps_its_log_in_stor
     assert "RLIMIT_NOFILE" not in event["log_tail"]
     assert Path(event["criu_log"]).is_relative_to(DEFAULT_MOUNT_POINT)
     assert "Dumping FAILED" in in_storage(storage, event["criu_log"]).read_text()
+    # And the agent's own lines of that command are kept beside it
+    [agent_log] = (in_storage(storage, event["criu_log"]).parent.parent / "agent-logs").iterdir()
+    assert "periodic checkpoint failed: " in agent_log.read_text()
 
     # And `spotcr-agent status` on the VM shows it, from the job's storage
     pythonpath = f"PYTHONPATH={ROOT / 'functions'}:{ROOT / 'vm-bootstrap'}"
@@ -172,6 +186,6 @@ def test_a_job_holding_a_file_in_the_agent_s_own_directories_is_refused_before_t
     job = JobVM(vm, command=(sys.executable, str(JOBS / "holds.py"), "read", str(held), "300"))
     job.agent("start")
     wait_for(job.progress, what="the job to open the file")
-    # When its final dump is asked for, then it is refused before CRIU stops the job
-    message = _refused_and_runs_on(job, "final")
+    # When its final dump is asked for, then it is refused before CRIU runs, and the agent stops the job
+    message = _refused_and_stopped(job)
     assert f"it holds {held}, inside the agent's own directories" in message

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from spotcr_agent import carry, daemon
+from spotcr_agent import agentlog, carry, daemon
 from spotcr_agent.agent import Agent, base_job_env
 from spotcr_agent.config import DEFAULT_CONFIG_PATH, AgentConfig, load
 from spotcr_agent.store import CheckpointStore, DirectoryBackend, StoreError
@@ -106,6 +106,7 @@ def _service(agent, notice, until_exit):
 
 
 def main(op, *args):
+    agentlog.install()  # as the agent's own entry point does (spotcr_agent.cli.main)
     config = load(os.environ)
     store = _store(config)
     if os.environ.get("SPOTCR_TEST_FAULT") == "full-disk":

@@ -27,9 +27,17 @@ from spotcr_contracts.events import (
     RestoreFailed,
 )
 
-from . import aliases, deadline, result, storage
+from . import agentlog, aliases, deadline, result, storage
 from .carry import Layout
-from .checkpoint import Checkpointer, CheckpointError, CheckpointOutcome, Store, keep_criu_log, kept_criu_logs
+from .checkpoint import (
+    AGENT_LOGS,
+    Checkpointer,
+    CheckpointError,
+    CheckpointOutcome,
+    Store,
+    keep_criu_log,
+    kept_criu_logs,
+)
 from .config import AgentConfig
 from .criu import Criu
 from .events import Publisher, now_iso
@@ -299,7 +307,10 @@ class Agent:
     def _keep_log(self, action: str, checkpoint: str, text: str) -> str:
         """Keep a failed CRIU run's log in the job's storage; best effort: a broken store must not hide the error."""
         try:
-            return keep_criu_log(self.store(), action, checkpoint, text)
+            store = self.store()
+            kept = keep_criu_log(store, action, checkpoint, text)
+            keep_criu_log(store, action, checkpoint, agentlog.RECENT.text(), kind=AGENT_LOGS)
+            return kept
         except Exception as error:
             log.warning("could not keep CRIU's log in the job's storage: %s", error)
             return ""

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("periodic", "final")
 CRIU_LOGS = "criu-logs"  # jobs/<job>/criu-logs/<ms>-<action>-<checkpoint>.log in the job's storage
+AGENT_LOGS = "agent-logs"  # jobs/<job>/agent-logs/<ms>-<action>-<checkpoint>.log: the agent's own lines then
 KEEP_CRIU_LOGS = 20
 FINAL_MODES = ("stream", "dump-then-ship")
 WAIT_POLL_S = 0.2
@@ -121,9 +122,18 @@ class CheckpointOutcome:
         return asdict(self)
 
 
-def keep_criu_log(store: Store, action: str, checkpoint: str, text: str, clock: Callable[[], float] = time.time) -> str:
-    """Keep CRIU's log of a failed dump or restore in the job's storage, where it outlives the VM; its location."""
-    prefix = f"jobs/{store.job_id}/{CRIU_LOGS}/"
+def keep_criu_log(
+    store: Store,
+    action: str,
+    checkpoint: str,
+    text: str,
+    *,
+    clock: Callable[[], float] = time.time,
+    kind: str = CRIU_LOGS,
+) -> str:
+    """Keep CRIU's log of a failed dump or restore (or, kind AGENT_LOGS, the agent's own lines of it) in the job's
+    storage, where it outlives the VM; its location. The newest KEEP_CRIU_LOGS of each kind are kept."""
+    prefix = f"jobs/{store.job_id}/{kind}/"
     key = f"{prefix}{int(clock() * 1000):013d}-{action}-{checkpoint or 'none'}.log"
     store.backend.put(key, text.encode())
     store.backend.flush()

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, RESTORE_ATTEMPTS
 from spotcr_contracts.tags import RUN_ID_PATTERN, InvalidJobTags
 
+from . import agentlog
 from . import config as agent_config
 from .agent import Agent, WrongJob, base_job_env
 from .events import EventBridgePublisher
@@ -129,6 +130,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s spotcr-agent %(levelname)s %(message)s"
     )
+    agentlog.install()
     try:
         args = parser().parse_args(list(argv))
         if args.command == "bootstrap":
