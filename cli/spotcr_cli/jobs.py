@@ -93,8 +93,9 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
         return [_from_id(c) for c in ids]
     from spotcr_agent.store.errors import StoreError
     from spotcr_agent.store.manifest import Manifest
+    from spotcr_agent.store.store import run_prefix
 
-    s3, bucket, prefix = cloud.client("s3"), cloud.stack.bucket, jobs_prefix(record.job_id)
+    s3, bucket, prefix = cloud.client("s3"), cloud.stack.bucket, run_prefix(record.job_id, record.run_id)
     manifests: list[tuple[Manifest, int]] = []
     for obj in _objects(s3, bucket, prefix + "checkpoints/"):
         checkpoint_id = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")

@@ -9,7 +9,7 @@ import pytest
 from spotcr_agent.store import CheckpointStore
 
 from .conftest import JOBS, wait_for
-from .vm_agent import JobVM, reference_run
+from .vm_agent import RUN_ID, JobVM, reference_run
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
@@ -151,7 +151,8 @@ def test_a_jvm_with_default_flags_comes_back_on_a_fresh_vm(bare_vm, storage):
     # When it is final-dumped and restored on a fresh VM with an empty /tmp
     outcome = primary.agent("checkpoint", "final", "1")
     primary.vm.terminate()
-    carried = [f.path for f in CheckpointStore.for_directory(storage, "job-1").load(outcome["checkpoint_id"]).files]
+    store = CheckpointStore.for_directory(storage, "job-1", run_id=RUN_ID)
+    carried = [f.path for f in store.load(outcome["checkpoint_id"]).files]
     assert f"local/tmp/hsperfdata_root/{hsperf.stdout.split()[0]}" in carried
     backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
     backup.agent("restore", "2")

@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+from spotcr_agent.store.store import run_prefix
 
 from rehearsal.sample_job import STOPPED_EXIT_CODE
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
@@ -122,8 +123,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(reference, cl
     bucket = rehearsal.cloud.names["checkpoint_bucket"]
 
     def corrupt_and_vanish(instance_id: str, number: int) -> float:
-        periodic = sorted(e.checkpoint_id for e in rehearsal.events("CheckpointCompleted"))
-        key = f"jobs/{rehearsal.job_id}/checkpoints/{periodic[-1]}.json"
+        completed = rehearsal.events("CheckpointCompleted")
+        periodic = sorted(e.checkpoint_id for e in completed)
+        key = f"{run_prefix(rehearsal.job_id, completed[-1].run_id)}checkpoints/{periodic[-1]}.json"
         s3.put_object(Bucket=bucket, Key=key, Body=b'{"corrupt": ')
         rehearsal.timeline.say(f"fault: {key} corrupted")
         return _vanish(rehearsal, instance_id)

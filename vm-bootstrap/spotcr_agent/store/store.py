@@ -99,6 +99,11 @@ class PruneResult:
     bytes_freed: int
 
 
+def run_prefix(job_id: str, run_id: str = "") -> str:
+    """Where one run of a job keeps its checkpoints, chunks and markers (a store used without runs: the job's)."""
+    return f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
+
+
 class CheckpointStore:
     """One job's checkpoints in one store (S3 bucket or mounted file system)."""
 
@@ -120,7 +125,7 @@ class CheckpointStore:
         self.workers = workers
         self.compression_level = compression_level
         self.chunking = chunking or Chunking()
-        self._prefix = f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
+        self._prefix = run_prefix(job_id, run_id)
         self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
         self.sweep_lease_s = SWEEP_LEASE_S
 
