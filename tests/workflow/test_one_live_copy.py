@@ -28,12 +28,13 @@ def _interrupted_with_a_periodic_checkpoint(plane: ControlPlane, job_id: str) ->
     return primary, periodic
 
 
-def _final_dump_failed(job_id: str, primary: str, generation: int, *, job_stopped: bool) -> None:
+def _final_dump_failed(job_id: str, primary: str, generation: int, *, job_stopped: bool, run_id: str = "") -> None:
     failed = events.CheckpointFailed(
         job_id,
         primary,
         generation,
         now_iso(),
+        run_id=run_id,  # empty: the run the instance is tagged with, as its agent would send
         kind="final",
         reason="s3://bucket is unreachable",
         job_stopped=job_stopped,
@@ -79,9 +80,10 @@ def test_a_failed_final_dump_without_a_confirmed_kill_waits_for_the_primary_to_b
 def test_a_kill_confirmed_by_another_instance_does_not_count(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a confirmed kill reported for the job by an instance that is not the interrupted primary
+    # Given a confirmed kill reported for the job by an instance that is not the interrupted primary, one that knows
+    # the job's run (an event from any other run is dropped before it is looked at: tests/functions/test_run_identity)
     primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "other-1")
-    _final_dump_failed("other-1", "i-0someoneelse000", 1, job_stopped=True)
+    _final_dump_failed("other-1", "i-0someoneelse000", 1, job_stopped=True, run_id=plane.job("other-1").run_id)
     plane.wait_until(lambda: plane.job("other-1").arrival("final-dump"), "the final dump's failure")
     monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
 
