@@ -87,8 +87,9 @@ def test_periodic_checkpoint_restores_on_s3(bare_vm, storage, s3_for_vms):
     )
     s3.create_bucket(Bucket="spotcr-test")
     agent_env = {**s3_for_vms, "SPOTCR_TEST_STORE": "s3:spotcr-test"}
-    # moto ingests about 70 MiB/s: a smaller job, long enough to outlive the upload and show it ran on meanwhile
-    _interrupt_and_restore(bare_vm, storage, "periodic", megabytes=64, steps=40, agent_env=agent_env)
+    # moto ingests about 70 MiB/s: a smaller job, of 15 s of steps so that it outlives the upload and shows it ran
+    # on meanwhile even on a loaded machine (4 s was not always enough on 2 cores)
+    _interrupt_and_restore(bare_vm, storage, "periodic", megabytes=64, steps=150, agent_env=agent_env)
     # And the checkpoint went to the bucket
     assert s3.list_objects_v2(Bucket="spotcr-test")["KeyCount"] > 0
 
