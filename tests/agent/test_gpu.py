@@ -4,7 +4,6 @@ manifest's GPU record and the restore's refusal before any image is downloaded. 
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -351,30 +350,6 @@ def test_a_machine_without_the_gpu_refuses_the_restore_before_downloading_images
     # Then it refuses, naming both GPUs, and downloaded no image
     assert "holds GPU state of 1 x NVIDIA H100 80GB HBM3; this machine has 1 x NVIDIA A10G" in str(refused.value)
     assert store.fetched == []
-
-
-def test_the_vm_artifact_installs_the_plugin_where_the_agent_finds_it(tmp_path):
-    # Given the agent bundle as the stack uploads it (make artifacts), installed as on a VM
-    from infra.agent_bundle import stage_agent_bundle
-
-    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
-    bundle = stage_agent_bundle(tmp_path / "bundle", arch)
-    prefix = tmp_path / "opt-spotcr"
-    installed = subprocess.run(
-        ["bash", str(bundle / "install-artifact.sh"), str(bundle), str(prefix)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert installed.returncode == 0, installed.stderr
-
-    # Then the agent finds CRIU's CUDA plugin beside the VM's criu, and the plugin's libraries resolve
-    criu = prefix / "criu" / "bin" / "criu"
-    directory = gpu.plugin_dir(str(criu), dirs=())
-    assert directory is not None
-    assert directory == prefix / "criu" / "lib" / "criu"
-    linked = subprocess.run(["ldd", str(directory / gpu.PLUGIN)], capture_output=True, text=True, check=True).stdout
-    assert "not found" not in linked, linked
 
 
 def test_the_bench_finds_the_device_memory_whose_final_dump_fits_the_notice():

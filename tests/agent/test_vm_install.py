@@ -15,6 +15,7 @@ import pytest
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
+from spotcr_agent import gpu
 
 from infra.agent_bundle import BUILD_DIR, ArtifactMissing, stage_agent_bundle
 
@@ -42,6 +43,25 @@ def test_the_bundle_carries_the_prebuilt_parts_and_no_build_scripts(bundle):
 def test_a_missing_artifact_is_named_with_how_to_build_it(tmp_path):
     with pytest.raises(ArtifactMissing, match=r"no prebuilt CRIU and agent packages for arm64 .* `make artifacts`"):
         stage_agent_bundle(tmp_path / "bundle", "arm64", build_dir=BUILD_DIR)
+
+
+def test_the_vm_artifact_installs_cuda_plugin_where_the_agent_finds_it(bundle, tmp_path):
+    # Given the bundle installed as on a VM
+    prefix = tmp_path / "opt-spotcr"
+    installed = subprocess.run(
+        ["bash", str(bundle / "install-artifact.sh"), str(bundle), str(prefix)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert installed.returncode == 0, installed.stderr
+
+    # Then the agent finds CRIU's CUDA plugin beside the VM's criu, and the plugin's libraries resolve
+    directory = gpu.plugin_dir(str(prefix / "criu" / "bin" / "criu"), dirs=())
+    assert directory is not None
+    assert directory == prefix / "criu" / "lib" / "criu"
+    linked = subprocess.run(["ldd", str(directory / gpu.PLUGIN)], capture_output=True, text=True, check=True).stdout
+    assert "not found" not in linked, linked
 
 
 @pytest.mark.criu
