@@ -148,6 +148,7 @@ class LocalCloud:
         self._commands = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ssm")
         self._stop = threading.Event()
         self._scheduler: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._saved_stdout: Any = None
         self._functions_log: Any = None
@@ -225,10 +226,24 @@ class LocalCloud:
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
 
+    def spawn(self, target: Callable[..., Any], *args: Any, name: str) -> None:
+        """Run `target` in a thread of this cloud's own: `stop` waits for it, so nothing it does (a termination,
+        an event) reaches the cloud that a later test starts in the same process."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def sleep(self, seconds: float) -> bool:
+        """Wait `seconds`; False if the cloud stopped meanwhile (the caller then does nothing more)."""
+        return not self._stop.wait(seconds)
+
     def stop(self) -> None:
         self._stop.set()
         for vm in list(self.vms.values()):
             vm.terminate()
+        self._join_threads(timeout_s=30)
         if self._store_credentials is not None:
             self._store_credentials.shutdown()
             self._store_credentials.server_close()
@@ -507,14 +522,21 @@ class LocalCloud:
                     duration = fis_templates.duration_s(action.get("parameters", {}).get("durationBeforeInterruption"))
                     for target_name in action.get("targets", {}).values():
                         for instance_id in _spot_targets(ec2, experiment.targets.get(target_name, {})):
-                            threading.Thread(
-                                target=cloud._fis_interrupt, args=(instance_id, duration), daemon=True
-                            ).start()
+                            cloud.spawn(cloud._fis_interrupt, instance_id, duration, name=f"fis-{instance_id}")
                 return started
 
             return hooked
 
         self._patch(FISBackend, "start_experiment", start_experiment)
+
+    def _join_threads(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if late := [t.name for t in threads if t.is_alive()]:
+            logging.getLogger(__name__).warning("local cloud stopped with threads still running: %s", late)
 
     def _fis_interrupt(self, instance_id: str, duration_s: float) -> None:
         """What FIS's send-spot-instance-interruptions does to one instance, with its two minutes as fis_notice_s."""
@@ -586,7 +608,7 @@ class LocalCloud:
             def hooked(backend: Any, instance_ids: list[str]) -> Any:
                 result = original(backend, instance_ids)
                 for instance, _previous in result:
-                    threading.Thread(target=cloud._terminated, args=(backend, instance.id), daemon=True).start()
+                    cloud.spawn(cloud._terminated, backend, instance.id, name=f"terminated-{instance.id}")
                 return result
 
             return hooked
@@ -740,7 +762,7 @@ class LocalCloud:
             "launch",
             f"{role} VM {instance_id} launched ({instance.instance_type}, generation {generation})",
         )
-        threading.Thread(target=self._boot, args=(vm,), name=f"boot-{instance_id}", daemon=True).start()
+        self.spawn(self._boot, vm, name=f"boot-{instance_id}")
 
     def _boot(self, vm: LocalVM) -> None:
         self.emit_ec2(catalog.STATE_CHANGE, vm.instance_id, {"state": "pending"})

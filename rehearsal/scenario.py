@@ -588,11 +588,11 @@ class Rehearsal:
         self.cloud.emit_ec2(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
 
         def terminate() -> None:
-            time.sleep(notice)
-            self.watcher.vm_stopped(instance_id)
-            self.cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+            if self.cloud.sleep(notice):
+                self.watcher.vm_stopped(instance_id)
+                self.cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
 
-        threading.Thread(target=terminate, name=f"terminate-{instance_id}", daemon=True).start()
+        self.cloud.spawn(terminate, name=f"terminate-{instance_id}")
         return warned
 
     def _result(self, exited: agent_events.JobExited) -> bytes:

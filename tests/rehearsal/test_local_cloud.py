@@ -207,3 +207,18 @@ def test_a_terminated_instance_loses_its_ssm_connection(cloud):
             DocumentName=f"{PREFIX}-status",
             Parameters={"JobId": ["demo"]},
         )
+
+
+def test_a_stopped_cloud_leaves_no_thread_that_acts_later(tmp_path):
+    # Given a cloud with a pending termination, as an interruption's notice runs (rehearsal/scenario.py)
+    local = LocalCloud(run_dir=tmp_path, timeline=Timeline(echo=None), with_workflow=False)
+    local.start()
+    acted: list[str] = []
+    local.spawn(lambda: local.sleep(600) and acted.append("terminated"), name="terminate-i-0")
+
+    # When the cloud stops before the notice ends
+    local.stop()
+
+    # Then the termination never happens, and stop waited for its thread rather than leave it to a later cloud
+    assert acted == []
+    assert not [t for t in local._threads if t.is_alive()]
