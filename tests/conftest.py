@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from moto.server import ThreadedMotoServer
 
 from rehearsal.vm import LocalVM, VmNetwork
 from rehearsal.vm import bare_vm as rehearsal_bare_vm
@@ -46,3 +47,24 @@ def bare_vm(tmp_path: Path, vm_network: VmNetwork) -> Iterator[Callable[..., Loc
             return stack.enter_context(rehearsal_bare_vm(tmp_path / "vms", vm_network, **options))
 
         yield boot
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A moto server on loopback, for code that reaches AWS over HTTP as the agent does (not moto's mock)."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point boto3 at the moto server the way the agent is pointed at any endpoint: plain configuration."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return moto_endpoint

@@ -13,7 +13,6 @@ from typing import Any
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from spotcr_agent import cli as agent_cli
 from spotcr_agent import config as agent_config
 from spotcr_contracts.commands import AGENT_BIN, PROBE
@@ -85,22 +84,8 @@ def test_probe_prints_a_table(tmp_path, capsys):
     assert out.count(" yes") == 4 and "pipeline" not in out
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture
-def bucket(moto_endpoint, monkeypatch) -> Iterator[str]:
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
+def bucket(aws) -> Iterator[str]:
     boto3.client("s3").create_bucket(Bucket="spotcr-checkpoints")
     yield "spotcr-checkpoints"
     s3 = boto3.client("s3")

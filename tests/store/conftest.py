@@ -3,35 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from spotcr_agent.store import CheckpointStore
 
 from .support import JOB
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def aws(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Point boto3 at the moto server the way the agent is pointed at any endpoint: plain configuration."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return moto_endpoint
 
 
 @pytest.fixture(params=["s3", "directory"])
