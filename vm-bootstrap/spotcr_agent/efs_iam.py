@@ -36,8 +36,9 @@ def mount_argv(efs_id: str, access_point_id: str, mount_point: Path, profile: st
     return ["mount", "-t", "efs", "-o", options, f"{efs_id}:/", str(mount_point)]
 
 
-def write_profile(credentials: Mapping[str, Any], path: Path = CREDENTIALS_FILE, profile: str = PROFILE) -> None:
+def write_profile(credentials: Mapping[str, Any], path: Path | None = None, profile: str = PROFILE) -> None:
     """Replace the profile's credentials (others in the file are kept); the file is root's only (0600)."""
+    path = path or CREDENTIALS_FILE
     parser = configparser.ConfigParser(interpolation=None)
     if path.exists():
         parser.read(path)
@@ -54,7 +55,7 @@ def write_profile(credentials: Mapping[str, Any], path: Path = CREDENTIALS_FILE,
     os.replace(temporary, path)
 
 
-def refresh(fetch: Fetch, path: Path = CREDENTIALS_FILE, now: Callable[[], float] = time.time) -> float:
+def refresh(fetch: Fetch, path: Path | None = None, now: Callable[[], float] = time.time) -> float:
     """Write fresh credentials to the profile; the seconds until the next refresh is due."""
     credentials = fetch()
     write_profile(credentials, path)
@@ -64,7 +65,7 @@ def refresh(fetch: Fetch, path: Path = CREDENTIALS_FILE, now: Callable[[], float
 
 
 def keep_fresh(
-    fetch: Fetch, stop: threading.Event, path: Path = CREDENTIALS_FILE, now: Callable[[], float] = time.time
+    fetch: Fetch, stop: threading.Event, path: Path | None = None, now: Callable[[], float] = time.time
 ) -> None:
     """Refresh the profile before each expiry until `stop` is set; a failed refresh is tried again in a minute."""
     while True:
@@ -77,7 +78,7 @@ def keep_fresh(
             return
 
 
-def start(fetch: Fetch, stop: threading.Event, path: Path = CREDENTIALS_FILE) -> threading.Thread:
+def start(fetch: Fetch, stop: threading.Event, path: Path | None = None) -> threading.Thread:
     thread = threading.Thread(target=keep_fresh, args=(fetch, stop, path), name="efs-credentials", daemon=True)
     thread.start()
     return thread
