@@ -20,7 +20,8 @@ from spotcr_agent import efs_iam, storage, store_credentials
 from tests.agent.conftest import make_config
 
 ACCESS_POINT = "fsap-0123456789abcdef0"
-URL = "https://abcdefg.lambda-url.eu-west-1.on.aws/"
+REGION = "eu-west-1"
+URL = f"https://abcdefg.lambda-url.{REGION}.on.aws/"
 EXPIRY = "2026-11-23T21:00:00Z"
 EXPIRY_TS = 1_795_467_600.0  # EXPIRY as unix seconds
 
@@ -57,13 +58,13 @@ def _profile(path: Path) -> Mapping[str, Mapping[str, str]]:
 
 
 def test_the_mount_goes_through_the_access_point_with_iam_and_the_jobs_profile() -> None:
-    argv = efs_iam.mount_argv("fs-0123", ACCESS_POINT, Path("/mnt/spotcr"))
+    argv = efs_iam.mount_argv("fs-0123", ACCESS_POINT, Path("/mnt/spotcr"), "eu-west-1")
     assert argv == [
         "mount",
         "-t",
         "efs",
         "-o",
-        f"tls,iam,accesspoint={ACCESS_POINT},awsprofile=spotcr-job-store",
+        f"tls,iam,accesspoint={ACCESS_POINT},awsprofile=spotcr-job-store,region=eu-west-1",
         "fs-0123:/",
         "/mnt/spotcr",
     ]
@@ -75,14 +76,20 @@ def test_prepare_mounts_the_access_point_the_store_url_names(
     # Given an efs job with efs_isolation, whose store-credentials URL names its access point
     mount_point = tmp_path / "mnt"
     config = make_config(
-        tmp_path, mount_point=mount_point, efs_id="fs-0123", efs_isolation=True, store_credentials_url=URL
+        tmp_path,
+        mount_point=mount_point,
+        efs_id="fs-0123",
+        efs_isolation=True,
+        store_credentials_url=URL,
+        region=REGION,
     )
     monkeypatch.setattr(storage, "efs_credentials", lambda _config: lambda: _credentials("K1"))
     ran: list[list[str]] = []
     # When the storage is prepared
     storage.prepare(config, runner=ran.append)
     # Then the access point was mounted with IAM, signed with the profile just written (root's only)
-    assert ran == [efs_iam.mount_argv("fs-0123", ACCESS_POINT, mount_point)]
+    assert ran == [efs_iam.mount_argv("fs-0123", ACCESS_POINT, mount_point, REGION)]
+    assert ran[0][4].endswith(",region=eu-west-1")
     assert _profile(profile_file)["spotcr-job-store"] == {
         "aws_access_key_id": "K1",
         "aws_secret_access_key": "secret-K1",

@@ -30,9 +30,12 @@ MOUNT_HELPER = "mount.efs"
 Fetch = Callable[[], Mapping[str, Any]]
 
 
-def mount_argv(efs_id: str, access_point_id: str, mount_point: Path, profile: str = PROFILE) -> list[str]:
-    """The mount through the access point only: TLS (required for IAM), IAM with the profile's credentials."""
-    options = f"tls,iam,accesspoint={access_point_id},awsprofile={profile}"
+def mount_argv(
+    efs_id: str, access_point_id: str, mount_point: Path, region: str = "", profile: str = PROFILE
+) -> list[str]:
+    """The mount through the access point only: TLS (required for IAM), IAM with the profile's credentials, and the
+    region named (the profile has none, and mount.efs would otherwise ask IMDS or its config file)."""
+    options = f"tls,iam,accesspoint={access_point_id},awsprofile={profile}" + (f",region={region}" if region else "")
     return ["mount", "-t", "efs", "-o", options, f"{efs_id}:/", str(mount_point)]
 
 

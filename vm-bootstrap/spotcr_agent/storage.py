@@ -181,7 +181,7 @@ def _isolated_efs_mount(config: AgentConfig) -> list[str]:
     if not access_point:
         raise StorageError(f"storage efs: the store-credentials URL named no EFS access point for job {config.job_id}")
     efs_iam.write_profile(credentials)
-    return efs_iam.mount_argv(config.efs_id, access_point, config.mount_point)
+    return efs_iam.mount_argv(config.efs_id, access_point, config.mount_point, config.region)
 
 
 def efs_credentials(config: AgentConfig) -> store_credentials.Fetch:
