@@ -1,6 +1,7 @@
 """Per-job isolation on EFS: an access point per job, created with its registration and deleted when it ends.
 
-The access point's root is /spotcr/jobs/<job> (EFS creates it, owned by root, mode 0700). A job VM mounts only
+The access point's root is /jobs/<job> (EFS creates it, owned by root, mode 0700), where the job's checkpoints
+lie without isolation too; the agent mounts it at <mount point>/jobs/<job>. A job VM mounts only
 through it: the file system policy refuses a mount without an access point and without IAM (infra/storage.py),
 and the store-credentials function vends a session whose policy names this job's access point ARN
 (store_access.session_policy). Deleting the access point keeps the files: a finished job's checkpoints stay on
@@ -19,7 +20,7 @@ from spotcr_functions.observability import SERVICE
 
 logger = Logger(service=SERVICE, child=True)
 
-ROOT = "/spotcr/jobs"
+ROOT = "/jobs"  # the store's own layout (jobs/<job>/...): an access point shows the job's directory and nothing else
 
 
 def root_directory(job_id: str) -> str:

@@ -88,7 +88,8 @@ def test_prepare_mounts_the_access_point_the_store_url_names(
     # When the storage is prepared
     storage.prepare(config, runner=ran.append)
     # Then the access point was mounted with IAM, signed with the profile just written (root's only)
-    assert ran == [efs_iam.mount_argv("fs-0123", ACCESS_POINT, mount_point, REGION)]
+    job_dir = mount_point / "jobs" / "job-1"
+    assert ran == [efs_iam.mount_argv("fs-0123", ACCESS_POINT, job_dir, REGION)]
     assert ran[0][4].endswith(",region=eu-west-1")
     assert _profile(profile_file)["spotcr-job-store"] == {
         "aws_access_key_id": "K1",
@@ -188,3 +189,11 @@ def test_the_keeper_runs_only_for_isolated_efs(tmp_path: Path) -> None:
     for kind, isolated in (("s3", False), ("efs", False), ("ebs", False)):
         config = make_config(tmp_path, storage=kind, bucket="b", efs_isolation=isolated)
         assert storage.keep_efs_credentials(config, stop) is None
+
+
+def test_the_store_opens_only_on_the_mounted_job_directory(tmp_path: Path) -> None:
+    # Given isolated EFS whose job directory is not mounted (the mount point itself may be anything)
+    config = make_config(tmp_path, mount_point=tmp_path / "mnt", efs_id="fs-0123", efs_isolation=True)
+    # Then the store refuses, naming the job's directory: nothing is written to the root disk
+    with pytest.raises(storage.StorageError, match=f"{tmp_path / 'mnt' / 'jobs' / 'job-1'} is not mounted"):
+        storage.open_store(config)

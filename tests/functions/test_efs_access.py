@@ -52,7 +52,7 @@ def test_registering_an_efs_job_makes_its_access_point_once(plane: ControlPlane,
     record = plane.job("render-42")
     assert record.access_point_arn == point["AccessPointArn"]
     assert point["RootDirectory"] == {
-        "Path": "/spotcr/jobs/render-42",
+        "Path": "/jobs/render-42",
         "CreationInfo": {"OwnerUid": 0, "OwnerGid": 0, "Permissions": "0700"},
     }
     labels = {tag["Key"]: tag["Value"] for tag in point["Tags"]}
