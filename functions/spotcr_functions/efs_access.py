@@ -15,7 +15,7 @@ from spotcr_contracts import tags
 
 from spotcr_functions.cloud import client_token
 from spotcr_functions.deps import Deps
-from spotcr_functions.models import JobRecord
+from spotcr_functions.models import ENDED, JobRecord
 from spotcr_functions.observability import SERVICE
 
 logger = Logger(service=SERVICE, child=True)
@@ -41,12 +41,18 @@ def open_for(deps: Deps, record: JobRecord) -> JobRecord:
     updated = deps.registry.update(
         record.job_id,
         {"access_point_arn": access_point_arn},
-        condition="#run = :r AND (attribute_not_exists(access_point_arn) OR access_point_arn = :ap)",
-        condition_values={":r": record.run_id, ":ap": access_point_arn},
+        condition="#run = :r AND NOT #status IN (:completed, :failed, :cancelled) "
+        "AND (attribute_not_exists(access_point_arn) OR access_point_arn = :ap)",
+        condition_values={
+            ":r": record.run_id,
+            ":ap": access_point_arn,
+            **{f":{status.value.lower()}": status.value for status in ENDED},
+        },
         extra_names={"#run": "run_id"},
     )
     if updated is None:
-        # Another registration of this run stored its own, or the run ended meanwhile: this one is not used.
+        # Another registration of this run stored its own, or the run ended meanwhile (its end deleted what the
+        # record held): this one is not used.
         fresh = deps.registry.get(record.job_id)
         if fresh is None or fresh.access_point_arn != access_point_arn:
             deps.cloud.delete_access_point(access_point_arn)

@@ -160,3 +160,20 @@ def test_an_efs_job_without_its_access_point_yet_is_asked_to_wait(
         "job render-42 has no EFS access point yet (it is made with its registration)",
     )
     assert vending == []
+
+
+def test_an_access_point_made_after_the_job_ended_is_not_kept(plane: ControlPlane, file_system: str) -> None:
+    # Given a registration that read the job before its access point existed, and the job ending meanwhile
+    instance_id = efs_job(plane, "render-42")
+    record = dataclasses.replace(plane.job("render-42"), access_point_arn=None)
+    efs_access.close_for(Deps.from_settings(Settings.from_env()), plane.job("render-42"))
+    boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs").update_item(
+        Key={"job_id": "render-42"}, UpdateExpression="REMOVE access_point_arn"
+    )
+    route(agent_event(events.JobExited("render-42", instance_id, 0, now_iso(), exit_code=0)))
+    assert plane.job("render-42").status == Status.COMPLETED
+    # When the registration goes on and creates the access point only now
+    efs_access.open_for(Deps.from_settings(Settings.from_env()), record)
+    # Then the ended job is given none, and none is left
+    assert plane.job("render-42").access_point_arn is None
+    assert access_points(file_system) == []
