@@ -42,6 +42,7 @@ class GrantTargets:
     job_spec_buckets: tuple[str, ...]
     stack: cdk.Stack
     store_role_arn: str = ""
+    file_system_arn: str = ""  # the stack's EFS (efs=true); without it the EFS capabilities grant nothing
 
 
 def _arn(t: GrantTargets, service: str, resource: str, name: str, *, account: str | None = None) -> str:
@@ -315,15 +316,68 @@ def _store_credentials(t: GrantTargets) -> list[Grant]:
     ]
 
 
+def _access_point_arn(t: GrantTargets) -> str:
+    return _arn(t, "elasticfilesystem", "access-point", "*")
+
+
+def _efs_access_points(t: GrantTargets) -> list[Grant]:
+    if not t.file_system_arn:
+        return []
+    job_tagged = {"StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"}}
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["elasticfilesystem:CreateAccessPoint"], resources=[t.file_system_arn], conditions=job_tagged
+            )
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["elasticfilesystem:TagResource"],
+                resources=[_access_point_arn(t)],
+                conditions={"StringEquals": {"elasticfilesystem:CreateAction": "CreateAccessPoint"}},
+            ),
+            "Access points get ids at run time; tags can only be written while creating one "
+            "(elasticfilesystem:CreateAction).",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["elasticfilesystem:DescribeAccessPoints"],
+                resources=[_access_point_arn(t)],
+                conditions=_EC2_JOB_CONDITION,
+            ),
+            "A retried registration reads the access point its first try made (ids are known only at run time); "
+            "only access points tagged spotcr:job qualify.",
+        ),
+        *_efs_access_point_delete(t),
+    ]
+
+
+def _efs_access_point_delete(t: GrantTargets) -> list[Grant]:
+    if not t.file_system_arn:
+        return []
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["elasticfilesystem:DeleteAccessPoint"],
+                resources=[_access_point_arn(t)],
+                conditions=_EC2_JOB_CONDITION,
+            ),
+            "A job's access point gets its id at run time; only access points tagged spotcr:job qualify.",
+        )
+    ]
+
+
 # The store role's session tag: which job's prefix a vended session may touch (store_access.vend sets it).
 JOB_SESSION_TAG = f"${{aws:PrincipalTag/{store_access.SESSION_TAG}}}"
 
 
-def job_store(bucket_arn: str) -> list[Grant]:
-    """For the store role that store-credentials assumes: objects and listing under jobs/<the session's job>/ only.
+def job_store(bucket_arn: str, file_system_arn: str | None = None) -> list[Grant]:
+    """For the store role that store-credentials assumes: objects and listing under jobs/<the session's job>/ only,
+    and (with EFS) mounting the file system through an access point, never its root.
 
     The prefix comes from the session tag, so a session without the tag matches no resource; the session policy
-    store_access.session_policy names the same prefix.
+    store_access.session_policy names the same prefix. EFS enforces no aws:PrincipalTag condition for NFS clients
+    (see store_access), so here any access point is allowed and the session policy names the job's own.
     """
     prefix = f"jobs/{JOB_SESSION_TAG}/"
     return [
@@ -342,7 +396,24 @@ def job_store(bucket_arn: str) -> list[Grant]:
                 conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}},
             )
         ),
+        *(
+            [
+                Grant(
+                    iam.PolicyStatement(
+                        actions=list(store_access.EFS_CLIENT_ACTIONS),
+                        resources=[file_system_arn],
+                        conditions={"StringLike": {store_access.ACCESS_POINT_KEY: _ANY_ACCESS_POINT}},
+                    )
+                )
+            ]
+            if file_system_arn
+            else []
+        ),
     ]
+
+
+# Any access point of this account and region: a mount without one has no AccessPointArn and matches nothing.
+_ANY_ACCESS_POINT = f"arn:{cdk.Aws.PARTITION}:elasticfilesystem:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:access-point/*"
 
 
 def job_specs(checkpoint_bucket_name: str, job_spec_buckets: Iterable[str]) -> Grant:
@@ -371,6 +442,8 @@ CAPABILITIES: dict[str, Callable[[GrantTargets], list[Grant]]] = {
     catalog.TASK_CALLBACK: _task_callback,
     catalog.PUBLISH_FAILURE: _publish_failure,
     catalog.STORE_CREDENTIALS: _store_credentials,
+    catalog.EFS_ACCESS_POINTS: _efs_access_points,
+    catalog.EFS_ACCESS_POINT_DELETE: _efs_access_point_delete,
 }
 
 

@@ -65,6 +65,9 @@ class Settings:
     availability_zones: tuple[str, ...] = ()
     max_azs: int = 2
     efs: bool = False
+    # Each job mounts only its own EFS access point, with IAM (the file system refuses anything else); needs
+    # amazon-efs-utils (mount.efs) on the job image, which Debian 12 does not package.
+    efs_isolation: bool = False
     fsx: str | None = None  # None (off), "SCRATCH_2" or "PERSISTENT_2"
     fsx_storage_gib: int = 1200
     vm_architecture: str = "amd64"
@@ -131,11 +134,13 @@ class Settings:
             raise InvalidSetting("max_azs: 1 to 6")
         if self.log_retention_days not in _RETENTION:
             raise InvalidSetting(f"log_retention_days: one of {', '.join(map(str, _RETENTION))}")
-        self._check_gpu_image()
+        self._check_images_and_storage()
         if self.alarm_email is not None and not _EMAIL.match(self.alarm_email):
             raise InvalidSetting("alarm_email: not an e-mail address")
 
-    def _check_gpu_image(self) -> None:
+    def _check_images_and_storage(self) -> None:
+        if self.efs_isolation and not self.efs:
+            raise InvalidSetting("efs_isolation: only with efs=true")
         if self.gpu_image and self.ami_id is not None:
             raise InvalidSetting("gpu_image: not with ami_id (each names the job VMs' image)")
         if self.gpu_image and self.vm_architecture != "amd64":
@@ -198,6 +203,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "availability_zones": _list(_AZ),
     "max_azs": _number(1, 6),
     "efs": _flag,
+    "efs_isolation": _flag,
     "fsx": _optional_fsx,
     "fsx_storage_gib": _number(1200, 1_000_000),
     "vm_architecture": _text(),

@@ -53,7 +53,7 @@ class SpotcrStack(Stack):
             bootstrap_script=bootstrap_script,
         )
         probe = ProbeDocument(self, "Probe", settings=settings)
-        store_access = StoreAccess(self, "StoreAccess", bucket=storage.bucket)
+        store_access = StoreAccess(self, "StoreAccess", bucket=storage.bucket, file_system=storage.file_system)
         recovery_arn = state_machine_arn(self, recovery_state_machine_name(settings))
         documents = {name: document.ref for name, document in vm.documents.items()}
         targets = grants.GrantTargets(
@@ -70,6 +70,7 @@ class SpotcrStack(Stack):
             job_spec_buckets=settings.job_spec_buckets,
             stack=self,
             store_role_arn=store_access.role.role_arn,
+            file_system_arn=storage.file_system.file_system_arn if storage.file_system else "",
         )
         values = {
             "jobs_table": registry.jobs_table.table_name,
@@ -83,6 +84,7 @@ class SpotcrStack(Stack):
             "keep_finished_volumes": "true" if settings.keep_finished_volumes else "false",
             "store_role_arn": store_access.role.role_arn,
             "job_role_name": vm.job_role.role_name,
+            "file_system_id": storage.file_system.file_system_id if storage.file_system else "",
             **{f"{name}_document": document for name, document in documents.items()},
         }
         functions = Functions(

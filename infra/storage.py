@@ -6,6 +6,7 @@ from aws_cdk import Duration, RemovalPolicy
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from aws_cdk import aws_fsx as fsx
+from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
@@ -19,6 +20,45 @@ SPECS_PREFIX = "specs/"
 NFS_PORT = 2049
 LUSTRE_PORT = 988
 LUSTRE_PORTS = (1018, 1023)
+EFS_CLIENT_ACTIONS = (
+    "elasticfilesystem:ClientMount",
+    "elasticfilesystem:ClientWrite",
+    "elasticfilesystem:ClientRootAccess",
+)
+
+
+def isolating_file_system_policy() -> iam.PolicyDocument:
+    """The file system policy of efs_isolation: IAM, TLS and an access point, or no mount.
+
+    With a file system policy in effect EFS no longer applies its default policy, which "grants full access to any
+    anonymous client"; this one allows nothing, so a client without IAM authorization (a plain NFS mount) is
+    refused, and only identity policies allow (the store role's sessions, each narrowed to its job's access point by
+    its session policy: spotcr_functions.store_access). Both denials use keys EFS enforces for NFS clients
+    (aws:SecureTransport, elasticfilesystem:AccessPointArn: Amazon EFS User Guide, "Using IAM to control file
+    system data access"), so even an administrator's role mounts the file system's root only after this policy is
+    removed, or through an access point of its own.
+    """
+    everyone = [iam.AnyPrincipal()]
+    return iam.PolicyDocument(
+        statements=[
+            iam.PolicyStatement(
+                sid="DenyWithoutTls",
+                effect=iam.Effect.DENY,
+                principals=everyone,
+                actions=list(EFS_CLIENT_ACTIONS),
+                resources=["*"],
+                conditions={"Bool": {"aws:SecureTransport": "false"}},
+            ),
+            iam.PolicyStatement(
+                sid="DenyWithoutAccessPoint",
+                effect=iam.Effect.DENY,
+                principals=everyone,
+                actions=list(EFS_CLIENT_ACTIONS),
+                resources=["*"],
+                conditions={"Null": {"elasticfilesystem:AccessPointArn": "true"}},
+            ),
+        ]
+    )
 
 
 class Storage(Construct):
@@ -93,6 +133,10 @@ class Storage(Construct):
                 throughput_mode=efs.ThroughputMode.ELASTIC,
                 performance_mode=efs.PerformanceMode.GENERAL_PURPOSE,
                 removal_policy=RemovalPolicy.RETAIN,
+                file_system_policy=isolating_file_system_policy() if settings.efs_isolation else None,
+                # True: CDK adds no Allow of its own to any IAM principal. Without efs_isolation EFS's default policy
+                # stays (plain NFS mounts work); with it, the policy above allows no anonymous client.
+                allow_anonymous_access=True,
             )
 
         self.lustre: fsx.LustreFileSystem | None = None

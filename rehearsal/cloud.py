@@ -125,6 +125,7 @@ class LocalCloud:
         self._store_credentials: Any = None
         self.store_credentials_url = ""  # the store-credentials function URL stand-in, on the VMs' network
         self.store_credentials_granted: dict[str, int] = {}  # instance id -> store sessions the URL vended to it
+        self.file_system_id = ""  # the stack's EFS (moto): access points only; efs VMs mount shared_storage
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
@@ -354,6 +355,11 @@ class LocalCloud:
         self.settings_env = {ENV[key]: value for key, value in settings.items()}
         self.settings_env[OPTIONAL_TEXT_ENV["store_role_arn"]] = f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}"
         self.settings_env[OPTIONAL_TEXT_ENV["job_role_name"]] = names["job_role"]
+        # The stack's EFS as deployed with efs=true: efs jobs get an access point each (the VMs mount a shared dir).
+        self.file_system_id = self.client("efs").create_file_system(CreationToken=PREFIX, Encrypted=True)[
+            "FileSystemId"
+        ]
+        self.settings_env[OPTIONAL_TEXT_ENV["file_system_id"]] = self.file_system_id
         self.settings_env.update({OPTIONAL_ENV[key]: str(value) for key, value in self.workflow_waits.items()})
         self._set_env(self.settings_env)
         lambda_client = self.client("lambda")

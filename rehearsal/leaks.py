@@ -1,10 +1,11 @@
 """The leak check that ends every end-to-end run: nothing stays allocated but what the job keeps.
 
-A finished job keeps its checkpoints (objects in the checkpoint bucket) and the instance the user
-launched. Everything spotcr allocated must be gone: backup instances it launched (spotcr:mode set),
-volumes (the job's EBS volume, volumes made by a cross-AZ move), snapshots (but those behind the
-job image), and SSM commands still pending or in progress. Cleanup is asynchronous (events, the
-workflow), so the check waits a grace period before it names what is left.
+A finished job keeps its checkpoints (objects in the checkpoint bucket, files on EFS) and the instance
+the user launched. Everything spotcr allocated must be gone: backup instances it launched (spotcr:mode
+set), volumes (the job's EBS volume, volumes made by a cross-AZ move), snapshots (but those behind the
+job image), EFS access points (one per efs job), and SSM commands still pending or in progress.
+Cleanup is asynchronous (events, the workflow), so the check waits a grace period before it names
+what is left.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ OPEN_COMMAND_STATES = {"Pending", "InProgress", "Delayed", "Cancelling"}
 
 @dataclass(frozen=True)
 class Leak:
-    kind: str  # instance, volume, snapshot, command
+    kind: str  # instance, volume, snapshot, access-point, command
     resource_id: str
     detail: str
 
@@ -66,10 +67,24 @@ def find_leaks(client: Callable[[str], Any]) -> list[Leak]:
         leaks.append(
             Leak("snapshot", snapshot["SnapshotId"], f"of {snapshot['VolumeId']}, job {labels.get(tags.JOB, '?')}")
         )
+    leaks += _access_points(client("efs"))
     for command in ssm.list_commands()["Commands"]:
         if command["Status"] in OPEN_COMMAND_STATES:
             leaks.append(Leak("command", command["CommandId"], f"{command['DocumentName']} still {command['Status']}"))
     return leaks
+
+
+def _access_points(efs: Any) -> list[Leak]:
+    """Every access point of every file system: each belongs to a job that has not ended, or leaked."""
+    found = []
+    for file_system in efs.describe_file_systems()["FileSystems"]:
+        points = efs.describe_access_points(FileSystemId=file_system["FileSystemId"])["AccessPoints"]
+        for point in points:
+            labels = {tag["Key"]: tag["Value"] for tag in point.get("Tags", [])}
+            root = point.get("RootDirectory", {}).get("Path", "/")
+            detail = f"on {file_system['FileSystemId']} at {root}, job {labels.get(tags.JOB, '?')}"
+            found.append(Leak("access-point", point["AccessPointId"], detail))
+    return found
 
 
 def wait_until_tidy(

@@ -437,7 +437,7 @@ class Rehearsal:
         left = leaks.wait_until_tidy(self.cloud.client, options.leak_grace_s)
         if left:
             raise RehearsalFailed(leaks.describe(left))
-        say("leak check: no instance, volume, snapshot or command left but the job's checkpoints")
+        say("leak check: no instance, volume, snapshot, access point or command left but the job's checkpoints")
         return outcome
 
     def _interruption(self, number: int, current: str, generation: int) -> tuple[str, int]:
@@ -496,7 +496,7 @@ class Rehearsal:
         # The agent's store credentials come from the store-credentials URL (here its stand-in), as on AWS.
         bootstrap += ["--store-credentials-url", self.cloud.store_credentials_url]
         if self.options.storage == "efs":
-            bootstrap += ["--efs-id", "fs-0rehearsal"]
+            bootstrap += ["--efs-id", self.cloud.file_system_id]
         if self.options.storage == "fsx":
             bootstrap += ["--fsx-dns", "fs-0rehearsal.fsx.local", "--fsx-mount-name", "rehearsal"]
         # First the SSM agent, as bootstrap.sh installs and starts it: until it registers, SSM refuses commands.

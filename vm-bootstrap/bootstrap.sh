@@ -11,6 +11,7 @@
 #   __SPOTCR_BUCKET__            bucket of the job's checkpoints (s3 storage)
 #   __SPOTCR_EVENT_BUS__         EventBridge bus name for the agent's events
 #   __SPOTCR_EFS_ID__            EFS file system id (efs storage)
+#   __SPOTCR_EFS_ISOLATION__     "true": mount only the job's own EFS access point, with IAM (needs mount.efs)
 #   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
 #   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
 #   __SPOTCR_STORE_CREDENTIALS_URL__  function URL vending the job's own store credentials (jobs/<job>/ only)
@@ -23,6 +24,7 @@ AGENT_ASSET_URL="__SPOTCR_AGENT_ASSET_URL__"
 BUCKET="__SPOTCR_BUCKET__"
 EVENT_BUS="__SPOTCR_EVENT_BUS__"
 EFS_ID="__SPOTCR_EFS_ID__"
+EFS_ISOLATION="__SPOTCR_EFS_ISOLATION__"
 FSX_DNS="__SPOTCR_FSX_DNS__"
 FSX_MOUNT_NAME="__SPOTCR_FSX_MOUNT_NAME__"
 STORE_CREDENTIALS_URL="__SPOTCR_STORE_CREDENTIALS_URL__"
@@ -140,7 +142,8 @@ main() {
   say "reading the job, preparing its storage, waiting for SSM to reach this instance"
   # On failure the agent itself publishes BootstrapFailed with the step and reason.
   "$PREFIX/bin/spotcr-agent" bootstrap --bucket "$BUCKET" --event-bus "$EVENT_BUS" --efs-id "$EFS_ID" \
-    --fsx-dns "$FSX_DNS" --fsx-mount-name "$FSX_MOUNT_NAME" --store-credentials-url "$STORE_CREDENTIALS_URL"
+    --efs-isolation "$EFS_ISOLATION" --fsx-dns "$FSX_DNS" --fsx-mount-name "$FSX_MOUNT_NAME" \
+    --store-credentials-url "$STORE_CREDENTIALS_URL"
   done_step
 
   step="service"

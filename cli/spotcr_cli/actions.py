@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -159,6 +160,7 @@ def cancel(cloud: Cloud, job_id: str, *, delete_checkpoints: bool, say: Say) -> 
         if terminated:
             cloud.client("ec2").terminate_instances(InstanceIds=terminated)
             say(f"terminating {', '.join(terminated)}")
+        _delete_access_point(cloud, record, say)
     deleted = delete_job_checkpoints(cloud, record, say) if delete_checkpoints else None
     return {
         "job_id": job_id,
@@ -168,6 +170,16 @@ def cancel(cloud: Cloud, job_id: str, *, delete_checkpoints: bool, say: Say) -> 
         "instances_terminated": terminated,
         "checkpoints_deleted": deleted,
     }
+
+
+def _delete_access_point(cloud: Cloud, record: JobRecord, say: Say) -> None:
+    """An efs job's access point goes with it, as when it ends by itself (its files stay)."""
+    if not record.access_point_arn:
+        return
+    efs = cloud.client("efs")
+    with contextlib.suppress(efs.exceptions.AccessPointNotFound):
+        efs.delete_access_point(AccessPointId=record.access_point_arn.rsplit("/", 1)[-1])
+    say(f"deleted EFS access point {record.access_point_arn}")
 
 
 def _stop_recoveries(cloud: Cloud, job_id: str, say: Say) -> list[str]:

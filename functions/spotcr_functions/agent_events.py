@@ -9,7 +9,7 @@ from aws_lambda_powertools import Logger
 from spotcr_contracts import events, tags
 from spotcr_contracts.commands import checkpoint_generation
 
-from spotcr_functions import jobs, rendezvous
+from spotcr_functions import efs_access, jobs, rendezvous
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -118,7 +118,8 @@ def _bootstrap_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, An
         )
         return {"action": "backup-failed"}
     if event.instance_id == record.instance_id and record.status == Status.PENDING:
-        _set_status(deps, record, Status.FAILED, reason=f"bootstrap failed: {cause}")
+        if _set_status(deps, record, Status.FAILED, reason=f"bootstrap failed: {cause}"):
+            efs_access.close_for(deps, record)
         return {"action": "failed"}
     return {"action": "ignored", "reason": "not the job's instance"}
 
@@ -239,6 +240,7 @@ def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
         if why is None:
             if _ended_by(seen, event):
                 # A redelivered copy of the exit that ended the job: finish what its first delivery may not have.
+                efs_access.close_for(deps, seen)
                 return {"action": "ignored", "reason": "job ended already", "vm": _release_vm(deps, seen, event)}
             return {"action": "ignored", "reason": f"job is {seen.status} on {seen.instance_id}"}
         kept = "" if event.result else f"; result not stored ({event.result_error or 'no reason given'})"
@@ -248,6 +250,7 @@ def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
         ended = deps.registry.end(seen, status, values)
         if ended is not None:
             logger.info("job ended", job_id=seen.job_id, status=status.value, exit_code=event.exit_code, how=why)
+            efs_access.close_for(deps, ended)
             if seen.status == Status.RECOVERING:
                 _stop_recovery(deps, ended, event.instance_id, reason)
             return {"action": status.value.lower(), "vm": _release_vm(deps, ended, event)}

@@ -30,6 +30,8 @@ START_RECOVERY = "states:start-recovery"
 TASK_CALLBACK = "states:callback"
 PUBLISH_FAILURE = "sns:publish"
 STORE_CREDENTIALS = "sts:store-credentials"  # assume the store role for one job's prefix (session policy and tag)
+EFS_ACCESS_POINTS = "efs:access-points"  # create a job's EFS access point at registration (and drop a duplicate)
+EFS_ACCESS_POINT_DELETE = "efs:delete-access-point"  # delete an ended job's EFS access point
 
 SCHEDULE_EVERY_MINUTES = 1
 
@@ -122,6 +124,7 @@ FUNCTIONS: tuple[Function, ...] = (
             START_RECOVERY,
             SEND_COMMAND,
             TASK_CALLBACK,
+            EFS_ACCESS_POINTS,
         ),
         rules=(
             Rule(
@@ -135,7 +138,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="tag-change",
         handler="spotcr_functions.handlers.tag_change.handler",
         description="spotcr:job added to a running instance: register the job.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES),
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, EFS_ACCESS_POINTS),
         rules=(
             Rule(
                 "job-tag-added",
@@ -175,6 +178,7 @@ FUNCTIONS: tuple[Function, ...] = (
             EC2_TAG,
             EC2_VOLUMES,
             EC2_TERMINATE,
+            EFS_ACCESS_POINTS,
         ),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
         timeout_s=REGISTERING_TIMEOUT_S,
@@ -227,7 +231,15 @@ FUNCTIONS: tuple[Function, ...] = (
         name="recovery-ended",
         handler="spotcr_functions.handlers.recovery_ended.handler",
         description="A recovery that failed past its Catch, timed out or was aborted: mark the job FAILED, notify.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES, PUBLISH_FAILURE),
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            EC2_DESCRIBE,
+            EC2_TERMINATE,
+            EC2_VOLUMES,
+            PUBLISH_FAILURE,
+            EFS_ACCESS_POINT_DELETE,
+        ),
         timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
         rules=(
             Rule(
@@ -244,7 +256,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="fail-recovery",
         handler="spotcr_functions.handlers.workflow.fail",
         description="Recovery step: mark the job FAILED, terminate its backup, delete what the hand-over made.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES),
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES, EFS_ACCESS_POINT_DELETE),
         workflow_step=True,
         timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
     ),

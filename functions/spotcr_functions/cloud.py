@@ -1,5 +1,5 @@
-"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions, SNS, STS. Clients are
-lazy."""
+"""The AWS calls the logic makes besides the registry: EC2, SSM Run Command, Step Functions, SNS, STS, EFS. Clients
+are lazy."""
 
 from __future__ import annotations
 
@@ -93,6 +93,34 @@ class Cloud:
     @cached_property
     def sts(self) -> Any:
         return self._client("sts")
+
+    @cached_property
+    def efs(self) -> Any:
+        return self._client("efs")
+
+    def create_access_point(self, file_system_id: str, root: str, tags: Mapping[str, str], client_token: str) -> str:
+        """An access point whose root directory EFS creates (root-owned, 0700) on first mount; its ARN."""
+        try:
+            response = self.efs.create_access_point(
+                ClientToken=client_token,
+                FileSystemId=file_system_id,
+                RootDirectory={"Path": root, "CreationInfo": {"OwnerUid": 0, "OwnerGid": 0, "Permissions": "0700"}},
+                Tags=[{"Key": key, "Value": value} for key, value in tags.items() if value],
+            )
+        except ClientError as error:
+            # A retry with the same ClientToken: AccessPointAlreadyExists names the access point made the first time.
+            existing = error.response.get("AccessPointId") or error.response.get("Error", {}).get("AccessPointId")
+            if error_code(error) != "AccessPointAlreadyExists" or not existing:
+                raise
+            return str(self.efs.describe_access_points(AccessPointId=existing)["AccessPoints"][0]["AccessPointArn"])
+        return str(response["AccessPointArn"])
+
+    def delete_access_point(self, access_point_arn: str) -> None:
+        try:
+            self.efs.delete_access_point(AccessPointId=access_point_arn.rsplit("/", 1)[-1])
+        except ClientError as error:
+            if error_code(error) != "AccessPointNotFound":
+                raise
 
     def assume_store_role(
         self,

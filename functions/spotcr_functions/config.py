@@ -37,6 +37,7 @@ OPTIONAL_TEXT_ENV = {
     "keep_finished_volumes": "SPOTCR_KEEP_FINISHED_VOLUMES",  # "true": a completed EBS job's volume is kept
     "store_role_arn": "SPOTCR_STORE_ROLE_ARN",  # the role store-credentials assumes for one job's prefix
     "job_role_name": "SPOTCR_JOB_ROLE_NAME",  # the job VMs' role: the only caller store-credentials answers
+    "file_system_id": "SPOTCR_FILE_SYSTEM_ID",  # the stack's EFS: an access point per efs job; empty without EFS
 }
 
 
@@ -63,6 +64,7 @@ class Settings:
     keep_finished_volumes: bool = False
     store_role_arn: str = ""
     job_role_name: str = ""
+    file_system_id: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -87,4 +89,5 @@ class Settings:
             keep_finished_volumes=keep == "true",
             store_role_arn=environ.get(OPTIONAL_TEXT_ENV["store_role_arn"], ""),
             job_role_name=environ.get(OPTIONAL_TEXT_ENV["job_role_name"], ""),
+            file_system_id=environ.get(OPTIONAL_TEXT_ENV["file_system_id"], ""),
         )

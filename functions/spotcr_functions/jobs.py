@@ -15,6 +15,7 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from spotcr_contracts import tags
 
+from spotcr_functions import efs_access
 from spotcr_functions.cloud import client_token
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
@@ -64,6 +65,7 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
     tag_run(deps, registered, instance.tags)
     if spec.storage == "ebs" and registered.volume_id is None:
         registered = _create_job_volume(deps, registered)
+    registered = efs_access.open_for(deps, registered)
     logger.info("job registered", job_id=spec.job_id, instance_id=instance_id, storage=spec.storage)
     return {"registered": True, "job_id": spec.job_id, "volume_id": registered.volume_id}
 

@@ -48,6 +48,7 @@ class JobRecord:
     # that never sees the earlier run's checkpoints; events and commands of another run never move this one.
     run_id: str = ""
     volume_id: str | None = None
+    access_point_arn: str | None = None  # the job's EFS access point (efs storage), deleted when the job ends
     checkpoint_id: str | None = None  # newest committed
     previous_checkpoint_id: str | None = None
     checkpoint_instance_id: str | None = None  # the instance that committed checkpoint_id

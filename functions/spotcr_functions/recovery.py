@@ -10,7 +10,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands, tags
 
-from spotcr_functions import rendezvous
+from spotcr_functions import efs_access, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
@@ -450,6 +450,7 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
     if updated is None:
         logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
         return {"job_id": job_id, "marked_failed": False, "message": f"spotcr job {job_id}: {reason}"}
+    efs_access.close_for(deps, updated)
     if record:
         _tidy_failed(deps, record)
     if record and record.backup_instance_id:

@@ -7,6 +7,14 @@ record must name that instance as its current instance, its backup, or the insta
 recovering from (that one still writes the final dump). Only then is the store role assumed for one hour (the
 role-chaining limit) with the job as session tag `SpotcrJob`, which the store role's policy uses as
 `jobs/${aws:PrincipalTag/SpotcrJob}/`, and with a session policy naming the same prefix.
+
+EFS (efs storage): the session policy also allows ClientMount, ClientWrite and ClientRootAccess on the file system
+only with `elasticfilesystem:AccessPointArn` equal to this job's access point (efs_access). The session tag cannot
+do this part: for NFS clients EFS enforces only aws:SecureTransport, aws:SourceIp, elasticfilesystem:AccessPointArn
+and elasticfilesystem:AccessedViaMountTarget ("No other condition keys are enforced", Amazon EFS User Guide, "Using
+IAM to control file system data access", EFS condition keys for clients), so no aws:PrincipalTag condition. A session
+policy narrows what the session may do whatever the service (IAM User Guide, "Session policies"), and the store
+role's own grant already requires some access point, so a vended session never mounts the file system's root.
 """
 
 from __future__ import annotations
@@ -24,6 +32,12 @@ JOBS_PREFIX = "jobs/"
 SESSION_SECONDS = 3600  # role chaining (an instance role session assuming the store role) caps sessions at 1 hour
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 LIST_ACTION = "s3:ListBucket"
+EFS_CLIENT_ACTIONS = (
+    "elasticfilesystem:ClientMount",
+    "elasticfilesystem:ClientWrite",
+    "elasticfilesystem:ClientRootAccess",
+)
+ACCESS_POINT_KEY = "elasticfilesystem:AccessPointArn"
 _ASSUMED_ROLE = re.compile(r"^arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=,.@-]{1,64})/([\w+=,.@-]{2,64})$")
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
 ENDED = (Status.COMPLETED, Status.FAILED)
@@ -91,25 +105,40 @@ def job_prefix(job_id: str) -> str:
     return f"{JOBS_PREFIX}{job_id}/"
 
 
-def session_policy(partition: str, bucket: str, job_id: str) -> dict[str, Any]:
-    """The session policy: the job's objects, and listing only under the job's prefix."""
+def file_system_arn(access_point_arn: str, file_system_id: str) -> str:
+    """The file system's ARN beside its access point's (same partition, region and account)."""
+    return f"{access_point_arn.rsplit(':', 1)[0]}:file-system/{file_system_id}"
+
+
+def session_policy(
+    partition: str, bucket: str, job_id: str, access_point_arn: str | None = None, file_system_id: str = ""
+) -> dict[str, Any]:
+    """The session policy: the job's objects, listing only under the job's prefix, and (efs storage) mounting the
+    file system only through the job's own access point."""
     prefix = job_prefix(job_id)
-    return {
-        "Version": "2012-10-17",
-        "Statement": [
+    statements: list[dict[str, Any]] = [
+        {
+            "Effect": "Allow",
+            "Action": list(OBJECT_ACTIONS),
+            "Resource": f"arn:{partition}:s3:::{bucket}/{prefix}*",
+        },
+        {
+            "Effect": "Allow",
+            "Action": LIST_ACTION,
+            "Resource": f"arn:{partition}:s3:::{bucket}",
+            "Condition": {"StringLike": {"s3:prefix": f"{prefix}*"}},
+        },
+    ]
+    if access_point_arn:
+        statements.append(
             {
                 "Effect": "Allow",
-                "Action": list(OBJECT_ACTIONS),
-                "Resource": f"arn:{partition}:s3:::{bucket}/{prefix}*",
-            },
-            {
-                "Effect": "Allow",
-                "Action": LIST_ACTION,
-                "Resource": f"arn:{partition}:s3:::{bucket}",
-                "Condition": {"StringLike": {"s3:prefix": f"{prefix}*"}},
-            },
-        ],
-    }
+                "Action": list(EFS_CLIENT_ACTIONS),
+                "Resource": file_system_arn(access_point_arn, file_system_id),
+                "Condition": {"StringEquals": {ACCESS_POINT_KEY: access_point_arn}},
+            }
+        )
+    return {"Version": "2012-10-17", "Statement": statements}
 
 
 def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]:
@@ -119,11 +148,13 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
         raise RuntimeError("store credentials need SPOTCR_STORE_ROLE_ARN and SPOTCR_JOB_ROLE_NAME")
     caller = caller_instance(user_arn, settings.job_role_name)
     job = check_job_name(job_id)
-    authorize(deps.registry.get(job), job, caller.instance_id)
+    record = deps.registry.get(job)
+    authorize(record, job, caller.instance_id)
+    access_point = access_point_of(record, settings.file_system_id) if record else None
     credentials = deps.cloud.assume_store_role(
         role_arn=settings.store_role_arn,
         session_name=caller.instance_id,
-        policy=session_policy(caller.partition, settings.checkpoint_bucket, job),
+        policy=session_policy(caller.partition, settings.checkpoint_bucket, job, access_point, settings.file_system_id),
         session_tags={SESSION_TAG: job},
         duration_s=SESSION_SECONDS,
     )
@@ -135,7 +166,21 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
         "Expiration": _iso(credentials["Expiration"]),
         "Job": job,
         "Prefix": job_prefix(job),
+        **(
+            {"FileSystemId": settings.file_system_id, "AccessPointId": access_point.rsplit("/", 1)[-1]}
+            if access_point
+            else {}
+        ),
     }
+
+
+def access_point_of(record: JobRecord, file_system_id: str) -> str | None:
+    """The job's access point ARN; an efs job registered with the stack's EFS waits until it has one."""
+    if record.storage != "efs" or not file_system_id:
+        return None
+    if not record.access_point_arn:
+        raise Refused(404, f"job {record.job_id} has no EFS access point yet (it is made with its registration)")
+    return record.access_point_arn
 
 
 def _iso(value: Any) -> str:

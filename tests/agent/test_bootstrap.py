@@ -31,6 +31,7 @@ def _args(**overrides):
         "event_bus": "spotcr",
         "ebs_volume_id": "",
         "efs_id": "",
+        "efs_isolation": "",
         "fsx_dns": "",
         "fsx_mount_name": "",
         "store_credentials_url": "",

@@ -14,6 +14,7 @@ PLACEHOLDERS = {
     "__SPOTCR_BUCKET__",
     "__SPOTCR_EVENT_BUS__",
     "__SPOTCR_EFS_ID__",
+    "__SPOTCR_EFS_ISOLATION__",
     "__SPOTCR_FSX_DNS__",
     "__SPOTCR_FSX_MOUNT_NAME__",
     "__SPOTCR_STORE_CREDENTIALS_URL__",
@@ -34,8 +35,10 @@ def test_bootstrap_script_calls_the_agent_with_flags_it_accepts():
     script = (VM / "bootstrap.sh").read_text().replace("\\\n", " ")
     line = next(line for line in script.splitlines() if '/bin/spotcr-agent" bootstrap --bucket' in line)
     argv = shlex.split(line.replace('"$PREFIX/bin/spotcr-agent"', "agent"))[1:]
-    args = cli.parser().parse_args([a if not a.startswith("$") else "x" for a in argv])
-    assert args.command == "bootstrap" and args.bucket == "x"
+    # The user data's values: "x" for names and ids, "true" or "" for efs_isolation
+    values = {"$EFS_ISOLATION": "true"}
+    args = cli.parser().parse_args([values.get(a, "x") if a.startswith("$") else a for a in argv])
+    assert args.command == "bootstrap" and args.bucket == "x" and args.efs_isolation == "true"
 
 
 def test_launcher_and_unit_run_the_agent_where_the_ssm_documents_expect_it():

@@ -142,3 +142,18 @@ def test_cancel_restore_and_interrupt_refuse_what_they_cannot_do_naming_the_stat
     assert main(["status", "nope"]) == 1 and "no job 'nope'" in capsys.readouterr().err
     with pytest.raises(CommandError, match="no FIS experiment template"):
         actions.interrupt(world, "run-1", rebalance_first=False, say=lambda line: None)
+
+
+def test_cancelling_an_efs_job_deletes_its_access_point(world):
+    # Given a running efs job with its access point (made at its registration)
+    efs = world.client("efs")
+    file_system = efs.create_file_system(CreationToken="spotcr")["FileSystemId"]
+    point = efs.create_access_point(FileSystemId=file_system, RootDirectory={"Path": "/jobs/job-1"})
+    running_job(world)
+    Registry("jobs").update("job-1", {"access_point_arn": point["AccessPointArn"]})
+    # When it is cancelled
+    assert main(["cancel", "job-1", "--json"], out=io.StringIO()) == 0
+    # Then its access point is gone (its files on the file system stay)
+    assert efs.describe_access_points(FileSystemId=file_system)["AccessPoints"] == []
+    cancelled = Registry("jobs").get("job-1")
+    assert cancelled is not None and cancelled.status == Status.CANCELLED

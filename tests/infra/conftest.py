@@ -24,6 +24,7 @@ CUSTOM_CONTEXT = {
     "subnet_ids": "subnet-0aaaaaaaaaaaaaaa1,subnet-0bbbbbbbbbbbbbbb2",
     "availability_zones": "eu-west-1a,eu-west-1b",
     "efs": "true",
+    "efs_isolation": "true",
     "fsx": "PERSISTENT_2",
     "ami_id": "ami-0123456789abcdef0",
     "alarm_email": "ops@example.com",

@@ -31,6 +31,7 @@ CLIENTS = {
     ("Cloud", "sfn"): "states",
     ("Cloud", "sns"): "sns",
     ("Cloud", "sts"): "sts",
+    ("Cloud", "efs"): "elasticfilesystem",
 }
 REGISTRY_TABLE = ("Registry", "table")
 # Calls that need more than their own action: IAM evaluates these too (tag-on-create, PassRole, the topic's key).
@@ -40,6 +41,7 @@ IMPLIED = {
     "ec2:CreateSnapshot": {"ec2:CreateTags"},
     "sns:Publish": {"kms:GenerateDataKey", "kms:Decrypt"},
     "sts:AssumeRole": {"sts:TagSession"},  # store_access passes the job as a session tag
+    "elasticfilesystem:CreateAccessPoint": {"elasticfilesystem:TagResource"},  # tags on create
 }
 # Waiters poll a Describe call.
 WAITERS = {"volume_available": "DescribeVolumes"}
@@ -191,6 +193,7 @@ def _targets() -> grants.GrantTargets:
         job_spec_buckets=(),
         stack=cdk.Stack(cdk.App()),
         store_role_arn="arn:aws:iam::111122223333:role/store",
+        file_system_arn="arn:aws:elasticfilesystem:eu-west-1:111122223333:file-system/fs-0123456789abcdef0",
     )
 
 

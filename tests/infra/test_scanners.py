@@ -54,6 +54,11 @@ PARLIAMENT_ACKNOWLEDGED = {
         "it), so a job VM cannot invoke store-credentials directly with a forged event. Parliament's database "
         "predates the key."
     ),
+    ("MISMATCHED_TYPE_BUT_USABLE", "Type mismatch: StringLike requires a value of type String but given Arn"): (
+        "The store role's EFS grant tests elasticfilesystem:AccessPointArn with StringLike: the Amazon EFS User "
+        "Guide lists that key's operator as String ('EFS condition keys for clients') and its own examples use "
+        "StringEquals; parliament types the key as an ARN."
+    ),
     ("RESOURCE_MISMATCH", "ec2:RunInstances"): "RunInstances is authorized on the launch template unconditioned and "
     "on the resources it creates only under the ec2:LaunchTemplate condition, in two statements.",
 }

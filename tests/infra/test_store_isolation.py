@@ -23,6 +23,9 @@ BUCKET = "spotcr-checkpoints"
 BUCKET_ARN = f"arn:aws:s3:::{BUCKET}"
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 VARIABLE = re.compile(r"\$\{([^}]+)\}")
+REGION, ACCOUNT = "eu-west-1", "111122223333"
+FILE_SYSTEM_ID = "fs-0123456789abcdef0"
+FILE_SYSTEM_ARN = f"arn:aws:elasticfilesystem:{REGION}:{ACCOUNT}:file-system/{FILE_SYSTEM_ID}"
 
 
 def _join(value: Any, resources: Mapping[str, Any]) -> Any:
@@ -38,9 +41,13 @@ def _join(value: Any, resources: Mapping[str, Any]) -> Any:
         logical_id, attribute = value["Fn::GetAtt"]
         if resources[logical_id]["Type"] == "AWS::S3::Bucket" and logical_id.startswith("StorageCheckpoints"):
             return BUCKET_ARN
+        if resources[logical_id]["Type"] == "AWS::EFS::FileSystem":
+            return FILE_SYSTEM_ARN
         return f"<{logical_id}.{attribute}>"
     if "Ref" in value:
-        return {"AWS::Partition": "aws"}.get(value["Ref"], f"<{value['Ref']}>")
+        return {"AWS::Partition": "aws", "AWS::Region": REGION, "AWS::AccountId": ACCOUNT}.get(
+            value["Ref"], f"<{value['Ref']}>"
+        )
     return {k: _join(v, resources) for k, v in value.items()}
 
 
@@ -183,3 +190,99 @@ def test_the_job_role_holds_nothing_under_jobs_and_calls_the_url_only_through_it
     assert not allows(statements, "lambda:InvokeFunction", function, {"lambda:InvokedViaFunctionUrl": "false"})
     [url] = default_synth.of_type("AWS::Lambda::Url").values()
     assert url["Properties"]["AuthType"] == "AWS_IAM"
+
+
+# EFS (efs_isolation=true, the custom synth): a vended session mounts only through its own job's access point.
+EFS_CLIENT_ACTIONS = store_access.EFS_CLIENT_ACTIONS
+OWN_ACCESS_POINT = f"arn:aws:elasticfilesystem:{REGION}:{ACCOUNT}:access-point/fsap-0aaaaaaaaaaaaaaa1"
+OTHER_ACCESS_POINT = f"arn:aws:elasticfilesystem:{REGION}:{ACCOUNT}:access-point/fsap-0bbbbbbbbbbbbbbb2"
+
+
+def _mount(access_point: str | None, tls: bool = True) -> dict[str, str]:
+    """The request context EFS evaluates for an NFS client (only these keys: see store_access)."""
+    context = {"aws:SecureTransport": "true" if tls else "false"}
+    if access_point is not None:
+        context[store_access.ACCESS_POINT_KEY] = access_point
+    return context
+
+
+def denied_by(statements: Iterable[Mapping[str, Any]], action: str, context: Mapping[str, str]) -> bool:
+    """Whether a Deny of the file system policy applies (Bool and Null, the operators it uses)."""
+    for statement in statements:
+        assert statement["Effect"] == "Deny" and statement["Principal"] == {"AWS": "*"}, statement
+        if action not in _listed(statement["Action"]):
+            continue
+        holds = True
+        for operator, tests in statement["Condition"].items():
+            for key, expected in tests.items():
+                if operator == "Null":
+                    holds &= (key not in context) == (str(expected).lower() == "true")
+                elif operator == "Bool":
+                    holds &= key in context and context[key] == str(expected).lower()
+                else:
+                    raise AssertionError(f"the evaluator does not know {operator}")
+        if holds:
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def efs_policies(custom_synth: Synth) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The store role's statements, the vended session's (for render-42), the file system policy's."""
+    store_role = _policies_of(custom_synth, "StoreAccessStoreRole")[2]
+    session = store_access.session_policy("aws", BUCKET, "render-42", OWN_ACCESS_POINT, FILE_SYSTEM_ID)["Statement"]
+    [file_system] = custom_synth.of_type("AWS::EFS::FileSystem").values()
+    return store_role, session, file_system["Properties"]["FileSystemPolicy"]["Statement"]
+
+
+@pytest.mark.parametrize("action", EFS_CLIENT_ACTIONS)
+def test_a_vended_session_mounts_its_own_jobs_access_point(efs_policies: Any, action: str) -> None:
+    store_role, session, file_system = efs_policies
+    context = _mount(OWN_ACCESS_POINT)
+    assert allows(store_role, action, FILE_SYSTEM_ARN, context)
+    assert allows(session, action, FILE_SYSTEM_ARN, context)
+    assert not denied_by(file_system, action, context)
+
+
+@pytest.mark.parametrize("action", EFS_CLIENT_ACTIONS)
+def test_a_vended_session_never_reaches_another_jobs_access_point_or_the_root(efs_policies: Any, action: str) -> None:
+    store_role, session, file_system = efs_policies
+    # Another job's access point: the session policy names only its own (EFS enforces no principal-tag condition)
+    assert not allows(session, action, FILE_SYSTEM_ARN, _mount(OTHER_ACCESS_POINT))
+    # The file system's root (no access point): each of the three refuses on its own
+    root = _mount(None)
+    assert not allows(store_role, action, FILE_SYSTEM_ARN, root)
+    assert not allows(session, action, FILE_SYSTEM_ARN, root)
+    assert denied_by(file_system, action, root)
+    # Another file system: neither allows it
+    elsewhere = FILE_SYSTEM_ARN.replace(FILE_SYSTEM_ID, "fs-0ffffffffffffffff")
+    assert not allows(store_role, action, elsewhere, _mount(OWN_ACCESS_POINT))
+    assert not allows(session, action, elsewhere, _mount(OWN_ACCESS_POINT))
+
+
+@pytest.mark.parametrize("action", EFS_CLIENT_ACTIONS)
+def test_the_file_system_refuses_plain_nfs_and_connections_without_tls(efs_policies: Any, action: str) -> None:
+    _, _, file_system = efs_policies
+    # No statement allows anything: with a file system policy in effect EFS's default (anonymous full access) is
+    # gone, so a client without IAM is refused; and every principal is denied without TLS, even at its access point
+    assert all(statement["Effect"] == "Deny" for statement in file_system)
+    assert denied_by(file_system, action, _mount(OWN_ACCESS_POINT, tls=False))
+
+
+def test_without_efs_the_store_role_holds_no_efs_grant(store_role: list[dict[str, Any]], default_synth: Synth) -> None:
+    actions = {action for statement in store_role for action in _listed(statement["Action"])}
+    assert not {a for a in actions if a.startswith("elasticfilesystem:")}
+    assert default_synth.of_type("AWS::EFS::FileSystem") == {}
+
+
+def test_only_registering_and_ending_functions_manage_access_points(custom_synth: Synth) -> None:
+    holders = set()
+    for role_id in custom_synth.of_type("AWS::IAM::Role"):
+        statements = _policies_of(custom_synth, role_id)[2] if role_id.startswith("Functions") else []
+        for statement in statements:
+            if any(str(a).startswith("elasticfilesystem:") for a in _listed(statement["Action"])):
+                holders.add((role_id.split("Role")[0].removeprefix("Functions"), tuple(_listed(statement["Action"]))))
+    creators = {name for name, actions in holders if "elasticfilesystem:CreateAccessPoint" in actions}
+    deleters = {name for name, actions in holders if "elasticfilesystem:DeleteAccessPoint" in actions}
+    assert creators == {"statechange", "tagchange", "agentevents"}
+    assert deleters == {"statechange", "tagchange", "agentevents", "failrecovery", "recoveryended"}

@@ -68,6 +68,19 @@ def test_each_leftover_is_named(account):
     assert len(found) == 4
 
 
+def test_an_access_point_left_on_efs_is_named_and_the_files_are_not(account):
+    # Given the stack's EFS with the access point of a job that ended but was not tidied, and one deleted
+    efs = account("efs")
+    file_system = efs.create_file_system(CreationToken="spotcr")["FileSystemId"]
+    tags = [{"Key": "spotcr:job", "Value": "sim"}]
+    left = efs.create_access_point(FileSystemId=file_system, Tags=tags, RootDirectory={"Path": "/jobs/sim"})
+    gone = efs.create_access_point(FileSystemId=file_system, Tags=tags, RootDirectory={"Path": "/jobs/sim"})
+    efs.delete_access_point(AccessPointId=gone["AccessPointId"])
+    # Then the check names the one left, where it points and whose it is; the file system itself is kept
+    found = {(leak.kind, leak.resource_id): leak.detail for leak in leaks.find_leaks(account)}
+    assert found == {("access-point", left["AccessPointId"]): f"on {file_system} at /jobs/sim, job sim"}
+
+
 class Clock:
     def __init__(self):
         self.now = 0.0

@@ -105,6 +105,7 @@ def _config(
         "bucket": args.bucket,
         "ebs_volume_id": args.ebs_volume_id,
         "efs_id": args.efs_id,
+        "efs_isolation": args.efs_isolation == "true",
         "fsx_dns": args.fsx_dns,
         "fsx_mount_name": args.fsx_mount_name,
         "store_credentials_url": args.store_credentials_url,

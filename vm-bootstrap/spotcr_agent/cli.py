@@ -70,6 +70,12 @@ def parser() -> argparse.ArgumentParser:
     bootstrap.add_argument("--event-bus", default="", help="EventBridge bus for the agent's events")
     bootstrap.add_argument("--ebs-volume-id", default="", help="EBS volume to mount (default: the one data volume)")
     bootstrap.add_argument("--efs-id", default="", help="EFS file system id (efs storage)")
+    bootstrap.add_argument(
+        "--efs-isolation",
+        choices=("", "true", "false"),
+        default="",
+        help="true: mount only the job's own EFS access point with IAM (needs mount.efs and the store URL)",
+    )
     bootstrap.add_argument("--fsx-dns", default="", help="FSx for Lustre DNS name (fsx storage)")
     bootstrap.add_argument("--fsx-mount-name", default="", help="FSx for Lustre mount name (fsx storage)")
     bootstrap.add_argument(

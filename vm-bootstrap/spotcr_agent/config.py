@@ -53,6 +53,7 @@ class AgentConfig:
     mount_point: Path = DEFAULT_MOUNT_POINT  # ebs, efs, fsx storage
     ebs_volume_id: str = ""  # ebs: the volume to find as an NVMe device; empty: the one non-root EBS volume
     efs_id: str = ""  # efs: file system id (fs-...)
+    efs_isolation: bool = False  # efs: mount only the job's own access point, with IAM (mount.efs, vended credentials)
     fsx_dns: str = ""  # fsx: file system DNS name
     fsx_mount_name: str = ""  # fsx: Lustre mount name
     # Where the agent gets S3 credentials for jobs/<job>/ only (signed with the instance role); empty: the AWS

@@ -14,6 +14,7 @@ import threading
 
 from spotcr_contracts import tags
 
+from . import storage
 from .agent import Agent
 from .imds import ImdsError, Metadata, instance_tags, spot_instance_action
 
@@ -23,6 +24,7 @@ POLL_S = 1.0
 
 
 def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float = POLL_S) -> None:
+    storage.keep_efs_credentials(agent.config, stop)
     agent.ready()
     waiting = agent.config.mode == "run"
     interrupted = False

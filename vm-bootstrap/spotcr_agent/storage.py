@@ -8,12 +8,13 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import store_credentials
+from . import efs_iam, store_credentials
 from .config import AgentConfig
 from .store import CheckpointStore
 from .store.backends import Backend, S3Backend
@@ -68,9 +69,9 @@ def open_store(config: AgentConfig) -> CheckpointStore:
         return CheckpointStore.for_s3(
             config.bucket, config.job_id, region=config.region, session=store_session(config), run_id=config.run_id
         )
-    if not is_mount(config.mount_point):
+    if not is_mount(mounted_at(config)):
         raise StorageError(
-            f"storage {config.storage}: {config.mount_point} is not mounted; run `spotcr-agent bootstrap`"
+            f"storage {config.storage}: {mounted_at(config)} is not mounted; run `spotcr-agent bootstrap`"
         )
     return CheckpointStore.for_directory(config.mount_point, config.job_id, run_id=config.run_id)
 
@@ -142,7 +143,7 @@ def prepare(
         raise StorageError("storage efs: no file system id configured")
     if config.storage == "fsx" and not (config.fsx_dns and config.fsx_mount_name):
         raise StorageError("storage fsx: file system DNS name and mount name must be configured")
-    mount_point = config.mount_point
+    mount_point = mounted_at(config)
     if is_mount(mount_point):
         log.info("%s is already mounted; using it as is", mount_point)
     else:
@@ -153,6 +154,8 @@ def prepare(
                 log.info("formatting %s (first use of the volume)", device)
                 runner(["mkfs.ext4", "-q", "-L", "spotcr", str(device)])
             runner(["mount", "-o", "noatime", str(device), str(mount_point)])
+        elif config.storage == "efs" and config.efs_isolation:
+            runner(_isolated_efs_mount(config))
         elif config.storage == "efs" and shutil.which("mount.efs"):
             runner(["mount", "-t", "efs", "-o", "tls", f"{config.efs_id}:/", str(mount_point)])
         elif config.storage == "efs":
@@ -163,6 +166,43 @@ def prepare(
             source = f"{config.fsx_dns}@tcp:/{config.fsx_mount_name}"
             runner(["mount", "-t", "lustre", "-o", "relatime,flock", source, str(mount_point)])
     check_writable(mount_point, config.storage)
+
+
+def mounted_at(config: AgentConfig) -> Path:
+    """Where the storage is mounted: the mount point, or for isolated EFS the job's own directory below it.
+
+    The job's access point is rooted at /jobs/<job> on the file system (functions' efs_access), so mounting it at
+    <mount point>/jobs/<job> keeps the store's layout, on the VM and on the file system, what it is without it."""
+    if config.storage == "efs" and config.efs_isolation:
+        return config.mount_point / "jobs" / config.job_id
+    return config.mount_point
+
+
+def _isolated_efs_mount(config: AgentConfig) -> list[str]:
+    """The job's own access point, mounted with its vended credentials (the file system refuses anything else)."""
+    if not shutil.which(efs_iam.MOUNT_HELPER):
+        raise StorageError(
+            "storage efs: efs_isolation needs amazon-efs-utils (mount.efs) on the image; Debian 12 does not package it"
+        )
+    if not config.store_credentials_url:
+        raise StorageError("storage efs: efs_isolation needs the store-credentials URL (the mount's credentials)")
+    credentials = efs_credentials(config)()
+    access_point = str(credentials.get("efs_access_point_id", ""))
+    if not access_point:
+        raise StorageError(f"storage efs: the store-credentials URL named no EFS access point for job {config.job_id}")
+    efs_iam.write_profile(credentials)
+    return efs_iam.mount_argv(config.efs_id, access_point, mounted_at(config), config.region)
+
+
+def efs_credentials(config: AgentConfig) -> store_credentials.Fetch:
+    return store_credentials.fetcher(config.store_credentials_url, config.job_id, config.region)
+
+
+def keep_efs_credentials(config: AgentConfig, stop: threading.Event) -> threading.Thread | None:
+    """While the agent runs, the isolated EFS mount's profile is rewritten before its credentials expire."""
+    if config.storage != "efs" or not config.efs_isolation:
+        return None
+    return efs_iam.start(efs_credentials(config), stop)
 
 
 def check_writable(mount_point: Path, storage: str) -> None:

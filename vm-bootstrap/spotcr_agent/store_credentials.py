@@ -109,6 +109,8 @@ def _metadata(body: bytes, job_id: str) -> dict[str, str]:
         raise StoreCredentialsError(f"store credentials for job {job_id}: malformed answer ({error})") from error
     if data.get("Job") != job_id:
         raise StoreCredentialsError(f"store credentials answered for job {data.get('Job')!r}, not {job_id!r}")
+    if data.get("AccessPointId"):
+        metadata["efs_access_point_id"] = str(data["AccessPointId"])  # the job's own EFS access point (efs storage)
     return metadata
 
 
