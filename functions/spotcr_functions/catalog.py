@@ -215,7 +215,7 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="restore-job",
         handler="spotcr_functions.handlers.workflow.restore",
-        description="Recovery step: retire the interrupted instance, order the restore, wait for the agent's answer.",
+        description="Recovery step: retire the interrupted instance, order the restore, wait for SSM's result of it.",
         capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND, EC2_DESCRIBE, EC2_TERMINATE),
         workflow_step=True,
     ),
