@@ -58,17 +58,20 @@ def test_a_forged_restore_completed_moves_nothing(plane: ControlPlane) -> None:
     other = plane.start_job("other-1")
     run_id = plane.job("forged-1").run_id
 
-    # When that VM puts RestoreCompleted for the job, as from itself and as from the backup
+    # When that VM puts RestoreCompleted and RestoreFailed for the job, as from itself and as from the backup
     for claimed in (other, backup):
         forged = events.RestoreCompleted("forged-1", claimed, 1, now_iso(), run_id=run_id, checkpoint_id=periodic)
         route(agent_event(forged))
+        failed = events.RestoreFailed("forged-1", claimed, 1, now_iso(), run_id=run_id, attempt="newest", reason="x")
+        route(agent_event(failed))
     # and SSM reports a restore-document command that ended on that other VM
     route(command_ended(other, "e8d3c0e4-71f7-4491-898f-c9b35bee5f3b", plane.documents["restore"], "Success"))
 
-    # Then nothing arrived for the restore: the workflow still waits
+    # Then nothing arrived for the restore: the workflow still waits on its first attempt
     job = plane.job("forged-1")
     assert job.status == Status.RECOVERING
     assert job.arrival("restore") is None
+    assert len(plane.sent_commands("restore")) == 1
     assert plane.executions()[0]["status"] == "RUNNING"
 
     # And the backup's own command result (SSM's event, then GetCommandInvocation) ends the recovery
