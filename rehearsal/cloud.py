@@ -866,6 +866,27 @@ class LocalCloud:
         if "InProgress" not in statuses:
             command.status = "Success" if statuses == {"Success"} else "Failed"
             command.status_details = command.status
+        self.emit_command_ended(
+            instance_id, command.command_id, command.document_name, status, command.requested_date_time
+        )
+
+    def emit_command_ended(
+        self, instance_id: str, command_id: str, document_name: str, status: str, requested: datetime
+    ) -> None:
+        """SSM's "EC2 Command Invocation Status-change Notification" for one instance, as AWS documents it
+        (tests/events/ssm/command-invocation-status-change.json): it says where to look, never the output."""
+        self.client("events").put_events(
+            Entries=[
+                {
+                    "Source": "aws.ssm",
+                    "DetailType": catalog.COMMAND_INVOCATION_STATUS_CHANGE,
+                    "Detail": json.dumps(
+                        command_ended_detail(instance_id, command_id, document_name, status, requested)
+                    ),
+                    "Resources": [f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"],
+                }
+            ]
+        )
 
 
 class StoreFault(Forbidden):
@@ -941,6 +962,22 @@ def _placeholder_zip() -> bytes:
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr("README.txt", "spotcr rehearsal: handlers run in-process from functions/\n")
     return buffer.getvalue()
+
+
+def command_ended_detail(
+    instance_id: str, command_id: str, document_name: str, status: str, requested: datetime
+) -> dict[str, str]:
+    """The detail of SSM's invocation status-change event (the keys and formats of AWS's sample)."""
+    return {
+        "command-id": command_id,
+        "document-name": document_name,
+        "instance-id": instance_id,
+        "requested-date-time": (requested if requested.tzinfo else requested.replace(tzinfo=UTC))
+        .astimezone(UTC)
+        .strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+        + "Z",
+        "status": status,
+    }
 
 
 def _now() -> str:

@@ -13,7 +13,7 @@ from spotcr_functions import efs_access, jobs, rendezvous
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 from spotcr_functions.observability import SERVICE
-from spotcr_functions.registry import WAIT_KEYS, restore_key
+from spotcr_functions.registry import WAIT_KEYS
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -205,22 +205,16 @@ def _checkpoint_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, A
 
 
 def _restore_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
-    deps.metric("RestoreSeconds", "Seconds", event.seconds)
-    output = {
-        "checkpoint_id": event.checkpoint_id,
-        "instance_id": event.instance_id,
-        "pid": event.pid,
-        "skipped": event.skipped,
-    }
-    rendezvous.arrive(deps, record.job_id, restore_key(event.attempt), record.generation, output)
-    return {"action": "restored"}
+    """Telemetry only: any VM that knows the run id could put this event. The restore is taken from SSM's result
+    of the restore command on the backup (recovery.on_restore_command, recovery.check_restore)."""
+    logger.info("agent says restored", job_id=record.job_id, instance_id=event.instance_id, attempt=event.attempt)
+    return {"action": "noted", "reason": "a restore is taken from SSM's command result"}
 
 
 def _restore_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
-    cause = f"{event.checkpoint_id or 'newest'}: {event.reason}"
-    key = restore_key(event.attempt)
-    rendezvous.arrive(deps, record.job_id, key, record.generation, {}, error="RestoreFailed", cause=cause)
-    return {"action": "restore-failed"}
+    """Telemetry only (see _restore_completed): the failure is taken from SSM's result of the restore command."""
+    logger.warning("agent says the restore failed", job_id=record.job_id, reason=event.reason, attempt=event.attempt)
+    return {"action": "noted", "reason": "a restore is taken from SSM's command result"}
 
 
 def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:

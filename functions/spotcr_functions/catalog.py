@@ -85,6 +85,9 @@ REBALANCE_RECOMMENDATION = "EC2 Instance Rebalance Recommendation"
 STATE_CHANGE = "EC2 Instance State-change Notification"
 TAG_CHANGE = "Tag Change on Resource"
 EXECUTION_STATUS_CHANGE = "Step Functions Execution Status Change"
+COMMAND_INVOCATION_STATUS_CHANGE = "EC2 Command Invocation Status-change Notification"
+# An invocation's final statuses as the status-change event names them (GetCommandInvocation says the same).
+COMMAND_ENDED = ("Success", "Failed", "Cancelled", "TimedOut", "Undeliverable", "Terminated")
 
 # Registering a job (or failing a hand-over) may wait for an EBS volume (cloud.VOLUME_WAIT_SECONDS): outlast it.
 REGISTERING_TIMEOUT_S = VOLUME_WAIT_SECONDS + 30
@@ -216,8 +219,31 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="restore-job",
         handler="spotcr_functions.handlers.workflow.restore",
-        description="Recovery step: retire the interrupted instance, order the restore, wait for the agent's answer.",
+        description="Recovery step: retire the interrupted instance, order the restore, wait for SSM's result of it.",
         capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND, EC2_DESCRIBE, EC2_TERMINATE),
+        workflow_step=True,
+    ),
+    Function(
+        name="restore-result",
+        handler="spotcr_functions.handlers.command_status.handler",
+        description="A restore command ended (SSM's event): read its result from SSM, resume the Restore step.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, COMMAND_RESULTS, TASK_CALLBACK),
+        rules=(
+            Rule(
+                "command-invocation-ended",
+                {
+                    "source": ["aws.ssm"],
+                    "detail-type": [COMMAND_INVOCATION_STATUS_CHANGE],
+                    "detail": {"status": list(COMMAND_ENDED)},
+                },
+            ),
+        ),
+    ),
+    Function(
+        name="check-restore",
+        handler="spotcr_functions.handlers.workflow.check_restore",
+        description="Recovery step: the restore wait timed out; ask SSM whether its command ended or still runs.",
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, COMMAND_RESULTS, TASK_CALLBACK),
         workflow_step=True,
     ),
     Function(
@@ -276,6 +302,7 @@ WORKFLOW_SUBSTITUTIONS: dict[str, str] = {
     "AwaitAgentEventFunctionArn": "function:await-agent-event",
     "MoveVolumeFunctionArn": "function:move-volume",
     "RestoreJobFunctionArn": "function:restore-job",
+    "CheckRestoreFunctionArn": "function:check-restore",
     "FinishRecoveryFunctionArn": "function:finish-recovery",
     "FailRecoveryFunctionArn": "function:fail-recovery",
     "ReleaseDocumentName": "document:release",

@@ -321,6 +321,16 @@ class Cloud:
         )
         return str(response["Command"]["CommandId"])
 
+    def command_invocation(self, command_id: str, instance_id: str) -> dict[str, Any] | None:
+        """What SSM says of the command on that instance (Status, StandardOutputContent, ...): the output only that
+        instance's SSM Agent can report. None when SSM has no such invocation."""
+        try:
+            return dict(self.ssm.get_command_invocation(CommandId=command_id, InstanceId=instance_id))
+        except ClientError as error:
+            if error_code(error) in ("InvocationDoesNotExist", "InvalidCommandId", "InvalidInstanceId"):
+                return None
+            raise
+
     def start_recovery(self, state_machine_arn: str, name: str, payload: Mapping[str, Any]) -> bool:
         """Start the recovery workflow under a deterministic name; False when it already runs or ran."""
         try:

@@ -301,7 +301,8 @@ def _check_handover_deadline(deps: Deps, record: JobRecord, volume_id: str, stat
 
 
 def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) -> dict[str, Any]:
-    """Order the restore on the backup and wait (task token) for RestoreCompleted or RestoreFailed."""
+    """Order the restore on the backup and wait (task token) for SSM's answer (on_restore_command, or
+    check_restore when the wait times out). The command's id is kept per attempt in the record."""
     record = _current(deps, job_id, generation)
     backup_instance_id = record.backup_instance_id
     if backup_instance_id is None:
@@ -325,9 +326,145 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
         "RunId": record.run_id,
         "Attempt": attempt,
     }
-    deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, backup_instance_id, values)
+    command_id = deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, backup_instance_id, values)
+    ordered = {"command_id": command_id, "instance_id": backup_instance_id, "generation": generation}
+    deps.registry.update(
+        job_id,
+        {restore_command_attribute(attempt): {**ordered, "ordered_at": deps.iso_now()}},
+        condition="#generation = :g AND #status = :recovering",
+        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+    )
     logger.info("restore ordered", job_id=job_id, instance_id=backup_instance_id, checkpoint_id=checkpoint_id)
-    return {"checkpoint_id": checkpoint_id}
+    return {"checkpoint_id": checkpoint_id, "command_id": command_id}
+
+
+_GONE = frozenset({"stopping", "stopped", "shutting-down", "terminated"})
+
+
+class RestoreFailed(Exception):
+    """SSM says the restore command failed on the backup (or never reached it): the workflow tries the previous
+    checkpoint, then gives up."""
+
+
+class RestoreTimedOut(Exception):
+    """The restore command still runs on the backup after twice the restore wait: the workflow gives up."""
+
+
+def restore_command_attribute(attempt: str) -> str:
+    """Where the record keeps the restore command each attempt sent (its CommandId, instance, generation)."""
+    return "command_" + restore_key(attempt).replace("-", "_")
+
+
+def on_restore_command(deps: Deps, command_id: str, instance_id: str, document_name: str) -> dict[str, Any]:
+    """SSM's status-change event for a restore command (source aws.ssm, which no VM can put): take the restore's
+    outcome from GetCommandInvocation of that command on that instance and resume the waiting Restore step.
+
+    Invariant (facts from authenticated sources): a restore completes or fails only on what SSM reports for a
+    restore command on the job's backup: the instance must be the record's backup, the command the one the step
+    sent (or its output must name this job's run, generation and attempt). The agent's RestoreCompleted and
+    RestoreFailed events move nothing (tests/workflow/test_authenticated.py)."""
+    if document_name != deps.settings.restore_document:
+        return {"action": "ignored", "reason": f"not the restore document: {document_name}"}
+    instance = deps.cloud.describe_instance(instance_id)
+    job_id = instance.tags.get(tags.JOB) if instance else None
+    record = deps.registry.get(job_id) if job_id else None
+    if record is None or record.status != Status.RECOVERING or record.backup_instance_id != instance_id:
+        logger.info("restore command of an instance that is no job's backup", instance_id=instance_id)
+        return {"action": "ignored", "reason": "not a recovering job's backup"}
+    invocation = deps.cloud.command_invocation(command_id, instance_id) or {}
+    attempt = _attempt_of(record, command_id, instance_id, invocation)
+    if attempt is None:
+        logger.warning("restore command answers no attempt of this generation", job_id=record.job_id)
+        return {"action": "ignored", "reason": "not this generation's restore"}
+    state = _take_restore_result(deps, record, attempt, invocation)
+    return {"action": f"restore-{state}", "job_id": record.job_id, "attempt": attempt}
+
+
+def _attempt_of(record: JobRecord, command_id: str, instance_id: str, invocation: dict[str, Any]) -> str | None:
+    """The attempt this command is: the one whose stored CommandId it is, or (the event came before the step stored
+    it) the attempt its output names, for this run and generation."""
+    for attempt in commands.RESTORE_ATTEMPTS:
+        ordered = record.extra.get(restore_command_attribute(attempt))
+        if isinstance(ordered, dict) and ordered.get("command_id") == command_id:
+            same = ordered.get("instance_id") == instance_id and ordered.get("generation") == record.generation
+            return attempt if same else None
+    result = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
+    named = (result.get("run_id") or "", result.get("generation"), result.get("job_id"))
+    if (
+        named == (record.run_id, record.generation, record.job_id)
+        and result.get("attempt") in commands.RESTORE_ATTEMPTS
+    ):
+        return str(result["attempt"])
+    return None
+
+
+def _take_restore_result(deps: Deps, record: JobRecord, attempt: str, invocation: dict[str, Any]) -> str:
+    """Record SSM's answer to a finished restore command and resume the step; "running" while it still runs."""
+    status = str(invocation.get("Status") or "Undeliverable")
+    if status in commands.COMMAND_RUNNING:
+        return "running"
+    key = restore_key(attempt)
+    result = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
+    named = (result.get("job_id"), result.get("run_id") or "", result.get("generation"), result.get("attempt") or "")
+    mine = named == (record.job_id, record.run_id, record.generation, attempt)
+    if status == commands.COMMAND_SUCCEEDED and result.get("ok") is True and mine:
+        output = {
+            "checkpoint_id": str(result.get("checkpoint_id") or ""),
+            "instance_id": record.backup_instance_id,
+            "pid": int(result.get("pid") or 0),
+            "skipped": str(result.get("skipped") or ""),
+        }
+        deps.metric("RestoreSeconds", "Seconds", float(result.get("seconds") or 0.0))
+        rendezvous.arrive(deps, record.job_id, key, record.generation, output)
+        return "restored"
+    if status == commands.COMMAND_SUCCEEDED:
+        cause = "the restore command succeeded but printed no result for this job's run, generation and attempt"
+    elif result.get("error"):
+        cause = str(result["error"])[:1000]
+    else:
+        stderr = str(invocation.get("StandardErrorContent") or "").strip()
+        cause = f"the restore command ended {status} on {record.backup_instance_id}" + (
+            f": {stderr[-500:]}" if stderr else ""
+        )
+    rendezvous.arrive(deps, record.job_id, key, record.generation, {}, error="RestoreFailed", cause=cause)
+    return "failed"
+
+
+def check_restore(deps: Deps, job_id: str, generation: int, attempt: str) -> dict[str, Any]:
+    """The Restore step timed out (its status-change event was lost, or the restore runs long): ask SSM.
+
+    Invariant (a lost answer never terminates a healthy backup): a restore SSM reports done is taken; one it
+    reports still running is waited for (the workflow polls) until twice the restore wait since it was ordered;
+    only a command SSM reports failed or undeliverable, or a backup that is gone, fails the attempt
+    (tests/workflow/test_authenticated.py)."""
+    record = _current(deps, job_id, generation)
+    key = restore_key(attempt)
+    arrival = record.arrival(key)
+    if arrival and arrival.get("generation") == generation:
+        if arrival.get("error"):
+            raise RestoreFailed(str(arrival.get("cause") or arrival["error"]))
+        return {"restored": True}
+    ordered = record.extra.get(restore_command_attribute(attempt))
+    if not isinstance(ordered, dict) or ordered.get("generation") != generation:
+        raise RestoreFailed(f"job {job_id}: no restore command was sent for attempt {attempt}")
+    instance_id = str(ordered["instance_id"])
+    backup = deps.cloud.describe_instance(instance_id)
+    if backup is None or backup.state in _GONE:
+        raise RestoreFailed(f"job {job_id}: backup {instance_id} is {backup.state if backup else 'gone'}")
+    invocation = deps.cloud.command_invocation(str(ordered["command_id"]), instance_id)
+    if invocation is None:
+        invocation = {"Status": "Undeliverable"}
+    state = _take_restore_result(deps, record, attempt, invocation)
+    if state == "restored":
+        return {"restored": True}
+    if state == "failed":
+        fresh = _current(deps, job_id, generation).arrival(key) or {}
+        raise RestoreFailed(str(fresh.get("cause") or "the restore command failed"))
+    waited = (deps.now() - parse_time(str(ordered["ordered_at"]))).total_seconds()
+    if waited > 2 * deps.settings.restore_wait_s:
+        raise RestoreTimedOut(f"job {job_id}: the restore on {instance_id} still runs after {waited:.0f} s")
+    logger.info("restore still running; waiting", job_id=job_id, attempt=attempt, waited_s=round(waited))
+    return {"restored": False}
 
 
 def _retire_primary(deps: Deps, record: JobRecord) -> None:

@@ -1,12 +1,13 @@
-"""Task tokens meet agent events: whichever of (token stored, event arrived) comes second resumes the workflow.
+"""Task tokens meet answers (agent events, SSM command results): whichever of (token stored, answer arrived) comes
+second resumes the workflow.
 
 Both sides write with one atomic UpdateItem returning ALL_NEW, so at least one of them sees both halves.
 
 Invariant: an answer completes only the wait it answers. The key names the wait, and each restore attempt of a
-generation has its own key (registry.restore_key, from the Attempt the restore command carried and the agent's
-answer echoes); the generation stored with both halves must match. So a duplicated RestoreFailed for attempt N
-lands on attempt N's key (whose token was used already) and never completes attempt N+1's token, and a retried
-step of the same attempt finds its answer instead of forgetting it.
+generation has its own key (registry.restore_key, from the Attempt of the restore command whose SSM result is the
+answer: recovery.on_restore_command); the generation stored with both halves must match. So a duplicated failure
+of attempt N lands on attempt N's key (whose token was used already) and never completes attempt N+1's token, and
+a retried step of the same attempt finds its answer instead of forgetting it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
 
 
 def test_a_second_instance_with_a_running_jobs_name_never_gets_the_run_and_moves_nothing(plane: ControlPlane) -> None:
@@ -90,5 +90,5 @@ def test_a_name_reused_after_completed_is_a_new_run_that_never_sees_the_old_ones
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     assert restore["parameters"]["RunId"] == record.run_id
     assert restore["parameters"]["CheckpointId"] == ""
-    route(agent_event(events.RestoreCompleted("again-1", backup, 1, now_iso(), checkpoint_id="")))
+    finish_restore(events.RestoreCompleted("again-1", backup, 1, now_iso(), checkpoint_id=""))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"

@@ -90,7 +90,7 @@ def test_imds_serves_the_instance_tags_and_the_spot_notice(cloud):
 
 
 @pytest.mark.criu
-def test_send_command_runs_the_document_in_the_target_vm(cloud):
+def test_send_command_runs_the_document_in_the_target_vm(cloud, events):
     instance_id, _vm = launch(cloud, {"Name": "a"})
     wait_for(lambda: cloud.managed_instances.online(instance_id))
     ssm = cloud.client("ssm")
@@ -110,6 +110,13 @@ def test_send_command_runs_the_document_in_the_target_vm(cloud):
         "argv": ["checkpoint", "--job", "demo", "--generation", "3", "--kind", "final"],
         "instance": instance_id,
     }
+    # and SSM's status-change event for the invocation says where to look, as AWS's sample does
+    sample = json.loads((EVENTS / "command-invocation-status-change.json").read_text())
+    [ended] = wait_for(lambda: [e for e in events if e["Source"] == sample["source"]])
+    assert ended["DetailType"] == sample["detail-type"]
+    detail = json.loads(ended["Detail"])
+    assert detail.keys() == sample["detail"].keys()
+    assert (detail["command-id"], detail["instance-id"], detail["status"]) == (command_id, instance_id, "Success")
 
 
 def test_send_command_refuses_parameters_that_fail_the_document_pattern(cloud):

@@ -25,6 +25,7 @@ from moto.core.botocore_stubber import BotocoreStubber
 from moto.core.responses import EmptyResult
 from moto.events.models import EventPattern
 from moto.ssm.models import Command as MotoCommand
+from moto.ssm.models import ssm_backends
 from moto.stepfunctions.responses import StepFunctionResponse
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
@@ -107,6 +108,76 @@ def _send_task_failure_with_cause(self: Any) -> Any:
         self._get_param("taskToken"), error=self._get_param("error"), cause=self._get_param("cause")
     )
     return EmptyResult()
+
+
+_moto_command_init = MotoCommand.__init__
+
+
+def _restore_runs(self: Any, *args: Any, **kwargs: Any) -> None:
+    """A restore command runs on its instance until the agent there answers (finish_restore): SSM reports it
+    InProgress (moto reports every command Success at once, with no output)."""
+    _moto_command_init(self, *args, **kwargs)
+    if self.document_name.endswith("-restore"):
+        self.status = self.status_details = "InProgress"
+        for invocation in self.invocations:
+            invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
+
+
+def command_ended(instance_id: str, command_id: str, document_name: str, status: str) -> dict[str, Any]:
+    """SSM's status-change event for one invocation, shaped as AWS's published sample (tests/events/ssm)."""
+    event = load_event("ssm/command-invocation-status-change")
+    event.pop("_source", None)
+    event["id"] = str(uuid.uuid4())
+    event["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    event["region"], event["account"] = REGION, ACCOUNT
+    event["resources"] = [f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"]
+    event["detail"].update(
+        {"command-id": command_id, "document-name": document_name, "instance-id": instance_id, "status": status}
+    )
+    return event
+
+
+def end_restore_command(answer: events.RestoreCompleted | events.RestoreFailed) -> tuple[str, dict[str, Any]]:
+    """The backup's agent ends the newest restore command sent to its instance as the real agent does: one result
+    line on stdout (spotcr_agent.cli._restore), exit 0 only when restored. Returns SSM's status-change event for it,
+    not delivered."""
+    backend = ssm_backends[ACCOUNT][REGION]
+    restores = [c for c in backend._commands if str(c.document_name).endswith("-restore")]
+    sent = [c for c in restores if answer.instance_id in c.instance_ids]
+    command = sent[-1]
+    parameters = {k: v[0] for k, v in command.parameters.items()}
+    line: dict[str, Any] = {
+        "job_id": parameters["JobId"],
+        "run_id": answer.run_id or parameters.get("RunId", ""),
+        "generation": answer.generation,
+        "attempt": answer.attempt or parameters.get("Attempt", ""),
+    }
+    if isinstance(answer, events.RestoreCompleted):
+        line = {"ok": True, **line, "checkpoint_id": answer.checkpoint_id, "seconds": answer.seconds, "pid": answer.pid}
+        line["skipped"] = answer.skipped
+        status, code = "Success", 0
+    else:
+        line = {"ok": False, **line, "error": f"{answer.checkpoint_id or 'newest'}: {answer.reason}"}
+        status, code = "Failed", 1
+    for invocation in command.invocations:
+        if invocation["InstanceId"] == answer.instance_id:
+            invocation.update(
+                {
+                    "Status": status,
+                    "StatusDetails": status,
+                    "ResponseCode": code,
+                    "StandardOutputContent": json.dumps(line) + "\n",
+                    "StandardErrorContent": "",
+                }
+            )
+    return command.command_id, command_ended(answer.instance_id, command.command_id, str(command.document_name), status)
+
+
+def finish_restore(answer: events.RestoreCompleted | events.RestoreFailed) -> list[tuple[str, Any]]:
+    """The backup's restore ends: its command's result is in SSM, SSM's status-change event is delivered, and the
+    agent's own event (telemetry) too."""
+    _, ended = end_restore_command(answer)
+    return route(ended) + route(agent_event(answer))
 
 
 def function_arn(name: str) -> str:
@@ -201,6 +272,7 @@ class ControlPlane:
         monkeypatch.setattr(LambdaSimpleBackend, "invoke", _moto_lambda_invoke)
         monkeypatch.setattr(MotoCommand, "_get_instance_ids_from_targets", _targets_only)
         monkeypatch.setattr(StepFunctionResponse, "send_task_failure", _send_task_failure_with_cause)
+        monkeypatch.setattr(MotoCommand, "__init__", _restore_runs)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()
         self.ec2 = boto3.client("ec2", region_name=REGION)

@@ -7,7 +7,16 @@ import dataclasses
 from spotcr_contracts import events
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+from tests.workflow.harness import (
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    ec2_event,
+    end_restore_command,
+    finish_restore,
+    now_iso,
+    route,
+)
 
 
 def _commit(plane: ControlPlane, job_id: str, instance_id: str, at_ms: int) -> str:
@@ -28,19 +37,19 @@ def test_a_duplicated_restore_failed_never_completes_the_next_attempts_token(pla
     failed = events.RestoreFailed(
         "twice-1", backup, 1, now_iso(), checkpoint_id=newest, reason="corrupt", attempt="newest"
     )
-    route(agent_event(failed))
+    _, first_ended = end_restore_command(failed)
+    route(first_ended)
     plane.wait_until(lambda: plane.job("twice-1").token("restore-previous"), "the second attempt's token")
     assert [c["parameters"]["Attempt"] for c in plane.sent_commands("restore")] == ["newest", "previous"]
 
-    # When the first attempt fails again while the second attempt waits: its command delivered twice, the agent
-    # answered both (a new event, not a copy the control plane could drop as seen)
+    # When the first attempt's failure is reported again while the second attempt waits: SSM's status-change event
+    # for the first command delivered twice, and the agent's own event sent again (a new event, not a copy)
+    route(first_ended)
     route(agent_event(dataclasses.replace(failed, event_id="a" * 32, reason="corrupt (answered twice)")))
 
     # Then it is not the second attempt's answer: nothing arrived for it, and its own answer ends the recovery
     assert plane.job("twice-1").arrival("restore-previous") is None
-    route(
-        agent_event(events.RestoreCompleted("twice-1", backup, 1, now_iso(), checkpoint_id=older, attempt="previous"))
-    )
+    finish_restore(events.RestoreCompleted("twice-1", backup, 1, now_iso(), checkpoint_id=older, attempt="previous"))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     assert plane.job("twice-1").status == Status.RUNNING
 

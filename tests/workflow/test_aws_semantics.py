@@ -27,6 +27,7 @@ from tests.workflow.harness import (
     agent_event,
     checkpoint_id,
     ec2_event,
+    finish_restore,
     load_event,
     now_iso,
     route,
@@ -51,7 +52,7 @@ def _restore_on(plane: ControlPlane, job_id: str, backup: str, generation: int =
     route(agent_event(events.AgentReady(job_id, backup, generation, now_iso(), mode="restore")))
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     checkpoint = restore["parameters"]["CheckpointId"]
-    route(agent_event(events.RestoreCompleted(job_id, backup, generation, now_iso(), checkpoint_id=checkpoint)))
+    finish_restore(events.RestoreCompleted(job_id, backup, generation, now_iso(), checkpoint_id=checkpoint))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     return str(checkpoint)
 
@@ -320,10 +321,10 @@ def test_a_failed_execution_whose_catch_ran_is_not_failed_twice(plane: ControlPl
     backup = _backup(plane, "twice-1")
     route(agent_event(events.AgentReady("twice-1", backup, 1, now_iso(), mode="restore")))
     plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
-    route(agent_event(events.RestoreFailed("twice-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt")))
+    finish_restore(events.RestoreFailed("twice-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt"))
     # (the second attempt walks again from the previous checkpoint; with none, from the newest)
     plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
-    route(agent_event(events.RestoreFailed("twice-1", backup, 1, now_iso(), checkpoint_id="", reason="corrupt")))
+    finish_restore(events.RestoreFailed("twice-1", backup, 1, now_iso(), checkpoint_id="", reason="corrupt"))
     assert plane.wait_for_execution()["status"] == "FAILED"
     assert plane.job("twice-1").status == Status.FAILED
     first = plane.notifications()
@@ -401,9 +402,9 @@ def test_a_failed_cross_az_recovery_keeps_the_jobs_volume_and_deletes_what_the_m
     assert moved.handover_volume_id and moved.handover_snapshot_id
 
     # When both restore attempts fail and there is no earlier checkpoint
-    route(agent_event(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt")))
+    finish_restore(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id=only, reason="corrupt"))
     plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
-    route(agent_event(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id="", reason="corrupt")))
+    finish_restore(events.RestoreFailed("mvf-1", backup, 1, now_iso(), checkpoint_id="", reason="corrupt"))
 
     # Then the job is FAILED, its own volume (with its checkpoints) kept, the hand-over volume and snapshot gone
     assert plane.wait_for_execution()["status"] == "FAILED"

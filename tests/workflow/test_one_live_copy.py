@@ -14,7 +14,7 @@ from spotcr_functions import recovery
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
 
 
 def _interrupted_with_a_periodic_checkpoint(plane: ControlPlane, job_id: str) -> tuple[str, str]:
@@ -58,7 +58,7 @@ def test_a_failed_final_dump_with_the_agents_confirmed_kill_lets_the_backup_rest
     # Then the backup restores the periodic checkpoint without waiting for EC2: the old copy is known dead
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     assert restore["parameters"]["CheckpointId"] == periodic
-    route(agent_event(events.RestoreCompleted("kill-1", backup, 1, now_iso(), checkpoint_id=periodic)))
+    finish_restore(events.RestoreCompleted("kill-1", backup, 1, now_iso(), checkpoint_id=periodic))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     assert plane.job("kill-1").status == Status.RUNNING
 

@@ -8,7 +8,7 @@ from spotcr_contracts import events
 from spotcr_functions.config import OPTIONAL_ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
 
 T = 1_795_000_000_000  # the primary's clock, in unix milliseconds
 
@@ -41,7 +41,7 @@ def test_a_backup_whose_clock_is_behind_has_its_checkpoints_recorded_and_restore
     final = _commit("skew-1", primary, 1, "final", T + 10_000)
     backup, restore = _recover(plane, "skew-1", 1)
     assert restore["parameters"]["CheckpointId"] == final
-    route(agent_event(events.RestoreCompleted("skew-1", backup, 1, now_iso(), checkpoint_id=final)))
+    finish_restore(events.RestoreCompleted("skew-1", backup, 1, now_iso(), checkpoint_id=final))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
 
     # When the backup, whose clock is 120 s behind, commits a periodic checkpoint a minute later
@@ -74,7 +74,7 @@ def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore
 
     # Then it is not the job's newest: the backup's run continues from the periodic checkpoint
     assert plane.job("late-1").checkpoint_id == periodic
-    route(agent_event(events.RestoreCompleted("late-1", backup, 1, now_iso(), checkpoint_id=periodic)))
+    finish_restore(events.RestoreCompleted("late-1", backup, 1, now_iso(), checkpoint_id=periodic))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     # And a copy delivered after the backup took over is not either
     route(agent_event(completed))

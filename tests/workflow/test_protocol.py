@@ -20,6 +20,7 @@ from tests.workflow.harness import (
     ControlPlane,
     agent_event,
     ec2_event,
+    finish_restore,
     invoke_function,
     now_iso,
     route,
@@ -87,7 +88,7 @@ def test_an_exit_right_after_the_restore_ends_the_job_and_the_recovery(
 
     # When the restored job exits at once, and its exit is handled before the RestoreCompleted
     route(agent_event(events.JobExited("quick-1", backup, 1, now_iso(), exit_code=exit_code)))
-    route(agent_event(events.RestoreCompleted("quick-1", backup, 1, now_iso(), checkpoint_id=periodic, seconds=1.0)))
+    finish_restore(events.RestoreCompleted("quick-1", backup, 1, now_iso(), checkpoint_id=periodic, seconds=1.0))
 
     # Then the job ends exactly once, with its code, and the recovery does not make it RUNNING again
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
@@ -159,7 +160,7 @@ def test_an_early_final_dump_is_kept_by_the_bump_and_restored_at_once(slow_final
     # Then recovery uses that final dump at once (the final-dump wait is 600 s here)
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command", timeout=15)
     assert restore["parameters"]["CheckpointId"] == final
-    route(agent_event(events.RestoreCompleted("early-1", backup, 1, now_iso(), checkpoint_id=final, seconds=1.0)))
+    finish_restore(events.RestoreCompleted("early-1", backup, 1, now_iso(), checkpoint_id=final, seconds=1.0))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
 
 
@@ -173,7 +174,7 @@ def test_an_earlier_recoverys_final_dump_is_not_carried_into_the_next(plane: Con
     _commit(plane, "twice-1", primary, 1, "final", at_ms=1_795_000_060_000)
     route(agent_event(events.AgentReady("twice-1", backup, 1, now_iso(), mode="restore")))
     plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
-    route(agent_event(events.RestoreCompleted("twice-1", backup, 1, now_iso(), checkpoint_id="x", seconds=1.0)))
+    finish_restore(events.RestoreCompleted("twice-1", backup, 1, now_iso(), checkpoint_id="x", seconds=1.0))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
 
     # When the backup is interrupted in turn
@@ -197,7 +198,7 @@ def test_no_checkpoint_restarts_from_the_beginning_and_tells_the_user(plane: Con
     assert restore["parameters"]["CheckpointId"] == ""
     skipped = "job fresh-1 has no committed checkpoint: started from the beginning"
     completed = events.RestoreCompleted("fresh-1", backup, 1, now_iso(), checkpoint_id="", pid=7, skipped=skipped)
-    route(agent_event(completed))
+    finish_restore(completed)
 
     # Then the job runs on the backup and the user is told why it started over
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
@@ -218,9 +219,9 @@ def test_a_failed_walk_notifies_the_agents_reason_without_a_stack_trace(plane: C
     # When both restore attempts fail on the backup, the second with no earlier checkpoint to start from
     reason = f"{only}: checkpoint {only} is corrupt: chunk ab of images/pages-1.img is missing from the store"
     plane.wait_until(lambda: plane.sent_commands("restore"), "the first restore")
-    route(agent_event(events.RestoreFailed("walk-1", backup, 1, now_iso(), checkpoint_id=only, reason=reason)))
+    finish_restore(events.RestoreFailed("walk-1", backup, 1, now_iso(), checkpoint_id=only, reason=reason))
     plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
-    route(agent_event(events.RestoreFailed("walk-1", backup, 1, now_iso(), checkpoint_id="", reason=reason)))
+    finish_restore(events.RestoreFailed("walk-1", backup, 1, now_iso(), checkpoint_id="", reason=reason))
 
     # Then the job is FAILED and the notification names the agent's reason, not a function's stack trace
     assert plane.wait_for_execution()["status"] == "FAILED"
@@ -276,7 +277,7 @@ def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane,
     plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
     [again] = [c for c in plane.sent_commands("restore") if c["instances"] == [second]]
     assert again["parameters"]["CheckpointId"] == restored
-    route(agent_event(events.RestoreCompleted("second-1", second, 2, now_iso(), checkpoint_id=restored)))
+    finish_restore(events.RestoreCompleted("second-1", second, 2, now_iso(), checkpoint_id=restored))
     plane.wait_until(lambda: plane.job("second-1").status == Status.RUNNING, "the job to run again")
     job = plane.job("second-1")
     assert (job.instance_id, job.generation) == (second, 2)

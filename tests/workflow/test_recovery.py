@@ -14,7 +14,7 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import OPTIONAL_ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, now_iso, route
+from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
 
 
 class NoCapacity(EC2ClientError):
@@ -100,9 +100,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
         "RunId": plane.job("render-1").run_id,
         "Attempt": "newest",
     }
-    route(
-        agent_event(events.RestoreCompleted("render-1", backup, 1, now_iso(), checkpoint_id=final, seconds=2.0, pid=99))
-    )
+    finish_restore(events.RestoreCompleted("render-1", backup, 1, now_iso(), checkpoint_id=final, seconds=2.0, pid=99))
 
     # Then the job runs on the backup at generation 1
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
@@ -125,7 +123,7 @@ def _recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | 
     completed = events.RestoreCompleted(
         job_id, backup, record.generation, now_iso(), checkpoint_id=restored, seconds=1.0
     )
-    route(agent_event(completed))
+    finish_restore(completed)
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     return backup
 
@@ -397,15 +395,15 @@ def test_a_restore_that_never_answers_is_not_followed_by_a_second_one(
     record = plane.wait_until(lambda: (r := plane.job("quiet-1")).backup_instance_id and r, "the backup launch")
     route(agent_event(events.AgentReady("quiet-1", str(record.backup_instance_id), 1, now_iso(), mode="restore")))
 
-    # Then the newest checkpoint is tried; the first restore may still run, so no second one is sent: the job is
-    # FAILED and the backup (where that restore runs) terminated
+    # Then the newest checkpoint is tried; SSM says its command still runs, so no second one is sent; once it has
+    # run twice the restore wait the job is FAILED and the backup (where that restore runs) terminated
     assert plane.wait_for_execution()["status"] == "FAILED"
     restores = [c["parameters"]["CheckpointId"] for c in plane.sent_commands("restore")]
     assert restores == [newest]
     assert older != newest
     job = plane.job("quiet-1")
     assert job.status == Status.FAILED
-    assert "States.Timeout" in str(job.reason)
+    assert "RestoreTimedOut" in str(job.reason)
     [backup] = plane.backups()
     assert backup["State"]["Name"] in ("shutting-down", "terminated")
 
@@ -421,11 +419,11 @@ def test_restore_failure_retries_the_previous_checkpoint(plane: ControlPlane) ->
 
     # When restoring the newest checkpoint fails on the backup
     plane.wait_until(lambda: plane.sent_commands("restore"), "the first restore")
-    route(agent_event(events.RestoreFailed("retry-1", backup, 1, now_iso(), checkpoint_id=newest, reason="corrupt")))
+    finish_restore(events.RestoreFailed("retry-1", backup, 1, now_iso(), checkpoint_id=newest, reason="corrupt"))
 
     # Then the previous checkpoint is restored and the job runs again
     plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
     assert {c["parameters"]["CheckpointId"] for c in plane.sent_commands("restore")} == {newest, older}
-    route(agent_event(events.RestoreCompleted("retry-1", backup, 1, now_iso(), checkpoint_id=older, seconds=1.0)))
+    finish_restore(events.RestoreCompleted("retry-1", backup, 1, now_iso(), checkpoint_id=older, seconds=1.0))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     assert plane.job("retry-1").status == Status.RUNNING

@@ -176,11 +176,27 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
     if args.command == "checkpoint":
         _print({"ok": True, **agent.checkpoint(args.kind, args.generation).to_json()})
     elif args.command == "restore":
-        _print({"ok": True, **agent.restore(args.generation, args.checkpoint, args.attempt).to_json()})
+        return _restore(agent, args)
     elif args.command == "release":
         _print({"ok": True, "released": agent.release(args.generation)})
     else:
         _print({"ok": True, **agent.status()})
+    return OK
+
+
+def _restore(agent: Agent, args: argparse.Namespace) -> int:
+    """Blocks until the restore is done or failed; its one result line (what the control plane reads from SSM's
+    GetCommandInvocation) names the job, run, generation and attempt it answers. Exit 0 only when restored."""
+    answers = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "attempt": args.attempt}
+    try:
+        outcome = agent.restore(args.generation, args.checkpoint, args.attempt)
+    except StaleGeneration as error:
+        _print({"ok": False, **answers, "error": str(error), "stale": True})
+        return STALE
+    except Exception as error:
+        _print({"ok": False, **answers, "error": str(error)})
+        return FAILED
+    _print({"ok": True, **answers, **outcome.to_json()})
     return OK
 
 

@@ -50,6 +50,13 @@ def restore(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+def check_restore(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    return recovery.check_restore(_edge.deps(), *_job(event), str(event["attempt"]))
+
+
+@logger.inject_lambda_context
+@tracer.capture_lambda_handler
+@metrics.log_metrics
 def finish(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.finish(_edge.deps(), *_job(event))
 

@@ -1,0 +1,176 @@
+"""Facts from authenticated sources: a restore is taken from SSM's result of the restore command on the backup.
+
+The agent's RestoreCompleted and RestoreFailed are telemetry: any job VM that knows a run id could put them. What
+moves the Restore step is GetCommandInvocation of the command the step sent, read when SSM's status-change event
+(source aws.ssm, which no VM can put) arrives, or when the wait times out (recovery.check_restore).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from moto.ssm.models import ssm_backends
+from spotcr_contracts import events
+from spotcr_functions import catalog, recovery
+from spotcr_functions.config import OPTIONAL_ENV
+from spotcr_functions.models import Status
+
+from rehearsal.cloud import command_ended_detail
+from tests.workflow.harness import (
+    ACCOUNT,
+    REGION,
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    command_ended,
+    ec2_event,
+    end_restore_command,
+    finish_restore,
+    load_event,
+    now_iso,
+    route,
+)
+
+
+def _restoring(plane: ControlPlane, job_id: str) -> tuple[str, str, str]:
+    """A job interrupted with a periodic checkpoint, its backup ready and its restore ordered."""
+    primary = plane.start_job(job_id)
+    periodic = checkpoint_id("periodic", 0)
+    route(agent_event(events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic)))
+    route(ec2_event("state-change-terminated", primary))
+    backup = plane.wait_until(lambda: plane.job(job_id).backup_instance_id, "the backup launch")
+    route(agent_event(events.AgentReady(job_id, backup, 1, now_iso(), mode="restore")))
+    plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    plane.wait_for_token(job_id, "restore")
+    return primary, backup, periodic
+
+
+def _backup_state(plane: ControlPlane, backup: str) -> str:
+    [instance] = [i for i in plane.backups() if i["InstanceId"] == backup]
+    return str(instance["State"]["Name"])
+
+
+def test_a_forged_restore_completed_moves_nothing(plane: ControlPlane) -> None:
+    # Given a job whose backup restores, and another job's VM that knows its run id
+    _, backup, periodic = _restoring(plane, "forged-1")
+    other = plane.start_job("other-1")
+    run_id = plane.job("forged-1").run_id
+
+    # When that VM puts RestoreCompleted and RestoreFailed for the job, as from itself and as from the backup
+    for claimed in (other, backup):
+        forged = events.RestoreCompleted("forged-1", claimed, 1, now_iso(), run_id=run_id, checkpoint_id=periodic)
+        route(agent_event(forged))
+        failed = events.RestoreFailed("forged-1", claimed, 1, now_iso(), run_id=run_id, attempt="newest", reason="x")
+        route(agent_event(failed))
+    # and SSM reports a restore-document command that ended on that other VM
+    route(command_ended(other, "e8d3c0e4-71f7-4491-898f-c9b35bee5f3b", plane.documents["restore"], "Success"))
+
+    # Then nothing arrived for the restore: the workflow still waits on its first attempt
+    job = plane.job("forged-1")
+    assert job.status == Status.RECOVERING
+    assert job.arrival("restore") is None
+    assert len(plane.sent_commands("restore")) == 1
+    assert plane.executions()[0]["status"] == "RUNNING"
+
+    # And the backup's own command result (SSM's event, then GetCommandInvocation) ends the recovery
+    finish_restore(events.RestoreCompleted("forged-1", backup, 1, now_iso(), checkpoint_id=periodic, pid=42))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    job = plane.job("forged-1")
+    assert (job.status, job.instance_id) == (Status.RUNNING, backup)
+
+
+def test_a_lost_status_change_event_still_ends_with_the_restore_taken(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a short restore wait, and a backup whose restore succeeded but whose SSM status-change event was lost
+    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    _, backup, periodic = _restoring(plane, "lost-1")
+    end_restore_command(events.RestoreCompleted("lost-1", backup, 1, now_iso(), checkpoint_id=periodic, pid=7))
+
+    # When the wait times out
+    # Then the step asks SSM, takes the restore, and the job runs on its backup, which is not terminated
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    job = plane.job("lost-1")
+    assert (job.status, job.instance_id) == (Status.RUNNING, backup)
+    assert _backup_state(plane, backup) == "running"
+    assert len(plane.sent_commands("restore")) == 1
+
+
+def test_a_restore_still_running_when_the_wait_times_out_is_waited_for(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a restore wait that times out while the backup's restore command still runs (SSM: InProgress)
+    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "4")
+    checks: list[dict[str, Any]] = []
+    answer: list[events.RestoreCompleted] = []
+    check = recovery.check_restore
+
+    def checked(*args: Any) -> dict[str, Any]:
+        result = check(*args)
+        checks.append(result)
+        if not result["restored"] and answer:
+            end_restore_command(answer.pop())  # the restore ends right after SSM said it runs; its event is lost
+        return result
+
+    monkeypatch.setattr(recovery, "check_restore", checked)
+    _, backup, periodic = _restoring(plane, "slow-1")
+    answer.append(events.RestoreCompleted("slow-1", backup, 1, now_iso(), checkpoint_id=periodic))
+
+    # When the wait times out, then the restore ends
+    # Then the first check kept waiting, the next one took the restore: the backup runs the job
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    assert checks == [{"restored": False}, {"restored": True}]
+    assert plane.job("slow-1").status == Status.RUNNING
+    assert _backup_state(plane, backup) == "running"
+
+
+def test_an_undeliverable_restore_command_fails_the_attempt(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a backup whose restore command SSM could not deliver, and whose status-change event was lost
+    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    _, backup, periodic = _restoring(plane, "gone-1")
+    [command] = [c for c in ssm_backends[ACCOUNT][REGION]._commands if c.document_name == plane.documents["restore"]]
+    for invocation in command.invocations:
+        invocation.update({"Status": "Undeliverable", "StatusDetails": "Undeliverable"})
+
+    # When the wait times out
+    # Then the attempt failed: the next attempt is ordered (the walk starts one checkpoint back), and it ends the
+    # recovery when the backup answers it
+    plane.wait_until(lambda: len(plane.sent_commands("restore")) == 2, "the second restore")
+    assert plane.job("gone-1").arrival("restore")["error"] == "RestoreFailed"  # type: ignore[index]
+    finish_restore(events.RestoreCompleted("gone-1", backup, 1, now_iso(), checkpoint_id=periodic))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+
+
+def test_awss_sample_status_change_event_reaches_the_restore_result_function(plane: ControlPlane) -> None:
+    # Given AWS's published sample "EC2 Command Invocation Status-change Notification" (tests/events/ssm)
+    sample = load_event("ssm/command-invocation-status-change")
+    sample.pop("_source")
+
+    # When EventBridge delivers it
+    delivered = route(sample)
+
+    # Then the catalog's rule sends it to restore-result, which reads what it needs from it (and ignores a
+    # command of another document)
+    assert [name for name, _ in delivered] == ["restore-result"]
+    assert delivered[0][1]["reason"] == "not the restore document: AWS-RunPowerShellScript"
+    pattern = catalog.by_name("restore-result").rules[0].pattern
+    assert pattern is not None and pattern["detail-type"] == [sample["detail-type"]]
+
+
+def test_the_rehearsals_status_change_event_is_shaped_as_awss_sample() -> None:
+    # Given AWS's published sample, and the command it describes
+    sample = load_event("ssm/command-invocation-status-change")
+    detail = sample["detail"]
+    requested = datetime(2016, 7, 10, 21, 51, 30, 49_000, tzinfo=UTC)
+
+    # When the local rehearsal reports that command ended on that instance
+    emitted = command_ended_detail(
+        detail["instance-id"], detail["command-id"], detail["document-name"], "Success", requested
+    )
+
+    # Then its detail is the sample's, key for key and format for format
+    assert emitted == detail
