@@ -221,7 +221,12 @@ def test_a_stopped_cloud_leaves_no_thread_that_acts_later(tmp_path):
     local = LocalCloud(run_dir=tmp_path, timeline=Timeline(echo=None), with_workflow=False)
     local.start()
     acted: list[str] = []
-    local.spawn(lambda: local.sleep(600) and acted.append("terminated"), name="terminate-i-0")
+
+    def terminate() -> None:
+        if local.sleep(600):
+            acted.append("terminated")
+
+    local.spawn(terminate, name="terminate-i-0")
 
     # When the cloud stops before the notice ends
     local.stop()
