@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotcr_contracts import tags
+from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 from spotcr_functions.registry import WAIT_KEYS
 
@@ -240,7 +241,7 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
         raise CommandError(
             f"checkpoint {checkpoint_id} is not committed for job {job_id} (spotcr checkpoints {job_id})"
         )
-    older = [c for c in ids if c < checkpoint_id]
+    older = [c for c in ids if checkpoint_order(c) < checkpoint_order(checkpoint_id)]
     at = _now()
     waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
     fenced = _update(

@@ -140,8 +140,9 @@ class Agent:
             excluded=(str(config.state_dir), str(config.scratch_dir)),
         )
 
-    def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
-        """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead.
+    def checkpoint(self, kind: str, generation: int, sequence: int | None = None) -> CheckpointOutcome:
+        """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead. `sequence` is
+        the control plane's for an ordered dump, None for one nobody ordered (the final dump on the IMDS notice).
 
         Every dump order after the job's end re-sends its exit, so a lost or unrecorded JobExited is healed by
         the scheduler's next order: the control plane records the end once and stops ordering dumps."""
@@ -173,6 +174,7 @@ class Agent:
                 local_files_limit_mb=self.config.local_files_limit_mb,
                 tcp=self.config.tcp,
                 memory_scratch_dir=self.config.state_dir / "memory-scratch" if self.config.memory_scratch else None,
+                sequence=sequence,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:

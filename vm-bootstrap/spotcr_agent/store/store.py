@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import Any
 
 import zstandard
-from spotcr_contracts.commands import checkpoint_generation
+from spotcr_contracts.commands import checkpoint_order
 
 from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import Chunker, Chunking
@@ -478,16 +478,15 @@ class CheckpointStore:
         return known & stored, known, manifest.since_full
 
     def checkpoint_ids(self) -> list[str]:
-        """Ids of committed checkpoints, newest first (by generation, then time), from one listing: no manifest is
-        read."""
+        """Ids of committed checkpoints, newest first by the control plane's order (commands.checkpoint_order:
+        generation, then sequence; never a VM's clock), from one listing: no manifest is read."""
         ids = []
         for obj in self.backend.scan(self._prefix + "checkpoints/"):
             name = obj.key.rsplit("/", 1)[-1]
             if name.endswith(".json"):
                 with contextlib.suppress(ValueError):
                     ids.append(check_checkpoint_id(name.removesuffix(".json")))
-        # The control plane's order first (the generation the dump was ordered at), then the committing VM's time.
-        return sorted(ids, key=lambda c: (checkpoint_generation(c), c), reverse=True)
+        return sorted(ids, key=checkpoint_order, reverse=True)
 
     def _manifest_key(self, checkpoint_id: str) -> str:
         return f"{self._prefix}checkpoints/{checkpoint_id}.json"
