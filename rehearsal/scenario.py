@@ -299,13 +299,13 @@ def reference_result(
         return path.read_bytes()
 
 
-def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str) -> bytes:
-    """One file of a finished job's result, read from the store as a user would (s3://bucket/.../manifest.json)."""
+def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str, run_id: str = "") -> bytes:
+    """One file of a finished run's result, read from the store as a user would (s3://bucket/.../manifest.json)."""
     if not location.startswith("s3://"):
         raise RehearsalFailed(f"the job's result is at {location}, not in the checkpoint bucket")
     bucket = location.removeprefix("s3://").partition("/")[0]
     backend = S3Backend(bucket, client=cloud.client("s3"))
-    return fetch_result_file(backend, job_id, PurePosixPath(result_file).as_posix())
+    return fetch_result_file(backend, job_id, PurePosixPath(result_file).as_posix(), run_id)
 
 
 def workflow_waits(options: Options) -> dict[str, int]:
@@ -602,7 +602,7 @@ class Rehearsal:
                 f"the job's result was not stored when it ended on {exited.instance_id}: {exited.result_error}"
             )
         try:
-            return committed_result(self.cloud, exited.result, exited.job_id, self.options.result_file)
+            return committed_result(self.cloud, exited.result, exited.job_id, self.options.result_file, exited.run_id)
         except (ResultError, StoreError) as error:
             raise RehearsalFailed(
                 f"{self.options.result_file} of the stored result ({exited.result}): {error}"

@@ -190,12 +190,14 @@ def delete_job_checkpoints(cloud: Cloud, record: JobRecord, say: Say) -> dict[st
     if record.status in ACTIVE or record.status == Status.RECOVERING:
         raise CommandError(f"job {record.job_id} is {record.status}: cancel it before deleting its checkpoints")
     if record.storage == "s3":
+        from spotcr_agent.result import is_result_key
+
         s3, bucket = cloud.client("s3"), cloud.stack.bucket
         prefix = jobs.jobs_prefix(record.job_id)
-        keys = [o["Key"] for o in jobs._objects(s3, bucket, prefix) if not o["Key"].startswith(prefix + "result/")]
+        keys = [o["Key"] for o in jobs._objects(s3, bucket, prefix) if not is_result_key(record.job_id, o["Key"])]
         for start in range(0, len(keys), 1000):
             s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]]})
-        say(f"deleted {len(keys)} objects under s3://{bucket}/{prefix} (the result/ folder is kept)")
+        say(f"deleted {len(keys)} objects under s3://{bucket}/{prefix} (each run's result/ folder is kept)")
         return {"storage": "s3", "objects": len(keys)}
     if record.storage == "ebs":
         return {"storage": "ebs", "volumes": _delete_volumes(cloud, record.job_id, say)}

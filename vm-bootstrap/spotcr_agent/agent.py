@@ -454,7 +454,9 @@ class Agent:
         """(where the result is, ""), or ("", why it is not stored): a failure must not hide the job's end."""
         try:
             backend = self.result_backend(self.config, self.store().backend)
-            location = result.commit_result(backend, self.config.job_id, self.config.workdir, exit_code, generation)
+            location = result.commit_result(
+                backend, self.config.job_id, self.config.workdir, exit_code, generation, run_id=self.run_id()
+            )
         except Exception as error:
             log.error("the job's result could not be stored: %s", error)
             return "", f"{type(error).__name__}: {error}"[:1000]
