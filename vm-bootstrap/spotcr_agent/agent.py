@@ -46,6 +46,7 @@ from .restore import STOPPED_HERE, RestoreError, RestoreOutcome, Restorer
 from .runner import JobError, JobFiles, job_alive, start_job
 from .state import AgentState, StaleGeneration, StateFile, admit, exclusive
 from .store.backends import Backend
+from .store.store import CheckpointStore, other_runs
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +412,38 @@ class Agent:
         log.info("job %s started as pid %d", self.config.job_id, job.pid)
         self.emit(JobStarted, generation, pid=job.pid)
         return job.pid
+
+    def delete_earlier_runs(self) -> list[str]:
+        """Old runs are pruned: once this VM started a new run of the job name, the checkpoints of the name's earlier
+        runs in this store are deleted, their results kept (each under its run's result/). Nothing restores them
+        again: the control plane registers a new run only once the earlier one ended, and a run's checkpoints are
+        never seen by another run. Each run goes by CheckpointStore.delete_run (safe against a late commit of it);
+        a failure only leaves that run for the next new run to delete. Returns the runs deleted."""
+        with self.state.locked() as state:
+            run_id = state.run_id if state.job_status != "none" else ""
+        if not run_id:
+            return []  # this VM never started a run (refused, or a backup waiting to restore)
+        deleted = []
+        try:
+            backend = self.store().backend
+            runs = other_runs(backend, self.config.job_id, run_id)
+        except Exception as error:
+            log.warning("listing the job name's earlier runs failed: %s", error)
+            return []
+        for other in runs:
+            try:
+                done = CheckpointStore(backend, self.config.job_id, run_id=other).delete_run()
+            except Exception as error:
+                log.warning("deleting the checkpoints of the earlier run %s failed: %s", other, error)
+                continue
+            if done.deleted_checkpoints or done.deleted_chunks or not done.kept:
+                deleted.append(other)
+                log.info(
+                    "the earlier run %s's checkpoints are deleted (%d); its result is kept",
+                    other,
+                    len(done.deleted_checkpoints),
+                )
+        return deleted
 
     def watch_job(self) -> int | None:
         """If the job has ended, record it, commit its work dir as its result and report JobExited with where

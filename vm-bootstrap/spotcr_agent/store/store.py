@@ -104,6 +104,17 @@ def run_prefix(job_id: str, run_id: str = "") -> str:
     return f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
 
 
+def other_runs(backend: Backend, job_id: str, run_id: str) -> list[str]:
+    """The runs of this job name, other than `run_id`, that keep anything in this store."""
+    prefix = f"jobs/{job_id}/runs/"
+    found = {obj.key.removeprefix(prefix).split("/", 1)[0] for obj in backend.scan(prefix)}
+    runs = []
+    for candidate in sorted(found - {run_id}):
+        with contextlib.suppress(ValueError):
+            runs.append(check_run_id(candidate))
+    return runs
+
+
 class CheckpointStore:
     """One job's checkpoints in one store (S3 bucket or mounted file system)."""
 
@@ -398,17 +409,44 @@ class CheckpointStore:
             if name not in referenced and now - obj.modified >= grace_seconds:
                 garbage.append(obj.key)
                 freed += obj.size
+        if not self._delete_unless_committing(
+            [self._manifest_key(c) for c in doomed] + garbage, commit_timeout_s, started
+        ):
+            return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
+        return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
+
+    def delete_run(self, commit_timeout_s: float = GRACE_SECONDS) -> PruneResult:
+        """Delete every checkpoint of this run and its chunks (the run's result/ stays): for a run that ended and
+        whose name a new run now uses, so nothing will restore it again. Manifests go first, so a delete cut short
+        leaves only whole checkpoints (or none). Safe against a late commit of that run (a zombie VM's) by prune's
+        marker protocol: nothing is deleted while one is in flight, and one that starts after the last look waits
+        for this sweep, then re-sends the chunks it finds gone."""
+        started = time.monotonic()
+        sweep = f"{self._prefix}sweeps/{uuid.uuid4().hex}"
+        self.backend.put(sweep, b"")
+        try:
+            ids = self.checkpoint_ids()
+            chunks = list(self.backend.scan(self._prefix + "chunks/"))
+            keys = [self._manifest_key(c) for c in ids] + [c.key for c in chunks]
+            if not self._delete_unless_committing(keys, commit_timeout_s, started):
+                return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
+            return PruneResult([], ids, len(chunks), sum(c.size for c in chunks))
+        finally:
+            self.backend.delete([sweep])
+
+    def _delete_unless_committing(self, keys: list[str], commit_timeout_s: float, started: float) -> bool:
+        """Delete keys (in order), with dead commits' markers, unless a live commit is in flight (False)."""
         # The last look before deleting: a commit in flight may rely on any of these chunks.
         commits = list(self.backend.scan(self._prefix + "commits/"))
         dead = [c.key for c in commits if time.time() - c.modified >= commit_timeout_s]
         if len(dead) < len(commits):
-            return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
-        keys = dead + [self._manifest_key(c) for c in doomed] + garbage
+            return False
+        keys = dead + keys
         for start in range(0, len(keys), DELETE_BATCH):
             if time.monotonic() - started > self.sweep_lease_s / 2:
                 raise StoreError("prune ran out of its time; a waiting commit may go on, so it stops deleting")
             self.backend.delete(keys[start : start + DELETE_BATCH])
-        return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
+        return True
 
     def _wait_for_sweeps(self, marker: str) -> None:
         """Hold a commit while a live prune is in flight (its marker exists); remove a dead pruner's marker."""
