@@ -25,6 +25,7 @@ from spotcr_agent.store.backends import S3Backend
 from spotcr_agent.store.errors import StoreError
 from spotcr_contracts import events as agent_events
 from spotcr_contracts import tags
+from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
 
@@ -156,8 +157,8 @@ class Watcher:
             self._running_since[vm] = now
             if event.skipped:
                 say.say(f"  newer checkpoints skipped: {event.skipped}")
-            newest = max((d["checkpoint_id"] for d in self.final_dumps), default="")
-            if newest > event.checkpoint_id:
+            newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
+            if newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
                 lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
                 say.say(
                     f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
@@ -297,6 +298,10 @@ def reference_result(
         if not path.is_file():
             raise RehearsalFailed(f"the uninterrupted reference run left no {options.result_file} in its work dir")
         return path.read_bytes()
+
+
+def _order_or_none(checkpoint_id: str) -> tuple[int, int, str]:
+    return checkpoint_order(checkpoint_id) if checkpoint_id else (-1, -1, "")
 
 
 def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str, run_id: str = "") -> bytes:
