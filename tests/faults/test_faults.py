@@ -13,6 +13,7 @@ from spotcr_agent.store.store import run_prefix
 from spotcr_contracts.commands import AGENT_BIN
 
 from rehearsal.sample_job import STOPPED_EXIT_CODE
+from rehearsal.scenario import committed_result
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
 
 pytestmark = [pytest.mark.faults, pytest.mark.criu, pytest.mark.timeout(300)]
@@ -289,7 +290,7 @@ def test_a_second_instance_with_a_running_jobs_name_never_starts_it(reference, c
 def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference, cloud, tmp_path):
     # Given a job that ran to its end, with periodic checkpoints, under a name
     earlier = FaultRehearsal(options(b"", tmp_path / "earlier", steps=1000, interruptions=0), cloud)
-    _run(earlier)
+    earlier_outcome = _run(earlier)
     assert earlier.events("CheckpointCompleted"), earlier.lines
 
     # When a new run with another command is submitted under the same name, and its instance vanishes before its
@@ -302,6 +303,10 @@ def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference,
 
     # Then it started from its own beginning (nothing of the earlier run restored): its own result
     _assert_invariants(rehearsal, outcome)
+    # And the earlier run's stored result is still its own: each run's result is under its run
+    [ended] = earlier.events("JobExited")
+    kept = committed_result(cloud, ended.result, ended.job_id, earlier.options.result_file, ended.run_id)
+    assert kept == earlier_outcome.result != outcome.result, rehearsal.lines
 
 
 def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newest(
