@@ -36,13 +36,15 @@ def checkpoint_order(checkpoint_id: str) -> tuple[int, int, str]:
     plane, never a VM's clock. The job record mints the sequence each time it orders a dump (a periodic dump, the
     final dump a warning orders), so two ordered dumps never tie and a later order always ranks higher.
 
-    A dump taken without an order (the final dump the agent takes on its own IMDS notice, or one a person runs on
-    the VM) carries no sequence and ranks after every ordered dump of its generation: after it the job is stopped on
-    that VM, and no other VM commits at that generation later (a backup restores at the next one, and the
-    interrupted instance's dumps stop counting once the restore is ordered). Only two unordered dumps of one
-    generation are compared by the VM's time in their ids."""
+    A final dump taken without an order (the one the agent takes on its own IMDS notice) carries no sequence and
+    ranks after every ordered dump of its generation: after it the job is stopped on that VM, and no other VM
+    commits at that generation later (a backup restores at the next one, and the interrupted instance's dumps stop
+    counting once the restore is ordered). A periodic dump without a sequence (one a person ran on the VM, or taken
+    before sequences existed) ranks first in its generation, so ordered dumps are never held back by it. Only
+    dumps of one generation and rank without a sequence are compared by the VM's time in their ids."""
     parts = checkpoint_id.split("-")
-    sequence = int(parts[2].removeprefix("s")) if len(parts) == 4 else UNORDERED
+    unordered = UNORDERED if parts[-1] == "final" else 0
+    sequence = int(parts[2].removeprefix("s")) if len(parts) == 4 else unordered
     return checkpoint_generation(checkpoint_id), sequence, checkpoint_id
 
 

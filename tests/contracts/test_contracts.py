@@ -121,8 +121,8 @@ def test_checkpoints_order_by_generation_then_the_control_planes_sequence_never_
         commands.checkpoint_id(1795293999999, 2, "final"),  # no order (IMDS notice): last of its generation
         commands.checkpoint_id(1795293000001, 2, "periodic", 8),
         commands.checkpoint_id(1795293500000, 2, "final", 7),
-        "1795293235814-g1-periodic",  # an id without a sequence is a dump nobody ordered
         commands.checkpoint_id(1795299000000, 1, "periodic", 6),
+        "1795299999999-g1-periodic",  # a periodic dump nobody ordered ranks first in its generation
         commands.checkpoint_id(1795299000000, 0, "periodic", 1),
     ]
     assert all(re.fullmatch(commands.CHECKPOINT_ID_PATTERN, i) for i in newest_first)
