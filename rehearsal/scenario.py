@@ -25,6 +25,7 @@ from spotcr_agent.store.backends import S3Backend
 from spotcr_agent.store.errors import StoreError
 from spotcr_contracts import events as agent_events
 from spotcr_contracts import tags
+from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
 
@@ -156,8 +157,8 @@ class Watcher:
             self._running_since[vm] = now
             if event.skipped:
                 say.say(f"  newer checkpoints skipped: {event.skipped}")
-            newest = max((d["checkpoint_id"] for d in self.final_dumps), default="")
-            if newest > event.checkpoint_id:
+            newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
+            if newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
                 lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
                 say.say(
                     f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
@@ -299,13 +300,17 @@ def reference_result(
         return path.read_bytes()
 
 
-def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str) -> bytes:
-    """One file of a finished job's result, read from the store as a user would (s3://bucket/.../manifest.json)."""
+def _order_or_none(checkpoint_id: str) -> tuple[int, int, str]:
+    return checkpoint_order(checkpoint_id) if checkpoint_id else (-1, -1, "")
+
+
+def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str, run_id: str = "") -> bytes:
+    """One file of a finished run's result, read from the store as a user would (s3://bucket/.../manifest.json)."""
     if not location.startswith("s3://"):
         raise RehearsalFailed(f"the job's result is at {location}, not in the checkpoint bucket")
     bucket = location.removeprefix("s3://").partition("/")[0]
     backend = S3Backend(bucket, client=cloud.client("s3"))
-    return fetch_result_file(backend, job_id, PurePosixPath(result_file).as_posix())
+    return fetch_result_file(backend, job_id, PurePosixPath(result_file).as_posix(), run_id)
 
 
 def workflow_waits(options: Options) -> dict[str, int]:
@@ -602,7 +607,7 @@ class Rehearsal:
                 f"the job's result was not stored when it ended on {exited.instance_id}: {exited.result_error}"
             )
         try:
-            return committed_result(self.cloud, exited.result, exited.job_id, self.options.result_file)
+            return committed_result(self.cloud, exited.result, exited.job_id, self.options.result_file, exited.run_id)
         except (ResultError, StoreError) as error:
             raise RehearsalFailed(
                 f"{self.options.result_file} of the stored result ({exited.result}): {error}"

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotcr_contracts import tags
+from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 from spotcr_functions.registry import WAIT_KEYS
 
@@ -201,12 +202,14 @@ def delete_job_checkpoints(cloud: Cloud, record: JobRecord, say: Say) -> dict[st
     if record.status in ACTIVE or record.status == Status.RECOVERING:
         raise CommandError(f"job {record.job_id} is {record.status}: cancel it before deleting its checkpoints")
     if record.storage == "s3":
+        from spotcr_agent.result import is_result_key
+
         s3, bucket = cloud.client("s3"), cloud.stack.bucket
         prefix = jobs.jobs_prefix(record.job_id)
-        keys = [o["Key"] for o in jobs._objects(s3, bucket, prefix) if not o["Key"].startswith(prefix + "result/")]
+        keys = [o["Key"] for o in jobs._objects(s3, bucket, prefix) if not is_result_key(record.job_id, o["Key"])]
         for start in range(0, len(keys), 1000):
             s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]]})
-        say(f"deleted {len(keys)} objects under s3://{bucket}/{prefix} (the result/ folder is kept)")
+        say(f"deleted {len(keys)} objects under s3://{bucket}/{prefix} (each run's result/ folder is kept)")
         return {"storage": "s3", "objects": len(keys)}
     if record.storage == "ebs":
         return {"storage": "ebs", "volumes": _delete_volumes(cloud, record.job_id, say)}
@@ -252,7 +255,7 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
         raise CommandError(
             f"checkpoint {checkpoint_id} is not committed for job {job_id} (spotcr checkpoints {job_id})"
         )
-    older = [c for c in ids if c < checkpoint_id]
+    older = [c for c in ids if checkpoint_order(c) < checkpoint_order(checkpoint_id)]
     at = _now()
     waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
     fenced = _update(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
+from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, checkpoint_order
 from spotcr_functions.models import JobRecord
 
 from spotcr_cli.aws import Cloud, CommandError
@@ -107,7 +107,7 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
     chunk_sizes = {obj["Key"].rsplit("/", 1)[-1]: int(obj["Size"]) for obj in _objects(s3, bucket, prefix + "chunks/")}
     seen: set[str] = set()
     out = []
-    for manifest, manifest_size in sorted(manifests, key=lambda m: m[0].checkpoint_id):
+    for manifest, manifest_size in sorted(manifests, key=lambda m: checkpoint_order(m[0].checkpoint_id)):
         hashes = manifest.chunk_hashes()
         new = hashes - seen
         seen |= hashes

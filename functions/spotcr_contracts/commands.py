@@ -16,12 +16,38 @@ from typing import Any
 from spotcr_contracts.tags import RUN_ID_PATTERN
 
 AGENT_BIN = "/opt/spotcr/bin/spotcr-agent"
-CHECKPOINT_ID_PATTERN = r"^[0-9]{13}-g[0-9]{1,10}-(periodic|final)$"
+# <the committing VM's time in unix ms>-g<generation>[-s<sequence>]-<kind>: the generation and the sequence are the
+# control plane's (the dump order's); a dump taken without an order carries no sequence.
+CHECKPOINT_ID_PATTERN = r"^[0-9]{13}-g[0-9]{1,10}(-s[0-9]{1,10})?-(periodic|final)$"
+UNORDERED = 10**10  # above every sequence the pattern allows: a dump without an order ranks last in its generation
+
+
+def checkpoint_id(unix_ms: int, generation: int, kind: str, sequence: int | None = None) -> str:
+    """A checkpoint's id: the VM's time (for people), the control plane's generation and sequence (for order)."""
+    ordered = f"-s{sequence}" if sequence is not None else ""
+    return f"{unix_ms:013d}-g{generation}{ordered}-{kind}"
 
 
 def checkpoint_generation(checkpoint_id: str) -> int:
     """The generation a checkpoint was taken at (the dump order's, minted by the control plane)."""
     return int(checkpoint_id.split("-")[1].removeprefix("g"))
+
+
+def checkpoint_order(checkpoint_id: str) -> tuple[int, int, str]:
+    """The one order of a job run's checkpoints, oldest to newest: (generation, sequence), both minted by the control
+    plane, never a VM's clock. The job record mints the sequence each time it orders a dump (a periodic dump, the
+    final dump a warning orders), so two ordered dumps never tie and a later order always ranks higher.
+
+    A final dump taken without an order (the one the agent takes on its own IMDS notice) carries no sequence and
+    ranks after every ordered dump of its generation: after it the job is stopped on that VM, and no other VM
+    commits at that generation later (a backup restores at the next one, and the interrupted instance's dumps stop
+    counting once the restore is ordered). A periodic dump without a sequence (one a person ran on the VM, or taken
+    before sequences existed) ranks first in its generation, so ordered dumps are never held back by it. Only
+    dumps of one generation and rank without a sequence are compared by the VM's time in their ids."""
+    parts = checkpoint_id.split("-")
+    unordered = UNORDERED if parts[-1] == "final" else 0
+    sequence = int(parts[2].removeprefix("s")) if len(parts) == 4 else unordered
+    return checkpoint_generation(checkpoint_id), sequence, checkpoint_id
 
 
 @dataclass(frozen=True)
@@ -95,6 +121,9 @@ _RUN = Parameter(
 RESTORE_ATTEMPTS = ("newest", "previous")
 _ATTEMPT = Parameter("Attempt", "The workflow's restore attempt this command is.", r"^$|^(newest|previous)$", "")
 _GENERATION = Parameter("Generation", "Fencing token: the agent refuses a stale generation.", r"^[0-9]{1,10}$")
+# The dump's place in the job's order (checkpoint_order), minted by the control plane with the order; it goes into
+# the checkpoint's id. Empty: a dump nobody ordered.
+_SEQUENCE = Parameter("Sequence", "The control plane's sequence of this dump order.", r"^$|^[0-9]{1,10}$", "")
 
 CHECKPOINT = Command(
     name="checkpoint",
@@ -104,8 +133,15 @@ CHECKPOINT = Command(
         _GENERATION,
         Parameter("Kind", "periodic or final.", r"^(periodic|final)$"),
         _RUN,
+        _SEQUENCE,
     ),
-    flags={"JobId": "--job", "Generation": "--generation", "Kind": "--kind", "RunId": "--run"},
+    flags={
+        "JobId": "--job",
+        "Generation": "--generation",
+        "Kind": "--kind",
+        "RunId": "--run",
+        "Sequence": "--sequence",
+    },
 )
 RESTORE = Command(
     name="restore",

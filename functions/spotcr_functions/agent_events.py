@@ -7,7 +7,7 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 from spotcr_contracts import events, tags
-from spotcr_contracts.commands import checkpoint_generation
+from spotcr_contracts.commands import checkpoint_order
 
 from spotcr_functions import efs_access, jobs, rendezvous
 from spotcr_functions.deps import Deps
@@ -328,20 +328,13 @@ def may_record(record: JobRecord, instance_id: str) -> bool:
     return False
 
 
-def is_newer(record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:
-    """Order from the control plane: (generation, writer, time). A higher generation (minted by the control plane,
-    carried in the id) is newer. At one generation at most two instances commit, the interrupted one first (until
-    the restore is ordered) and then the one that restored from it or from an older one: a checkpoint of the
-    instance that may record now supersedes another instance's at the same generation, whatever their clocks say.
-    Only one VM's checkpoints are compared by that VM's own clock."""
+def is_newer(record: JobRecord, checkpoint_id: str) -> bool:
+    """Order from the control plane: (generation, sequence), both minted by the control plane with the dump order
+    and carried in the checkpoint's id (commands.checkpoint_order), never a VM's clock. A final dump the agent took
+    on its own notice, with no order, ranks after every ordered dump of its generation."""
     if not record.checkpoint_id:
         return True
-    recorded, candidate = checkpoint_generation(record.checkpoint_id), checkpoint_generation(checkpoint_id)
-    if candidate != recorded:
-        return candidate > recorded
-    if record.checkpoint_instance_id and record.checkpoint_instance_id != instance_id:
-        return True
-    return checkpoint_id > record.checkpoint_id
+    return checkpoint_order(checkpoint_id) > checkpoint_order(record.checkpoint_id)
 
 
 def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:
@@ -350,7 +343,7 @@ def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instan
     The write is conditional on the record as read (generation, checkpoint, and who may record), so a bump, a
     Finish or a closed generation in between is seen: re-read and decided again."""
     for _ in range(3):
-        if not may_record(record, instance_id) or not is_newer(record, checkpoint_id, instance_id):
+        if not may_record(record, instance_id) or not is_newer(record, checkpoint_id):
             return False
         condition = "#generation = :g AND #status = :s AND #instance = :i AND " + (
             "checkpoint_id = :old" if record.checkpoint_id else "attribute_not_exists(checkpoint_id)"

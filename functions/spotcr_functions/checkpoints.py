@@ -11,6 +11,7 @@ from spotcr_contracts import commands
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE
+from spotcr_functions.registry import DUMP_SEQUENCE
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -35,7 +36,8 @@ def on_rebalance(deps: Deps, instance_id: str) -> dict[str, Any]:
 
 
 def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> bool:
-    """Claim the checkpoint with a conditional write (one order per due time, however many schedulers run)."""
+    """Claim the checkpoint with a conditional write (one order per due time, however many schedulers run); the
+    same write mints the dump's sequence, which orders it after every dump ordered before."""
     condition = "#generation = :g AND #instance = :i AND #status IN (:running, :checkpointing)"
     values: dict[str, Any] = {
         ":g": record.generation,
@@ -55,6 +57,7 @@ def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> 
         },
         condition=condition,
         condition_values=values,
+        add=(DUMP_SEQUENCE,),
     )
     if claimed is None:
         return False
@@ -63,6 +66,7 @@ def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> 
         "Generation": str(record.generation),
         "Kind": "periodic",
         "RunId": record.run_id,
+        "Sequence": str(claimed.dump_sequence),
     }
     try:
         deps.cloud.send_command(deps.settings.checkpoint_document, commands.CHECKPOINT, record.instance_id, parameters)

@@ -52,6 +52,9 @@ class JobRecord:
     checkpoint_id: str | None = None  # newest committed
     previous_checkpoint_id: str | None = None
     checkpoint_instance_id: str | None = None  # the instance that committed checkpoint_id
+    # The sequence of the newest dump order (periodic, or the final dump a warning orders): minted by the write that
+    # orders it, carried in the command into the checkpoint's id; checkpoints are ordered by (generation, sequence).
+    dump_sequence: int = 0
     restore_ordered_at: str | None = None  # ISO time the recovery ordered a restore: the old instance's dumps are late
     next_checkpoint_at: int | None = None  # unix seconds; only while RUNNING/CHECKPOINTING
     recovering_from: str | None = None  # the instance whose interruption bumped the generation

@@ -122,6 +122,7 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
 
 def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at: str) -> bool:
     values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final", "RunId": record.run_id}
+    values["Sequence"] = str(record.dump_sequence)  # minted by the fencing write (Registry.bump_generation)
     try:
         deps.cloud.send_command(deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values)
     except ClientError as error:

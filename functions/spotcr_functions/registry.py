@@ -20,6 +20,9 @@ def restore_key(attempt: str) -> str:
 
 RESTORE_KEYS = tuple(restore_key(a) for a in commands.RESTORE_ATTEMPTS)
 WAIT_KEYS = ("final-dump", "backup-ready", *RESTORE_KEYS)  # what a workflow step waits for
+# The job record's counter of dump orders (JobRecord.dump_sequence): every write that orders a dump increments it in
+# the same conditional write (Registry.update's `add`), so each order gets its own sequence (commands.checkpoint_order).
+DUMP_SEQUENCE = "dump_sequence"
 
 
 class StaleGeneration(Exception):
@@ -83,8 +86,10 @@ class Registry:
         condition_values: Mapping[str, Any] | None = None,
         *,
         extra_names: Mapping[str, str] | None = None,
+        add: tuple[str, ...] = (),
     ) -> JobRecord | None:
-        """One conditional UpdateItem; returns the new record, or None when the condition failed."""
+        """One conditional UpdateItem; returns the new record, or None when the condition failed. Each attribute in
+        `add` is a counter that the same write increments (DynamoDB's ADD: atomic, 1 when it was absent)."""
         names: dict[str, str] = dict(extra_names or {})
         values: dict[str, Any] = dict(condition_values or {})
         clauses = []
@@ -97,6 +102,11 @@ class Registry:
             for index, attribute in enumerate(remove):
                 names[f"#r{index}"] = attribute
             expression += " REMOVE " + ", ".join(f"#r{index}" for index in range(len(remove)))
+        if add:
+            for index, attribute in enumerate(add):
+                names[f"#n{index}"] = attribute
+            values[":one"] = 1
+            expression += " ADD " + ", ".join(f"#n{index} :one" for index in range(len(add)))
         arguments: dict[str, Any] = {
             "Key": {registry_schema.PARTITION_KEY: job_id},
             "UpdateExpression": expression.strip(),
@@ -171,6 +181,7 @@ class Registry:
                     **arrival_values,
                 },
                 extra_names={"#ag": "generation", "#ao": "output"} if arrival else None,
+                add=(DUMP_SEQUENCE,),  # the final dump this warning orders
             )
             if bumped is not None:
                 return bumped
@@ -195,6 +206,7 @@ class Registry:
                 ":recovering": Status.RECOVERING.value,
                 ":b": seen.backup_instance_id,
             },
+            add=(DUMP_SEQUENCE,),  # the final dump the backup's warning may order
         )
 
     def end(self, seen: JobRecord, status: Status, values: Mapping[str, Any]) -> JobRecord | None:

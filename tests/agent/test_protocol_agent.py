@@ -17,6 +17,7 @@ from spotcr_agent.restore import Restorer
 from spotcr_agent.runner import process_start_time
 from spotcr_agent.state import FinalDump
 from spotcr_agent.store import CheckpointNotFound, CommitResult, CorruptCheckpoint, StoreUnavailable
+from spotcr_contracts.commands import checkpoint_order
 
 from .conftest import FakeMetadata, make_agent, make_config, wait_for
 
@@ -129,7 +130,7 @@ class _WalkStore:
 
     def checkpoint_ids(self):
         self._outage()
-        return sorted(self.fates, reverse=True)
+        return sorted(self.fates, key=checkpoint_order, reverse=True)  # as the store lists them
 
     def load(self, checkpoint_id):
         self._outage()
@@ -184,6 +185,20 @@ def test_restore_walks_back_through_every_checkpoint_through_a_store_brownout(tm
     assert store.fetched == ["0004-g1-final", "0003-g1-periodic", "0002-g1-periodic", "0001-g1-periodic"]
     assert clock[0] >= 12.0
     assert "0004-g1-final" in outcome.skipped and "does not match its hash" in outcome.skipped
+
+
+def test_the_walk_back_follows_the_control_planes_order_when_the_vms_clock_jumped_back(tmp_path):
+    # Given ordered checkpoints (sequences 4, 5, 6) from a VM whose clock jumped back after the first, the one the
+    # control plane names (sequence 5) damaged
+    older, named, newer = "1700000100000-g1-s4-periodic", "1700000040000-g1-s5-periodic", "1700000070000-g1-s6-periodic"
+    clock = [0.0]
+    store = _WalkStore({older: "ok", named: "corrupt", newer: "ok"}, clock)
+
+    # When the backup restores the named one
+    outcome = _restorer(tmp_path, store, clock).restore(1, named)
+
+    # Then it walks back to the one ordered before it, never to a later one, whatever their ids' times
+    assert (outcome.checkpoint_id, store.fetched) == (older, [named, older])
 
 
 def test_with_no_checkpoint_the_backup_starts_the_job_from_the_beginning(tmp_path, publisher):

@@ -27,7 +27,7 @@ class ReadingPublisher(FakePublisher):
 
     def publish(self, event):
         if event.DETAIL_TYPE == "JobExited":
-            self.seen_at_exit = result.fetch_result_file(self.backend, event.job_id, "out/result.txt")
+            self.seen_at_exit = result.fetch_result_file(self.backend, event.job_id, "out/result.txt", event.run_id)
         return super().publish(event)
 
 
@@ -57,8 +57,10 @@ def test_the_result_is_committed_before_job_exited(tmp_path, code):
     assert publisher.seen_at_exit == b"42\n"
     [exited] = publisher.of("JobExited")
     assert (exited.exit_code, exited.result_error) == (code, "")
-    assert exited.result == str(tmp_path / "store" / "jobs" / "job-1" / "result" / "manifest.json")
-    manifest = result.read_manifest(backend, "job-1")
+    assert exited.result == str(
+        tmp_path / "store" / "jobs" / "job-1" / "runs" / exited.run_id / "result" / "manifest.json"
+    )
+    manifest = result.read_manifest(backend, "job-1", exited.run_id)
     assert manifest.exit_code == code
     assert manifest.files["out/result.txt"]["size"] == 3
 
@@ -66,7 +68,7 @@ def test_the_result_is_committed_before_job_exited(tmp_path, code):
     with pytest.raises(CheckpointError):
         agent.checkpoint("periodic", 1)
     assert [e.result for e in publisher.of("JobExited")] == [exited.result, exited.result]
-    assert result.read_manifest(backend, "job-1").attempt == manifest.attempt
+    assert result.read_manifest(backend, "job-1", exited.run_id).attempt == manifest.attempt
 
 
 class BrokenBackend(DirectoryBackend):
@@ -142,3 +144,23 @@ def test_an_ebs_jobs_result_goes_to_the_checkpoint_bucket_which_outlives_its_vol
     assert backend.bucket == "spotcr-checkpoints"
     # Without a bucket (an agent run by hand) the job's own storage takes it
     assert storage.result_backend(make_config(tmp_path, storage="ebs"), job_storage) is job_storage
+
+
+def test_each_run_of_a_job_name_keeps_its_own_result(tmp_path):
+    # Given a run of job-1 whose result is stored
+    backend = DirectoryBackend(tmp_path / "store")
+    (tmp_path / "first").mkdir()
+    (tmp_path / "first" / "out.txt").write_text("first run")
+    first = result.commit_result(backend, "job-1", tmp_path / "first", 0, 0, run_id="r-00000000000000e1")
+
+    # When the name is reused for a new run that stores its own
+    (tmp_path / "second").mkdir()
+    (tmp_path / "second" / "out.txt").write_text("second run")
+    second = result.commit_result(backend, "job-1", tmp_path / "second", 0, 0, run_id="r-00000000000000e2")
+
+    # Then each run's result is under its run, next to its checkpoints, and the earlier one is intact
+    assert first.endswith("jobs/job-1/runs/r-00000000000000e1/result/manifest.json")
+    assert second.endswith("jobs/job-1/runs/r-00000000000000e2/result/manifest.json")
+    assert result.fetch_result_file(backend, "job-1", "out.txt", "r-00000000000000e1") == b"first run"
+    assert result.fetch_result_file(backend, "job-1", "out.txt", "r-00000000000000e2") == b"second run"
+    assert all(result.is_result_key("job-1", o.key) for o in backend.scan("jobs/job-1/"))

@@ -103,6 +103,8 @@ def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(
     s3 = world.client("s3")
     s3.put_object(Bucket="checkpoints", Key="jobs/job-1/checkpoints/1700000000000-g0-periodic.json", Body=b"{}")
     s3.put_object(Bucket="checkpoints", Key="jobs/job-1/result/manifest.json", Body=b"{}")
+    s3.put_object(Bucket="checkpoints", Key="jobs/job-1/runs/r-00000000000000e1/chunks/ab/abcd", Body=b"x")
+    s3.put_object(Bucket="checkpoints", Key="jobs/job-1/runs/r-00000000000000e1/result/manifest.json", Body=b"{}")
     # When it is cancelled with its checkpoints
     out = io.StringIO()
     assert main(["cancel", "job-1", "--delete-checkpoints", "--json"], out=out) == 0
@@ -116,7 +118,7 @@ def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(
     assert state["Instances"][0]["State"]["Name"] in ("shutting-down", "terminated")
     # And its checkpoints are gone, its stored result kept
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="checkpoints")["Contents"]]
-    assert keys == ["jobs/job-1/result/manifest.json"]
+    assert keys == ["jobs/job-1/result/manifest.json", "jobs/job-1/runs/r-00000000000000e1/result/manifest.json"]
     # And a late exit report from its VM does not end it a second time
     cancelled = registry.get("job-1")
     assert cancelled is not None

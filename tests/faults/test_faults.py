@@ -4,13 +4,16 @@ with one injected fault per scenario. The invariants each scenario asserts are i
 from __future__ import annotations
 
 import fcntl
+import shutil
 import threading
 from typing import Any
 
 import pytest
 from spotcr_agent.store.store import run_prefix
+from spotcr_contracts.commands import AGENT_BIN
 
 from rehearsal.sample_job import STOPPED_EXIT_CODE
+from rehearsal.scenario import committed_result
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
 
 pytestmark = [pytest.mark.faults, pytest.mark.criu, pytest.mark.timeout(300)]
@@ -287,7 +290,7 @@ def test_a_second_instance_with_a_running_jobs_name_never_starts_it(reference, c
 def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference, cloud, tmp_path):
     # Given a job that ran to its end, with periodic checkpoints, under a name
     earlier = FaultRehearsal(options(b"", tmp_path / "earlier", steps=1000, interruptions=0), cloud)
-    _run(earlier)
+    earlier_outcome = _run(earlier)
     assert earlier.events("CheckpointCompleted"), earlier.lines
 
     # When a new run with another command is submitted under the same name, and its instance vanishes before its
@@ -299,4 +302,74 @@ def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference,
     outcome = _run(rehearsal)
 
     # Then it started from its own beginning (nothing of the earlier run restored): its own result
+    _assert_invariants(rehearsal, outcome)
+    # And the earlier run's stored result is still its own: each run's result is under its run
+    [ended] = earlier.events("JobExited")
+    kept = committed_result(cloud, ended.result, ended.job_id, earlier.options.result_file, ended.run_id)
+    assert kept == earlier_outcome.result != outcome.result, rehearsal.lines
+
+
+def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newest(
+    reference, cloud, tmp_path, monkeypatch
+):
+    # Given a backup VM whose agent (its daemon and every command, hence its checkpoint ids) runs with a wall clock
+    # 120 s behind the primary's: under libfaketime (Debian's faketime, which the Makefile's fault-deps installs)
+    assert shutil.which("faketime"), "faketime is missing: `make fault-deps` installs Debian's faketime"
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    warn = rehearsal.warn
+    # Only the wall clock is behind: monotonic clocks run as on any VM (CRIU's time namespace restores them).
+    faked = "exec env FAKETIME_DONT_FAKE_MONOTONIC=1 faketime -f -120s /usr/bin/python3"
+    skew = ["sed", "-i", f"s|exec /usr/bin/python3|{faked}|", AGENT_BIN]
+
+    def interrupt(instance_id: str, number: int) -> float:
+        # For the VMs launched from now on (the backup): the agent as installed, then run under faketime
+        ssm_agent, install, *rest = cloud.boot_commands
+        monkeypatch.setattr(cloud, "boot_commands", [ssm_agent, install, skew, *rest])
+        return warn(instance_id, number)
+
+    rehearsal._interrupt = interrupt  # type: ignore[method-assign]
+
+    # When the job is interrupted and finishes on that backup
+    outcome = _run(rehearsal)
+
+    # Then the backup's checkpoints, older by their ids' clock than the primary's, were each the job's newest
+    [restored] = rehearsal.events("RestoreCompleted")
+    backup = restored.instance_id
+    before = [e.checkpoint_id for e in rehearsal.events("CheckpointCompleted") if e.instance_id != backup]
+    after = [e.checkpoint_id for e in rehearsal.events("CheckpointCompleted") if e.instance_id == backup]
+    assert after and all(a < b for a in after for b in before), rehearsal.lines  # the skew is real
+    assert rehearsal.end["record"]["checkpoint_id"] == after[-1], rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_the_agent_killed_during_its_final_upload_restores_the_periodic_with_one_live_copy(reference, cloud, tmp_path):
+    # Given every agent process of the primary (daemon and commands) killed at the final dump's first chunk upload
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    warn, armed, killed, warned = rehearsal.warn, threading.Event(), [], []
+
+    def interrupt(instance_id: str, number: int) -> float:
+        warned.append(instance_id)
+        # Holding the agent's dump lock: no periodic dump is half done when the warning comes, so the next chunk
+        # uploaded is the final dump's.
+        with rehearsal.cloud.vms[instance_id].host_path("/var/lib/spotcr/dump.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            armed.set()
+            return warn(instance_id, number)
+
+    def upload(action: str, key: str) -> None:
+        if armed.is_set() and action == "put_object" and "/chunks/" in key:
+            armed.clear()
+            killed.extend(kill_agent_commands(rehearsal.cloud.vms[warned[0]], b"spotcr_agent"))
+
+    rehearsal._interrupt = interrupt  # type: ignore[method-assign]
+    rehearsal.store_hooks.append(upload)
+
+    # When the job is interrupted
+    outcome = _run(rehearsal)
+
+    # Then no final dump committed, the backup restored the periodic checkpoint, and the job never ran twice
+    assert killed, rehearsal.lines
+    assert not [e for e in rehearsal.events("CheckpointCompleted") if e.kind == "final"], rehearsal.lines
+    [restored] = rehearsal.events("RestoreCompleted")
+    assert restored.checkpoint_id.endswith("-periodic")
     _assert_invariants(rehearsal, outcome)

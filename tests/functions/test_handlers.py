@@ -163,6 +163,7 @@ def test_scheduler_orders_due_periodic_checkpoints_once(plane: ControlPlane) -> 
         "Generation": "0",
         "Kind": "periodic",
         "RunId": plane.job("due-1").run_id,
+        "Sequence": "1",  # minted by the claim: the job's first dump order
     }
     job = plane.job("due-1")
     assert job.status == Status.CHECKPOINTING

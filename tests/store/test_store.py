@@ -18,6 +18,7 @@ from spotcr_agent.store import (
     StoreUnavailable,
     UnsupportedManifest,
 )
+from spotcr_contracts import commands
 
 from .support import JOB, MiB, checkpoint_id, meta, random_bytes, tree_bytes
 
@@ -415,3 +416,25 @@ def test_each_run_of_a_job_name_has_its_own_checkpoints(tmp_path: Path) -> None:
     later.backend.put(f"jobs/{JOB}/runs/r-00000000000000e2/checkpoints/{checkpoint_id(1)}.json", copied)
     with pytest.raises(CorruptCheckpoint, match="run r-00000000000000e1"):
         later.load(checkpoint_id(1))
+
+
+def test_checkpoints_are_listed_and_pruned_by_the_control_planes_order_not_the_vms_clock(tmp_path: Path) -> None:
+    # Given ordered dumps (sequences 4, 5, 6) from a VM whose clock jumped back a minute after the first, then the
+    # final dump it took on its own notice (no order), its clock behind still
+    (tmp_path / "root").mkdir()
+    store = CheckpointStore.for_directory(tmp_path / "root", JOB)
+    images = tmp_path / "img"
+    ids = [
+        commands.checkpoint_id(1_700_000_100_000, 1, "periodic", 4),
+        commands.checkpoint_id(1_700_000_040_000, 1, "periodic", 5),
+        commands.checkpoint_id(1_700_000_070_000, 1, "periodic", 6),
+        commands.checkpoint_id(1_700_000_075_000, 1, "final"),
+    ]
+    for n, checkpoint in enumerate(ids):
+        write_images(images, random_bytes(MiB, seed=40 + n))
+        store.commit(images, replace(meta(n), checkpoint_id=checkpoint, kind=checkpoint.rsplit("-")[-1]))
+
+    # Then the listing (which the restore walks, newest first) follows the order, and prune keeps the newest
+    assert store.checkpoint_ids() == ids[::-1]
+    assert store.prune(keep=2, grace_seconds=0).deleted_checkpoints == [ids[1], ids[0]]
+    assert store.checkpoint_ids() == [ids[3], ids[2]]

@@ -183,6 +183,7 @@ def test_capacity_reservation_warning_recovers_like_the_spot_warning(plane: Cont
         "Generation": "1",
         "Kind": "final",
         "RunId": plane.job("cr-1").run_id,
+        "Sequence": "1",  # the job's first dump order
     }
     assert plane.executions()[0]["name"].startswith("cr-1-g1-")
     plane.wait_for_token("cr-1", "final-dump")

@@ -263,8 +263,15 @@ def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane,
     dumps = [c for c in plane.sent_commands("checkpoint") if c["instances"] == [backup]]
     if event == "spot-interruption-warning":
         assert [d["parameters"] for d in dumps] == [
-            {"JobId": "second-1", "Generation": "2", "Kind": "final", "RunId": plane.job("second-1").run_id}
+            {
+                "JobId": "second-1",
+                "Generation": "2",
+                "Kind": "final",
+                "RunId": record.run_id,
+                "Sequence": str(record.dump_sequence),  # minted by the backup's fencing write, after the first's
+            }
         ]
+        assert record.dump_sequence == 2
         plane.wait_for_token("second-1", "final-dump")
         restored = _commit(plane, "second-1", backup, 2, "final")
     else:

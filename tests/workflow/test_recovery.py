@@ -79,6 +79,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
         "Generation": "1",
         "Kind": "final",
         "RunId": plane.job("render-1").run_id,
+        "Sequence": "1",  # the job's first dump order, minted by the fencing write
     }
     record = plane.wait_until(lambda: (r := plane.job("render-1")).backup_instance_id and r, "the backup launch")
     backup = record.backup_instance_id

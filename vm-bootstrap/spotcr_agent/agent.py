@@ -46,6 +46,7 @@ from .restore import STOPPED_HERE, RestoreError, RestoreOutcome, Restorer
 from .runner import JobError, JobFiles, job_alive, start_job
 from .state import AgentState, StaleGeneration, StateFile, admit, exclusive
 from .store.backends import Backend
+from .store.store import CheckpointStore, other_runs
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,9 @@ class Agent:
             excluded=(str(config.state_dir), str(config.scratch_dir)),
         )
 
-    def checkpoint(self, kind: str, generation: int) -> CheckpointOutcome:
-        """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead.
+    def checkpoint(self, kind: str, generation: int, sequence: int | None = None) -> CheckpointOutcome:
+        """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead. `sequence` is
+        the control plane's for an ordered dump, None for one nobody ordered (the final dump on the IMDS notice).
 
         Every dump order after the job's end re-sends its exit, so a lost or unrecorded JobExited is healed by
         the scheduler's next order: the control plane records the end once and stops ordering dumps."""
@@ -173,6 +175,7 @@ class Agent:
                 local_files_limit_mb=self.config.local_files_limit_mb,
                 tcp=self.config.tcp,
                 memory_scratch_dir=self.config.state_dir / "memory-scratch" if self.config.memory_scratch else None,
+                sequence=sequence,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:
@@ -410,6 +413,38 @@ class Agent:
         self.emit(JobStarted, generation, pid=job.pid)
         return job.pid
 
+    def delete_earlier_runs(self) -> list[str]:
+        """Old runs are pruned: once this VM started a new run of the job name, the checkpoints of the name's earlier
+        runs in this store are deleted, their results kept (each under its run's result/). Nothing restores them
+        again: the control plane registers a new run only once the earlier one ended, and a run's checkpoints are
+        never seen by another run. Each run goes by CheckpointStore.delete_run (safe against a late commit of it);
+        a failure only leaves that run for the next new run to delete. Returns the runs deleted."""
+        with self.state.locked() as state:
+            run_id = state.run_id if state.job_status != "none" else ""
+        if not run_id:
+            return []  # this VM never started a run (refused, or a backup waiting to restore)
+        deleted = []
+        try:
+            backend = self.store().backend
+            runs = other_runs(backend, self.config.job_id, run_id)
+        except Exception as error:
+            log.warning("listing the job name's earlier runs failed: %s", error)
+            return []
+        for other in runs:
+            try:
+                done = CheckpointStore(backend, self.config.job_id, run_id=other).delete_run()
+            except Exception as error:
+                log.warning("deleting the checkpoints of the earlier run %s failed: %s", other, error)
+                continue
+            if done.deleted_checkpoints or done.deleted_chunks or not done.kept:
+                deleted.append(other)
+                log.info(
+                    "the earlier run %s's checkpoints are deleted (%d); its result is kept",
+                    other,
+                    len(done.deleted_checkpoints),
+                )
+        return deleted
+
     def watch_job(self) -> int | None:
         """If the job has ended, record it, commit its work dir as its result and report JobExited with where
         the result is (not after a final dump); returns its exit code when this call reported it.
@@ -452,7 +487,9 @@ class Agent:
         """(where the result is, ""), or ("", why it is not stored): a failure must not hide the job's end."""
         try:
             backend = self.result_backend(self.config, self.store().backend)
-            location = result.commit_result(backend, self.config.job_id, self.config.workdir, exit_code, generation)
+            location = result.commit_result(
+                backend, self.config.job_id, self.config.workdir, exit_code, generation, run_id=self.run_id()
+            )
         except Exception as error:
             log.error("the job's result could not be stored: %s", error)
             return "", f"{type(error).__name__}: {error}"[:1000]

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.tags import DEFAULT_TCP
 
 from . import aliases, carry, gpu, tracking
@@ -155,10 +156,6 @@ def kept_criu_logs(store: Store, newest: int = 5) -> list[dict[str, str]]:
     return logs
 
 
-def checkpoint_id(unix_ms: int, generation: int, kind: str) -> str:
-    return f"{unix_ms:013d}-g{generation}-{kind}"
-
-
 def workdir_files(workdir: Path, root: Path | None = None) -> dict[str, Path]:
     """Every regular file of the job's work dir, named as the manifest names them (workdir/<relative>)."""
     source = root or workdir
@@ -189,6 +186,9 @@ class Checkpointer:
     check_gpus: Callable[[list[int], Criu], gpu.JobGpus | None] = gpu.for_dump
     memory_tracking: bool | None = None  # None: where the kernel has it (Criu.memory_tracking)
     memory_scratch_dir: Path | None = None  # where a tmpfs for one dump is mounted when memory allows; None: never
+    # The control plane's sequence of the dump order this checkpointer serves (in the checkpoint's id); None: a dump
+    # nobody ordered, such as the final dump on the agent's own IMDS notice (commands.checkpoint_order ranks it).
+    sequence: int | None = None
     _scan: JobScan = field(default_factory=JobScan)
     _gpus: gpu.JobGpus | None = None
 
@@ -642,7 +642,7 @@ class Checkpointer:
         return files
 
     def _new_id(self, generation: int, kind: str) -> str:
-        return checkpoint_id(int(self.clock() * 1000), generation, kind)
+        return checkpoint_id(int(self.clock() * 1000), generation, kind, self.sequence)
 
     def _meta(self, checkpoint: str, generation: int, kind: str, parent: str | None, pid: int) -> CheckpointMeta:
         host = self.host()

@@ -49,6 +49,12 @@ def _generation(value: str) -> int:
     return int(value)
 
 
+def _sequence(value: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,10}", value):
+        raise argparse.ArgumentTypeError(f"sequence must be a whole number of at most 10 digits, got {value[:32]!r}")
+    return int(value)
+
+
 def _checkpoint_id(value: str) -> str:
     if not re.fullmatch(CHECKPOINT_ID_PATTERN, value):
         raise argparse.ArgumentTypeError(f"checkpoint id {value[:64]!r} does not match {CHECKPOINT_ID_PATTERN}")
@@ -94,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--generation", required=True, type=_generation)
     checkpoint.add_argument("--kind", required=True, choices=("periodic", "final"))
     checkpoint.add_argument("--run", type=_run_id, default="", help="the run it is for; another run's is refused")
+    checkpoint.add_argument(
+        "--sequence", type=_sequence, default=None, help="the control plane's sequence of this dump order (its rank)"
+    )
 
     restore = commands.add_parser("restore", help="restore the job from a committed checkpoint")
     restore.add_argument("--job", required=True)
@@ -174,7 +183,7 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
         return OK
     agent.check_job(args.job, getattr(args, "run", ""))
     if args.command == "checkpoint":
-        _print({"ok": True, **agent.checkpoint(args.kind, args.generation).to_json()})
+        _print({"ok": True, **agent.checkpoint(args.kind, args.generation, args.sequence).to_json()})
     elif args.command == "restore":
         return _restore(agent, args)
     elif args.command == "release":

@@ -31,6 +31,8 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
     while True:
         if waiting:
             waiting = not _start_when_registered(agent, metadata)
+            if not waiting:  # off the loop that watches for the interruption notice
+                threading.Thread(target=agent.delete_earlier_runs, name="spotcr-earlier-runs", daemon=True).start()
         if not interrupted:
             interrupted = _check_interruption(agent, metadata)
         agent.watch_job()

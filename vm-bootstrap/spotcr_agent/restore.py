@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from spotcr_contracts.commands import checkpoint_order
 from spotcr_contracts.tags import DEFAULT_TCP
 
 from . import aliases, carry, gpu
@@ -229,11 +230,12 @@ class Restorer:
         )
 
     def _candidates(self, checkpoint_id: str | None) -> list[str]:
-        """The named checkpoint (else the newest), then every older committed one, newest first."""
+        """The named checkpoint (else the newest), then every older committed one, newest first (the store's and the
+        control plane's one order, commands.checkpoint_order)."""
         committed = self._with_retries(self.store.checkpoint_ids)
         if not checkpoint_id:
             return committed
-        return [checkpoint_id, *(c for c in committed if c < checkpoint_id)]
+        return [checkpoint_id, *(c for c in committed if checkpoint_order(c) < checkpoint_order(checkpoint_id))]
 
     def _with_retries(self, action: Callable[[], Any]) -> Any:
         """Run a store action, retrying errors that may pass (not a damaged or missing checkpoint) with backoff."""

@@ -1,8 +1,9 @@
 """A finished job's result: its final work dir, committed to storage that outlives the VM, all or nothing.
 
-Layout under `jobs/<job>/result/`: each commit writes its files under its own `<attempt>/` and then one
-`manifest.json` naming that attempt with every file's size and SHA-256. The manifest is written last, in
-one put (an S3 PUT, or a rename on a file system), so a reader either finds no manifest or a complete
+Layout under `<run>/result/` (store.run_prefix: `jobs/<job>/runs/<run>/`, so each run of a job name keeps its own
+result and a name reused later never overwrites an earlier run's): each commit writes its files under its own
+`<attempt>/` and then one `manifest.json` naming that attempt with every file's size and SHA-256. The manifest is
+written last, in one put (an S3 PUT, or a rename on a file system), so a reader either finds no manifest or a complete
 result; files of an attempt that no manifest names (a commit cut short) are deleted by the next commit.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from .checkpoint import workdir_files
 from .store.backends import Backend
+from .store.store import run_prefix
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -27,8 +29,15 @@ class ResultError(RuntimeError):
     """A committed result cannot be read back whole; the message names the file and why."""
 
 
-def result_prefix(job_id: str) -> str:
-    return f"jobs/{job_id}/result/"
+def result_prefix(job_id: str, run_id: str = "") -> str:
+    """Where one run's result lives: next to that run's checkpoints."""
+    return run_prefix(job_id, run_id) + "result/"
+
+
+def is_result_key(job_id: str, key: str) -> bool:
+    """Whether a store key belongs to a stored result of the job (any run's, or one stored before runs had ids)."""
+    parts = key.removeprefix(f"jobs/{job_id}/").split("/")
+    return parts[0] == "result" or (len(parts) > 3 and parts[0] == "runs" and parts[2] == "result")
 
 
 @dataclass(frozen=True)
@@ -51,10 +60,11 @@ def commit_result(
     exit_code: int,
     generation: int,
     *,
+    run_id: str = "",
     clock: Callable[[], float] = time.time,
 ) -> str:
     """Upload every regular file of the work dir, then the manifest that makes them the result; its location."""
-    prefix = result_prefix(job_id)
+    prefix = result_prefix(job_id, run_id)
     attempt = f"{int(clock() * 1000):013d}-g{generation}"
     files: dict[str, dict[str, Any]] = {}
     for name, path in sorted(workdir_files(workdir).items()):
@@ -76,21 +86,21 @@ def commit_result(
     return backend.describe(prefix + MANIFEST)
 
 
-def read_manifest(backend: Backend, job_id: str) -> ResultManifest:
-    document = json.loads(backend.get(result_prefix(job_id) + MANIFEST))
+def read_manifest(backend: Backend, job_id: str, run_id: str = "") -> ResultManifest:
+    document = json.loads(backend.get(result_prefix(job_id, run_id) + MANIFEST))
     if document.get("version") != VERSION:
         raise ResultError(f"result manifest of job {job_id}: version {document.get('version')!r} is not {VERSION}")
     document.pop("version")
     return ResultManifest(**document)
 
 
-def fetch_result_file(backend: Backend, job_id: str, name: str) -> bytes:
-    """One file of the committed result (a path relative to the work dir), checked against the manifest."""
-    manifest = read_manifest(backend, job_id)
+def fetch_result_file(backend: Backend, job_id: str, name: str, run_id: str = "") -> bytes:
+    """One file of the run's committed result (a path relative to the work dir), checked against the manifest."""
+    manifest = read_manifest(backend, job_id, run_id)
     entry = manifest.files.get(name)
     if entry is None:
         raise ResultError(f"the result of job {job_id} has no {name} (it has {len(manifest.files)} file(s))")
-    data = backend.get(f"{result_prefix(job_id)}{manifest.attempt}/{name}")
+    data = backend.get(f"{result_prefix(job_id, run_id)}{manifest.attempt}/{name}")
     if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ResultError(f"the result of job {job_id}: {name} does not match its manifest")
     return data

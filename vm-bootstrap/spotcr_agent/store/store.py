@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import Any
 
 import zstandard
-from spotcr_contracts.commands import checkpoint_generation
+from spotcr_contracts.commands import checkpoint_order
 
 from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import Chunker, Chunking
@@ -102,6 +102,17 @@ class PruneResult:
 def run_prefix(job_id: str, run_id: str = "") -> str:
     """Where one run of a job keeps its checkpoints, chunks and markers (a store used without runs: the job's)."""
     return f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
+
+
+def other_runs(backend: Backend, job_id: str, run_id: str) -> list[str]:
+    """The runs of this job name, other than `run_id`, that keep anything in this store."""
+    prefix = f"jobs/{job_id}/runs/"
+    found = {obj.key.removeprefix(prefix).split("/", 1)[0] for obj in backend.scan(prefix)}
+    runs = []
+    for candidate in sorted(found - {run_id}):
+        with contextlib.suppress(ValueError):
+            runs.append(check_run_id(candidate))
+    return runs
 
 
 class CheckpointStore:
@@ -398,17 +409,44 @@ class CheckpointStore:
             if name not in referenced and now - obj.modified >= grace_seconds:
                 garbage.append(obj.key)
                 freed += obj.size
+        if not self._delete_unless_committing(
+            [self._manifest_key(c) for c in doomed] + garbage, commit_timeout_s, started
+        ):
+            return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
+        return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
+
+    def delete_run(self, commit_timeout_s: float = GRACE_SECONDS) -> PruneResult:
+        """Delete every checkpoint of this run and its chunks (the run's result/ stays): for a run that ended and
+        whose name a new run now uses, so nothing will restore it again. Manifests go first, so a delete cut short
+        leaves only whole checkpoints (or none). Safe against a late commit of that run (a zombie VM's) by prune's
+        marker protocol: nothing is deleted while one is in flight, and one that starts after the last look waits
+        for this sweep, then re-sends the chunks it finds gone."""
+        started = time.monotonic()
+        sweep = f"{self._prefix}sweeps/{uuid.uuid4().hex}"
+        self.backend.put(sweep, b"")
+        try:
+            ids = self.checkpoint_ids()
+            chunks = list(self.backend.scan(self._prefix + "chunks/"))
+            keys = [self._manifest_key(c) for c in ids] + [c.key for c in chunks]
+            if not self._delete_unless_committing(keys, commit_timeout_s, started):
+                return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
+            return PruneResult([], ids, len(chunks), sum(c.size for c in chunks))
+        finally:
+            self.backend.delete([sweep])
+
+    def _delete_unless_committing(self, keys: list[str], commit_timeout_s: float, started: float) -> bool:
+        """Delete keys (in order), with dead commits' markers, unless a live commit is in flight (False)."""
         # The last look before deleting: a commit in flight may rely on any of these chunks.
         commits = list(self.backend.scan(self._prefix + "commits/"))
         dead = [c.key for c in commits if time.time() - c.modified >= commit_timeout_s]
         if len(dead) < len(commits):
-            return PruneResult(kept=ids, deleted_checkpoints=[], deleted_chunks=0, bytes_freed=0)
-        keys = dead + [self._manifest_key(c) for c in doomed] + garbage
+            return False
+        keys = dead + keys
         for start in range(0, len(keys), DELETE_BATCH):
             if time.monotonic() - started > self.sweep_lease_s / 2:
                 raise StoreError("prune ran out of its time; a waiting commit may go on, so it stops deleting")
             self.backend.delete(keys[start : start + DELETE_BATCH])
-        return PruneResult(kept=kept, deleted_checkpoints=doomed, deleted_chunks=len(garbage), bytes_freed=freed)
+        return True
 
     def _wait_for_sweeps(self, marker: str) -> None:
         """Hold a commit while a live prune is in flight (its marker exists); remove a dead pruner's marker."""
@@ -478,16 +516,15 @@ class CheckpointStore:
         return known & stored, known, manifest.since_full
 
     def checkpoint_ids(self) -> list[str]:
-        """Ids of committed checkpoints, newest first (by generation, then time), from one listing: no manifest is
-        read."""
+        """Ids of committed checkpoints, newest first by the control plane's order (commands.checkpoint_order:
+        generation, then sequence; never a VM's clock), from one listing: no manifest is read."""
         ids = []
         for obj in self.backend.scan(self._prefix + "checkpoints/"):
             name = obj.key.rsplit("/", 1)[-1]
             if name.endswith(".json"):
                 with contextlib.suppress(ValueError):
                     ids.append(check_checkpoint_id(name.removesuffix(".json")))
-        # The control plane's order first (the generation the dump was ordered at), then the committing VM's time.
-        return sorted(ids, key=lambda c: (checkpoint_generation(c), c), reverse=True)
+        return sorted(ids, key=checkpoint_order, reverse=True)
 
     def _manifest_key(self, checkpoint_id: str) -> str:
         return f"{self._prefix}checkpoints/{checkpoint_id}.json"
