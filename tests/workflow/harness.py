@@ -426,7 +426,20 @@ class ControlPlane:
         """Stop workflows a test left waiting, so no engine thread outlives the mock."""
         for execution in self.executions():
             if execution["status"] == "RUNNING":
-                self.sfn.stop_execution(executionArn=execution["executionArn"])
+                self._stop_execution(execution["executionArn"])
+
+    def _stop_execution(self, arn: str) -> None:
+        # moto's stop_execution fails with AttributeError until its engine thread has set the execution up (a
+        # workflow the test started a moment ago): try again briefly rather than leave the thread running.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.sfn.stop_execution(executionArn=arn)
+                return
+            except AttributeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def wait_for_token(self, job_id: str, key: str) -> JobRecord:
         return self.wait_until(lambda: (r := self.job(job_id)).token(key) and r, f"the {key} token")
@@ -436,5 +449,25 @@ def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def checkpoint_id(kind: str, generation: int, at_ms: int | None = None) -> str:
-    return f"{at_ms or int(time.time() * 1000)}-g{generation}-{kind}"
+def checkpoint_id(kind: str, generation: int, at_ms: int | None = None, sequence: int | None = None) -> str:
+    return commands.checkpoint_id(at_ms or int(time.time() * 1000), generation, kind, sequence)
+
+
+def ordered_sequence(plane: ControlPlane, instance_id: str, kind: str) -> int:
+    """The sequence of the newest dump of this kind ordered to this instance (the command's Sequence)."""
+    sent = [
+        c
+        for c in plane.sent_commands("checkpoint")
+        if c["instances"] == [instance_id] and c["parameters"]["Kind"] == kind
+    ]
+    return int(sent[-1]["parameters"]["Sequence"])
+
+
+def order_periodic(plane: ControlPlane, job_id: str, instance_id: str) -> int:
+    """The scheduler orders the job's periodic dump (made due now); returns the order's sequence."""
+    table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
+    table.update_item(
+        Key={"job_id": job_id}, UpdateExpression="SET next_checkpoint_at = :due", ExpressionAttributeValues={":due": 0}
+    )
+    assert invoke_function("scheduler", load_event("scheduled-event")) == {"ordered": [job_id]}
+    return ordered_sequence(plane, instance_id, "periodic")

@@ -3,45 +3,23 @@ interrupted instance's late final dump is never recorded once the restore was or
 
 from __future__ import annotations
 
-import boto3
 import pytest
 from spotcr_contracts import commands, events
 from spotcr_functions.config import OPTIONAL_ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import (
-    REGION,
     ControlPlane,
     agent_event,
     ec2_event,
     finish_restore,
-    invoke_function,
-    load_event,
     now_iso,
+    order_periodic,
+    ordered_sequence,
     route,
 )
 
 T = 1_795_000_000_000  # the primary's clock, in unix milliseconds
-
-
-def _ordered(plane: ControlPlane, instance_id: str, kind: str) -> int:
-    """The sequence of the newest dump of this kind ordered to this instance (the command's Sequence)."""
-    sent = [
-        c
-        for c in plane.sent_commands("checkpoint")
-        if c["instances"] == [instance_id] and c["parameters"]["Kind"] == kind
-    ]
-    return int(sent[-1]["parameters"]["Sequence"])
-
-
-def _order_periodic(plane: ControlPlane, job_id: str, instance_id: str) -> int:
-    """The scheduler orders the job's periodic dump (made due now); returns the order's sequence."""
-    table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
-    table.update_item(
-        Key={"job_id": job_id}, UpdateExpression="SET next_checkpoint_at = :due", ExpressionAttributeValues={":due": 0}
-    )
-    assert invoke_function("scheduler", load_event("scheduled-event")) == {"ordered": [job_id]}
-    return _ordered(plane, instance_id, "periodic")
 
 
 def _commit(job_id: str, instance_id: str, generation: int, kind: str, at_ms: int, sequence: int | None = None) -> str:
@@ -66,10 +44,10 @@ def _recover(plane: ControlPlane, job_id: str, generation: int) -> tuple[str, di
 def test_a_backup_whose_clock_is_behind_has_its_checkpoints_recorded_and_restored(plane: ControlPlane) -> None:
     # Given a job recovered once: the primary's final dump (its clock) is the job's newest
     primary = plane.start_job("skew-1")
-    _commit("skew-1", primary, 0, "periodic", T, _order_periodic(plane, "skew-1", primary))
+    _commit("skew-1", primary, 0, "periodic", T, order_periodic(plane, "skew-1", primary))
     route(ec2_event("spot-interruption-warning", primary))
     plane.wait_for_token("skew-1", "final-dump")
-    final = _commit("skew-1", primary, 1, "final", T + 10_000, _ordered(plane, primary, "final"))
+    final = _commit("skew-1", primary, 1, "final", T + 10_000, ordered_sequence(plane, primary, "final"))
     backup, restore = _recover(plane, "skew-1", 1)
     assert restore["parameters"]["CheckpointId"] == final
     finish_restore(events.RestoreCompleted("skew-1", backup, 1, now_iso(), checkpoint_id=final))
@@ -77,7 +55,7 @@ def test_a_backup_whose_clock_is_behind_has_its_checkpoints_recorded_and_restore
 
     # When the backup, whose clock is 120 s behind, commits a periodic checkpoint a minute later
     periodic = _commit(
-        "skew-1", backup, 1, "periodic", T + 10_000 + 60_000 - 120_000, _order_periodic(plane, "skew-1", backup)
+        "skew-1", backup, 1, "periodic", T + 10_000 + 60_000 - 120_000, order_periodic(plane, "skew-1", backup)
     )
 
     # Then it is the job's newest (its id's time is older than the primary's final dump)
@@ -89,19 +67,19 @@ def test_a_backup_whose_clock_is_behind_has_its_checkpoints_recorded_and_restore
     assert restore["parameters"]["CheckpointId"] == periodic
 
 
-def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore_is_ordered(
+def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore_isordered_sequence(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a job whose final dump does not arrive within the wait, so the backup restores the periodic one
     monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
     primary = plane.start_job("late-1")
-    periodic = _commit("late-1", primary, 0, "periodic", T, _order_periodic(plane, "late-1", primary))
+    periodic = _commit("late-1", primary, 0, "periodic", T, order_periodic(plane, "late-1", primary))
     route(ec2_event("spot-interruption-warning", primary))
     backup, restore = _recover(plane, "late-1", 1)
     assert restore["parameters"]["CheckpointId"] == periodic
 
     # When the primary's final dump (ordered at generation 1) commits after all, while the backup restores
-    late = commands.checkpoint_id(T + 30_000, 1, "final", _ordered(plane, primary, "final"))
+    late = commands.checkpoint_id(T + 30_000, 1, "final", ordered_sequence(plane, primary, "final"))
     completed = events.CheckpointCompleted("late-1", primary, 1, now_iso(), checkpoint_id=late, kind="final")
     route(agent_event(completed))
 
@@ -118,11 +96,11 @@ def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore
 def test_a_vm_whose_clock_jumps_backwards_has_its_newer_checkpoint_taken_as_newest(plane: ControlPlane) -> None:
     # Given a job with a periodic checkpoint ordered and committed
     primary = plane.start_job("jump-1")
-    first = _commit("jump-1", primary, 0, "periodic", T, _order_periodic(plane, "jump-1", primary))
+    first = _commit("jump-1", primary, 0, "periodic", T, order_periodic(plane, "jump-1", primary))
     assert plane.job("jump-1").checkpoint_id == first
 
     # When the VM's clock jumps back 10 minutes before the next ordered dump
-    second = _commit("jump-1", primary, 0, "periodic", T - 600_000, _order_periodic(plane, "jump-1", primary))
+    second = _commit("jump-1", primary, 0, "periodic", T - 600_000, order_periodic(plane, "jump-1", primary))
 
     # Then the later order is the job's newest, the earlier one its fallback, and a copy of the earlier
     # checkpoint's event redelivered now does not win it back

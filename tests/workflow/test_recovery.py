@@ -14,7 +14,17 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import OPTIONAL_ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
+from tests.workflow.harness import (
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    ec2_event,
+    finish_restore,
+    now_iso,
+    order_periodic,
+    ordered_sequence,
+    route,
+)
 
 
 class NoCapacity(EC2ClientError):
@@ -38,9 +48,15 @@ def _no_capacity_in(subnet_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _commit(
-    plane: ControlPlane, job_id: str, instance_id: str, generation: int, kind: str, at_ms: int | None = None
+    plane: ControlPlane,
+    job_id: str,
+    instance_id: str,
+    generation: int,
+    kind: str,
+    at_ms: int | None = None,
+    sequence: int | None = None,
 ) -> str:
-    checkpoint = checkpoint_id(kind, generation, at_ms)
+    checkpoint = checkpoint_id(kind, generation, at_ms, sequence)
     route(
         agent_event(
             events.CheckpointCompleted(
@@ -117,7 +133,8 @@ def _recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | 
     backup = str(record.backup_instance_id)
     if final_from:
         plane.wait_for_token(job_id, "final-dump")
-        restored = _commit(plane, job_id, final_from, record.generation, "final")
+        sequence = ordered_sequence(plane, final_from, "final")
+        restored = _commit(plane, job_id, final_from, record.generation, "final", sequence=sequence)
     route(agent_event(events.AgentReady(job_id, backup, record.generation, now_iso(), mode="restore")))
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     assert restore["parameters"]["CheckpointId"] == restored
@@ -345,11 +362,12 @@ def test_backup_interrupted_later_starts_the_same_cycle(plane: ControlPlane) -> 
     periodic = _commit(plane, "long-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
     backup = _recover(plane, "long-1", periodic, final_from=primary)
-    second = _commit(plane, "long-1", backup, 1, "periodic")
+    second = _commit(plane, "long-1", backup, 1, "periodic", sequence=order_periodic(plane, "long-1", backup))
 
     route(ec2_event("spot-interruption-warning", backup))
 
-    [first_dump, second_dump] = sorted(plane.sent_commands("checkpoint"), key=lambda c: c["parameters"]["Generation"])
+    finals = [c for c in plane.sent_commands("checkpoint") if c["parameters"]["Kind"] == "final"]
+    [first_dump, second_dump] = sorted(finals, key=lambda c: c["parameters"]["Generation"])
     assert second_dump["instances"] == [backup]
     assert second_dump["parameters"]["Generation"] == "2"
     assert first_dump["parameters"]["Generation"] == "1"
