@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import resource
 import stat
@@ -49,7 +50,7 @@ import zstandard
 from spotcr_contracts.commands import checkpoint_generation
 
 from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
-from .chunking import Chunker, Chunking
+from .chunking import PAGE, Chunker, Chunking
 from .errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
 from .manifest import (
     CheckpointMeta,
@@ -66,6 +67,7 @@ from .manifest import (
 
 INLINE_MAX = 64 * 1024  # files up to this size travel inside the manifest instead of costing a PUT each
 READ_BLOCK = 4 * 1024 * 1024
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # populate: one fault-in per mapping, not per page
 POLL_SECONDS = 0.02  # how often a file CRIU is still writing is checked for new bytes
 GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (started within this) may use
 SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
@@ -452,7 +454,7 @@ class CheckpointStore:
                 if path not in tails:
                     with contextlib.suppress(FileNotFoundError):
                         if stat.S_ISREG(source.lstat().st_mode):
-                            tails[path] = _FileTail(path, source, self.chunking, self.compression_level)
+                            tails[path] = _FileTail(path, source, self.chunking, self.compression_level, mapped=True)
         return sum(tail.pump(uploader) for tail in tails.values())
 
     def _known_chunks(self, parent: str | None) -> tuple[set[str], set[str], int]:
@@ -525,7 +527,7 @@ class _Uploader:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._pool.shutdown(wait=True, cancel_futures=error is not None)
 
-    def submit(self, data: bytes) -> Future[ChunkRef]:
+    def submit(self, data: bytes | memoryview) -> Future[ChunkRef]:
         if self._failure is not None:
             raise self._failure
         self._slots.acquire()
@@ -538,7 +540,7 @@ class _Uploader:
         if not future.cancelled() and (error := future.exception()) is not None:
             self._failure = error
 
-    def _store(self, data: bytes) -> ChunkRef:
+    def _store(self, data: bytes | memoryview) -> ChunkRef:
         began = time.perf_counter()
         digest = hashlib.sha256(data).hexdigest()
         hashed = time.perf_counter()
@@ -567,8 +569,9 @@ class _Uploader:
 class _FileTail:
     """One file being read into chunks, possibly while it is still being written."""
 
-    def __init__(self, path: str, source: Path, chunking: Chunking, level: int) -> None:
+    def __init__(self, path: str, source: Path, chunking: Chunking, level: int, *, mapped: bool = False) -> None:
         self.path = path
+        self._mapped = mapped  # only for files that are appended to, never truncated or rewritten (CRIU's images)
         self.source = source
         try:
             self._fd = os.open(source, os.O_RDONLY)
@@ -581,6 +584,8 @@ class _FileTail:
 
     def pump(self, uploader: _Uploader) -> int:
         """Read everything written so far; hand complete chunks to the uploader."""
+        if self._mapped:
+            return self._pump_mapped(uploader)
         read = 0
         while True:
             began = time.perf_counter()
@@ -595,8 +600,31 @@ class _FileTail:
         self.size += read
         return read
 
+    def _pump_mapped(self, uploader: _Uploader, *, last: bool = False) -> int:
+        """pump() for a file only ever appended to (CRIU's images): the bytes added since the last call are mapped,
+        not read, so chunks are views of the page cache that are hashed and compressed without a copy. The mapping
+        lives as long as a chunk still refers to it. Whole pages only until the last call: a partial page would be
+        carried, and the next block copied to join it."""
+        began = time.perf_counter()
+        end = os.fstat(self._fd).st_size
+        if not last:
+            end -= end % PAGE
+        if end <= self.size:
+            uploader.read_s += time.perf_counter() - began
+            return 0
+        start = self.size - self.size % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS)
+        chunks = self._chunker.feed(memoryview(mapping)[self.size - start :])
+        uploader.read_s += time.perf_counter() - began
+        self._chunks.extend(uploader.submit(chunk) for chunk in chunks)
+        added, self.size = end - self.size, end
+        return added
+
     def finish(self, uploader: _Uploader) -> None:
-        self.pump(uploader)
+        if self._mapped:
+            self._pump_mapped(uploader, last=True)
+        else:
+            self.pump(uploader)
         if self._chunker.emitted == 0 and self._chunker.pending <= INLINE_MAX:
             for data in self._chunker.finish():
                 compressed = zstandard.ZstdCompressor(level=self._level).compress(data)
