@@ -67,6 +67,9 @@ from .manifest import (
 
 INLINE_MAX = 64 * 1024  # files up to this size travel inside the manifest instead of costing a PUT each
 READ_BLOCK = 4 * 1024 * 1024
+PROBE = 64 * 1024  # a chunk's head compressed first to see whether the chunk compresses at all
+PROBE_GAIN = 0.9  # the probe must shrink to this share of its size, or the chunk is stored as raw zstd blocks
+FAST_LEVEL = -1  # zstd's fast level for such chunks: raw blocks at several GiB/s, yet long runs of zeros still shrink
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # populate: one fault-in per mapping, not per page
 POLL_SECONDS = 0.02  # how often a file CRIU is still writing is checked for new bytes
 GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (started within this) may use
@@ -551,10 +554,7 @@ class _Uploader:
             if new and digest not in self._in_parent:
                 self.bytes_changed += len(data)
         if new:
-            compressor = getattr(self._local, "compressor", None)
-            if compressor is None:
-                compressor = self._local.compressor = zstandard.ZstdCompressor(level=self._level)
-            compressed = compressor.compress(data)
+            compressed = self._compress(data)
             compressed_at = time.perf_counter()
             self._backend.put(f"{self._prefix}chunks/{digest[:2]}/{digest}", compressed)
             with self._lock:
@@ -564,6 +564,18 @@ class _Uploader:
                 self.bytes_new += len(data)
                 self.chunks_uploaded += 1
         return ChunkRef(digest, len(data))
+
+    def _compress(self, data: bytes | memoryview) -> bytes:
+        """zstd at the store's level, unless a probe of the chunk's head shows it does not compress (random or float
+        data: zstd-1 gains about 8% on float32 at 540 MiB/s); then at the fastest level, which stores it as raw
+        blocks at several GiB/s. Either way a zstd frame: fetch decompresses it alike."""
+        local = self._local
+        if getattr(local, "compressor", None) is None:
+            local.compressor = zstandard.ZstdCompressor(level=self._level)
+            local.raw = zstandard.ZstdCompressor(level=FAST_LEVEL)
+        if len(data) > 2 * PROBE and len(local.compressor.compress(data[:PROBE])) > PROBE * PROBE_GAIN:
+            return local.raw.compress(data)
+        return local.compressor.compress(data)
 
 
 class _FileTail:
