@@ -567,7 +567,7 @@ class _Uploader:
 
     def _compress(self, data: bytes | memoryview) -> bytes:
         """zstd at the store's level, unless a probe of the chunk's head shows it does not compress (random or float
-        data: zstd-1 gains about 8% on float32 at 540 MiB/s); then at the fastest level, which stores it as raw
+        data: zstd-1 gains about 8% on float32 at 540 MiB/s); then at FAST_LEVEL, which stores it as raw
         blocks at several GiB/s. Either way a zstd frame: fetch decompresses it alike."""
         local = self._local
         if getattr(local, "compressor", None) is None:
