@@ -11,8 +11,8 @@ from spotcr_agent.store.chunking import PAGE, Chunker
 from .support import MiB, random_bytes
 
 
-def chunk(data: bytes, feeds: list[int], chunking: Chunking) -> list[bytes]:
-    chunker, out, offset = Chunker(chunking), [], 0
+def chunk(data: bytes, feeds: list[int], chunking: Chunking) -> list[bytes | memoryview]:
+    chunker, out, offset = Chunker(chunking), list[bytes | memoryview](), 0
     for size in feeds:
         out += chunker.feed(data[offset : offset + size])
         offset += size
@@ -42,3 +42,17 @@ def test_small_files_are_one_chunk_or_none() -> None:
 def test_chunk_sizes_must_be_pages() -> None:
     with pytest.raises(ValueError, match="page multiples"):
         Chunking(min_size=1000)
+
+
+def test_a_mapped_file_fed_in_views_gives_the_same_chunks_without_copying_them() -> None:
+    data = random_bytes(9 * MiB + 777, seed=4)
+    whole = chunk(data, [], Chunking())
+    view = memoryview(data)
+    chunker, out = Chunker(Chunking()), []
+    for start, end in ((0, 3 * MiB + PAGE), (3 * MiB + PAGE, 3 * MiB + 3 * PAGE), (3 * MiB + 3 * PAGE, len(data))):
+        out += chunker.feed(view[start:end])  # as the store maps a file CRIU is still writing: whole pages
+    out += chunker.finish()
+
+    assert out == whole
+    inside = [c for c in out[:-1] if isinstance(c, memoryview)]
+    assert inside and all(c.obj is data for c in inside)  # chunks within one block are views of it, not copies

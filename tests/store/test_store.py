@@ -438,3 +438,20 @@ def test_checkpoints_are_listed_and_pruned_by_the_control_planes_order_not_the_v
     assert store.checkpoint_ids() == ids[::-1]
     assert store.prune(keep=2, grace_seconds=0).deleted_checkpoints == [ids[1], ids[0]]
     assert store.checkpoint_ids() == [ids[3], ids[2]]
+
+
+def test_chunks_that_do_not_compress_are_stored_fast_and_the_rest_still_compressed(tmp_path: Path) -> None:
+    # Given a pages file whose chunks compress well (text), then not at all (random), then again (text)
+    (tmp_path / "store").mkdir()
+    store = CheckpointStore.for_directory(tmp_path / "store", JOB)
+    text = b"".join(b"step %d of the job: loss 0.%03d\n" % (i, i % 1000) for i in range(100_000))
+    images = tmp_path / "img"
+    write_images(images, text[: 2 * MiB] + random_bytes(3 * MiB, seed=5) + text[: 2 * MiB])
+
+    # When it is committed and fetched
+    result = store.commit(images, meta(1))
+    store.fetch(result.checkpoint_id, tmp_path / "restore")
+
+    # Then it comes back byte for byte, the random part cost about its size and the text next to nothing
+    assert tree_bytes(tmp_path / "restore/images") == tree_bytes(images)
+    assert 3 * MiB < result.bytes_uploaded < 3 * MiB + 500 * 1024  # 200 KiB of random pagemap besides

@@ -43,7 +43,9 @@ class Chunking:
 class Chunker:
     """Cuts one file's byte stream into chunks as it arrives; feed() may be called as the file grows.
 
-    Bytes are kept as views of the blocks fed in and joined once per chunk: one copy per byte.
+    Bytes are kept as views of the blocks fed in. A chunk that lies within one block is returned as a view of it,
+    without a copy (blocks fed from a mapped file: the chunk is the page cache's own bytes); one that spans blocks
+    is joined, one copy of its bytes.
     """
 
     def __init__(self, chunking: Chunking) -> None:
@@ -54,16 +56,16 @@ class Chunker:
         self._carry = b""  # a partial page at the end of the last block, waiting for the rest
         self.emitted = 0  # chunks returned so far
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """Add bytes; return the chunks whose end is now known."""
+    def feed(self, data: bytes | memoryview) -> list[bytes | memoryview]:
+        """Add bytes; return the chunks whose end is now known (views of `data` where a chunk lies within it)."""
         if self._carry:
             data, self._carry = self._carry + data, b""
         whole = len(data) - len(data) % PAGE
         if whole < len(data):
-            self._carry = data[whole:]
+            self._carry = bytes(data[whole:])
         view = memoryview(data)[:whole]
         chunking, mask = self._chunking, self._mask
-        chunks = []
+        chunks: list[bytes | memoryview] = []
         start = 0  # first byte of the block not yet in a chunk
         page = max(0, chunking.min_size - PAGE - self._pending)
         while page < whole:
@@ -71,7 +73,7 @@ class Chunker:
             # A page's first SAMPLE bytes decide: 16 times less CRC work than the whole page, same resync.
             if length >= chunking.max_size or zlib.crc32(view[page : page + SAMPLE]) & mask == 0:
                 self._pieces.append(view[start : page + PAGE])
-                chunks.append(b"".join(self._pieces))
+                chunks.append(self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces))
                 self._pieces, self._pending = [], 0
                 start = page + PAGE
                 page = start + chunking.min_size - PAGE
@@ -83,9 +85,10 @@ class Chunker:
         self.emitted += len(chunks)
         return chunks
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[bytes | memoryview]:
         """The file is complete: return what is left as the last chunk."""
-        last = b"".join([*self._pieces, self._carry])
+        pieces: list[bytes | memoryview] = [*self._pieces, self._carry] if self._carry else [*self._pieces]
+        last: bytes | memoryview = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # no pieces: b""
         self._pieces, self._pending, self._carry = [], 0, b""
         if not last:
             return []
