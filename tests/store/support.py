@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from spotcr_agent.store import CheckpointMeta
+from spotcr_agent.store import CheckpointMeta, CheckpointStore
 
 JOB = "job-store-test"
 MiB = 1024 * 1024
@@ -36,3 +39,57 @@ def random_bytes(n: int, seed: int) -> bytes:
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def images(root: Path, *seeds: int) -> Path:
+    """An image dir holding one MiB of seeded content per seed (pages-<seed>.img), emptied first."""
+    root.mkdir(parents=True, exist_ok=True)
+    for path in root.iterdir():
+        path.unlink()
+    for seed in seeds:
+        (root / f"pages-{seed}.img").write_bytes(random_bytes(MiB, seed=seed))
+    return root
+
+
+def commit_during_delete(
+    deleting: CheckpointStore,
+    committing: CheckpointStore,
+    commit: Callable[[], Any],
+    deleted: str,
+    act: Callable[[], Any],
+) -> None:
+    """Run `act` (a prune, a run's deletion) on `deleting`; its first delete of keys holding `deleted` starts `commit`
+    on `committing` in a thread first, and goes on only once that commit holds back (its store sleeps while a
+    delete is in flight) or has ended: the interleaving forced, not slept for. The commit must raise nothing."""
+    commit_waits_or_ends, commit_done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def sleep(seconds: float) -> None:
+        commit_waits_or_ends.set()
+        threading.Event().wait(0.01)
+
+    committing.sleep = sleep
+
+    def run_commit() -> None:
+        try:
+            commit()
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            commit_done.set()
+            commit_waits_or_ends.set()
+
+    racing = threading.Thread(target=run_commit)
+    original_delete = deleting.backend.delete
+
+    def delete(keys: list[str]) -> Any:
+        if any(deleted in key for key in keys) and not racing.is_alive() and not commit_done.is_set():
+            racing.start()
+            assert commit_waits_or_ends.wait(60), "the racing commit neither finished nor waited"
+        return original_delete(keys)
+
+    deleting.backend.delete = delete  # type: ignore[method-assign]
+    act()
+    assert commit_done.wait(60)
+    racing.join()
+    assert errors == []

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from spotcr_agent.store import CheckpointStore, CorruptCheckpoint
 
-from .support import MiB, checkpoint_id, meta, random_bytes
-
-
-def _images(root: Path, *seeds: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for path in root.iterdir():
-        path.unlink()
-    for seed in seeds:
-        (root / f"pages-{seed}.img").write_bytes(random_bytes(MiB, seed=seed))
-    return root
+from .support import MiB, checkpoint_id, commit_during_delete, images, meta, random_bytes
 
 
 def test_prune_never_deletes_a_chunk_a_concurrent_commit_relies_on(
@@ -29,46 +18,20 @@ def test_prune_never_deletes_a_chunk_a_concurrent_commit_relies_on(
 ) -> None:
     # Given checkpoint 1 with files A and X, and checkpoint 2 with A only: X's chunks are garbage once 1 goes
     pruner, committer = make_store(), make_store()  # two VMs on one store
-    pruner.commit(_images(tmp_path / "img1", 1, 2), meta(1))
-    pruner.commit(_images(tmp_path / "img2", 1), meta(2, parent=1))
+    pruner.commit(images(tmp_path / "img1", 1, 2), meta(1))
+    pruner.commit(images(tmp_path / "img2", 1), meta(2, parent=1))
     x_chunks = pruner.load(checkpoint_id(1)).chunk_hashes() - pruner.load(checkpoint_id(2)).chunk_hashes()
     assert x_chunks
 
     # When prune has listed X's chunks as garbage and is about to delete them, a commit of A and X (parent 2,
     # which lacks X) runs: it sends X again and commits; only then does prune go on
-    commit_waits_or_ends = threading.Event()
-    commit_done = threading.Event()
-    errors: list[BaseException] = []
-
-    def sleep(seconds: float) -> None:
-        commit_waits_or_ends.set()  # the commit holds back while the prune is in flight
-        threading.Event().wait(0.01)
-
-    committer.sleep = sleep
-
-    def commit() -> None:
-        try:
-            committer.commit(_images(tmp_path / "img3", 1, 2), meta(3, parent=2))
-        except BaseException as error:
-            errors.append(error)
-        finally:
-            commit_done.set()
-            commit_waits_or_ends.set()
-
-    original_delete = pruner.backend.delete
-    racing = threading.Thread(target=commit)
-
-    def delete(keys: list[str]) -> Any:
-        if any("/chunks/" in key for key in keys) and not racing.is_alive() and not commit_done.is_set():
-            racing.start()
-            assert commit_waits_or_ends.wait(60), "the racing commit neither finished nor waited"
-        return original_delete(keys)
-
-    pruner.backend.delete = delete  # type: ignore[method-assign]
-    pruner.prune(keep=1, grace_seconds=0)
-    assert commit_done.wait(60)
-    racing.join()
-    assert errors == []
+    commit_during_delete(
+        pruner,
+        committer,
+        lambda: committer.commit(images(tmp_path / "img3", 1, 2), meta(3, parent=2)),
+        "/chunks/",
+        lambda: pruner.prune(keep=1, grace_seconds=0),
+    )
 
     # Then every committed checkpoint restores: X's chunks are in the store again
     assert checkpoint_id(3) in pruner.checkpoint_ids()
@@ -79,12 +42,12 @@ def test_prune_never_deletes_a_chunk_a_concurrent_commit_relies_on(
 
 def test_a_commit_resends_a_parent_chunk_the_store_lost(store: CheckpointStore, tmp_path: Path) -> None:
     # Given a checkpoint, one of whose chunks was lost from the store (deleted by hand, an old bug, expiry)
-    store.commit(_images(tmp_path / "img1", 1, 2), meta(1))
+    store.commit(images(tmp_path / "img1", 1, 2), meta(1))
     lost = sorted(store.load(checkpoint_id(1)).chunk_hashes())[0]
     store.backend.delete([f"jobs/{store.job_id}/chunks/{lost[:2]}/{lost}"])
 
     # When the next checkpoint, with the same content, is committed with it as parent
-    result = store.commit(_images(tmp_path / "img2", 1, 2), meta(2, parent=1))
+    result = store.commit(images(tmp_path / "img2", 1, 2), meta(2, parent=1))
 
     # Then the lost chunk was sent again, and the new checkpoint restores
     assert result.chunks_uploaded >= 1
@@ -94,8 +57,8 @@ def test_a_commit_resends_a_parent_chunk_the_store_lost(store: CheckpointStore, 
 
 def test_a_prune_sees_a_commit_in_flight_and_deletes_nothing(store: CheckpointStore, tmp_path: Path) -> None:
     # Given garbage, and a commit that has announced itself but not yet written its manifest
-    store.commit(_images(tmp_path / "img1", 1, 2), meta(1))
-    store.commit(_images(tmp_path / "img2", 1), meta(2, parent=1))
+    store.commit(images(tmp_path / "img1", 1, 2), meta(1))
+    store.commit(images(tmp_path / "img2", 1), meta(2, parent=1))
     store.backend.put(f"jobs/{store.job_id}/commits/{checkpoint_id(3)}", b"")
 
     # When prune runs
@@ -113,7 +76,7 @@ def test_a_fresh_full_checkpoint_heals_a_damaged_chunk_every_checkpoint_shares(
     # Given three periodic checkpoints of the same content (one full, then two that reuse its chunks)
     store.full_every = 3
     for n in (1, 2, 3):
-        result = store.commit(_images(tmp_path / f"img{n}", 1, 2), meta(n, parent=n - 1 if n > 1 else None))
+        result = store.commit(images(tmp_path / f"img{n}", 1, 2), meta(n, parent=n - 1 if n > 1 else None))
     assert [store.load(checkpoint_id(n)).since_full for n in (1, 2, 3)] == [0, 1, 2]
     assert result.chunks_uploaded == 0
 
@@ -125,7 +88,7 @@ def test_a_fresh_full_checkpoint_heals_a_damaged_chunk_every_checkpoint_shares(
 
     # Then the next periodic checkpoint is a fresh full one: it sends every chunk again, and that rewrite
     # makes every older checkpoint that shares the chunk restorable again
-    fourth = store.commit(_images(tmp_path / "img4", 1, 2), meta(4, parent=3))
+    fourth = store.commit(images(tmp_path / "img4", 1, 2), meta(4, parent=3))
     assert store.load(checkpoint_id(4)).since_full == 0
     assert fourth.chunks_uploaded == fourth.chunks_total
     for n in (1, 4):
@@ -135,8 +98,8 @@ def test_a_fresh_full_checkpoint_heals_a_damaged_chunk_every_checkpoint_shares(
 
 def test_a_final_dump_always_deduplicates(store: CheckpointStore, tmp_path: Path) -> None:
     store.full_every = 1
-    store.commit(_images(tmp_path / "img1", 1), meta(1))
-    final = store.commit(_images(tmp_path / "img2", 1), meta(2, parent=1, kind="final"))
+    store.commit(images(tmp_path / "img1", 1), meta(1))
+    final = store.commit(images(tmp_path / "img2", 1), meta(2, parent=1, kind="final"))
     assert final.chunks_uploaded == 0
 
 
@@ -152,7 +115,7 @@ def test_a_dead_pruners_marker_does_not_hold_commits_back(tmp_path: Path) -> Non
     store.sleep = waits.append
 
     # When a checkpoint is committed
-    store.commit(_images(tmp_path / "img", 1), meta(1))
+    store.commit(images(tmp_path / "img", 1), meta(1))
 
     # Then the commit did not wait, and the dead marker is gone
     assert waits == []

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from spotcr_agent.store import CheckpointStore
 from spotcr_agent.store.store import other_runs
 
-from .support import MiB, checkpoint_id, meta, random_bytes
+from .support import MiB, checkpoint_id, commit_during_delete, images, meta, random_bytes
 
 EARLIER, LATER = "r-00000000000000e1", "r-00000000000000e2"
-
-
-def _images(root: Path, *seeds: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for path in root.iterdir():
-        path.unlink()
-    for seed in seeds:
-        (root / f"pages-{seed}.img").write_bytes(random_bytes(MiB, seed=seed))
-    return root
 
 
 def test_an_ended_runs_checkpoints_are_deleted_and_its_result_and_the_new_run_kept(
@@ -29,10 +18,10 @@ def test_an_ended_runs_checkpoints_are_deleted_and_its_result_and_the_new_run_ke
 ) -> None:
     # Given an earlier run with two checkpoints and a stored result, and a new run with one checkpoint
     earlier, later = make_store(run_id=EARLIER), make_store(run_id=LATER)
-    earlier.commit(_images(tmp_path / "a", 1, 2), meta(1))
-    earlier.commit(_images(tmp_path / "b", 1, 3), meta(2, parent=1))
+    earlier.commit(images(tmp_path / "a", 1, 2), meta(1))
+    earlier.commit(images(tmp_path / "b", 1, 3), meta(2, parent=1))
     earlier.backend.put(f"jobs/{earlier.job_id}/runs/{EARLIER}/result/manifest.json", b"{}")
-    later.commit(_images(tmp_path / "c", 4), meta(3))
+    later.commit(images(tmp_path / "c", 4), meta(3))
 
     # When the new run deletes the other runs
     assert other_runs(later.backend, later.job_id, LATER) == [EARLIER]
@@ -51,41 +40,16 @@ def test_a_late_commit_of_the_ended_run_is_never_left_with_a_missing_chunk(
 ) -> None:
     # Given an ended run with a checkpoint, whose zombie VM commits one more (parent 1: it would dedup against it)
     deleter, zombie = make_store(run_id=EARLIER), make_store(run_id=EARLIER)
-    deleter.commit(_images(tmp_path / "a", 1, 2), meta(1))
+    deleter.commit(images(tmp_path / "a", 1, 2), meta(1))
 
     # When the zombie's commit starts right after the delete's last look, while it deletes
-    commit_waits_or_ends, commit_done = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def sleep(seconds: float) -> None:
-        commit_waits_or_ends.set()  # the commit holds back while the delete is in flight
-        threading.Event().wait(0.01)
-
-    zombie.sleep = sleep
-
-    def commit() -> None:
-        try:
-            zombie.commit(_images(tmp_path / "b", 1, 2), meta(2, parent=1))
-        except BaseException as error:
-            errors.append(error)
-        finally:
-            commit_done.set()
-            commit_waits_or_ends.set()
-
-    racing = threading.Thread(target=commit)
-    original_delete = deleter.backend.delete
-
-    def delete(keys: list[str]) -> Any:
-        if any("/checkpoints/" in key for key in keys) and not racing.is_alive() and not commit_done.is_set():
-            racing.start()
-            assert commit_waits_or_ends.wait(60), "the racing commit neither finished nor waited"
-        return original_delete(keys)
-
-    deleter.backend.delete = delete  # type: ignore[method-assign]
-    deleter.delete_run()
-    assert commit_done.wait(60)
-    racing.join()
-    assert errors == []
+    commit_during_delete(
+        deleter,
+        zombie,
+        lambda: zombie.commit(images(tmp_path / "b", 1, 2), meta(2, parent=1)),
+        "/checkpoints/",
+        deleter.delete_run,
+    )
 
     # Then what the late commit left is a whole checkpoint: it re-sent the chunks the delete removed
     assert deleter.checkpoint_ids() == [checkpoint_id(2)]
@@ -98,7 +62,7 @@ def test_nothing_is_deleted_while_a_commit_of_the_run_is_in_flight(
 ) -> None:
     # Given an ended run with a checkpoint and a commit of it in flight (its marker written, not yet done)
     store = make_store(run_id=EARLIER)
-    store.commit(_images(tmp_path / "a", 1), meta(1))
+    store.commit(images(tmp_path / "a", 1), meta(1))
     store.backend.put(f"jobs/{store.job_id}/runs/{EARLIER}/commits/{checkpoint_id(2)}", b"")
 
     # When its checkpoints are deleted, then nothing goes: the next new run tries again
