@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from aws_lambda_powertools import Logger
-from spotcr_contracts import events, tags
+from spotcr_contracts import commands, events, tags
 from spotcr_contracts.commands import checkpoint_order
 
 from spotcr_functions import efs_access, jobs, rendezvous
@@ -218,7 +218,38 @@ def _restore_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]
 
 
 def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
-    """Exactly one end: the first write that finds the job still running on the exit's instance ends it.
+    """Telemetry that asks: any VM that knows the run id could put this event, so it ends nothing. When it names the
+    instance whose exit would end the job (exit_ends_job), the status command is sent to that instance; the job
+    ends from SSM's answer (exits.on_status_command), which only that instance's SSM Agent can report."""
+    logger.info("agent says the job exited", job_id=record.job_id, instance_id=event.instance_id, code=event.exit_code)
+    if exit_ends_job(record, event) is None:
+        return {"action": "noted", "reason": f"job is {record.status} on {record.instance_id}"}
+    return {"action": "exit-claimed", "command_id": ask_exit(deps, record, event.instance_id)}
+
+
+EXIT_CLAIM = "exit_claim"
+
+
+def ask_exit(deps: Deps, record: JobRecord, instance_id: str) -> str:
+    """Send the status command to the instance said to have ended the job, and keep the ask in the record (the
+    scheduler asks again while it stays unconfirmed: exits.ask_again). Returns the command's id."""
+    command_id = deps.cloud.send_command(
+        deps.settings.status_document, commands.STATUS, instance_id, {"JobId": record.job_id}
+    )
+    claim = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
+    deps.registry.update(
+        record.job_id,
+        {EXIT_CLAIM: {**claim, "asked_at": deps.unix_now()}, "updated_at": deps.iso_now()},
+        condition="#generation = :g AND #status = :s",
+        condition_values={":g": record.generation, ":s": record.status.value},
+    )
+    logger.info("exit claimed; asking the instance through SSM", job_id=record.job_id, command_id=command_id)
+    return command_id
+
+
+def end_from_exit(deps: Deps, record: JobRecord, event: events.JobExited) -> dict[str, Any]:
+    """Exactly one end: the first write that finds the job still running on the exit's instance ends it. `event` is
+    the exit as SSM's status command reported it on that instance (exits.on_status_command), never the bus's.
 
     The write is conditional on the record as read; when anything moved in between (a periodic dump claimed,
     a checkpoint recorded, a restore finished) it is retried against the fresh record, never dropped. A record

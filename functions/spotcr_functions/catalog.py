@@ -170,8 +170,8 @@ FUNCTIONS: tuple[Function, ...] = (
         name="agent-events",
         handler="spotcr_functions.handlers.agent_events.handler",
         description="Agent lifecycle events: update the job registry and resume waiting workflows.",
-        # Registering a job whose JobStarted came first needs what registration needs; a job that ends during
-        # its recovery terminates the backup that never ran it.
+        # Registering a job whose JobStarted came first needs what registration needs; a JobExited only sends the
+        # status command to the instance it names (the job ends from its result: restore-result).
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
@@ -180,8 +180,8 @@ FUNCTIONS: tuple[Function, ...] = (
             EC2_DESCRIBE,
             EC2_TAG,
             EC2_VOLUMES,
-            EC2_TERMINATE,
             EFS_ACCESS_POINTS,
+            SEND_COMMAND,
         ),
         rules=(Rule("agent-events", {"source": [events.SOURCE]}, agent_bus=True),),
         timeout_s=REGISTERING_TIMEOUT_S,
@@ -226,8 +226,18 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="restore-result",
         handler="spotcr_functions.handlers.command_status.handler",
-        description="A restore command ended (SSM's event): read its result from SSM, resume the Restore step.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, COMMAND_RESULTS, TASK_CALLBACK),
+        description="A restore or status command ended (SSM's event): read its result from SSM, resume the Restore "
+        "step or end the job that exited.",
+        # A job that ends stops its recovery's waits, closes its EFS access point and releases its backup.
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            EC2_DESCRIBE,
+            COMMAND_RESULTS,
+            TASK_CALLBACK,
+            EC2_TERMINATE,
+            EFS_ACCESS_POINTS,
+        ),
         rules=(
             Rule(
                 "command-invocation-ended",

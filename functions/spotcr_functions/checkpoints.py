@@ -8,6 +8,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands
 
+from spotcr_functions import exits
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -19,10 +20,13 @@ logger = Logger(service=SERVICE, child=True)
 def run_scheduler(deps: Deps) -> dict[str, Any]:
     now = deps.unix_now()
     ordered = []
+    asked = []
     for record in deps.registry.due_jobs(now):
+        if exits.ask_again(deps, record):
+            asked.append(record.job_id)
         if _order_periodic(deps, record, expected_due=record.next_checkpoint_at):
             ordered.append(record.job_id)
-    return {"ordered": ordered}
+    return {"ordered": ordered, "exits_asked": asked}
 
 
 def on_rebalance(deps: Deps, instance_id: str) -> dict[str, Any]:

@@ -61,6 +61,8 @@ def test_status_prints_the_agents_view(configured, capsys):
     code, result = run(["status", "--job", "job-1"], environ, capsys)
     assert code == 0
     assert result["ok"] and result["job_id"] == "job-1" and result["job_status"] == "none"
+    # What the control plane ends a job from (exits.reported_exit): its exit code and where its result is, or why not
+    assert (result["exit_code"], result["result"], result["result_error"]) == (None, "", "")
 
 
 def test_a_stale_generation_is_refused_with_exit_code_3(configured, capsys):

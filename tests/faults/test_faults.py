@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import shutil
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -222,6 +223,15 @@ def _ends_failed(rehearsal: FaultRehearsal) -> None:
     _assert_invariants(rehearsal, None, status="FAILED")
 
 
+def _until_ended(rehearsal: FaultRehearsal, bound_s: float = 60.0) -> None:
+    """Poll (bounded) until the job's record is COMPLETED or FAILED: events are handled asynchronously."""
+    deadline = time.monotonic() + bound_s
+    while rehearsal.job_record().get("status") not in ("COMPLETED", "FAILED"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the confirmed exit did not end the job: {rehearsal.job_record()}")
+        time.sleep(0.2)
+
+
 def test_a_job_that_exits_before_the_warning_is_not_recovered(reference, cloud, tmp_path):
     # Given a job that exits (code 3) on its primary, and then the warning
     rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
@@ -230,6 +240,8 @@ def test_a_job_that_exits_before_the_warning_is_not_recovered(reference, cloud, 
         rehearsal._await_periodic(current, generation, number)
         rehearsal.stop_job_on(current)
         rehearsal.watcher.wait(lambda t, e: t == "JobExited", 60, "the job to exit")
+        # The exit ends the job once SSM's result of the status command confirms it (exits.on_status_command)
+        _until_ended(rehearsal)
         rehearsal.warn(current, number)
         return current, generation
 

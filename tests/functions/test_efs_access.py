@@ -20,7 +20,7 @@ from spotcr_functions.deps import Deps
 from spotcr_functions.models import Status
 
 from tests.functions.test_store_credentials import BUCKET, answer, instance_session, request, vending
-from tests.workflow.harness import REGION, ControlPlane, agent_event, ec2_event, now_iso, route
+from tests.workflow.harness import REGION, ControlPlane, agent_event, ec2_event, finish_exit, now_iso, route
 
 __all__ = ["vending"]
 
@@ -75,7 +75,7 @@ def test_the_access_point_goes_when_the_job_exits(
     other = plane.job("render-43").access_point_arn
     # When one exits (and its exit is delivered twice)
     for _ in range(2):
-        route(agent_event(events.JobExited("render-42", instance_id, 0, now_iso(), exit_code=exit_code)))
+        finish_exit(events.JobExited("render-42", instance_id, 0, now_iso(), exit_code=exit_code))
     # Then its access point is deleted, the other job's stays
     assert plane.job("render-42").status == status
     assert [point["AccessPointArn"] for point in access_points(file_system)] == [other]
@@ -170,7 +170,7 @@ def test_an_access_point_made_after_the_job_ended_is_not_kept(plane: ControlPlan
     boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs").update_item(
         Key={"job_id": "render-42"}, UpdateExpression="REMOVE access_point_arn"
     )
-    route(agent_event(events.JobExited("render-42", instance_id, 0, now_iso(), exit_code=0)))
+    finish_exit(events.JobExited("render-42", instance_id, 0, now_iso(), exit_code=0))
     assert plane.job("render-42").status == Status.COMPLETED
     # When the registration goes on and creates the access point only now
     efs_access.open_for(Deps.from_settings(Settings.from_env()), record)

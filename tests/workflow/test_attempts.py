@@ -13,6 +13,7 @@ from tests.workflow.harness import (
     checkpoint_id,
     ec2_event,
     end_restore_command,
+    end_status_command,
     finish_restore,
     now_iso,
     route,
@@ -59,11 +60,14 @@ def test_an_agent_event_resent_with_its_event_id_is_handled_once(plane: ControlP
     instance_id = plane.start_job("resent-1")
     exited = events.JobExited("resent-1", instance_id, 0, now_iso(), exit_code=0, result="s3://b/r", event_id="e" * 32)
     [(_, first)] = route(agent_event(exited))
-    assert first["action"] == "completed"
+    assert first["action"] == "exit-claimed"
 
     # When the copy arrives
     [(_, second)] = route(agent_event(exited))
 
-    # Then it is the same event: handled once, its answer is the first one's
+    # Then it is the same event: handled once (one status command asked), its answer is the first one's
     assert second == first
+    [(command_id, ended)] = end_status_command(dataclasses.replace(exited, run_id=plane.job("resent-1").run_id))
+    assert command_id == first["command_id"]
+    route(ended)
     assert plane.job("resent-1").status == Status.COMPLETED

@@ -1,15 +1,20 @@
-"""Facts from authenticated sources: a restore is taken from SSM's result of the restore command on the backup.
+"""Facts from authenticated sources: a restore is taken from SSM's result of the restore command on the backup, a
+job's exit from SSM's result of the status command on the instance it ended on (exits.on_status_command).
 
-The agent's RestoreCompleted and RestoreFailed are telemetry: any job VM that knows a run id could put them. What
-moves the Restore step is GetCommandInvocation of the command the step sent, read when SSM's status-change event
-(source aws.ssm, which no VM can put) arrives, or when the wait times out (recovery.check_restore).
+The agent's RestoreCompleted, RestoreFailed and JobExited are telemetry: any job VM that knows a run id could put
+them. What moves the Restore step is GetCommandInvocation of the command the step sent, read when SSM's
+status-change event (source aws.ssm, which no VM can put) arrives, or when the wait times out
+(recovery.check_restore).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from datetime import UTC, datetime
 from typing import Any
 
+import boto3
 import pytest
 from moto.ssm.models import ssm_backends
 from spotcr_contracts import events
@@ -23,11 +28,15 @@ from tests.workflow.harness import (
     REGION,
     ControlPlane,
     agent_event,
+    answer_exit,
     checkpoint_id,
     command_ended,
     ec2_event,
     end_restore_command,
+    end_status_command,
+    finish_exit,
     finish_restore,
+    invoke_function,
     load_event,
     now_iso,
     route,
@@ -174,3 +183,93 @@ def test_the_rehearsals_status_change_event_is_shaped_as_awss_sample() -> None:
 
     # Then its detail is the sample's, key for key and format for format
     assert emitted == detail
+
+
+# A job's exit is taken from SSM's result of the status command on the instance said to have ended it
+# (exits.on_status_command); the agent's JobExited only asks (agent_events._job_exited).
+
+
+def _answer_status(instance_id: str, line: dict[str, Any]) -> list[dict[str, Any]]:
+    """That instance's agent answers the status commands sent to it with this line; SSM's events, not delivered."""
+    backend = ssm_backends[ACCOUNT][REGION]
+    ended = []
+    for command in [c for c in backend._commands if str(c.document_name).endswith("-status")]:
+        for invocation in command.invocations:
+            if invocation["InstanceId"] == instance_id and not invocation.get("StandardOutputContent"):
+                invocation.update({"Status": "Success", "ResponseCode": 0, "StandardOutputContent": json.dumps(line)})
+                ended.append(command_ended(instance_id, command.command_id, str(command.document_name), "Success"))
+    return ended
+
+
+def test_a_forged_job_exited_moves_nothing(plane: ControlPlane) -> None:
+    # Given a running job, and another job's VM that knows its run id
+    instance_id = plane.start_job("victim-1")
+    other = plane.start_job("other-2")
+    run_id = plane.job("victim-1").run_id
+
+    # When that VM puts JobExited for the job, as from itself and as from the job's own instance
+    for claimed in (other, instance_id):
+        forged = events.JobExited("victim-1", claimed, 0, now_iso(), run_id=run_id, exit_code=0, result="s3://b/x")
+        route(agent_event(forged))
+    # and the job's own instance answers the status command that the claim sent: its job still runs
+    running = {"ok": True, "job_id": "victim-1", "run_id": run_id, "generation": 0, "job_status": "running"}
+    asked = _answer_status(instance_id, {**running, "exit_code": None, "result": "", "result_error": ""})
+    assert len(asked) == 1 and not _answer_status(other, running)
+    for event in asked:
+        route(event)
+
+    # Then the job still runs: no exit code, no result
+    job = plane.job("victim-1")
+    assert (job.status, job.exit_code, job.result) == (Status.RUNNING, None, None)
+
+    # And its real exit, confirmed by SSM, ends it
+    finish_exit(events.JobExited("victim-1", instance_id, 0, now_iso(), exit_code=3, result="s3://b/r"))
+    assert (plane.job("victim-1").status, plane.job("victim-1").exit_code) == (Status.FAILED, 3)
+    assert plane.job("other-2").status == Status.RUNNING
+
+
+def test_a_real_exit_ends_the_job_once_through_ssms_result(plane: ControlPlane) -> None:
+    # Given a running job whose agent reports its exit on the bus
+    instance_id = plane.start_job("real-1")
+    exited = events.JobExited("real-1", instance_id, 0, now_iso(), exit_code=0, result="s3://b/real-1")
+    [(_, claimed)] = route(agent_event(exited))
+
+    # Then that alone ends nothing: it asked the instance through SSM
+    assert claimed["action"] == "exit-claimed"
+    assert plane.job("real-1").status == Status.RUNNING
+
+    # When the instance's answer comes, its status-change event delivered twice
+    [(command_id, ended)] = end_status_command(dataclasses.replace(exited, run_id=plane.job("real-1").run_id))
+    assert command_id == claimed["command_id"]
+    [(_, first)] = route(ended)
+    ended_at = plane.job("real-1").updated_at
+    [(_, second)] = route(ended)
+
+    # Then the job ended exactly once, from SSM's result
+    assert first["action"] == "completed"
+    assert second["reason"] == "job ended already"
+    job = plane.job("real-1")
+    assert (job.status, job.exit_code, job.result, job.updated_at) == (Status.COMPLETED, 0, "s3://b/real-1", ended_at)
+
+
+def test_a_lost_exit_confirmation_is_asked_again_by_the_scheduler(plane: ControlPlane) -> None:
+    # Given a job whose exit was claimed and answered, but SSM's status-change event was lost
+    instance_id = plane.start_job("quiet-1")
+    exited = events.JobExited("quiet-1", instance_id, 0, now_iso(), exit_code=0, result="s3://b/quiet-1")
+    assert answer_exit(exited)
+    assert plane.job("quiet-1").status == Status.RUNNING
+
+    # When the scheduler's tick finds the job due
+    boto3.resource("dynamodb").Table("spotcr-jobs").update_item(
+        Key={"job_id": "quiet-1"},
+        UpdateExpression="SET next_checkpoint_at = :past",
+        ExpressionAttributeValues={":past": 1},
+    )
+    tick = invoke_function("scheduler", load_event("scheduled-event"))
+
+    # Then it asks the instance again, and that answer ends the job
+    assert tick["exits_asked"] == ["quiet-1"]
+    [(_, again)] = end_status_command(dataclasses.replace(exited, run_id=plane.job("quiet-1").run_id))
+    route(again)
+    job = plane.job("quiet-1")
+    assert (job.status, job.exit_code, job.result) == (Status.COMPLETED, 0, "s3://b/quiet-1")

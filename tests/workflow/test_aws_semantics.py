@@ -27,6 +27,7 @@ from tests.workflow.harness import (
     agent_event,
     checkpoint_id,
     ec2_event,
+    finish_exit,
     finish_restore,
     load_event,
     now_iso,
@@ -372,7 +373,7 @@ def test_a_completed_jobs_volume_goes_with_its_instance_unless_kept(
     _edge._deps.cache_clear()
     primary = plane.start_job("fin-1", **{tag_names.STORAGE: "ebs"})
     volume = str(plane.job("fin-1").volume_id)
-    route(agent_event(events.JobExited("fin-1", primary, 0, now_iso(), exit_code=0)))
+    finish_exit(events.JobExited("fin-1", primary, 0, now_iso(), exit_code=0))
     plane.ec2.terminate_instances(InstanceIds=[primary])
     route(ec2_event("state-change-terminated", primary))
     remaining = {v["VolumeId"] for v in plane.ec2.describe_volumes()["Volumes"]}

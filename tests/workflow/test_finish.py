@@ -7,7 +7,7 @@ from spotcr_contracts import events
 from spotcr_functions import cloud
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, route
+from tests.workflow.harness import ControlPlane, answer_exit, ec2_event, finish_exit, now_iso, route
 from tests.workflow.test_recovery import _commit, _recover
 
 RESULT = "s3://spotcr-checkpoints/jobs/{job}/result/manifest.json"
@@ -34,7 +34,7 @@ def test_the_backup_is_terminated_once_the_result_is_stored(
 
     # When it ends there and the agent reports its stored result
     exited = events.JobExited("tidy-1", backup, 1, now_iso(), exit_code=exit_code, result=RESULT.format(job="tidy-1"))
-    [(_, outcome)] = route(agent_event(exited))
+    [(_, outcome)] = finish_exit(exited)
 
     # Then the job records where its result is, and the backup is terminated
     job = plane.job("tidy-1")
@@ -48,9 +48,10 @@ def test_the_users_own_instance_is_never_terminated(plane: ControlPlane) -> None
     instance_id = plane.start_job("own-1")
     exited = events.JobExited("own-1", instance_id, 0, now_iso(), exit_code=0, result=RESULT.format(job="own-1"))
 
-    # When its exit is delivered (twice, as EventBridge may)
-    route(agent_event(exited))
-    [(_, outcome)] = route(agent_event(exited))
+    # When its exit is confirmed through SSM, and the status-change event delivered twice (as EventBridge may)
+    [ended] = answer_exit(exited)
+    route(ended)
+    [(_, outcome)] = route(ended)
 
     # Then the job is COMPLETED and the user's instance keeps running
     assert plane.job("own-1").status == Status.COMPLETED
@@ -64,7 +65,7 @@ def test_a_result_that_was_not_stored_keeps_the_backup_and_says_so(plane: Contro
     exited = events.JobExited("kept-1", backup, 1, now_iso(), exit_code=0, result_error="StoreUnavailable: denied")
 
     # When the exit arrives
-    [(_, outcome)] = route(agent_event(exited))
+    [(_, outcome)] = finish_exit(exited)
 
     # Then the job ends, its reason says the result is not stored and why, and the backup keeps the work dir
     job = plane.job("kept-1")
@@ -85,15 +86,16 @@ def test_a_redelivered_exit_terminates_a_backup_the_first_delivery_left(
     def crash(self: object, instance_id: str) -> None:
         raise RuntimeError("the function timed out")
 
+    [ended] = answer_exit(exited)
     with monkeypatch.context() as patch:
         patch.setattr(cloud.Cloud, "terminate_instance", crash)
         with pytest.raises(RuntimeError):
-            route(agent_event(exited))
+            route(ended)
     assert plane.job("again-2").status == Status.COMPLETED
     assert _state(plane, backup) == "running"
 
-    # When EventBridge delivers the exit again
-    [(_, outcome)] = route(agent_event(exited))
+    # When EventBridge delivers SSM's status-change event for the exit again
+    [(_, outcome)] = route(ended)
 
     # Then that copy terminates the backup
     assert outcome["vm"] == f"terminated {backup}"

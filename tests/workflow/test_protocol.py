@@ -19,7 +19,9 @@ from tests.workflow.harness import (
     MOTO_CONFIG,
     ControlPlane,
     agent_event,
+    answer_exit,
     ec2_event,
+    finish_exit,
     finish_restore,
     invoke_function,
     now_iso,
@@ -58,19 +60,21 @@ def test_an_exit_racing_a_periodic_dump_order_is_recorded_once(
     # Given a running job
     primary = plane.start_job("race-1")
 
-    # When the job exits and, between the handler's read and its write, a periodic dump is claimed (rebalance)
+    # When the job exits and, between the read and the write of the handler that takes SSM's answer, a periodic
+    # dump is claimed (rebalance)
+    [ended] = answer_exit(events.JobExited("race-1", primary, 0, now_iso(), exit_code=0))
     _before_next_read(monkeypatch, lambda: route(ec2_event("rebalance-recommendation", primary)))
-    route(agent_event(events.JobExited("race-1", primary, 0, now_iso(), exit_code=0)))
+    route(ended)
 
     # Then the exit is recorded against the fresh record: COMPLETED, and the scheduler orders nothing more
     job = plane.job("race-1")
     assert (job.status, job.exit_code, job.next_checkpoint_at) == (Status.COMPLETED, 0, None)
     ordered = len(plane.sent_commands("checkpoint"))
-    assert _scheduler() == {"ordered": []}
+    assert _scheduler() == {"ordered": [], "exits_asked": []}
     assert len(plane.sent_commands("checkpoint")) == ordered
 
     # And a duplicated or late exit (another code) does not end it a second time
-    route(agent_event(events.JobExited("race-1", primary, 0, now_iso(), exit_code=9)))
+    finish_exit(events.JobExited("race-1", primary, 0, now_iso(), exit_code=9))
     assert (plane.job("race-1").status, plane.job("race-1").exit_code) == (Status.COMPLETED, 0)
 
 
@@ -87,14 +91,14 @@ def test_an_exit_right_after_the_restore_ends_the_job_and_the_recovery(
     plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
 
     # When the restored job exits at once, and its exit is handled before the RestoreCompleted
-    route(agent_event(events.JobExited("quick-1", backup, 1, now_iso(), exit_code=exit_code)))
+    finish_exit(events.JobExited("quick-1", backup, 1, now_iso(), exit_code=exit_code))
     finish_restore(events.RestoreCompleted("quick-1", backup, 1, now_iso(), checkpoint_id=periodic, seconds=1.0))
 
     # Then the job ends exactly once, with its code, and the recovery does not make it RUNNING again
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     job = plane.job("quick-1")
     assert (job.status, job.exit_code) == (status, exit_code)
-    assert _scheduler() == {"ordered": []}
+    assert _scheduler() == {"ordered": [], "exits_asked": []}
 
 
 @pytest.mark.parametrize("exit_generation", [0, 1])
@@ -110,7 +114,7 @@ def test_an_exit_just_before_the_warning_ends_the_job_and_stops_recovery(
     # once the final-dump command was admitted), after the backup was launched
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "tail-1")
-    route(agent_event(events.JobExited("tail-1", primary, exit_generation, now_iso(), exit_code=exit_code)))
+    finish_exit(events.JobExited("tail-1", primary, exit_generation, now_iso(), exit_code=exit_code))
 
     # Then the job ends with the exit code (a crash, 137 from the OOM killer, is never recovered)
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
@@ -130,7 +134,7 @@ def test_a_vm_that_stopped_under_the_job_is_recovered_not_ended(plane: ControlPl
     _backup(plane, "stop-1")
 
     # When the restarted primary's agent finds the job gone with no exit code recorded
-    route(agent_event(events.JobExited("stop-1", primary, 0, now_iso(), exit_code=events.UNKNOWN_EXIT_CODE)))
+    finish_exit(events.JobExited("stop-1", primary, 0, now_iso(), exit_code=events.UNKNOWN_EXIT_CODE))
 
     # Then the recovery goes on
     assert plane.job("stop-1").status == Status.RECOVERING

@@ -19,6 +19,7 @@ from tests.workflow.harness import (
     agent_event,
     checkpoint_id,
     ec2_event,
+    finish_exit,
     finish_restore,
     now_iso,
     order_periodic,
@@ -384,7 +385,7 @@ def test_a_job_name_run_again_after_it_completed_still_recovers(plane: ControlPl
     periodic = _commit(plane, "again-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
     backup = _recover(plane, "again-1", periodic, final_from=primary)
-    route(agent_event(events.JobExited("again-1", backup, 1, now_iso(), exit_code=0)))
+    finish_exit(events.JobExited("again-1", backup, 1, now_iso(), exit_code=0))
     assert plane.job("again-1").status == Status.COMPLETED
 
     # When the user runs the same job name again (generation 0 on a new VM) and that VM is interrupted

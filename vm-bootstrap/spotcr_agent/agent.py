@@ -367,6 +367,10 @@ class Agent:
                 "job_pid": state.job_pid,
                 "job_alive": alive,
                 "exit_code": state.exit_code,
+                # Where the exit's result was committed, or why it could not be: the control plane ends the job
+                # from this answer (read from SSM), never from JobExited alone.
+                "result": state.result,
+                "result_error": state.result_error,
                 "last_checkpoint": state.last_checkpoint,
                 "final_dumps": {k: v.status for k, v in state.final_dumps.items()},
             }

@@ -1,4 +1,5 @@
-"""EC2 Command Invocation Status-change Notification (source aws.ssm) → the restore's outcome, read from SSM."""
+"""EC2 Command Invocation Status-change Notification (source aws.ssm) → a restore's outcome or a job's exit, read
+from SSM (by the command's document)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from spotcr_functions import recovery
+from spotcr_functions import exits, recovery
 from spotcr_functions.handlers import _edge
 from spotcr_functions.observability import logger, metrics, tracer
 
@@ -25,4 +26,7 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     # The event only says where to look: the outcome is read from GetCommandInvocation. Taking it twice records
     # the same answer, so redelivered copies change nothing.
     document_name = str(detail.get("document-name") or "")
-    return recovery.on_restore_command(_edge.deps(), command_id, instance_id, document_name)
+    deps = _edge.deps()
+    if document_name == deps.settings.status_document:
+        return exits.on_status_command(deps, command_id, instance_id)
+    return recovery.on_restore_command(deps, command_id, instance_id, document_name)
