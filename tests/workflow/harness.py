@@ -528,5 +528,5 @@ def order_periodic(plane: ControlPlane, job_id: str, instance_id: str) -> int:
     table.update_item(
         Key={"job_id": job_id}, UpdateExpression="SET next_checkpoint_at = :due", ExpressionAttributeValues={":due": 0}
     )
-    assert invoke_function("scheduler", load_event("scheduled-event")) == {"ordered": [job_id]}
+    assert invoke_function("scheduler", load_event("scheduled-event"))["ordered"] == [job_id]
     return ordered_sequence(plane, instance_id, "periodic")

@@ -67,7 +67,7 @@ def test_a_backup_whose_clock_is_behind_has_its_checkpoints_recorded_and_restore
     assert restore["parameters"]["CheckpointId"] == periodic
 
 
-def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore_isordered_sequence(
+def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore_is_ordered(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a job whose final dump does not arrive within the wait, so the backup restores the periodic one
