@@ -236,7 +236,7 @@ FUNCTIONS: tuple[Function, ...] = (
             COMMAND_RESULTS,
             TASK_CALLBACK,
             EC2_TERMINATE,
-            EFS_ACCESS_POINTS,
+            EFS_ACCESS_POINT_DELETE,
         ),
         rules=(
             Rule(
