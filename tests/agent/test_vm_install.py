@@ -45,9 +45,8 @@ def test_a_missing_artifact_is_named_with_how_to_build_it(tmp_path):
         stage_agent_bundle(tmp_path / "bundle", "arm64", build_dir=BUILD_DIR)
 
 
-def test_the_vm_artifact_installs_cuda_plugin_where_the_agent_finds_it(bundle, tmp_path):
-    # Given the bundle installed as on a VM
-    prefix = tmp_path / "opt-spotcr"
+def _install(bundle: Path, prefix: Path) -> Path:
+    """install-artifact.sh run as a VM runs it, into a private prefix; returns the prefix."""
     installed = subprocess.run(
         ["bash", str(bundle / "install-artifact.sh"), str(bundle), str(prefix)],
         capture_output=True,
@@ -55,6 +54,12 @@ def test_the_vm_artifact_installs_cuda_plugin_where_the_agent_finds_it(bundle, t
         check=False,
     )
     assert installed.returncode == 0, installed.stderr
+    return prefix
+
+
+def test_the_vm_artifact_installs_cuda_plugin_where_the_agent_finds_it(bundle, tmp_path):
+    # Given the bundle installed as on a VM
+    prefix = _install(bundle, tmp_path / "opt-spotcr")
 
     # Then the agent finds CRIU's CUDA plugin beside the VM's criu, and the plugin's libraries resolve
     directory = gpu.plugin_dir(str(prefix / "criu" / "bin" / "criu"), dirs=())
@@ -67,14 +72,7 @@ def test_the_vm_artifact_installs_cuda_plugin_where_the_agent_finds_it(bundle, t
 @pytest.mark.criu
 def test_the_artifact_installs_without_a_compiler_and_passes_criu_check(bundle, tmp_path):
     # Given the bundle unpacked as on a VM, When install-artifact.sh installs it into a private prefix
-    prefix = tmp_path / "opt-spotcr"
-    installed = subprocess.run(
-        ["bash", str(bundle / "install-artifact.sh"), str(bundle), str(prefix)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert installed.returncode == 0, installed.stderr
+    prefix = _install(bundle, tmp_path / "opt-spotcr")
     criu = prefix / "criu" / "bin" / "criu"
     # Then its CRIU finds its libraries beside it with no environment, and works on this kernel
     linked = subprocess.run(["ldd", str(criu)], capture_output=True, text=True, check=True).stdout
