@@ -300,8 +300,8 @@ def reference_result(
         return path.read_bytes()
 
 
-def _order_or_none(checkpoint_id: str) -> tuple[int, int, str]:
-    return checkpoint_order(checkpoint_id) if checkpoint_id else (-1, -1, "")
+def _order_or_none(checkpoint_id: str) -> tuple[int, int, int, str]:
+    return checkpoint_order(checkpoint_id) if checkpoint_id else (-1, -1, -1, "")
 
 
 def committed_result(cloud: LocalCloud, location: str, job_id: str, result_file: str, run_id: str = "") -> bytes:

@@ -17,9 +17,9 @@ from spotcr_contracts.tags import RUN_ID_PATTERN
 
 AGENT_BIN = "/opt/spotcr/bin/spotcr-agent"
 # <the committing VM's time in unix ms>-g<generation>[-s<sequence>]-<kind>: the generation and the sequence are the
-# control plane's (the dump order's); a dump taken without an order carries no sequence.
+# control plane's; a dump the control plane ordered carries the order's sequence, one nobody ordered the highest
+# sequence its VM was given (Agent.fence), and no sequence only on a VM that was never given one.
 CHECKPOINT_ID_PATTERN = r"^[0-9]{13}-g[0-9]{1,10}(-s[0-9]{1,10})?-(periodic|final)$"
-UNORDERED = 10**10  # above every sequence the pattern allows: a dump without an order ranks last in its generation
 
 
 def checkpoint_id(unix_ms: int, generation: int, kind: str, sequence: int | None = None) -> str:
@@ -33,21 +33,19 @@ def checkpoint_generation(checkpoint_id: str) -> int:
     return int(checkpoint_id.split("-")[1].removeprefix("g"))
 
 
-def checkpoint_order(checkpoint_id: str) -> tuple[int, int, str]:
+def checkpoint_order(checkpoint_id: str) -> tuple[int, int, int, str]:
     """The one order of a job run's checkpoints, oldest to newest: (generation, sequence), both minted by the control
-    plane, never a VM's clock. The job record mints the sequence each time it orders a dump (a periodic dump, the
-    final dump a warning orders), so two ordered dumps never tie and a later order always ranks higher.
+    plane, never a VM's clock; at one (generation, sequence) a final dump ranks after a periodic one.
 
-    A final dump taken without an order (the one the agent takes on its own IMDS notice) carries no sequence and
-    ranks after every ordered dump of its generation: after it the job is stopped on that VM, and no other VM
-    commits at that generation later (a backup restores at the next one, and the interrupted instance's dumps stop
-    counting once the restore is ordered). A periodic dump without a sequence (one a person ran on the VM, or taken
-    before sequences existed) ranks first in its generation, so ordered dumps are never held back by it. Only
-    dumps of one generation and rank without a sequence are compared by the VM's time in their ids."""
+    The job record mints a sequence each time it orders a dump (a periodic dump, the final dump a warning orders)
+    and each time it orders a restore (Registry.close_generation), so a later order always ranks higher, and a
+    backup, which serves the generation of the recovery that launched it, ranks every dump it takes after every
+    dump of the instance it replaced. A dump nobody ordered (the final dump on the agent's own IMDS notice, one a
+    person ran) carries the highest sequence its VM was given: after that VM's own dumps, before any later order.
+    Only dumps of one VM can tie on all three; the VM's time in their ids then decides."""
     parts = checkpoint_id.split("-")
-    unordered = UNORDERED if parts[-1] == "final" else 0
-    sequence = int(parts[2].removeprefix("s")) if len(parts) == 4 else unordered
-    return checkpoint_generation(checkpoint_id), sequence, checkpoint_id
+    sequence = int(parts[2].removeprefix("s")) if len(parts) == 4 else 0
+    return checkpoint_generation(checkpoint_id), sequence, int(parts[-1] == "final"), checkpoint_id
 
 
 @dataclass(frozen=True)
@@ -121,9 +119,10 @@ _RUN = Parameter(
 RESTORE_ATTEMPTS = ("newest", "previous")
 _ATTEMPT = Parameter("Attempt", "The workflow's restore attempt this command is.", r"^$|^(newest|previous)$", "")
 _GENERATION = Parameter("Generation", "Fencing token: the agent refuses a stale generation.", r"^[0-9]{1,10}$")
-# The dump's place in the job's order (checkpoint_order), minted by the control plane with the order; it goes into
-# the checkpoint's id. Empty: a dump nobody ordered.
-_SEQUENCE = Parameter("Sequence", "The control plane's sequence of this dump order.", r"^$|^[0-9]{1,10}$", "")
+# The order's place in the job's order (checkpoint_order), minted by the control plane with a dump or restore order:
+# a dump's goes into its checkpoint's id; a restore's ranks the backup's dumps after the replaced instance's. Empty:
+# a command nobody ordered.
+_SEQUENCE = Parameter("Sequence", "The control plane's sequence of this order.", r"^$|^[0-9]{1,10}$", "")
 
 CHECKPOINT = Command(
     name="checkpoint",
@@ -152,6 +151,7 @@ RESTORE = Command(
         Parameter("CheckpointId", "Checkpoint to restore; empty for the newest.", f"^$|{CHECKPOINT_ID_PATTERN}", ""),
         _RUN,
         _ATTEMPT,
+        _SEQUENCE,
     ),
     flags={
         "JobId": "--job",
@@ -159,6 +159,7 @@ RESTORE = Command(
         "CheckpointId": "--checkpoint",
         "RunId": "--run",
         "Attempt": "--attempt",
+        "Sequence": "--sequence",
     },
 )
 RELEASE = Command(

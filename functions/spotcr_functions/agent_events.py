@@ -360,9 +360,9 @@ def may_record(record: JobRecord, instance_id: str) -> bool:
 
 
 def is_newer(record: JobRecord, checkpoint_id: str) -> bool:
-    """Order from the control plane: (generation, sequence), both minted by the control plane with the dump order
-    and carried in the checkpoint's id (commands.checkpoint_order), never a VM's clock. A final dump the agent took
-    on its own notice, with no order, ranks after every ordered dump of its generation."""
+    """Order from the control plane: (generation, sequence), both minted by the control plane with the dump or
+    restore order and carried in the checkpoint's id (commands.checkpoint_order), never a VM's clock. A final dump
+    the agent took on its own notice ranks after that VM's ordered dumps and before its backup's."""
     if not record.checkpoint_id:
         return True
     return checkpoint_order(checkpoint_id) > checkpoint_order(record.checkpoint_id)

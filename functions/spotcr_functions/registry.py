@@ -20,8 +20,9 @@ def restore_key(attempt: str) -> str:
 
 RESTORE_KEYS = tuple(restore_key(a) for a in commands.RESTORE_ATTEMPTS)
 WAIT_KEYS = ("final-dump", "backup-ready", *RESTORE_KEYS)  # what a workflow step waits for
-# The job record's counter of dump orders (JobRecord.dump_sequence): every write that orders a dump increments it in
-# the same conditional write (Registry.update's `add`), so each order gets its own sequence (commands.checkpoint_order).
+# The job record's counter of dump and restore orders (JobRecord.dump_sequence): every write that orders one increments
+# it in the same conditional write (Registry.update's `add`), so each order gets its own sequence
+# (commands.checkpoint_order).
 DUMP_SEQUENCE = "dump_sequence"
 
 
@@ -228,12 +229,15 @@ class Registry:
     def close_generation(self, job_id: str, generation: int, at: str) -> JobRecord | None:
         """The recovery orders a restore: from now on the interrupted instance's checkpoints of this generation are
         late and never recorded (agent_events.may_record), so the checkpoint chosen from the returned record is the
-        newest the job will ever have at this generation until the backup commits its own. None when stale."""
+        newest the job will ever have at this generation until the backup commits its own. The same write mints the
+        restore order's sequence (DUMP_SEQUENCE), above every dump the interrupted instance was ordered, so the
+        backup's dumps rank after all of that instance's (commands.checkpoint_order). None when stale."""
         return self.update(
             job_id,
             {"restore_ordered_at": at, "updated_at": at},
             condition="#generation = :g AND #status = :recovering",
             condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+            add=(DUMP_SEQUENCE,),
         )
 
     def due_jobs(self, now: int) -> list[JobRecord]:

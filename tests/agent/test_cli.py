@@ -135,7 +135,7 @@ def test_restore_prints_the_result_the_control_plane_reads_from_ssm(configured, 
     from spotcr_agent.restore import RestoreOutcome
     from spotcr_contracts.commands import command_result
 
-    def restore(self, generation, checkpoint_id=None, attempt=""):
+    def restore(self, generation, checkpoint_id=None, attempt="", sequence=None):
         if fails:
             raise RuntimeError("checkpoint 1795293235815-g7-final is corrupt")
         return RestoreOutcome(checkpoint_id=checkpoint_id, generation=generation, seconds=1.5, pid=4242)

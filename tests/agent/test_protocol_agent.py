@@ -17,7 +17,7 @@ from spotcr_agent.restore import Restorer
 from spotcr_agent.runner import process_start_time
 from spotcr_agent.state import FinalDump
 from spotcr_agent.store import CheckpointNotFound, CommitResult, CorruptCheckpoint, StoreUnavailable
-from spotcr_contracts.commands import checkpoint_order
+from spotcr_contracts.commands import checkpoint_id, checkpoint_order
 
 from .conftest import FakeMetadata, make_agent, make_config, wait_for
 
@@ -40,6 +40,28 @@ def test_the_daemon_starts_again_after_a_generation_bump(tmp_path, publisher):
 
     # Then it comes up at the generation it serves and starts nothing it must not
     assert (publisher.events[0].DETAIL_TYPE, publisher.events[0].generation) == ("AgentReady", 2)
+
+
+def test_a_dump_nobody_ordered_ranks_after_its_vms_dumps_and_before_its_backups(tmp_path, publisher):
+    # Given a primary ordered dumps with sequences 5 and then (delivered late) 3, and the warning's final-dump order
+    # (sequence 6) not yet delivered when its own IMDS notice arrives at the generation the warning bumped to
+    primary = make_agent(make_config(tmp_path), publisher)
+    assert (primary.fence(1, 5), primary.fence(1, 3)) == (5, 3)  # an order's dump takes the order's sequence
+    primary.fence(2)
+    # And its backup (a clock 120 s behind) whose restore order was sequence 7, at that same generation
+    backup = make_agent(make_config(tmp_path, "backup", mode="restore"), publisher)
+    backup.fence(2, 7)
+    never_ordered = make_agent(make_config(tmp_path, "fresh"), publisher)
+
+    # When each takes a dump nobody ordered (Agent.checkpoint's sequence: what fence returns)
+    own_final = checkpoint_id(1795293999999, 2, "final", primary.fence(2))
+    backup_dump = checkpoint_id(1795293880000, 2, "periodic", backup.fence(2))
+
+    # Then the primary's ranks after every dump it was ordered, the backup's after the primary's, whatever the
+    # clocks; a VM never given a sequence dumps without one
+    ordered = [checkpoint_id(1795293000000, 1, "periodic", s) for s in (3, 5)]
+    assert sorted([backup_dump, own_final, *ordered], key=checkpoint_order) == [*ordered, own_final, backup_dump]
+    assert own_final.endswith("-g2-s5-final") and never_ordered.fence(1) is None
 
 
 def test_a_missing_program_ends_the_job_with_the_reason_and_the_daemon_lives(tmp_path, publisher):

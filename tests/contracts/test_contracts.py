@@ -115,19 +115,22 @@ def test_agent_argv_is_typed_and_checked() -> None:
 
 
 def test_checkpoints_order_by_generation_then_the_control_planes_sequence_never_the_vms_clock() -> None:
-    # The VM's clock runs backwards across these; the control plane's generation and sequence decide
+    # The VMs' clocks run backwards across these; the control plane's generation and sequence decide
     newest_first = [
         commands.checkpoint_id(1795293000000, 3, "periodic", 9),
-        commands.checkpoint_id(1795293999999, 2, "final"),  # no order (IMDS notice): last of its generation
+        # A backup (clock 120 s behind) whose restore order was sequence 7: its dumps rank after the primary's
         commands.checkpoint_id(1795293000001, 2, "periodic", 8),
-        commands.checkpoint_id(1795293500000, 2, "final", 7),
-        commands.checkpoint_id(1795299000000, 1, "periodic", 6),
-        "1795299999999-g1-periodic",  # a periodic dump nobody ordered ranks first in its generation
+        commands.checkpoint_id(1795293000000, 2, "final", 7),  # its final on its own notice, before any dump order
+        # The primary's final on its own notice at the bumped generation: the highest sequence it was given
+        commands.checkpoint_id(1795293999999, 2, "final", 6),
+        commands.checkpoint_id(1795299000000, 1, "final", 6),  # a final ranks after a periodic of its sequence
+        commands.checkpoint_id(1795299000001, 1, "periodic", 6),
+        "1795299999999-g1-final",  # a dump on a VM never given a sequence ranks first in its generation
         commands.checkpoint_id(1795299000000, 0, "periodic", 1),
     ]
     assert all(re.fullmatch(commands.CHECKPOINT_ID_PATTERN, i) for i in newest_first)
     assert sorted(newest_first, key=commands.checkpoint_order, reverse=True) == newest_first
-    assert newest_first[2] == "1795293000001-g2-s8-periodic"
+    assert newest_first[1] == "1795293000001-g2-s8-periodic"
     argv = commands.CHECKPOINT.agent_argv({"JobId": "job-1", "Generation": "2", "Kind": "periodic", "Sequence": "8"})
     assert argv[-2:] == ["--sequence", "8"]
 

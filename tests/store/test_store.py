@@ -420,7 +420,7 @@ def test_each_run_of_a_job_name_has_its_own_checkpoints(tmp_path: Path) -> None:
 
 def test_checkpoints_are_listed_and_pruned_by_the_control_planes_order_not_the_vms_clock(tmp_path: Path) -> None:
     # Given ordered dumps (sequences 4, 5, 6) from a VM whose clock jumped back a minute after the first, then the
-    # final dump it took on its own notice (no order), its clock behind still
+    # final dump it took on its own notice (no order: the highest sequence it was given), its clock behind still
     (tmp_path / "root").mkdir()
     store = CheckpointStore.for_directory(tmp_path / "root", JOB)
     images = tmp_path / "img"
@@ -428,7 +428,7 @@ def test_checkpoints_are_listed_and_pruned_by_the_control_planes_order_not_the_v
         commands.checkpoint_id(1_700_000_100_000, 1, "periodic", 4),
         commands.checkpoint_id(1_700_000_040_000, 1, "periodic", 5),
         commands.checkpoint_id(1_700_000_070_000, 1, "periodic", 6),
-        commands.checkpoint_id(1_700_000_075_000, 1, "final"),
+        commands.checkpoint_id(1_700_000_065_000, 1, "final", 6),
     ]
     for n, checkpoint in enumerate(ids):
         write_images(images, random_bytes(MiB, seed=40 + n))

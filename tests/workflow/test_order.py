@@ -111,6 +111,7 @@ def test_a_vm_whose_clock_jumps_backwards_has_its_newer_checkpoint_taken_as_newe
     )
     assert plane.job("jump-1").checkpoint_id == second
 
-    # And the final dump the agent takes on its own notice (no order) ranks after both, its clock still behind
-    own_final = _commit("jump-1", primary, 0, "final", T - 590_000)
+    # And the final dump the agent takes on its own notice (no order: the highest sequence its VM was given) ranks
+    # after both, its clock still behind
+    own_final = _commit("jump-1", primary, 0, "final", T - 590_000, commands.checkpoint_order(second)[1])
     assert plane.job("jump-1").checkpoint_id == own_final

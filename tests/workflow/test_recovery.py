@@ -117,6 +117,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
         "CheckpointId": final,
         "RunId": plane.job("render-1").run_id,
         "Attempt": "newest",
+        "Sequence": "2",  # minted when the restore is ordered: the backup's dumps rank after the primary's final
     }
     finish_restore(events.RestoreCompleted("render-1", backup, 1, now_iso(), checkpoint_id=final, seconds=2.0, pid=99))
 

@@ -125,10 +125,16 @@ class Agent:
             generation = state.generation
         self.emit(AgentReady, generation, mode=self.config.mode)
 
-    def fence(self, generation: int) -> None:
-        """Refuse a stale generation before touching the job or its storage."""
+    def fence(self, generation: int, sequence: int | None = None) -> int | None:
+        """Refuse a stale generation before touching the job or its storage. Returns the sequence a dump takes: the
+        order's `sequence`, kept as the highest this VM was given (a dump or restore order's), or for a dump
+        nobody ordered that highest one (None on a VM never given one): commands.checkpoint_order."""
         with self.state.locked() as state:
             admit(state, generation)
+            if sequence is not None:
+                state.sequence = max(state.sequence or 0, sequence)
+                return sequence
+            return state.sequence
 
     def layout(self) -> Layout:
         """Where the job's files live on this VM: what a checkpoint carries, checks, or leaves to storage."""
@@ -143,11 +149,12 @@ class Agent:
 
     def checkpoint(self, kind: str, generation: int, sequence: int | None = None) -> CheckpointOutcome:
         """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead. `sequence` is
-        the control plane's for an ordered dump, None for one nobody ordered (the final dump on the IMDS notice).
+        the control plane's for an ordered dump, None for one nobody ordered (the final dump on the IMDS notice),
+        which takes the highest sequence this VM was given (fence).
 
         Every dump order after the job's end re-sends its exit, so a lost or unrecorded JobExited is healed by
         the scheduler's next order: the control plane records the end once and stops ordering dumps."""
-        self.fence(generation)
+        sequence = self.fence(generation, sequence)
         reported = self.watch_job()
         with self.state.locked() as state:
             exited = state.job_status == "exited"
@@ -253,9 +260,12 @@ class Agent:
             (log.info if plan.fits else log.warning)("deadline: %s", plan.reason)
         return plan
 
-    def restore(self, generation: int, checkpoint_id: str | None = None, attempt: str = "") -> RestoreOutcome:
-        """Restore the job; the answer (RestoreCompleted or RestoreFailed) names the workflow's `attempt`."""
-        self.fence(generation)
+    def restore(
+        self, generation: int, checkpoint_id: str | None = None, attempt: str = "", sequence: int | None = None
+    ) -> RestoreOutcome:
+        """Restore the job; the answer (RestoreCompleted or RestoreFailed) names the workflow's `attempt`. The
+        restore order's `sequence` ranks every dump this VM takes after the replaced instance's (fence)."""
+        self.fence(generation, sequence)
         with self.state.locked() as state:
             state.run_id = state.run_id or self.config.run_id  # a backup serves the run it was launched for
         try:

@@ -186,8 +186,8 @@ class Checkpointer:
     check_gpus: Callable[[list[int], Criu], gpu.JobGpus | None] = gpu.for_dump
     memory_tracking: bool | None = None  # None: where the kernel has it (Criu.memory_tracking)
     memory_scratch_dir: Path | None = None  # where a tmpfs for one dump is mounted when memory allows; None: never
-    # The control plane's sequence of the dump order this checkpointer serves (in the checkpoint's id); None: a dump
-    # nobody ordered, such as the final dump on the agent's own IMDS notice (commands.checkpoint_order ranks it).
+    # The control plane's sequence this dump ranks at (in the checkpoint's id): its order's, or for a dump nobody
+    # ordered the highest its VM was given (Agent.fence); None on a VM never given one (commands.checkpoint_order).
     sequence: int | None = None
     _scan: JobScan = field(default_factory=JobScan)
     _gpus: gpu.JobGpus | None = None

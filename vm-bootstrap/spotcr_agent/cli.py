@@ -110,6 +110,9 @@ def parser() -> argparse.ArgumentParser:
     restore.add_argument("--checkpoint", type=_checkpoint_id, default=None)
     restore.add_argument("--run", type=_run_id, default="", help="the run it is for; another run's is refused")
     restore.add_argument("--attempt", choices=("", *RESTORE_ATTEMPTS), default="", help="the workflow's attempt")
+    restore.add_argument(
+        "--sequence", type=_sequence, default=None, help="the control plane's sequence of this restore order"
+    )
 
     release = commands.add_parser("release", help="release the job's storage (unmount EBS) so it can move")
     release.add_argument("--job", required=True)
@@ -198,7 +201,7 @@ def _restore(agent: Agent, args: argparse.Namespace) -> int:
     GetCommandInvocation) names the job, run, generation and attempt it answers. Exit 0 only when restored."""
     answers = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "attempt": args.attempt}
     try:
-        outcome = agent.restore(args.generation, args.checkpoint, args.attempt)
+        outcome = agent.restore(args.generation, args.checkpoint, args.attempt, args.sequence)
     except StaleGeneration as error:
         _print({"ok": False, **answers, "error": str(error), "stale": True})
         return STALE

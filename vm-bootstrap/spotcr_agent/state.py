@@ -43,6 +43,7 @@ class AgentState:
     job_id: str = ""
     run_id: str = ""  # the run of the job this VM serves (spotcr:run), set when it starts or restores the job
     generation: int = 0  # the generation this VM serves (fencing token)
+    sequence: int | None = None  # the highest order sequence this VM was given (Agent.fence); None: never one
     job_pid: int = 0  # host PID of the job's PID 1; 0 when no job runs here
     job_start_time: int = 0
     # none | running | exited | checkpointed | stopped (killed after its final dump failed: never resumed here)
