@@ -167,7 +167,7 @@ class Watcher:
                 self.work_redone_s.append(lost)
         elif isinstance(event, agent_events.JobExited):
             self._end_execution(vm, now)
-            say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code}")
+            say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code} (the agent says)")
         elif isinstance(event, agent_events.CheckpointFailed) and event.kind == "periodic":
             say.say(f"periodic checkpoint not taken on {vm}: {event.reason}")
         elif isinstance(
@@ -197,13 +197,19 @@ class Watcher:
                 for detail_type, event in self.seen:
                     if predicate(detail_type, event):
                         return event
-                    if isinstance(event, agent_events.BootstrapFailed):
-                        raise RehearsalFailed(f"bootstrap failed on {event.instance_id}: {event.step}: {event.reason}")
+                self.check_bootstrap()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RehearsalFailed(f"timed out after {timeout_s:.0f} s waiting for {what}")
                 health()
                 self._changed.wait(min(remaining, 2.0))
+
+    def check_bootstrap(self) -> None:
+        """Raise as soon as a VM said its bootstrap failed: the run cannot succeed."""
+        with self._changed:
+            for _, event in self.seen:
+                if isinstance(event, agent_events.BootstrapFailed):
+                    raise RehearsalFailed(f"bootstrap failed on {event.instance_id}: {event.step}: {event.reason}")
 
     def count(self, predicate: Callable[[str, agent_events.AgentEvent], bool]) -> int:
         with self._changed:
@@ -413,9 +419,7 @@ class Rehearsal:
         current, generation = instance_id, 0
         for number in range(1, options.interruptions + 1):
             current, generation = self._interruption(number, current, generation)
-        exited = self.watcher.wait(
-            lambda t, e: t == "JobExited", options.timeout_s, "the job to finish", self._workflow_health
-        )
+        exited = self._await_end(options.timeout_s)
         if exited.exit_code != options.exit_code:
             vm = self.cloud.vms[exited.instance_id]
             raise RehearsalFailed(
@@ -547,9 +551,6 @@ class Rehearsal:
     def _await_periodic(self, instance_id: str, generation: int, number: int) -> None:
         wanted = self.options.checkpoints_before_interruption
 
-        def exited(detail_type: str, event: Any) -> bool:
-            return detail_type == "JobExited" and event.instance_id == instance_id
-
         def periodic(detail_type: str, event: Any) -> bool:
             return (
                 detail_type == "CheckpointCompleted"
@@ -560,12 +561,10 @@ class Rehearsal:
 
         deadline = time.monotonic() + self.options.timeout_s
         while self.watcher.count(periodic) < wanted:
-            if self.watcher.count(exited):
-                code = next(
-                    e.exit_code for t, e in self.watcher.seen if isinstance(e, agent_events.JobExited) and exited(t, e)
-                )
+            if (ended := self._ended()) is not None:
+                how = f"exited with {ended['exit_code']}" if "exit_code" in ended else f"ended {ended['status']}"
                 raise RehearsalFailed(
-                    f"the job exited with {code} on {instance_id} before a periodic checkpoint there, so "
+                    f"the job {how} on {ended.get('instance_id')} before a periodic checkpoint on {instance_id}, so "
                     f"interruption {number} could not happen: rehearse a job that runs longer than "
                     f"--interval ({self.options.interval_s} s) on each VM, or fewer --interruptions"
                     f"{stderr_tail(self.cloud.vms[instance_id], self.workdir)}"
@@ -599,6 +598,39 @@ class Rehearsal:
 
         self.cloud.spawn(terminate, name=f"terminate-{instance_id}")
         return warned
+
+    def job_record(self) -> dict[str, Any]:
+        """The job's record as the control plane keeps it (the registry), each attribute as its plain value."""
+        table = self.cloud.client("dynamodb")
+        item = table.get_item(TableName=self.cloud.names["jobs_table"], Key={"job_id": {"S": self.job_id}})
+        return {k: next(iter(v.values())) for k, v in item.get("Item", {}).items()}
+
+    def _ended(self) -> dict[str, Any] | None:
+        record = self.job_record()
+        return record if record.get("status") in ("COMPLETED", "FAILED") else None
+
+    def _await_end(self, timeout_s: float) -> agent_events.JobExited:
+        """The job's end as the control plane recorded it, which it takes from SSM's answer on the instance, never
+        from what a VM puts on the bus (a forged JobExited ends nothing, here as in the account); then the agent's
+        JobExited that the record confirms (same instance, exit code and result), for the result's location."""
+        deadline = time.monotonic() + timeout_s
+        while (record := self._ended()) is None:
+            if time.monotonic() > deadline:
+                raise RehearsalFailed(f"timed out after {timeout_s:.0f} s waiting for the job to finish")
+            self.watcher.check_bootstrap()
+            self._workflow_health()
+            time.sleep(0.5)
+        if "exit_code" not in record:
+            self.watcher.check_bootstrap()
+            raise RehearsalFailed(f"the job ended {record['status']} without exiting: {record.get('reason', '')}")
+        code, instance, result = int(record["exit_code"]), record.get("instance_id"), record.get("result", "")
+
+        def confirmed(detail_type: str, event: Any) -> bool:
+            if detail_type != "JobExited":
+                return False
+            return bool((event.instance_id, event.exit_code, event.result) == (instance, code, result))
+
+        return self.watcher.wait(confirmed, 30, f"the JobExited of the end the record names ({record})")
 
     def _result(self, exited: agent_events.JobExited) -> bytes:
         """The result file as the agent committed it to the store, where a user finds it (not from the VM)."""

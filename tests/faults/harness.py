@@ -167,11 +167,6 @@ class FaultRehearsal(Rehearsal):
     def events(self, detail_type: str) -> list[Any]:
         return [event for kind, event in self.watcher.seen if kind == detail_type]
 
-    def job_record(self) -> dict[str, Any]:
-        table = self.cloud.client("dynamodb")
-        item = table.get_item(TableName=self.cloud.names["jobs_table"], Key={"job_id": {"S": self.job_id}})
-        return {k: next(iter(v.values())) for k, v in item.get("Item", {}).items()}
-
     def running_workflows(self) -> list[str]:
         return [execution["name"] for execution in self.workflows("RUNNING")]
 

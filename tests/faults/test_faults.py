@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 from spotcr_agent.store.store import run_prefix
+from spotcr_contracts import events as agent_events
 from spotcr_contracts.commands import AGENT_BIN
+from spotcr_functions.config import ENV
 
 from rehearsal.sample_job import STOPPED_EXIT_CODE
 from rehearsal.scenario import committed_result
@@ -165,12 +167,29 @@ def test_duplicated_and_reordered_warnings_start_one_recovery(reference, cloud, 
         return warned
 
     rehearsal._interrupt = storm  # type: ignore[method-assign]
+    # And, while the job runs, a JobExited (code 0) that any job VM could put on the bus for it: a forgery
+    forged: list[str] = []
+
+    def forge(started: Any) -> None:
+        exited = agent_events.JobExited(
+            started.job_id, started.instance_id, started.generation, started.at, run_id=started.run_id, exit_code=0
+        )
+        entry = exited.to_entry(rehearsal.cloud.names["event_bus_name"])
+        rehearsal.cloud.client("events").put_events(Entries=[entry])
+        forged.append(started.instance_id)
+
+    _first(rehearsal, "JobStarted", lambda e: True, forge)
 
     # When the job recovers
     outcome = _run(rehearsal)
 
     # Then one workflow ran and one backup was launched
     assert len(rehearsal.end["workflows"]) == 1 and len(rehearsal.end["backups"]) == 1, rehearsal.end
+    # And the forged exit only made the control plane ask that instance through SSM: the job ran on to its result
+    status_document = rehearsal.cloud.settings_env[ENV["status_document"]]
+    sent = rehearsal.cloud.client("ssm").list_commands()["Commands"]
+    asked = [c["InstanceIds"] for c in sent if c["DocumentName"] == status_document]
+    assert forged and [forged[0]] in asked, rehearsal.lines
     _assert_invariants(rehearsal, outcome)
 
 
