@@ -338,6 +338,18 @@ def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference,
     [ended] = earlier.events("JobExited")
     kept = committed_result(cloud, ended.result, ended.job_id, earlier.options.result_file, ended.run_id)
     assert kept == earlier_outcome.result != outcome.result, rehearsal.lines
+    # And the new run's VM pruned the earlier run (Agent.delete_earlier_runs, in the background once the job
+    # started): nothing of it is left in the store but its result
+    s3, prefix = cloud.client("s3"), run_prefix(ended.job_id, ended.run_id)
+
+    def left() -> list[str]:
+        found = s3.list_objects_v2(Bucket=cloud.names["checkpoint_bucket"], Prefix=prefix).get("Contents", [])
+        return sorted({o["Key"].removeprefix(prefix).split("/", 1)[0] for o in found})
+
+    deadline = time.monotonic() + 30
+    while left() != ["result"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == ["result"], rehearsal.lines
 
 
 def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newest(

@@ -27,12 +27,15 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
     storage.keep_efs_credentials(agent.config, stop)
     agent.ready()
     waiting = agent.config.mode == "run"
-    interrupted = False
+    interrupted = pruned = False
     while True:
         if waiting:
             waiting = not _start_when_registered(agent, metadata)
-            if not waiting:  # off the loop that watches for the interruption notice
-                threading.Thread(target=agent.delete_earlier_runs, name="spotcr-earlier-runs", daemon=True).start()
+        # Once the run runs here (started, or restored on a backup whose primary went before it could), the job
+        # name's earlier runs are pruned, off the loop that watches for the interruption notice.
+        if not pruned and agent.state.read().job_status == "running":
+            pruned = True
+            threading.Thread(target=agent.delete_earlier_runs, name="spotcr-earlier-runs", daemon=True).start()
         if not interrupted:
             interrupted = _check_interruption(agent, metadata)
         agent.watch_job()
