@@ -326,7 +326,7 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
         "CheckpointId": checkpoint_id or "",
         "RunId": record.run_id,
         "Attempt": attempt,
-        "Sequence": str(record.dump_sequence),  # minted by close_generation: the backup's dumps rank after
+        "Sequence": str(record.dump_sequence),  # minted by close_generation: the backup ranks after the primary
     }
     command_id = deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, backup_instance_id, values)
     ordered = {"command_id": command_id, "instance_id": backup_instance_id, "generation": generation}
