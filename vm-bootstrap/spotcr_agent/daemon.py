@@ -31,9 +31,10 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
     while True:
         if waiting:
             waiting = not _start_when_registered(agent, metadata)
-        # Once the run runs here (started, or restored on a backup whose primary went before it could), the job
-        # name's earlier runs are pruned, off the loop that watches for the interruption notice.
-        if not pruned and agent.state.read().job_status == "running":
+        # Once the run has run here (started, or restored on a backup whose primary went before it could; a job
+        # that already ended counts), the job name's earlier runs are pruned, off the loop that watches for the
+        # interruption notice (Agent.delete_earlier_runs has the same guard).
+        if not pruned and agent.state.read().job_status != "none":
             pruned = True
             threading.Thread(target=agent.delete_earlier_runs, name="spotcr-earlier-runs", daemon=True).start()
         if not interrupted:
