@@ -35,6 +35,17 @@ def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     if record is None:
         logger.info("agent event for an unknown job", job_id=event.job_id, detail_type=event.DETAIL_TYPE)
         return {"action": "ignored", "reason": "unknown job"}
+    refused = _refusal(record, event)
+    if refused is not None:
+        return refused
+    handler = _HANDLERS.get(type(event))
+    if handler is None:
+        return {"action": "ignored", "reason": f"no action for {event.DETAIL_TYPE}"}
+    return handler(deps, record, event)
+
+
+def _refusal(record: JobRecord, event: events.AgentEvent) -> dict[str, Any] | None:
+    """Why this event (or this report of SSM's) must not move the job as the record stands, or None."""
     if not _of_this_run(record, event):
         # Another run of the same name (an instance refused, or an earlier run's VM) never moves this one.
         logger.warning(
@@ -59,10 +70,7 @@ def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
             instance_id=event.instance_id,
         )
         return {"action": "ignored", "reason": "stale generation"}
-    handler = _HANDLERS.get(type(event))
-    if handler is None:
-        return {"action": "ignored", "reason": f"no action for {event.DETAIL_TYPE}"}
-    return handler(deps, record, event)
+    return None
 
 
 # An agent knows its run once the control plane tagged its instance; before that it can only say it is up or failed.
@@ -129,6 +137,37 @@ def _job_started(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
         return {"action": "ignored", "reason": f"job is {record.status} on {record.instance_id}"}
     _set_status(deps, record, Status.RUNNING, next_checkpoint_at=deps.unix_now() + record.interval_s)
     return {"action": "running"}
+
+
+def take_checkpoint_report(
+    deps: Deps, record: JobRecord, report: events.CheckpointCompleted | events.CheckpointFailed
+) -> dict[str, Any]:
+    """A dump's outcome as SSM reported the checkpoint command's result on that instance
+    (checkpoints.on_checkpoint_command): record a committed checkpoint, resume the final-dump wait. The same run
+    and generation guards as any agent event (_refusal), then who may record (may_record) and the order (is_newer)
+    decide. The agent's own CheckpointCompleted and CheckpointFailed on the bus move nothing (_checkpoint_noted)."""
+    refused = _refusal(record, report)
+    if refused is not None:
+        return refused
+    if isinstance(report, events.CheckpointCompleted):
+        return _checkpoint_completed(deps, record, report)
+    return _checkpoint_failed(deps, record, report)
+
+
+def _checkpoint_noted(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
+    """Telemetry only: any VM that knows the run id could put CheckpointCompleted or CheckpointFailed (a forged
+    final dump would resume the final-dump wait and tell the restore the old copy is gone). A checkpoint is taken
+    from SSM's result of the checkpoint command on that instance (checkpoints.on_checkpoint_command)."""
+    reason = getattr(event, "reason", "")
+    logger.info(
+        "agent says " + event.DETAIL_TYPE,
+        job_id=record.job_id,
+        instance_id=event.instance_id,
+        kind=event.kind,
+        checkpoint_id=getattr(event, "checkpoint_id", None),
+        reason=reason or None,
+    )
+    return {"action": "noted", "reason": "a checkpoint is taken from SSM's command result"}
 
 
 def _checkpoint_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
@@ -418,8 +457,8 @@ _HANDLERS: dict[type[events.AgentEvent], Any] = {
     events.AgentReady: _agent_ready,
     events.BootstrapFailed: _bootstrap_failed,
     events.JobStarted: _job_started,
-    events.CheckpointCompleted: _checkpoint_completed,
-    events.CheckpointFailed: _checkpoint_failed,
+    events.CheckpointCompleted: _checkpoint_noted,
+    events.CheckpointFailed: _checkpoint_noted,
     events.FinalDumpAtRisk: _final_dump_at_risk,
     events.RestoreCompleted: _restore_completed,
     events.RestoreFailed: _restore_failed,

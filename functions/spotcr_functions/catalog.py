@@ -171,7 +171,7 @@ FUNCTIONS: tuple[Function, ...] = (
         handler="spotcr_functions.handlers.agent_events.handler",
         description="Agent lifecycle events: update the job registry and resume waiting workflows.",
         # Registering a job whose JobStarted came first needs what registration needs; a JobExited only sends the
-        # status command to the instance it names (the job ends from its result: restore-result).
+        # status command to the instance it names (the job ends from its result: command-result).
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
@@ -220,14 +220,23 @@ FUNCTIONS: tuple[Function, ...] = (
         name="restore-job",
         handler="spotcr_functions.handlers.workflow.restore",
         description="Recovery step: retire the interrupted instance, order the restore, wait for SSM's result of it.",
-        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND, EC2_DESCRIBE, EC2_TERMINATE),
+        # A final dump whose answer never arrived is read from SSM before the restore (checkpoints.settle_final_dump).
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            TASK_CALLBACK,
+            SEND_COMMAND,
+            EC2_DESCRIBE,
+            EC2_TERMINATE,
+            COMMAND_RESULTS,
+        ),
         workflow_step=True,
     ),
     Function(
-        name="restore-result",
+        name="command-result",
         handler="spotcr_functions.handlers.command_status.handler",
-        description="A restore or status command ended (SSM's event): read its result from SSM, resume the Restore "
-        "step or end the job that exited.",
+        description="A checkpoint, restore or status command ended (SSM's event): read its result from SSM, record "
+        "the checkpoint, resume the waiting step or end the job that exited.",
         # A job that ends stops its recovery's waits, closes its EFS access point and releases its backup.
         capabilities=(
             JOBS_READ,

@@ -1,14 +1,32 @@
-"""Periodic dumps: the every-minute scheduler and the rebalance recommendation."""
+"""Checkpoints: periodic dumps ordered (the every-minute scheduler, the rebalance recommendation), and each dump's
+outcome taken from SSM's result of the checkpoint command.
+
+Invariant (facts from authenticated sources): a checkpoint is recorded as the job's, and the recovery's final-dump
+wait resumed, only on what SSM reports the checkpoint command printed on that instance (GetCommandInvocation, after
+SSM's status-change event or, for a final dump whose event was lost, when the Restore step begins): its one result
+line must name the job's run, and the run and generation guards, who may record and the order decide as for any
+report (agent_events.take_checkpoint_report). CheckpointCompleted and CheckpointFailed on the bus, which any job VM
+knowing the run id could put, are telemetry (tests/workflow/test_authenticated.py).
+
+When SSM's answer cannot come:
+- a periodic dump's status-change event is lost: that checkpoint is not recorded; the next one is (at most one
+  interval of work at risk, as with a missed dump);
+- a final dump's: the Restore step asks SSM for it (settle_final_dump) before it closes the generation;
+- a final dump nobody ordered (the agent's own IMDS notice) is reported to the final-dump command the warning sends
+  (Agent.checkpoint reports a final dump already taken); with no command delivered, it is not recorded and the job
+  restores from its newest recorded checkpoint.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
-from spotcr_contracts import commands
+from spotcr_contracts import commands, events, tags
 
-from spotcr_functions import exits
+from spotcr_functions import agent_events, exits
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -79,3 +97,122 @@ def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> 
         return False
     logger.info("periodic checkpoint ordered", job_id=record.job_id, generation=record.generation)
     return True
+
+
+# Where the record keeps the final-dump command a warning sent (its CommandId, instance, generation): SSM's answer to
+# it is read when its status-change event comes, or by the Restore step when it never came (settle_final_dump).
+FINAL_DUMP_COMMAND = "command_final_dump"
+
+
+def on_checkpoint_command(deps: Deps, command_id: str, instance_id: str) -> dict[str, Any]:
+    """SSM's status-change event for a checkpoint command (source aws.ssm, which no VM can put): take the dump's
+    outcome from GetCommandInvocation of that command on that instance."""
+    instance = deps.cloud.describe_instance(instance_id)
+    job_id = instance.tags.get(tags.JOB) if instance else None
+    record = deps.registry.get(job_id) if job_id else None
+    if record is None:
+        logger.info("checkpoint command of an instance that runs no job", instance_id=instance_id)
+        return {"action": "ignored", "reason": "no job on that instance"}
+    return _take(deps, record, command_id, instance_id, deps.cloud.command_invocation(command_id, instance_id) or {})
+
+
+def settle_final_dump(deps: Deps, record: JobRecord) -> JobRecord:
+    """Before the Restore step closes the generation: a final-dump command of this generation whose answer never
+    arrived (its status-change event lost, or the dump ended just after the wait) is read from SSM now, so a
+    committed final dump is restored and a failed one is known. Returns the record as it then stands."""
+    ordered = record.extra.get(FINAL_DUMP_COMMAND)
+    arrival = record.arrival("final-dump") or {}
+    if not isinstance(ordered, dict) or ordered.get("generation") != record.generation:
+        return record
+    if arrival.get("generation") == record.generation:
+        return record
+    command_id, instance_id = str(ordered["command_id"]), str(ordered["instance_id"])
+    invocation = deps.cloud.command_invocation(command_id, instance_id)
+    if invocation is None:
+        return record
+    outcome = _take(deps, record, command_id, instance_id, invocation)
+    logger.info("final dump settled from SSM", job_id=record.job_id, outcome=outcome.get("action"))
+    return deps.registry.get(record.job_id) or record
+
+
+def _take(
+    deps: Deps, record: JobRecord, command_id: str, instance_id: str, invocation: dict[str, Any]
+) -> dict[str, Any]:
+    report = reported_dump(record, command_id, instance_id, invocation, deps.iso_now())
+    if report is None:
+        logger.info("the checkpoint command reports no dump of this run", job_id=record.job_id, command_id=command_id)
+        return {"action": "ignored", "reason": "no dump of this run reported", "job_id": record.job_id}
+    return {**agent_events.take_checkpoint_report(deps, record, report), "job_id": record.job_id}
+
+
+def reported_dump(
+    record: JobRecord, command_id: str, instance_id: str, invocation: dict[str, Any], read_at: str
+) -> events.CheckpointCompleted | events.CheckpointFailed | None:
+    """The dump the checkpoint command reported on that instance (spotcr_agent.cli._checkpoint's result line), or
+    None: still running, another job or run, or the job has ended there (its end comes from the status command:
+    exits.on_status_command). A final-dump command that ended with no result at all (the instance went away under
+    it, or the command never ran there) is a failed final dump that stopped nothing."""
+    status = str(invocation.get("Status") or "")
+    if not status or status in commands.COMMAND_RUNNING:
+        return None
+    answer = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
+    generation, kind = answer.get("generation"), answer.get("kind")
+    named = (
+        answer.get("job_id") == record.job_id
+        and (answer.get("run_id") or "") == record.run_id
+        and isinstance(generation, int)
+        and kind in ("periodic", "final")
+    )
+    if not named:
+        return _unanswered_final(record, command_id, instance_id, invocation, read_at)
+    at = (record.job_id, instance_id, int(generation), read_at)
+    checkpoint_id = str(answer.get("checkpoint_id") or "")
+    if status == commands.COMMAND_SUCCEEDED and answer.get("ok") is True:
+        if not re.fullmatch(commands.CHECKPOINT_ID_PATTERN, checkpoint_id):
+            return None
+        return events.CheckpointCompleted(
+            *at,
+            run_id=record.run_id,
+            checkpoint_id=checkpoint_id,
+            kind=str(kind),
+            seconds=_number(answer.get("seconds")),
+            frozen_seconds=_number(answer.get("frozen_seconds")),
+            bytes_total=int(_number(answer.get("bytes_total"))),
+            bytes_uploaded=int(_number(answer.get("bytes_uploaded"))),
+            memory_tracking=str(answer.get("memory_tracking") or "")[:1000],
+            predicted_final_seconds=_number(answer.get("predicted_final_seconds")),
+            next_interval_s=int(_number(answer.get("next_interval_s"))),
+            deadline_risk=str(answer.get("deadline_risk") or "")[:1000],
+        )
+    exit_code = answer.get("exit_code")
+    if isinstance(exit_code, int) and exit_code != events.UNKNOWN_EXIT_CODE:
+        return None  # the job ended there: the agent's JobExited asks the status command, whose result ends it
+    reason = str(answer.get("error") or f"the checkpoint command ended {status} on {instance_id}")[:1000]
+    return events.CheckpointFailed(
+        *at, run_id=record.run_id, kind=str(kind), reason=reason, job_stopped=answer.get("job_stopped") is True
+    )
+
+
+def _unanswered_final(
+    record: JobRecord, command_id: str, instance_id: str, invocation: dict[str, Any], read_at: str
+) -> events.CheckpointFailed | None:
+    """The final-dump order ended with no result of the agent's (the instance went away under it, or the command
+    never ran there): a failed final dump that stopped nothing. None for any other command."""
+    ordered = record.extra.get(FINAL_DUMP_COMMAND)
+    status = str(invocation.get("Status") or "")
+    if status not in commands.COMMAND_FAILED or not isinstance(ordered, dict):
+        return None
+    if (ordered.get("command_id"), ordered.get("instance_id")) != (command_id, instance_id):
+        return None
+    stderr = str(invocation.get("StandardErrorContent") or "").strip()
+    reason = f"the final dump command ended {status} on {instance_id} with no result" + (
+        f": {stderr[-500:]}" if stderr else ""
+    )
+    generation = int(ordered.get("generation") or 0)
+    return events.CheckpointFailed(
+        record.job_id, instance_id, generation, read_at, run_id=record.run_id, kind="final", reason=reason
+    )
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0

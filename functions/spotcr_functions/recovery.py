@@ -10,7 +10,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands, tags
 
-from spotcr_functions import efs_access, rendezvous
+from spotcr_functions import checkpoints, efs_access, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
@@ -124,10 +124,20 @@ def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at
     values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final", "RunId": record.run_id}
     values["Sequence"] = str(record.dump_sequence)  # minted by the fencing write (Registry.bump_generation)
     try:
-        deps.cloud.send_command(deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values)
+        command_id = deps.cloud.send_command(
+            deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values
+        )
     except ClientError as error:
         logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
         return False
+    # Kept so that its answer is read from SSM even if its status-change event is lost (checkpoints.settle_final_dump).
+    ordered = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
+    deps.registry.update(
+        record.job_id,
+        {checkpoints.FINAL_DUMP_COMMAND: ordered},
+        condition="#generation = :g",
+        condition_values={":g": record.generation},
+    )
     latency = (deps.now() - parse_time(warned_at)).total_seconds()
     deps.metric("InterruptionToDumpCommandSeconds", "Seconds", max(latency, 0.0))
     return True
@@ -308,6 +318,8 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     backup_instance_id = record.backup_instance_id
     if backup_instance_id is None:
         raise ValueError(f"job {job_id} has no backup instance to restore on")
+    # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed.
+    record = checkpoints.settle_final_dump(deps, record)
     _retire_primary(deps, record)
     # Then close the generation to the interrupted instance: a final dump that outlived its wait is never recorded
     # after this, so the checkpoint chosen below stays the job's newest until the backup commits its own.

@@ -75,6 +75,8 @@ def test_a_stale_generation_is_refused_with_exit_code_3(configured, capsys):
     # Then it is fenced off, and says why
     assert code == 3
     assert "generation 4 is stale: this VM serves generation 5" in result["error"]
+    # naming the order it answers, as the control plane reads it from SSM (checkpoints.on_checkpoint_command)
+    assert (result["job_id"], result["generation"], result["kind"], result["stale"]) == ("job-1", 4, "final", True)
     code, result = run(["release", "--job", "job-1", "--generation", "4"], environ, capsys)
     assert code == 3
 
@@ -112,6 +114,7 @@ def test_a_missing_mount_is_a_clear_failure(configured, capsys):
     code, result = run(["checkpoint", "--job", "job-1", "--generation", "1", "--kind", "periodic"], environ, capsys)
     assert code == 1
     assert f"storage efs: {config.mount_point} is not mounted" in result["error"]
+    assert (result["ok"], result["kind"], result["generation"], result["job_stopped"]) == (False, "periodic", 1, False)
 
 
 def test_unknown_storage_is_refused(tmp_path):

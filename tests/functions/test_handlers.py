@@ -16,6 +16,7 @@ from tests.workflow.harness import (
     ControlPlane,
     agent_event,
     ec2_event,
+    finish_checkpoint,
     finish_exit,
     invoke_function,
     now_iso,
@@ -180,7 +181,7 @@ def test_scheduler_orders_due_periodic_checkpoints_once(plane: ControlPlane) -> 
 
     # When the checkpoint commits, the job is RUNNING again with it as the newest
     checkpoint = "1795293235815-g0-periodic"
-    route(agent_event(events.CheckpointCompleted("due-1", due, 0, now_iso(), checkpoint_id=checkpoint)))
+    finish_checkpoint(events.CheckpointCompleted("due-1", due, 0, now_iso(), checkpoint_id=checkpoint))
     job = plane.job("due-1")
     assert (job.status, job.checkpoint_id) == (Status.RUNNING, checkpoint)
 
@@ -196,7 +197,7 @@ def test_the_agents_deadline_plan_brings_the_next_periodic_checkpoint_forward(pl
     completed = events.CheckpointCompleted(
         "plan-1", instance_id, 0, now_iso(), checkpoint_id=checkpoint, predicted_final_seconds=88.2, next_interval_s=240
     )
-    route(agent_event(completed))
+    finish_checkpoint(completed)
 
     # Then the next one is due within 240 s, and the record shows the plan with no risk
     job = plane.job("plan-1")
@@ -223,7 +224,7 @@ def test_the_agents_deadline_plan_brings_the_next_periodic_checkpoint_forward(pl
             )
         )
     )
-    route(agent_event(at_risk))
+    finish_checkpoint(at_risk)
 
     # Then the record carries the risk for the status command, and the function reported it
     job = plane.job("plan-1")
@@ -240,7 +241,7 @@ def test_the_agents_deadline_plan_brings_the_next_periodic_checkpoint_forward(pl
         predicted_final_seconds=70.0,
         next_interval_s=600,
     )
-    route(agent_event(fits))
+    finish_checkpoint(fits)
     job = plane.job("plan-1")
     assert (job.planned_interval_s, job.final_dump_risk) == (600, None)
 
@@ -253,8 +254,8 @@ def test_a_late_plan_from_an_older_checkpoint_changes_nothing(plane: ControlPlan
     older = events.CheckpointCompleted(
         "plan-2", instance_id, 0, now_iso(), checkpoint_id="1795293235815-g0-periodic", next_interval_s=60
     )
-    route(agent_event(newer))
-    route(agent_event(older))
+    finish_checkpoint(newer)
+    finish_checkpoint(older)
     assert plane.job("plan-2").planned_interval_s == 600
 
 
@@ -292,6 +293,12 @@ def test_stale_generation_events_are_ignored(plane: ControlPlane) -> None:
     )
     [(_, result)] = route(agent_event(zombie))
     assert result == {"action": "ignored", "reason": "stale generation"}
+    # and neither does SSM's answer to a dump ordered at that old generation
+    old_order = events.CheckpointCompleted(
+        "fence-1", instance_id, 3, now_iso(), checkpoint_id="1795293235815-g3-periodic"
+    )
+    answered = dict(finish_checkpoint(old_order))
+    assert answered["command-result"] == {"action": "ignored", "reason": "stale generation", "job_id": "fence-1"}
     finish_exit(events.JobExited("fence-1", instance_id, 3, now_iso(), exit_code=0))
     job = plane.job("fence-1")
     assert (job.status, job.checkpoint_id) == (Status.RUNNING, None)

@@ -13,6 +13,7 @@ from tests.workflow.harness import (
     agent_event,
     checkpoint_id,
     ec2_event,
+    finish_checkpoint,
     finish_exit,
     finish_restore,
     now_iso,
@@ -61,7 +62,7 @@ def test_a_name_reused_after_completed_is_a_new_run_that_never_sees_the_old_ones
     old_instance = plane.start_job("again-1")
     old_run = plane.job("again-1").run_id
     old_checkpoint = checkpoint_id("periodic", 0)
-    route(agent_event(events.CheckpointCompleted("again-1", old_instance, 0, now_iso(), checkpoint_id=old_checkpoint)))
+    finish_checkpoint(events.CheckpointCompleted("again-1", old_instance, 0, now_iso(), checkpoint_id=old_checkpoint))
     assert plane.job("again-1").checkpoint_id == old_checkpoint
     finish_exit(events.JobExited("again-1", old_instance, 0, now_iso(), exit_code=0, result="s3://b/r"))
     assert plane.job("again-1").status == Status.COMPLETED
@@ -74,24 +75,24 @@ def test_a_name_reused_after_completed_is_a_new_run_that_never_sees_the_old_ones
     assert record.run_id != old_run and record.checkpoint_id is None and record.status == Status.RUNNING
     assert plane.instance_tags(new_instance)[tag_names.RUN] == record.run_id
 
-    # And a late event of the old run (its VM still up) is not recorded as the new run's checkpoint
-    late = checkpoint_id("final", 0)
-    route(
-        agent_event(
-            events.CheckpointCompleted("again-1", new_instance, 0, now_iso(), run_id=old_run, checkpoint_id=late)
+    # And a late dump of the old run (its VM still up, answering an order of the old run) is not recorded as the
+    # new run's checkpoint
+    late = checkpoint_id("periodic", 0)
+    answered = dict(
+        finish_checkpoint(
+            events.CheckpointCompleted("again-1", old_instance, 0, now_iso(), run_id=old_run, checkpoint_id=late)
         )
     )
+    assert answered["command-result"]["reason"] == "no dump of this run reported"
     assert plane.job("again-1").checkpoint_id is None
 
     # And interrupted before its first checkpoint, every order it gets names the new run: the final dump, the
     # backup's tags, and the restore (of "the newest", which the backup looks up in the new run's store only)
     route(ec2_event("spot-interruption-warning", new_instance))
-    [dump] = plane.sent_commands("checkpoint")
+    [dump] = plane.sent_commands("checkpoint", kind="final")
     assert dump["parameters"]["RunId"] == record.run_id
-    route(
-        agent_event(
-            events.CheckpointFailed("again-1", new_instance, 1, now_iso(), kind="final", reason="the store is down")
-        )
+    finish_checkpoint(
+        events.CheckpointFailed("again-1", new_instance, 1, now_iso(), kind="final", reason="the store is down")
     )
     backup = plane.wait_until(lambda: plane.job("again-1").backup_instance_id, "the backup launch")
     assert plane.instance_tags(backup)[tag_names.RUN] == record.run_id

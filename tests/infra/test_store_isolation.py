@@ -285,4 +285,4 @@ def test_only_registering_and_ending_functions_manage_access_points(custom_synth
     creators = {name for name, actions in holders if "elasticfilesystem:CreateAccessPoint" in actions}
     deleters = {name for name, actions in holders if "elasticfilesystem:DeleteAccessPoint" in actions}
     assert creators == {"statechange", "tagchange", "agentevents"}
-    assert deleters == {"statechange", "tagchange", "agentevents", "failrecovery", "recoveryended", "restoreresult"}
+    assert deleters == {"statechange", "tagchange", "agentevents", "failrecovery", "recoveryended", "commandresult"}

@@ -114,10 +114,10 @@ _moto_command_init = MotoCommand.__init__
 
 
 def _restore_runs(self: Any, *args: Any, **kwargs: Any) -> None:
-    """A restore command runs on its instance until the agent there answers (finish_restore): SSM reports it
-    InProgress (moto reports every command Success at once, with no output)."""
+    """A restore or checkpoint command runs on its instance until the agent there answers (finish_restore,
+    finish_checkpoint): SSM reports it InProgress (moto reports every command Success at once, with no output)."""
     _moto_command_init(self, *args, **kwargs)
-    if self.document_name.endswith("-restore"):
+    if self.document_name.endswith(("-restore", "-checkpoint")):
         self.status = self.status_details = "InProgress"
         for invocation in self.invocations:
             invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
@@ -178,6 +178,87 @@ def finish_restore(answer: events.RestoreCompleted | events.RestoreFailed) -> li
     agent's own event (telemetry) too."""
     _, ended = end_restore_command(answer)
     return route(ended) + route(agent_event(answer))
+
+
+def end_checkpoint_command(
+    report: events.CheckpointCompleted | events.CheckpointFailed,
+) -> tuple[str, dict[str, Any]] | None:
+    """The VM's agent ends the newest unanswered checkpoint command sent to its instance (of the report's kind if
+    one is pending) as the real agent does: one result line on stdout (spotcr_agent.cli._checkpoint), exit 0 only
+    when committed. Returns SSM's status-change event for it, not delivered; None when no command is pending there
+    (a dump nobody ordered: nothing reports it through SSM)."""
+    pending = _pending_checkpoint(report.instance_id)
+    if not pending:
+        return None
+    of_kind = [(c, i) for c, i in pending if c.parameters.get("Kind", [""])[0] == report.kind]
+    command, invocation = (of_kind or pending)[-1]
+    parameters = {k: v[0] for k, v in command.parameters.items()}
+    line: dict[str, Any] = {  # the order it answers, as the real agent names it (a dump's own generation aside)
+        "job_id": parameters["JobId"],
+        "run_id": report.run_id or parameters.get("RunId", ""),
+        "generation": int(parameters["Generation"]),
+        "kind": report.kind,
+    }
+    if isinstance(report, events.CheckpointCompleted):
+        figures = {
+            name: getattr(report, name)
+            for name in (
+                "checkpoint_id",
+                "seconds",
+                "frozen_seconds",
+                "bytes_total",
+                "bytes_uploaded",
+                "memory_tracking",
+                "predicted_final_seconds",
+                "next_interval_s",
+                "deadline_risk",
+            )
+        }
+        line = {"ok": True, **figures, **line}
+        status, code = "Success", 0
+    else:
+        line = {"ok": False, **line, "error": report.reason, "job_stopped": report.job_stopped}
+        status, code = "Failed", 1
+    invocation.update(
+        {
+            "Status": status,
+            "StatusDetails": status,
+            "ResponseCode": code,
+            "StandardOutputContent": json.dumps(line) + "\n",
+            "StandardErrorContent": "",
+        }
+    )
+    return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
+
+
+def _pending_checkpoint(instance_id: str, kind: str = "") -> list[tuple[Any, dict[str, Any]]]:
+    """The checkpoint commands (of that kind) still running on the instance, oldest first, with their invocation."""
+    backend = ssm_backends[ACCOUNT][REGION]
+    return [
+        (command, invocation)
+        for command in backend._commands
+        if str(command.document_name).endswith("-checkpoint") and kind in ("", command.parameters.get("Kind", [""])[0])
+        for invocation in command.invocations
+        if invocation["InstanceId"] == instance_id and invocation["Status"] == "InProgress"
+    ]
+
+
+def finish_checkpoint(report: events.CheckpointCompleted | events.CheckpointFailed) -> list[tuple[str, Any]]:
+    """The VM's dump ends: its command's result is in SSM, SSM's status-change event is delivered, and the agent's
+    own event (telemetry) too. A periodic dump with no order pending on its instance was ordered earlier: the
+    checkpoint command is sent first, as the scheduler sent it (tests of ordering use order_periodic)."""
+    if report.kind == "periodic" and not _pending_checkpoint(report.instance_id, "periodic"):
+        parameters = {
+            "JobId": [report.job_id],
+            "Generation": [str(report.generation)],
+            "Kind": ["periodic"],
+            "RunId": [report.run_id or _run_tag(report.instance_id)],
+        }
+        boto3.client("ssm", region_name=REGION).send_command(
+            InstanceIds=[report.instance_id], DocumentName="spotcr-checkpoint", Parameters=parameters
+        )
+    ended = end_checkpoint_command(report)
+    return (route(ended[1]) if ended else []) + route(agent_event(report))
 
 
 def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, Any]]]:
@@ -440,7 +521,8 @@ class ControlPlane:
         reservations = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
         return {t["Key"]: t["Value"] for t in reservations[0]["Instances"][0].get("Tags", [])}
 
-    def sent_commands(self, command: str | None = None) -> list[dict[str, Any]]:
+    def sent_commands(self, command: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        """The commands sent so far (of that document; of that Kind: a checkpoint command's periodic or final)."""
         sent = [
             {
                 "document": c["DocumentName"],
@@ -449,7 +531,8 @@ class ControlPlane:
             }
             for c in self.ssm.list_commands()["Commands"]
         ]
-        return [c for c in sent if command is None or c["document"] == self.documents[command]]
+        sent = [c for c in sent if command is None or c["document"] == self.documents[command]]
+        return [c for c in sent if kind is None or c["parameters"].get("Kind") == kind]
 
     def notifications(self) -> list[str]:
         """Messages published to the failure topic so far."""

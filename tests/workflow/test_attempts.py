@@ -14,6 +14,7 @@ from tests.workflow.harness import (
     ec2_event,
     end_restore_command,
     end_status_command,
+    finish_checkpoint,
     finish_restore,
     now_iso,
     route,
@@ -22,7 +23,7 @@ from tests.workflow.harness import (
 
 def _commit(plane: ControlPlane, job_id: str, instance_id: str, at_ms: int) -> str:
     checkpoint = checkpoint_id("periodic", 0, at_ms)
-    route(agent_event(events.CheckpointCompleted(job_id, instance_id, 0, now_iso(), checkpoint_id=checkpoint)))
+    finish_checkpoint(events.CheckpointCompleted(job_id, instance_id, 0, now_iso(), checkpoint_id=checkpoint))
     return checkpoint
 
 

@@ -34,6 +34,7 @@ from tests.workflow.harness import (
     ec2_event,
     end_restore_command,
     end_status_command,
+    finish_checkpoint,
     finish_exit,
     finish_restore,
     invoke_function,
@@ -47,7 +48,7 @@ def _restoring(plane: ControlPlane, job_id: str) -> tuple[str, str, str]:
     """A job interrupted with a periodic checkpoint, its backup ready and its restore ordered."""
     primary = plane.start_job(job_id)
     periodic = checkpoint_id("periodic", 0)
-    route(agent_event(events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic)))
+    finish_checkpoint(events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic))
     route(ec2_event("state-change-terminated", primary))
     backup = plane.wait_until(lambda: plane.job(job_id).backup_instance_id, "the backup launch")
     route(agent_event(events.AgentReady(job_id, backup, 1, now_iso(), mode="restore")))
@@ -154,7 +155,7 @@ def test_an_undeliverable_restore_command_fails_the_attempt(
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
 
 
-def test_awss_sample_status_change_event_reaches_the_restore_result_function(plane: ControlPlane) -> None:
+def test_awss_sample_status_change_event_reaches_the_command_result_function(plane: ControlPlane) -> None:
     # Given AWS's published sample "EC2 Command Invocation Status-change Notification" (tests/events/ssm)
     sample = load_event("ssm/command-invocation-status-change")
     sample.pop("_source")
@@ -162,11 +163,11 @@ def test_awss_sample_status_change_event_reaches_the_restore_result_function(pla
     # When EventBridge delivers it
     delivered = route(sample)
 
-    # Then the catalog's rule sends it to restore-result, which reads what it needs from it (and ignores a
+    # Then the catalog's rule sends it to command-result, which reads what it needs from it (and ignores a
     # command of another document)
-    assert [name for name, _ in delivered] == ["restore-result"]
+    assert [name for name, _ in delivered] == ["command-result"]
     assert delivered[0][1]["reason"] == "not the restore document: AWS-RunPowerShellScript"
-    pattern = catalog.by_name("restore-result").rules[0].pattern
+    pattern = catalog.by_name("command-result").rules[0].pattern
     assert pattern is not None and pattern["detail-type"] == [sample["detail-type"]]
 
 

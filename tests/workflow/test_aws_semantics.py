@@ -27,6 +27,7 @@ from tests.workflow.harness import (
     agent_event,
     checkpoint_id,
     ec2_event,
+    finish_checkpoint,
     finish_exit,
     finish_restore,
     load_event,
@@ -40,7 +41,7 @@ def _commit(plane: ControlPlane, job_id: str, instance_id: str, generation: int,
     completed = events.CheckpointCompleted(
         job_id, instance_id, generation, now_iso(), checkpoint_id=checkpoint, kind=kind
     )
-    route(agent_event(completed))
+    finish_checkpoint(completed)
     return checkpoint
 
 
@@ -178,7 +179,7 @@ def test_capacity_reservation_warning_recovers_like_the_spot_warning(plane: Cont
     event = ec2_event("capacity-reservation-interruption-warning", primary)
     [(name, result)] = route(event)
     assert (name, result["action"]) == ("interruption", "recovering")
-    [dump] = plane.sent_commands("checkpoint")
+    [dump] = plane.sent_commands("checkpoint", kind="final")
     assert dump["parameters"] == {
         "JobId": "cr-1",
         "Generation": "1",

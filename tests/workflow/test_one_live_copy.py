@@ -7,6 +7,8 @@ Each test holds the primary's termination back (it "takes a while"), so only tho
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from moto.ec2.models.instances import InstanceBackend
 from spotcr_contracts import events
@@ -14,21 +16,33 @@ from spotcr_functions import recovery
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, agent_event, checkpoint_id, ec2_event, finish_restore, now_iso, route
+from tests.workflow.harness import (
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    ec2_event,
+    finish_checkpoint,
+    finish_restore,
+    now_iso,
+    route,
+)
 
 
 def _interrupted_with_a_periodic_checkpoint(plane: ControlPlane, job_id: str) -> tuple[str, str]:
     primary = plane.start_job(job_id)
     periodic = checkpoint_id("periodic", 0)
-    route(
-        agent_event(events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic, kind="periodic"))
+    finish_checkpoint(
+        events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic, kind="periodic")
     )
     route(ec2_event("spot-interruption-warning", primary))
     plane.wait_for_token(job_id, "final-dump")
     return primary, periodic
 
 
-def _final_dump_failed(job_id: str, primary: str, generation: int, *, job_stopped: bool, run_id: str = "") -> None:
+def _final_dump_failed(
+    job_id: str, primary: str, generation: int, *, job_stopped: bool, run_id: str = ""
+) -> events.CheckpointFailed:
+    """The primary's agent answers the final-dump order: failed, and whether it killed the job (SSM's result)."""
     failed = events.CheckpointFailed(
         job_id,
         primary,
@@ -39,7 +53,8 @@ def _final_dump_failed(job_id: str, primary: str, generation: int, *, job_stoppe
         reason="s3://bucket is unreachable",
         job_stopped=job_stopped,
     )
-    route(agent_event(failed))
+    finish_checkpoint(failed)
+    return failed
 
 
 def test_a_failed_final_dump_with_the_agents_confirmed_kill_lets_the_backup_restore(
@@ -77,27 +92,46 @@ def test_a_failed_final_dump_without_a_confirmed_kill_waits_for_the_primary_to_b
         recovery._retire_primary(_edge.deps(), plane.job("nokill-1"))
 
 
-def test_a_kill_confirmed_by_another_instance_does_not_count(
-    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Given a confirmed kill reported for the job by an instance that is not the interrupted primary, one that knows
-    # the job's run (an event from any other run is dropped before it is looked at: tests/functions/test_run_identity)
-    primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "other-1")
-    _final_dump_failed("other-1", "i-0someoneelse000", 1, job_stopped=True, run_id=plane.job("other-1").run_id)
-    plane.wait_until(lambda: plane.job("other-1").arrival("final-dump"), "the final dump's failure")
+def test_a_kill_claimed_on_the_bus_does_not_count(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given an interrupted primary whose final dump is still under way (SSM has not answered its order)
+    primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "forged-kill-1")
+    run_id = plane.job("forged-kill-1").run_id
     monkeypatch.setattr(InstanceBackend, "terminate_instances", lambda self, ids: [])
 
-    # Then the primary is still waited for
+    # When any VM that knows the run id puts on the bus a failed final dump with a confirmed kill, as from the
+    # primary, and a committed final dump
+    route(
+        agent_event(
+            events.CheckpointFailed(
+                "forged-kill-1", primary, 1, now_iso(), run_id=run_id, kind="final", reason="forged", job_stopped=True
+            )
+        )
+    )
+    forged = checkpoint_id("final", 1)
+    route(
+        agent_event(
+            events.CheckpointCompleted(
+                "forged-kill-1", primary, 1, now_iso(), run_id=run_id, checkpoint_id=forged, kind="final"
+            )
+        )
+    )
+
+    # Then neither arrives for the final dump nor is recorded, and the primary is still waited for
+    job = plane.job("forged-kill-1")
+    assert job.arrival("final-dump") is None and job.checkpoint_id != forged
     with pytest.raises(recovery.PrimaryStillRunning, match=primary):
-        recovery._retire_primary(_edge.deps(), plane.job("other-1"))
+        recovery._retire_primary(_edge.deps(), job)
 
 
-def test_the_kill_confirmed_on_the_primarys_own_notice_is_taken_at_the_generation_it_served(
+def test_the_kill_confirmed_on_the_primarys_own_notice_is_reported_to_the_warnings_order(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given the primary's own IMDS notice: its final dump failed at generation 0 (before the bump) and stopped the job
+    # Given the primary's own IMDS notice: its final dump failed at generation 0 (before the bump) and stopped the
+    # job, said on the bus at once (telemetry) and in its answer to the final-dump order the warning sent
     primary, _ = _interrupted_with_a_periodic_checkpoint(plane, "imds-1")
-    _final_dump_failed("imds-1", primary, 0, job_stopped=True)
+    route(
+        agent_event(dataclasses.replace(_final_dump_failed("imds-1", primary, 0, job_stopped=True), event_id="b" * 32))
+    )
 
     # Then recovery takes it (no wait for the final dump's timeout), and the restore need not wait for EC2
     arrival = plane.wait_until(lambda: plane.job("imds-1").arrival("final-dump"), "the final dump's failure")

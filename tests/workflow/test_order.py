@@ -12,6 +12,8 @@ from tests.workflow.harness import (
     ControlPlane,
     agent_event,
     ec2_event,
+    end_checkpoint_command,
+    finish_checkpoint,
     finish_restore,
     now_iso,
     order_periodic,
@@ -22,13 +24,18 @@ from tests.workflow.harness import (
 T = 1_795_000_000_000  # the primary's clock, in unix milliseconds
 
 
+# SSM's status-change event for each checkpoint's command, by checkpoint id: to deliver again.
+_ANSWERS: dict[str, dict] = {}
+
+
 def _commit(job_id: str, instance_id: str, generation: int, kind: str, at_ms: int, sequence: int | None = None) -> str:
+    """The VM answers the dump it was ordered (SSM's result, then its status-change event delivered)."""
     checkpoint = commands.checkpoint_id(at_ms, generation, kind, sequence)
-    route(
-        agent_event(
-            events.CheckpointCompleted(job_id, instance_id, generation, now_iso(), checkpoint_id=checkpoint, kind=kind)
-        )
-    )
+    report = events.CheckpointCompleted(job_id, instance_id, generation, now_iso(), checkpoint_id=checkpoint, kind=kind)
+    ended = end_checkpoint_command(report)
+    assert ended is not None, f"no {kind} dump was ordered on {instance_id}"
+    _ANSWERS[checkpoint] = ended[1]
+    route(ended[1])
     return checkpoint
 
 
@@ -79,16 +86,14 @@ def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore
     assert restore["parameters"]["CheckpointId"] == periodic
 
     # When the primary's final dump (ordered at generation 1) commits after all, while the backup restores
-    late = commands.checkpoint_id(T + 30_000, 1, "final", ordered_sequence(plane, primary, "final"))
-    completed = events.CheckpointCompleted("late-1", primary, 1, now_iso(), checkpoint_id=late, kind="final")
-    route(agent_event(completed))
+    late = _commit("late-1", primary, 1, "final", T + 30_000, ordered_sequence(plane, primary, "final"))
 
     # Then it is not the job's newest: the backup's run continues from the periodic checkpoint
     assert plane.job("late-1").checkpoint_id == periodic
     finish_restore(events.RestoreCompleted("late-1", backup, 1, now_iso(), checkpoint_id=periodic))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
-    # And a copy delivered after the backup took over is not either
-    route(agent_event(completed))
+    # And SSM's event delivered again after the backup took over is not either
+    route(_ANSWERS[late])
     record = plane.job("late-1")
     assert (record.status, record.instance_id, record.checkpoint_id) == (Status.RUNNING, backup, periodic)
 
@@ -103,15 +108,18 @@ def test_a_vm_whose_clock_jumps_backwards_has_its_newer_checkpoint_taken_as_newe
     second = _commit("jump-1", primary, 0, "periodic", T - 600_000, order_periodic(plane, "jump-1", primary))
 
     # Then the later order is the job's newest, the earlier one its fallback, and a copy of the earlier
-    # checkpoint's event redelivered now does not win it back
+    # checkpoint's SSM event redelivered now does not win it back
     record = plane.job("jump-1")
     assert (record.checkpoint_id, record.previous_checkpoint_id) == (second, first)
-    route(
-        agent_event(events.CheckpointCompleted("jump-1", primary, 0, now_iso(), checkpoint_id=first, kind="periodic"))
-    )
+    route(_ANSWERS[first])
     assert plane.job("jump-1").checkpoint_id == second
 
-    # And the final dump the agent takes on its own notice (no order: the highest sequence its VM was given) ranks
-    # after both, its clock still behind
-    own_final = _commit("jump-1", primary, 0, "final", T - 590_000, commands.checkpoint_order(second)[1])
+    # And the final dump the agent took on its own notice (no order: the highest sequence its VM was given), which
+    # it reports to the final-dump order the warning then sends, ranks after both, its clock still behind
+    route(ec2_event("spot-interruption-warning", primary))
+    plane.wait_for_token("jump-1", "final-dump")
+    own_final = commands.checkpoint_id(T - 590_000, 0, "final", commands.checkpoint_order(second)[1])
+    finish_checkpoint(
+        events.CheckpointCompleted("jump-1", primary, 1, now_iso(), checkpoint_id=own_final, kind="final")
+    )
     assert plane.job("jump-1").checkpoint_id == own_final

@@ -20,7 +20,9 @@ from tests.workflow.harness import (
     ControlPlane,
     agent_event,
     answer_exit,
+    checkpoint_id,
     ec2_event,
+    finish_checkpoint,
     finish_exit,
     finish_restore,
     invoke_function,
@@ -154,10 +156,12 @@ def test_an_early_final_dump_is_kept_by_the_bump_and_restored_at_once(slow_final
     # Given a job whose agent took its final dump on its own IMDS notice, committed before the warning's bump
     primary = plane.start_job("early-1")
     _commit(plane, "early-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
-    final = _commit(plane, "early-1", primary, 0, "final", at_ms=1_795_000_060_000)
+    final = checkpoint_id("final", 0, 1_795_000_060_000)
 
-    # When the warning bumps the generation
+    # When the warning bumps the generation and orders the final dump, which the agent answers at once with the one
+    # it took (Agent.checkpoint reports a final dump already taken)
     route(ec2_event("spot-interruption-warning", primary))
+    finish_checkpoint(events.CheckpointCompleted("early-1", primary, 1, now_iso(), checkpoint_id=final, kind="final"))
     backup = _backup(plane, "early-1")
     route(agent_event(events.AgentReady("early-1", backup, 1, now_iso(), mode="restore")))
 
@@ -310,6 +314,6 @@ def test_a_failed_early_final_dump_does_not_stop_the_warning_from_recovering(pla
     backup = _backup(plane, "failed-early-1")
     route(agent_event(events.AgentReady("failed-early-1", backup, 1, now_iso(), mode="restore")))
     plane.wait_for_token("failed-early-1", "final-dump")
-    route(agent_event(events.CheckpointFailed("failed-early-1", primary, 1, now_iso(), kind="final", reason="x")))
+    finish_checkpoint(events.CheckpointFailed("failed-early-1", primary, 1, now_iso(), kind="final", reason="x"))
     [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     assert restore["parameters"]["CheckpointId"] == periodic

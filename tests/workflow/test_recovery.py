@@ -19,6 +19,7 @@ from tests.workflow.harness import (
     agent_event,
     checkpoint_id,
     ec2_event,
+    finish_checkpoint,
     finish_exit,
     finish_restore,
     now_iso,
@@ -57,27 +58,26 @@ def _commit(
     at_ms: int | None = None,
     sequence: int | None = None,
 ) -> str:
+    """The VM commits the dump it was ordered and answers its command (finish_checkpoint)."""
     checkpoint = checkpoint_id(kind, generation, at_ms, sequence)
-    route(
-        agent_event(
-            events.CheckpointCompleted(
-                job_id,
-                instance_id,
-                generation,
-                now_iso(),
-                checkpoint_id=checkpoint,
-                kind=kind,
-                seconds=1.5,
-                bytes_total=10,
-                bytes_uploaded=5,
-            )
+    finish_checkpoint(
+        events.CheckpointCompleted(
+            job_id,
+            instance_id,
+            generation,
+            now_iso(),
+            checkpoint_id=checkpoint,
+            kind=kind,
+            seconds=1.5,
+            bytes_total=10,
+            bytes_uploaded=5,
         )
     )
     return checkpoint
 
 
 # The final dump reaches the store at generation 1 when the SSM command ordered it, at 0 when the agent's own
-# IMDS poll saw the notice before the bumped command arrived.
+# IMDS poll saw the notice before the bumped command arrived (the agent reports it to that command).
 @pytest.mark.parametrize("final_generation", [1, 0])
 def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generation: int) -> None:
     # Given a running job with one periodic checkpoint
@@ -89,7 +89,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
     route(ec2_event("spot-interruption-warning", primary))
 
     # Then the final dump is ordered at generation 1 and the workflow launches a backup for generation 1
-    [dump] = plane.sent_commands("checkpoint")
+    [dump] = plane.sent_commands("checkpoint", kind="final")
     assert dump["instances"] == [primary]
     assert dump["parameters"] == {
         "JobId": "render-1",
@@ -163,13 +163,13 @@ def test_duplicated_and_reordered_events_recover_once(plane: ControlPlane, copie
         route(event)
 
     # Then there is one workflow, one backup, one generation bump (and one final dump if the warning came first)
-    dumps = plane.sent_commands("checkpoint")
+    dumps = plane.sent_commands("checkpoint", kind="final")
     backup = _recover(plane, "sim-7", periodic, final_from=primary if dumps else None)
     assert len(plane.executions()) == 1
     assert len(plane.backups()) == 1
     job = plane.job("sim-7")
     assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
-    assert len(plane.sent_commands("checkpoint")) <= 1
+    assert len(plane.sent_commands("checkpoint", kind="final")) <= 1
 
 
 def test_capacity_errors_on_every_spot_option_end_on_demand(
@@ -334,7 +334,7 @@ def test_missed_warning_recovers_from_the_newest_committed_checkpoint(plane: Con
     route(ec2_event("spot-interruption-warning", primary))
 
     # Then no final dump is ordered, and the job restores the newest periodic checkpoint on a backup
-    assert plane.sent_commands("checkpoint") == []
+    assert plane.sent_commands("checkpoint", kind="final") == []
     backup = _recover(plane, "etl-9", newest)
     job = plane.job("etl-9")
     assert (job.status, job.instance_id, job.generation, job.checkpoint_id) == (Status.RUNNING, backup, 1, newest)

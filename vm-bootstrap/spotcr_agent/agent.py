@@ -213,6 +213,13 @@ class Agent:
                 outcome.memory_tracking,
             )
             plan = self._plan(outcome) if outcome.kind == "periodic" else None
+            if plan is not None:
+                outcome = dataclasses.replace(
+                    outcome,
+                    predicted_final_seconds=plan.predicted_final_s,
+                    next_interval_s=plan.interval_s,
+                    deadline_risk="" if plan.fits else plan.reason[:1000],
+                )
             self.emit(
                 CheckpointCompleted,
                 generation,
@@ -223,9 +230,9 @@ class Agent:
                 bytes_total=outcome.bytes_total,
                 bytes_uploaded=outcome.bytes_uploaded,
                 memory_tracking=outcome.memory_tracking,
-                predicted_final_seconds=plan.predicted_final_s if plan else 0.0,
-                next_interval_s=plan.interval_s if plan else 0,
-                deadline_risk="" if plan is None or plan.fits else plan.reason[:1000],
+                predicted_final_seconds=outcome.predicted_final_seconds,
+                next_interval_s=outcome.next_interval_s,
+                deadline_risk=outcome.deadline_risk,
             )
             if plan is not None and not plan.fits:
                 self.emit(

@@ -118,6 +118,10 @@ class CheckpointOutcome:
     hash_seconds: float = 0.0
     compress_seconds: float = 0.0
     upload_seconds: float = 0.0
+    # The deadline plan after a periodic dump (Agent._plan; deadline.py): 0 and "" before it can plan.
+    predicted_final_seconds: float = 0.0
+    next_interval_s: int = 0
+    deadline_risk: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -186,13 +186,35 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
         return OK
     agent.check_job(args.job, getattr(args, "run", ""))
     if args.command == "checkpoint":
-        _print({"ok": True, **agent.checkpoint(args.kind, args.generation, args.sequence).to_json()})
-    elif args.command == "restore":
+        return _checkpoint(agent, args)
+    if args.command == "restore":
         return _restore(agent, args)
-    elif args.command == "release":
+    if args.command == "release":
         _print({"ok": True, "released": agent.release(args.generation)})
     else:
         _print({"ok": True, **agent.status()})
+    return OK
+
+
+def _checkpoint(agent: Agent, args: argparse.Namespace) -> int:
+    """One result line (what the control plane reads from SSM's GetCommandInvocation: the only source it takes a
+    committed checkpoint from) naming the job, run, generation and kind of the order it answers. Exit 0 only when
+    committed. A failure says whether the job is stopped for good on this VM (a failed final dump) or has ended."""
+    answers = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "kind": args.kind}
+    try:
+        outcome = agent.checkpoint(args.kind, args.generation, args.sequence)
+    except Exception as error:
+        state = agent.state.read()
+        failure = {**answers, "error": str(error)[:4000], "job_stopped": state.job_status == "stopped"}
+        if state.job_status == "exited":
+            failure["exit_code"] = state.exit_code
+        if isinstance(error, StaleGeneration):
+            _print({"ok": False, **failure, "stale": True})
+            return STALE
+        _print({"ok": False, **failure})
+        return FAILED
+    # The dump's own generation (a final dump taken on this VM's own notice may be reported to a later order).
+    _print({"ok": True, **outcome.to_json(), **answers, "dump_generation": outcome.generation})
     return OK
 
 

@@ -1,5 +1,5 @@
-"""EC2 Command Invocation Status-change Notification (source aws.ssm) → a restore's outcome or a job's exit, read
-from SSM (by the command's document)."""
+"""EC2 Command Invocation Status-change Notification (source aws.ssm) → a checkpoint's or a restore's outcome, or a
+job's exit, read from SSM (by the command's document)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from aws_lambda_powertools.utilities.typing import LambdaContext
 
-from spotcr_functions import exits, recovery
+from spotcr_functions import checkpoints, exits, recovery
 from spotcr_functions.handlers import _edge
 from spotcr_functions.observability import logger, metrics, tracer
 
@@ -29,4 +29,6 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     deps = _edge.deps()
     if document_name == deps.settings.status_document:
         return exits.on_status_command(deps, command_id, instance_id)
+    if document_name == deps.settings.checkpoint_document:
+        return checkpoints.on_checkpoint_command(deps, command_id, instance_id)
     return recovery.on_restore_command(deps, command_id, instance_id, document_name)
