@@ -1,10 +1,11 @@
-"""Facts from authenticated sources: a restore is taken from SSM's result of the restore command on the backup, a
+"""Facts from authenticated sources: a checkpoint is taken from SSM's result of the checkpoint command on the VM
+that dumped (checkpoints.on_checkpoint_command), a restore from SSM's result of the restore command on the backup, a
 job's exit from SSM's result of the status command on the instance it ended on (exits.on_status_command).
 
-The agent's RestoreCompleted, RestoreFailed and JobExited are telemetry: any job VM that knows a run id could put
-them. What moves the Restore step is GetCommandInvocation of the command the step sent, read when SSM's
-status-change event (source aws.ssm, which no VM can put) arrives, or when the wait times out
-(recovery.check_restore).
+The agent's CheckpointCompleted, CheckpointFailed, RestoreCompleted, RestoreFailed and JobExited are telemetry: any
+job VM that knows a run id could put them (a forged final dump: tests/workflow/test_one_live_copy.py). What moves
+the Restore step is GetCommandInvocation of the command the step sent, read when SSM's status-change event (source
+aws.ssm, which no VM can put) arrives, or when the wait times out (recovery.check_restore).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tests.workflow.harness import (
     checkpoint_id,
     command_ended,
     ec2_event,
+    end_checkpoint_command,
     end_restore_command,
     end_status_command,
     finish_checkpoint,
@@ -40,6 +42,7 @@ from tests.workflow.harness import (
     invoke_function,
     load_event,
     now_iso,
+    ordered_sequence,
     route,
 )
 
@@ -153,6 +156,64 @@ def test_an_undeliverable_restore_command_fails_the_attempt(
     assert plane.job("gone-1").arrival("restore")["error"] == "RestoreFailed"  # type: ignore[index]
     finish_restore(events.RestoreCompleted("gone-1", backup, 1, now_iso(), checkpoint_id=periodic))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+
+
+def _interrupted(plane: ControlPlane, job_id: str) -> tuple[str, str]:
+    """A job with a periodic checkpoint, interrupted: its final dump is ordered. Returns (primary, periodic)."""
+    primary = plane.start_job(job_id)
+    periodic = checkpoint_id("periodic", 0)
+    finish_checkpoint(events.CheckpointCompleted(job_id, primary, 0, now_iso(), checkpoint_id=periodic))
+    route(ec2_event("spot-interruption-warning", primary))
+    return primary, periodic
+
+
+def _restore_ordered(plane: ControlPlane, job_id: str) -> dict[str, Any]:
+    backup = plane.wait_until(lambda: plane.job(job_id).backup_instance_id, "the backup launch")
+    route(agent_event(events.AgentReady(job_id, backup, 1, now_iso(), mode="restore")))
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    return restore
+
+
+def test_a_final_dump_whose_status_change_event_was_lost_is_read_from_ssm_before_the_restore(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a short final-dump wait, and a primary whose final dump committed but whose SSM event was lost
+    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    primary, _ = _interrupted(plane, "lostfinal-1")
+    final = checkpoint_id("final", 1, sequence=ordered_sequence(plane, primary, "final"))
+    report = events.CheckpointCompleted("lostfinal-1", primary, 1, now_iso(), checkpoint_id=final, kind="final")
+    assert end_checkpoint_command(report) is not None
+
+    # When the wait times out and the backup is ready
+    restore = _restore_ordered(plane, "lostfinal-1")
+
+    # Then the Restore step read the final dump from SSM first, and restores it
+    assert restore["parameters"]["CheckpointId"] == final
+    assert plane.job("lostfinal-1").checkpoint_id == final
+
+
+def test_a_final_dump_command_that_ended_with_no_result_fails_the_final_dump_at_once(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an interrupted primary that went away under its final dump: SSM ends the command with no output
+    primary, periodic = _interrupted(plane, "cutoff-1")
+    plane.wait_for_token("cutoff-1", "final-dump")
+    command_id = plane.job("cutoff-1").extra["command_final_dump"]["command_id"]
+    [command] = [c for c in ssm_backends[ACCOUNT][REGION]._commands if c.command_id == command_id]
+    for invocation in command.invocations:
+        invocation.update({"Status": "Terminated", "StatusDetails": "Terminated", "StandardOutputContent": ""})
+
+    # When SSM's status-change event for it arrives
+    [(_, taken), *_] = route(command_ended(primary, command_id, plane.documents["checkpoint"], "Terminated"))
+
+    # Then the final dump failed (nothing was stopped), and the workflow goes on to restore the periodic checkpoint
+    # without waiting out the final-dump wait
+    assert taken["action"] == "checkpoint-failed"
+    arrival = plane.job("cutoff-1").arrival("final-dump")
+    assert arrival is not None and arrival["error"] == "CheckpointFailed"
+    assert "the final dump command ended Terminated on" in arrival["cause"]
+    assert arrival["output"]["job_stopped"] is False
+    assert _restore_ordered(plane, "cutoff-1")["parameters"]["CheckpointId"] == periodic
 
 
 def test_awss_sample_status_change_event_reaches_the_command_result_function(plane: ControlPlane) -> None:
