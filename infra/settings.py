@@ -65,9 +65,9 @@ class Settings:
     availability_zones: tuple[str, ...] = ()
     max_azs: int = 2
     efs: bool = False
-    # Each job mounts only its own EFS access point, with IAM (the file system refuses anything else); needs
-    # amazon-efs-utils (mount.efs) on the job image, which Debian 12 does not package.
-    efs_isolation: bool = False
+    # With efs: each job mounts only its own EFS access point, with IAM (the file system refuses anything else),
+    # through mount.efs (the agent asset's amazon-efs-utils). false: every job VM mounts the whole file system.
+    efs_isolation: bool = True
     fsx: str | None = None  # None (off), "SCRATCH_2" or "PERSISTENT_2"
     fsx_storage_gib: int = 1200
     vm_architecture: str = "amd64"
@@ -139,8 +139,6 @@ class Settings:
             raise InvalidSetting("alarm_email: not an e-mail address")
 
     def _check_images_and_storage(self) -> None:
-        if self.efs_isolation and not self.efs:
-            raise InvalidSetting("efs_isolation: only with efs=true")
         if self.gpu_image and self.ami_id is not None:
             raise InvalidSetting("gpu_image: not with ami_id (each names the job VMs' image)")
         if self.gpu_image and self.vm_architecture != "amd64":

@@ -126,7 +126,7 @@ class VmLaunch(Construct):
             "__SPOTCR_REGION__": Aws.REGION,
             "__SPOTCR_STACK__": stack.stack_name,
             "__SPOTCR_EFS_ID__": storage.file_system.file_system_id if storage.file_system else "",
-            "__SPOTCR_EFS_ISOLATION__": "true" if settings.efs_isolation else "",
+            "__SPOTCR_EFS_ISOLATION__": "true" if settings.efs and settings.efs_isolation else "",
             "__SPOTCR_FSX_DNS__": storage.lustre.dns_name if storage.lustre else "",
             "__SPOTCR_FSX_MOUNT_NAME__": storage.lustre.mount_name if storage.lustre else "",
             "__SPOTCR_STORE_CREDENTIALS_URL__": self.store_credentials_url.token(),

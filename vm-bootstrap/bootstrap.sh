@@ -7,11 +7,13 @@
 # Placeholders that infra/ substitutes before this becomes user data (an empty value means "not used"):
 #   __SPOTCR_AGENT_ASSET_URL__   s3://bucket/key.zip of the agent asset. The zip's root holds: spotcr_agent/,
 #                                spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
-#                                criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages).
+#                                criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages),
+#                                amazon-efs-utils/ (mount.efs, vendored).
 #   __SPOTCR_BUCKET__            bucket of the job's checkpoints (s3 storage)
 #   __SPOTCR_EVENT_BUS__         EventBridge bus name for the agent's events
 #   __SPOTCR_EFS_ID__            EFS file system id (efs storage)
-#   __SPOTCR_EFS_ISOLATION__     "true": mount only the job's own EFS access point, with IAM (needs mount.efs)
+#   __SPOTCR_EFS_ISOLATION__     "true": mount only the job's own EFS access point, with IAM (mount.efs: the asset's
+#                                amazon-efs-utils; stunnel4 from Debian)
 #   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
 #   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
 #   __SPOTCR_STORE_CREDENTIALS_URL__  function URL vending the job's own store credentials (jobs/<job>/ only)
@@ -70,6 +72,8 @@ missing_packages() {
   # CRIU locks a job's TCP connections with iptables-restore; EFS is mounted over NFS 4.1.
   command -v iptables-restore >/dev/null || echo iptables
   if [[ -n "$EFS_ID" ]] && ! command -v mount.nfs4 >/dev/null; then echo nfs-common; fi
+  # mount.efs (the agent asset's amazon-efs-utils) tunnels an isolated EFS mount's NFS through TLS with stunnel.
+  if [[ -n "$EFS_ID" && "$EFS_ISOLATION" == "true" ]] && ! command -v stunnel >/dev/null; then echo stunnel4; fi
 }
 
 install_ssm_agent() {

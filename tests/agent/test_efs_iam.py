@@ -1,7 +1,8 @@
 """EFS with efs_isolation: the agent mounts its job's own access point with IAM and keeps the mount's profile fresh.
 
-mount.efs is a stand-in on PATH (Debian 12 has no amazon-efs-utils); the mount command is recorded, not run. The
-credential refresh is driven by a stop event that counts its waits: no sleeping.
+mount.efs is a stand-in on PATH (the real one, vendored, is installed by install-artifact.sh: test_vm_install); the
+mount command is recorded, not run. The credential refresh is driven by a stop event that counts its waits: no
+sleeping.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def test_without_the_mount_helper_the_storage_is_refused_naming_it(
     config = make_config(
         tmp_path, mount_point=tmp_path / "mnt", efs_id="fs-0123", efs_isolation=True, store_credentials_url=URL
     )
-    with pytest.raises(storage.StorageError, match=r"needs amazon-efs-utils \(mount\.efs\)"):
+    with pytest.raises(storage.StorageError, match=r"needs mount\.efs, which the agent asset.s install-artifact\.sh"):
         storage.prepare(config, runner=lambda argv: None)
     assert not profile_file.exists()
 

@@ -5,6 +5,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
 from spotcr_agent import cli
 from spotcr_contracts.commands import AGENT_BIN
 
@@ -61,3 +62,21 @@ def test_bootstrap_installs_prebuilt_parts_and_the_ssm_agent_without_compiling()
     assert 'install-artifact.sh" "$PREFIX/lib" "$PREFIX" --system' in script
     for compiling in ("install-criu.sh", "pip install", "venv", "build-essential", "make "):
         assert compiling not in script
+
+
+@pytest.mark.parametrize(
+    ("efs_id", "isolation", "wanted"),
+    [("", "", set()), ("fs-0123", "", {"nfs-common"}), ("fs-0123", "true", {"nfs-common", "stunnel4"})],
+)
+def test_bootstrap_installs_what_the_jobs_storage_mounts_with(tmp_path, efs_id, isolation, wanted):
+    # Given a VM with none of the mount tools (and iptables present), When bootstrap asks what to install
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "iptables-restore").write_text("#!/bin/sh\n")
+    (bin_dir / "iptables-restore").chmod(0o755)
+    script = f"source {VM / 'bootstrap.sh'}; EFS_ID={efs_id!r}; EFS_ISOLATION={isolation!r}; missing_packages"
+    ran = subprocess.run(
+        ["/bin/bash", "-c", script], capture_output=True, text=True, check=True, env={"PATH": str(bin_dir)}
+    )
+    # Then NFS for EFS, and stunnel (mount.efs's TLS tunnel) only for an isolated EFS mount
+    assert set(ran.stdout.split()) == wanted

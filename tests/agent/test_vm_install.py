@@ -31,7 +31,15 @@ def bundle(tmp_path_factory):
 
 def test_the_bundle_carries_the_prebuilt_parts_and_no_build_scripts(bundle):
     names = {path.name for path in bundle.iterdir()}
-    assert {"spotcr_agent", "spotcr_contracts", "bin", "install-artifact.sh", "criu", "python"} <= names
+    assert {
+        "spotcr_agent",
+        "spotcr_contracts",
+        "bin",
+        "install-artifact.sh",
+        "criu",
+        "python",
+        "amazon-efs-utils",
+    } <= names
     assert not {"install-criu.sh", "build-artifact.sh"} & names
     assert not list(bundle.glob("*.patch"))
     tarball = next((bundle / "criu").glob(f"spotcr-criu-*-{ARCH}.tar.gz"))
@@ -80,6 +88,19 @@ def test_the_artifact_installs_without_a_compiler_and_passes_criu_check(bundle, 
     check = subprocess.run(["env", "-i", str(criu), "check"], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     assert (prefix / "bin" / "spotcr-agent").stat().st_mode & 0o111
+
+
+def test_the_artifact_installs_the_efs_mount_helper_that_efs_isolation_needs(bundle, tmp_path):
+    # Given the bundle installed as on a VM
+    prefix = _install(bundle, tmp_path / "opt-spotcr")
+    # Then amazon-efs-utils' mount.efs and its watchdog (vendored, as vm-bootstrap/amazon-efs-utils/SOURCE says) run
+    # on the VM's python3 with nothing else installed
+    for tool in ("mount.efs", "amazon-efs-mount-watchdog"):
+        ran = subprocess.run(
+            [str(prefix / "efs-utils" / tool), "--version"], capture_output=True, text=True, check=False
+        )
+        assert ran.returncode == 0 and ran.stdout.strip().endswith("Version: 1.36.0"), ran.stdout + ran.stderr
+    assert "tag v1.36.0" in (bundle / "amazon-efs-utils" / "SOURCE").read_text()
 
 
 def test_a_tampered_artifact_is_refused(bundle, tmp_path):

@@ -182,7 +182,8 @@ def _isolated_efs_mount(config: AgentConfig) -> list[str]:
     """The job's own access point, mounted with its vended credentials (the file system refuses anything else)."""
     if not shutil.which(efs_iam.MOUNT_HELPER):
         raise StorageError(
-            "storage efs: efs_isolation needs amazon-efs-utils (mount.efs) on the image; Debian 12 does not package it"
+            "storage efs: efs_isolation needs mount.efs, which the agent asset's install-artifact.sh installs as "
+            "/sbin/mount.efs (amazon-efs-utils); it is not on this VM's PATH"
         )
     if not config.store_credentials_url:
         raise StorageError("storage efs: efs_isolation needs the store-credentials URL (the mount's credentials)")
