@@ -160,12 +160,11 @@ def reported_dump(
     named = (
         answer.get("job_id") == record.job_id
         and (answer.get("run_id") or "") == record.run_id
-        and isinstance(generation, int)
         and kind in ("periodic", "final")
     )
-    if not named:
+    if not named or not isinstance(generation, int):
         return _unanswered_final(record, command_id, instance_id, invocation, read_at)
-    at = (record.job_id, instance_id, int(generation), read_at)
+    at = (record.job_id, instance_id, generation, read_at)
     checkpoint_id = str(answer.get("checkpoint_id") or "")
     if status == commands.COMMAND_SUCCEEDED and answer.get("ok") is True:
         if not re.fullmatch(commands.CHECKPOINT_ID_PATTERN, checkpoint_id):
