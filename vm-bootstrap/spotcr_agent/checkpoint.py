@@ -835,29 +835,45 @@ class _AtFreeze:
             raise CheckpointError(f"recording the job's files at the freeze failed: {self.error}") from self.error
 
     def _serve(self) -> None:
+        """Wait for the script, do the work, answer. The script always gets an answer once it asked (CRIU would
+        wait for it forever): anything that goes wrong here is this dump's error and the answer is "fail"."""
+        try:
+            if not self._wait_for_script():
+                return  # CRIU ended without reaching post-dump
+            self._work()
+            answer = b"ok\n"
+        except BaseException as error:
+            log.error("the work at the freeze failed: %s", error, exc_info=True)
+            self.error = error
+            answer = b"fail\n"
+        self._answer_script(answer)
+
+    def _wait_for_script(self) -> bool:
         fd = os.open(self._ready, os.O_RDONLY | os.O_NONBLOCK)
         try:
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             while not self._stop.is_set():
-                if poller.poll(50) and os.read(fd, 1):
-                    break
-            else:
-                return  # CRIU ended without reaching post-dump
+                if not poller.poll(50):
+                    continue
+                try:
+                    if os.read(fd, 1):
+                        return True
+                except BlockingIOError:
+                    continue
+            return False
         finally:
             os.close(fd)
-        try:
-            self._work()
-            answer = b"ok\n"
-        except Exception as error:
-            self.error = error
-            answer = b"fail\n"
+
+    def _answer_script(self, answer: bytes) -> None:
         while not self._stop.is_set():
             try:
                 out = os.open(self._answer, os.O_WRONLY | os.O_NONBLOCK)
             except OSError as error:
                 if error.errno != errno.ENXIO:  # ENXIO: the script has not opened its end yet
-                    raise
+                    log.error("the freeze's answer cannot reach CRIU's action script: %s", error)
+                    self.error = self.error or error
+                    return
                 time.sleep(0.001)
                 continue
             try:
