@@ -10,7 +10,7 @@ export CDK_DISABLE_VERSION_CHECK := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 CDK := npx --no-install cdk --no-notices
 
-.PHONY: where setup criu artifacts workload-deps tracked-deps fault-deps lint test test-gpu nvidia-gpu demo bench synth deploy destroy lock clean
+.PHONY: where setup criu artifacts workload-deps tracked-deps lint test test-gpu nvidia-gpu demo bench synth deploy destroy lock clean
 
 setup: $(VENV)/.installed $(VENV)/bin/spotcr node_modules/.installed criu artifacts
 
@@ -43,10 +43,6 @@ workload-deps:
 tracked-deps:
 	@bash tests/tracked/install-deps.sh
 
-# The fault suite's clock-skew scenario runs a backup VM's agent under libfaketime (Debian's faketime).
-fault-deps:
-	@command -v faketime >/dev/null || { apt-get update -qq && apt-get install -y -qq faketime; }
-
 # What job VMs (and the rehearsal's VMs) install instead of compiling: CRIU with its libraries, the agent's
 # Python packages; built once into .build/ for this machine's architecture (arm64: run it on an arm64 machine).
 artifacts: $(VENV)/.installed
@@ -61,7 +57,7 @@ lint: $(VENV)/.installed
 where:
 	@case "$(CURDIR)/" in /tmp/* | /var/tmp/* | /dev/shm/*) echo "spotcr: the checkout $(CURDIR) is under /tmp, /var/tmp or /dev/shm, which every local VM replaces with an empty tmpfs; clone it elsewhere (e.g. under \$$HOME)" >&2; exit 2;; esac
 
-test: where setup workload-deps tracked-deps fault-deps lint
+test: where setup workload-deps tracked-deps lint
 	$(PY) -m pytest
 
 # A real CUDA job through the agent's checkpoint and restore (CRIU's CUDA plugin); not part of `make test`.
