@@ -24,9 +24,9 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
-from spotcr_contracts import commands, events, tags
+from spotcr_contracts import commands, events
 
-from spotcr_functions import agent_events, exits
+from spotcr_functions import agent_events, exits, jobs
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -107,9 +107,7 @@ FINAL_DUMP_COMMAND = "command_final_dump"
 def on_checkpoint_command(deps: Deps, command_id: str, instance_id: str) -> dict[str, Any]:
     """SSM's status-change event for a checkpoint command (source aws.ssm, which no VM can put): take the dump's
     outcome from GetCommandInvocation of that command on that instance."""
-    instance = deps.cloud.describe_instance(instance_id)
-    job_id = instance.tags.get(tags.JOB) if instance else None
-    record = deps.registry.get(job_id) if job_id else None
+    record = jobs.record_tagged_on(deps, instance_id)
     if record is None:
         logger.info("checkpoint command of an instance that runs no job", instance_id=instance_id)
         return {"action": "ignored", "reason": "no job on that instance"}

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from aws_lambda_powertools import Logger
-from spotcr_contracts import commands, events, tags
+from spotcr_contracts import commands, events
 
-from spotcr_functions import agent_events
+from spotcr_functions import agent_events, jobs
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord
 from spotcr_functions.observability import SERVICE
@@ -35,9 +35,7 @@ def on_status_command(deps: Deps, command_id: str, instance_id: str) -> dict[str
     printed on that instance and, if it reports the job's exit with its result stored or given up, end the job with
     the same end logic and guards as ever (agent_events.end_from_exit: exactly one end, redelivered copies only
     finish the release)."""
-    instance = deps.cloud.describe_instance(instance_id)
-    job_id = instance.tags.get(tags.JOB) if instance else None
-    record = deps.registry.get(job_id) if job_id else None
+    record = jobs.record_tagged_on(deps, instance_id)
     if record is None:
         logger.info("status command of an instance that runs no job", instance_id=instance_id)
         return {"action": "ignored", "reason": "no job on that instance"}

@@ -24,6 +24,14 @@ from spotcr_functions.observability import SERVICE
 logger = Logger(service=SERVICE, child=True)
 
 
+def record_tagged_on(deps: Deps, instance_id: str) -> JobRecord | None:
+    """The record of the job the instance is tagged with (spotcr:job), whichever role it plays for that job (its
+    instance, its backup, the interrupted one): None when the instance is gone, untagged or its job unknown."""
+    instance = deps.cloud.describe_instance(instance_id)
+    job_id = instance.tags.get(tags.JOB) if instance else None
+    return deps.registry.get(job_id) if job_id else None
+
+
 def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: PLR0911 (guard clauses)
     instance = deps.cloud.describe_instance(instance_id)
     if instance is None:

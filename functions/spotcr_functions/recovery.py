@@ -10,7 +10,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands, tags
 
-from spotcr_functions import checkpoints, efs_access, rendezvous
+from spotcr_functions import checkpoints, efs_access, jobs, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
@@ -379,9 +379,7 @@ def on_restore_command(deps: Deps, command_id: str, instance_id: str, document_n
     RestoreFailed events move nothing (tests/workflow/test_authenticated.py)."""
     if document_name != deps.settings.restore_document:
         return {"action": "ignored", "reason": f"not the restore document: {document_name}"}
-    instance = deps.cloud.describe_instance(instance_id)
-    job_id = instance.tags.get(tags.JOB) if instance else None
-    record = deps.registry.get(job_id) if job_id else None
+    record = jobs.record_tagged_on(deps, instance_id)
     if record is None or record.status != Status.RECOVERING or record.backup_instance_id != instance_id:
         logger.info("restore command of an instance that is no job's backup", instance_id=instance_id)
         return {"action": "ignored", "reason": "not a recovering job's backup"}
@@ -684,9 +682,7 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
     the old primary until Finish), the generation is bumped from the recovering one, the old workflow's waits
     are released, and a warning orders the backup's own final dump: its agent takes it as soon as it runs the job.
     """
-    instance = deps.cloud.describe_instance(instance_id)
-    job_id = instance.tags.get(tags.JOB) if instance else None
-    record = deps.registry.get(job_id) if job_id else None
+    record = jobs.record_tagged_on(deps, instance_id)
     if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
         logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
         return {"action": "ignored", "reason": "no job on this instance"}

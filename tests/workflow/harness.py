@@ -137,6 +137,19 @@ def command_ended(instance_id: str, command_id: str, document_name: str, status:
     return event
 
 
+def _answer(invocation: dict[str, Any], status: str, code: int, line: Mapping[str, Any]) -> None:
+    """The agent's command ends on its instance: SSM's status, its exit code, and its one result line on stdout."""
+    invocation.update(
+        {
+            "Status": status,
+            "StatusDetails": status,
+            "ResponseCode": code,
+            "StandardOutputContent": json.dumps(line) + "\n",
+            "StandardErrorContent": "",
+        }
+    )
+
+
 def end_restore_command(answer: events.RestoreCompleted | events.RestoreFailed) -> tuple[str, dict[str, Any]]:
     """The backup's agent ends the newest restore command sent to its instance as the real agent does: one result
     line on stdout (spotcr_agent.cli._restore), exit 0 only when restored. Returns SSM's status-change event for it,
@@ -161,15 +174,7 @@ def end_restore_command(answer: events.RestoreCompleted | events.RestoreFailed) 
         status, code = "Failed", 1
     for invocation in command.invocations:
         if invocation["InstanceId"] == answer.instance_id:
-            invocation.update(
-                {
-                    "Status": status,
-                    "StatusDetails": status,
-                    "ResponseCode": code,
-                    "StandardOutputContent": json.dumps(line) + "\n",
-                    "StandardErrorContent": "",
-                }
-            )
+            _answer(invocation, status, code, line)
     return command.command_id, command_ended(answer.instance_id, command.command_id, str(command.document_name), status)
 
 
@@ -219,15 +224,7 @@ def end_checkpoint_command(
     else:
         line = {"ok": False, **line, "error": report.reason, "job_stopped": report.job_stopped}
         status, code = "Failed", 1
-    invocation.update(
-        {
-            "Status": status,
-            "StatusDetails": status,
-            "ResponseCode": code,
-            "StandardOutputContent": json.dumps(line) + "\n",
-            "StandardErrorContent": "",
-        }
-    )
+    _answer(invocation, status, code, line)
     return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
 
 
@@ -286,15 +283,7 @@ def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, An
         for invocation in command.invocations:
             if invocation["InstanceId"] != exited.instance_id or invocation.get("StandardOutputContent"):
                 continue
-            invocation.update(
-                {
-                    "Status": "Success",
-                    "StatusDetails": "Success",
-                    "ResponseCode": 0,
-                    "StandardOutputContent": json.dumps(line) + "\n",
-                    "StandardErrorContent": "",
-                }
-            )
+            _answer(invocation, "Success", 0, line)
             event = command_ended(exited.instance_id, command.command_id, str(command.document_name), "Success")
             ended.append((command.command_id, event))
     return ended
