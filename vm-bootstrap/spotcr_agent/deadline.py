@@ -119,10 +119,11 @@ class Rates:
             return 1.0
         return min(1.0, self.dirty_per_s * max(0.0, seconds))
 
-    def final_dump_s(self, memory_bytes: float, changed_share: float) -> float:
-        """Notice to durable for a final dump of this much memory, this share of it changed."""
+    def final_dump_s(self, memory_bytes: float, changed_share: float, detection_s: float = NOTICE_DETECTION_S) -> float:
+        """Notice to durable for a final dump of this much memory, this share of it changed (order to durable with
+        detection_s=0)."""
         return (
-            NOTICE_DETECTION_S
+            detection_s
             + memory_bytes / self.criu_bps
             + memory_bytes / self.scan_bps
             + memory_bytes * changed_share / self.send_bps
