@@ -212,8 +212,11 @@ class Watcher:
                     raise RehearsalFailed(f"bootstrap failed on {event.instance_id}: {event.step}: {event.reason}")
 
     def count(self, predicate: Callable[[str, agent_events.AgentEvent], bool]) -> int:
+        return len(self.matching(predicate))
+
+    def matching(self, predicate: Callable[[str, agent_events.AgentEvent], bool]) -> list[agent_events.AgentEvent]:
         with self._changed:
-            return sum(1 for detail_type, event in self.seen if predicate(detail_type, event))
+            return [event for detail_type, event in self.seen if predicate(detail_type, event)]
 
 
 def restored_after(generation: int) -> Callable[[str, agent_events.AgentEvent], bool]:
@@ -559,8 +562,14 @@ class Rehearsal:
                 and event.generation == generation
             )
 
+        def recorded(done: list[agent_events.AgentEvent]) -> bool:
+            # The control plane records a checkpoint from SSM's answer to its command, which may come after the
+            # agent's CheckpointCompleted on the bus: the fault that follows must find the newest one recorded.
+            ids = [e.checkpoint_id for e in done if isinstance(e, agent_events.CheckpointCompleted)]
+            return bool(ids) and self.job_record().get("checkpoint_id") == max(ids, key=checkpoint_order)
+
         deadline = time.monotonic() + self.options.timeout_s
-        while self.watcher.count(periodic) < wanted:
+        while len(done := self.watcher.matching(periodic)) < wanted or not recorded(done):
             if (ended := self._ended()) is not None:
                 how = f"exited with {ended['exit_code']}" if "exit_code" in ended else f"ended {ended['status']}"
                 raise RehearsalFailed(
@@ -570,7 +579,9 @@ class Rehearsal:
                     f"{stderr_tail(self.cloud.vms[instance_id], self.workdir)}"
                 )
             if time.monotonic() > deadline:
-                raise RehearsalFailed(f"no periodic checkpoint on {instance_id} within {self.options.timeout_s} s")
+                raise RehearsalFailed(
+                    f"no periodic checkpoint on {instance_id} recorded within {self.options.timeout_s} s"
+                )
             time.sleep(0.2)
 
     def _interrupt(self, instance_id: str, number: int) -> float:
