@@ -10,11 +10,11 @@ soft-dirty tracking a final dump reads all of memory and sends what changed sinc
 where the changed share grows with the time since the last periodic checkpoint at the job's measured dirty rate
 (linear, capped at all of memory: never less than a job rewriting random pages would need). The stages are
 summed, not overlapped, so the prediction errs long where they overlap; it has no fixed cost, so it errs short
-for a job small enough that the dump's fixed work outweighs its bytes (the pipeline benchmark measures both). The
-worst moment for the notice is just before the next
-periodic dump commits (the changed share is then largest), or as a periodic dump starts (the final dump waits
-for it: one CRIU at a time). The plan keeps the job's interval when that fits the notice less the margin,
-shortens it when it does not, and says so, with the figures, when even the shortest interval cannot fit.
+for a job small enough that the dump's fixed work outweighs its bytes (the pipeline benchmark measures both).
+The worst moment for the notice is just before the next periodic dump commits (the changed share is then
+largest), or as a periodic dump starts (the final dump waits for it: one CRIU at a time). The plan keeps the
+job's interval when that fits the notice less the margin, shortens it when it does not, and says so, with the
+figures, when even the shortest interval cannot fit.
 """
 
 from __future__ import annotations

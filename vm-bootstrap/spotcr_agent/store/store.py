@@ -613,9 +613,8 @@ class _Uploader:
         if getattr(local, "compressor", None) is None:
             local.compressor = zstandard.ZstdCompressor(level=self.level)
             local.raw = zstandard.ZstdCompressor(level=FAST_LEVEL)
-        if self.level == FAST_LEVEL:
-            return local.raw.compress(data)
-        if len(data) > 2 * PROBE and len(local.compressor.compress(data[:PROBE])) > PROBE * PROBE_GAIN:
+        probe = self.level != FAST_LEVEL and len(data) > 2 * PROBE  # at FAST_LEVEL already: nothing to learn
+        if probe and len(local.compressor.compress(data[:PROBE])) > PROBE * PROBE_GAIN:
             return local.raw.compress(data)
         return local.compressor.compress(data)
 
