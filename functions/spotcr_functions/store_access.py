@@ -1,7 +1,8 @@
 """Per-job store credentials: a job VM gets S3 credentials for its own job's prefix, and nothing else.
 
-The job VM calls the store-credentials function URL (AuthType AWS_IAM), signing with its instance role. Lambda
-verifies the signature and names the caller in the event: an instance profile session is
+The job VM calls the store-credentials function URL (AuthType AWS_IAM), or with private subnets the private API
+in front of the same function (AWS_IAM), signing with its instance role. Lambda (or API Gateway) verifies the
+signature and names the caller in the event: an instance profile session is
 `arn:aws:sts::<account>:assumed-role/<job role>/<instance id>`. The caller names its job (`?job=`); the job's
 record must name that instance as its current instance, its backup, or the instance whose interruption it is
 recovering from (that one still writes the final dump). Only then is the store role assumed for one hour (the
@@ -64,7 +65,7 @@ class Caller:
 def caller_instance(user_arn: str | None, job_role_name: str) -> Caller:
     """The instance behind an instance profile session of the job role; anything else is refused."""
     if not user_arn:
-        raise Refused(403, "no IAM caller in the request: the function URL must use AuthType AWS_IAM")
+        raise Refused(403, "no IAM caller in the request: the function URL or API method must use AWS_IAM auth")
     match = _ASSUMED_ROLE.match(user_arn)
     if match is None:
         raise Refused(403, f"caller {user_arn[:200]} is not an assumed-role session")

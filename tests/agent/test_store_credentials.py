@@ -128,8 +128,8 @@ def test_the_agent_uses_vended_credentials_when_its_config_names_the_url(moto_s3
     assert storage.store_session(with_url) is storage.store_session(with_url)  # one session (and fetch) per job
 
 
-def test_the_request_is_signed_with_sigv4_for_lambda() -> None:
-    # Given a local server standing in for the function URL
+def _signed_request(address: str, host: str) -> dict[str, str]:
+    """What a local server saw of the agent's signed GET to address, sent as if to host (the name it signs)."""
     seen: dict[str, str] = {}
 
     class Handler(BaseHTTPRequestHandler):
@@ -146,17 +146,41 @@ def test_the_request_is_signed_with_sigv4_for_lambda() -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    original = store_credentials.urllib.request.urlopen
+
+    def to_local(request: Any, timeout: float) -> Any:
+        # The signed request, sent to the local server instead of its AWS host
+        request.full_url = request.full_url.replace(f"https://{host}", f"http://127.0.0.1:{port}")
+        return original(request, timeout=timeout)
+
     try:
-        address = f"http://127.0.0.1:{server.server_address[1]}/?job={JOB}"
         signer = Credentials("ASIAINSTANCEROLE", "secret", "instance-token")
-        # When the agent asks with its instance role's credentials
-        status, _ = store_credentials.signed_get(address, "us-east-1", signer=signer)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(store_credentials.urllib.request, "urlopen", to_local)
+            status, _ = store_credentials.signed_get(address, "us-east-1", signer=signer)
     finally:
         server.shutdown()
         server.server_close()
-    # Then the request carries a SigV4 signature for the lambda service, with the session token
     assert status == 200
+    return seen
+
+
+def test_the_request_to_a_function_url_is_signed_with_sigv4_for_lambda() -> None:
+    # When the agent asks the function URL with its instance role's credentials
+    seen = _signed_request(f"{URL}?job={JOB}", "abcdefg.lambda-url.us-east-1.on.aws")
+    # Then the request carries a SigV4 signature for the lambda service, with the session token
     assert seen["path"] == f"/?job={JOB}"
     assert seen["authorization"].startswith("AWS4-HMAC-SHA256 Credential=ASIAINSTANCEROLE/")
     assert "/us-east-1/lambda/aws4_request" in seen["authorization"]
     assert seen["x-amz-security-token"] == "instance-token"
+
+
+def test_the_request_to_the_private_api_is_signed_with_sigv4_for_execute_api() -> None:
+    # Given the private API's address (private subnets), as the stack's output names it
+    host = "a1b2c3d4e5.execute-api.us-east-1.amazonaws.com"
+    # When the agent asks it
+    seen = _signed_request(f"https://{host}/prod/?job={JOB}", host)
+    # Then the signature is API Gateway's (a lambda signature would be refused there), for the stage's path
+    assert seen["path"] == f"/prod/?job={JOB}"
+    assert "/us-east-1/execute-api/aws4_request" in seen["authorization"]

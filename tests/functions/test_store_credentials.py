@@ -1,7 +1,8 @@
-"""The store-credentials function URL: who gets S3 credentials for which job, and what the session may touch.
+"""The store-credentials function: who gets S3 credentials for which job, and what the session may touch.
 
-Events are AWS's published function URL request (tests/events/function-url/), with the caller an instance
-profile session of the job role, as Lambda names it: arn:aws:sts::<account>:assumed-role/<role>/<instance id>.
+Events are AWS's published function URL request (tests/events/function-url/) and, with private subnets, its
+published API Gateway REST proxy request (tests/events/api-gateway/), with the caller an instance profile session
+of the job role, as AWS names it: arn:aws:sts::<account>:assumed-role/<role>/<instance id>.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from spotcr_functions.models import Status
 from tests.workflow.harness import ACCOUNT, EVENTS, REGION, ControlPlane, ec2_event, invoke_function, route
 
 SAMPLE = json.loads((EVENTS / "function-url" / "request-aws-iam.json").read_text())
+API_SAMPLE = json.loads((EVENTS / "api-gateway" / "rest-request-aws-iam.json").read_text())
 JOB_ROLE = "spotcr-JobRole-1A2B3C4D5E6F"
 STORE_ROLE_ARN = f"arn:aws:iam::{ACCOUNT}:role/spotcr-StoreRole-0F1E2D3C4B5A"
 BUCKET = "spotcr-checkpoints"
@@ -51,6 +53,15 @@ def request(job: str | None, user_arn: str | None) -> dict[str, Any]:
         event["requestContext"]["authorizer"] = None
     else:
         event["requestContext"]["authorizer"]["iam"]["userArn"] = user_arn
+    return event
+
+
+def api_request(job: str | None, user_arn: str | None) -> dict[str, Any]:
+    """The private API's request: API Gateway names the AWS_IAM caller in requestContext.identity."""
+    event = copy.deepcopy(API_SAMPLE)
+    event["queryStringParameters"] = {"job": job} if job is not None else None
+    event["multiValueQueryStringParameters"] = {"job": [job]} if job is not None else None
+    event["requestContext"]["identity"]["userArn"] = user_arn
     return event
 
 
@@ -208,4 +219,45 @@ def test_a_backup_and_the_interrupted_instance_may_hold_the_job_while_it_recover
 def test_a_request_that_is_no_function_url_event_is_answered_400(vending: list[dict[str, Any]]) -> None:
     response = invoke_function("store-credentials", {"detail-type": "EC2 Instance State-change Notification"})
     assert response["statusCode"] == 400
+    assert vending == []
+
+
+def test_the_published_api_gateway_sample_parses_and_its_iam_user_caller_is_refused(
+    vending: list[dict[str, Any]],
+) -> None:
+    # Given AWS's REST proxy sample as published (the private API's shape): the caller is an IAM user
+    status, body = answer(copy.deepcopy(API_SAMPLE))
+    # Then it is read as a request, and refused for its caller, not as an unknown event
+    assert status == 403
+    assert body["error"] == "caller arn:aws:iam::111122223333:user/example-user is not an assumed-role session"
+    assert vending == []
+
+
+def test_through_the_private_api_the_instance_running_a_job_gets_that_jobs_credentials(
+    plane: ControlPlane, vending: list[dict[str, Any]]
+) -> None:
+    # Given a registered job, asked for through the private API by its instance's role session
+    instance_id = registered_job(plane)
+    status, body = answer(api_request("render-42", instance_session(instance_id)))
+    # Then the same answer as through the function URL: a session for jobs/render-42/ only
+    assert status == 200, body
+    assert (body["Job"], body["Prefix"]) == ("render-42", "jobs/render-42/")
+    [call] = vending
+    assert (call["session_name"], call["session_tags"]) == (instance_id, {"SpotcrJob": "render-42"})
+
+
+@pytest.mark.parametrize(
+    ("job", "user_arn", "status"),
+    [
+        ("render-42", None, 403),  # no IAM caller: a method without AWS_IAM auth
+        ("render-42", f"arn:aws:sts::{ACCOUNT}:assumed-role/OtherRole/i-0123456789abcdef0", 403),
+        (None, f"arn:aws:sts::{ACCOUNT}:assumed-role/{JOB_ROLE}/i-0123456789abcdef0", 400),
+    ],
+    ids=["no caller", "another role", "no job"],
+)
+def test_through_the_private_api_other_callers_and_requests_are_refused(
+    plane: ControlPlane, vending: list[dict[str, Any]], job: str | None, user_arn: str | None, status: int
+) -> None:
+    registered_job(plane)
+    assert answer(api_request(job, user_arn))[0] == status
     assert vending == []

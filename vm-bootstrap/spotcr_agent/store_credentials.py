@@ -1,6 +1,8 @@
 """The agent's S3 credentials for its own job's prefix, fetched from the store-credentials function URL.
 
-The request is signed (SigV4, service `lambda`) with the instance role's own credentials; the answer is a
+With private subnets the same function answers behind a private API Gateway API (an `execute-api` address, reached
+through the stack's VPC endpoint). The request is signed (SigV4, service `lambda` for a function URL, `execute-api`
+for the API) with the instance role's own credentials; the answer is a
 session of the store role limited to jobs/<job>/, valid for at most an hour (role chaining). botocore refreshes
 it before it expires (RefreshableCredentials): 15 minutes ahead when it can, 10 minutes ahead at the latest.
 """
@@ -33,6 +35,12 @@ def request_url(url: str, job_id: str) -> str:
     return f"{url.rstrip('/')}/?{urllib.parse.urlencode({'job': job_id})}"
 
 
+def signing_service(url: str) -> str:
+    """The SigV4 service of the store-credentials address: API Gateway's for an execute-api host, else Lambda's."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return "execute-api" if ".execute-api." in f".{host}" else "lambda"
+
+
 def signed_get(url: str, region: str, signer: Any = None, timeout_s: float = 10.0) -> tuple[int, bytes]:
     """GET the URL signed with the default credential chain (on a VM: the instance role from IMDS)."""
     import botocore.session
@@ -43,7 +51,7 @@ def signed_get(url: str, region: str, signer: Any = None, timeout_s: float = 10.
     if credentials is None:
         raise StoreCredentialsError("no AWS credentials to sign the store-credentials request with")
     request = AWSRequest(method="GET", url=url)
-    SigV4Auth(credentials.get_frozen_credentials(), "lambda", region).add_auth(request)
+    SigV4Auth(credentials.get_frozen_credentials(), signing_service(url), region).add_auth(request)
     prepared = urllib.request.Request(url, headers=dict(request.headers.items()), method="GET")  # noqa: S310
     try:
         with urllib.request.urlopen(prepared, timeout=timeout_s) as response:  # noqa: S310 (https function URL)
