@@ -28,6 +28,7 @@ GPU_IMAGE_MIN_ROOT_GIB = 100  # the image's own snapshot, the driver and CUDA, p
 _ID = {
     "vpc": re.compile(r"^vpc-[0-9a-f]{8,17}$"),
     "subnet": re.compile(r"^subnet-[0-9a-f]{8,17}$"),
+    "route_table": re.compile(r"^rtb-[0-9a-f]{8,17}$"),
     "ami": re.compile(r"^ami-[0-9a-f]{8,17}$"),
 }
 _AZ = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9][a-z]$")
@@ -64,6 +65,10 @@ class Settings:
     subnet_ids: tuple[str, ...] = ()
     availability_zones: tuple[str, ...] = ()
     max_azs: int = 2
+    # Job VMs' subnets have no route to the internet: the stack adds the VPC endpoints a job VM calls and serves
+    # store credentials from a private API (a function URL is reachable over the internet only).
+    private_subnets: bool = False
+    route_table_ids: tuple[str, ...] = ()  # with vpc_id and private_subnets: the subnets' route tables (S3 endpoint)
     efs: bool = False
     # With efs: each job mounts only its own EFS access point, with IAM (the file system refuses anything else),
     # through mount.efs (the agent asset's amazon-efs-utils). false: every job VM mounts the whole file system.
@@ -115,13 +120,7 @@ class Settings:
     def _check(self) -> None:
         if not _STACK_NAME.match(self.stack_name):
             raise InvalidSetting("stack_name: 1-64 letters, digits and '-', starting with a letter")
-        if self.vpc_id is None and (self.subnet_ids or self.availability_zones):
-            raise InvalidSetting("subnet_ids/availability_zones: only with vpc_id")
-        if self.vpc_id is not None:
-            if not self.subnet_ids:
-                raise InvalidSetting("subnet_ids: required with vpc_id (spotcr never looks a VPC up)")
-            if len(self.subnet_ids) != len(self.availability_zones):
-                raise InvalidSetting("availability_zones: one per subnet id, in the same order")
+        self._check_network()
         if self.vm_architecture not in ("amd64", "arm64"):
             raise InvalidSetting(f"vm_architecture: amd64 or arm64, got {self.vm_architecture!r}")
         if self.fsx not in (None, "SCRATCH_2", "PERSISTENT_2"):
@@ -137,6 +136,23 @@ class Settings:
         self._check_images_and_storage()
         if self.alarm_email is not None and not _EMAIL.match(self.alarm_email):
             raise InvalidSetting("alarm_email: not an e-mail address")
+
+    def _check_network(self) -> None:
+        if self.vpc_id is None and (self.subnet_ids or self.availability_zones):
+            raise InvalidSetting("subnet_ids/availability_zones: only with vpc_id")
+        if self.route_table_ids and not (self.vpc_id is not None and self.private_subnets):
+            raise InvalidSetting("route_table_ids: only with vpc_id and private_subnets=true")
+        if self.vpc_id is None:
+            return
+        if not self.subnet_ids:
+            raise InvalidSetting("subnet_ids: required with vpc_id (spotcr never looks a VPC up)")
+        if len(self.subnet_ids) != len(self.availability_zones):
+            raise InvalidSetting("availability_zones: one per subnet id, in the same order")
+        if self.private_subnets and len(self.route_table_ids) != len(self.subnet_ids):
+            raise InvalidSetting(
+                "route_table_ids: with vpc_id and private_subnets, one per subnet id, in the same order "
+                "(the S3 gateway endpoint is added to them)"
+            )
 
     def _check_images_and_storage(self) -> None:
         if self.gpu_image and self.ami_id is not None:
@@ -200,6 +216,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "subnet_ids": _list(_ID["subnet"]),
     "availability_zones": _list(_AZ),
     "max_azs": _number(1, 6),
+    "private_subnets": _flag,
+    "route_table_ids": _list(_ID["route_table"]),
     "efs": _flag,
     "efs_isolation": _flag,
     "fsx": _optional_fsx,

@@ -97,8 +97,10 @@ class SpotcrStack(Stack):
             ),
             grant_targets=targets,
         )
-        store_url = store_access.serve(functions.functions["store-credentials"], vm.job_role)
-        vm.store_credentials_url.value = store_url.url
+        store_url = store_access.serve(
+            functions.functions["store-credentials"], vm.job_role, network.endpoints.get("ExecuteApi")
+        )
+        vm.store_credentials_url.value = store_url
 
         def substitution(kind: str) -> str:
             category, _, name = kind.partition(":")
@@ -151,7 +153,7 @@ class SpotcrStack(Stack):
             "JobSecurityGroup": network.job_security_group.security_group_id,
             "FailureTopicArn": registry.failure_topic.topic_arn,
             "DeadLetterQueueUrl": registry.dead_letters.queue_url,
-            "StoreCredentialsUrl": store_url.url,
+            "StoreCredentialsUrl": store_url,
         }
         for name, document in documents.items():
             outputs[f"{name.capitalize()}Document"] = document

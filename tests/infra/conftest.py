@@ -64,3 +64,26 @@ def default_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
 @pytest.fixture(scope="session")
 def custom_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
     return _synth(CUSTOM_CONTEXT, tmp_path_factory.mktemp("cdk-custom"))
+
+
+# Private subnets (no route to the internet): the VPC spotcr creates, and an existing one with its route tables.
+PRIVATE_CONTEXT = {"private_subnets": "true"}
+PRIVATE_CUSTOM_CONTEXT = {
+    "stack_name": "spotcr-private",
+    "vpc_id": "vpc-0123456789abcdef0",
+    "subnet_ids": "subnet-0aaaaaaaaaaaaaaa1,subnet-0bbbbbbbbbbbbbbb2",
+    "availability_zones": "eu-west-1a,eu-west-1b",
+    "route_table_ids": "rtb-0aaaaaaaaaaaaaaa1,rtb-0bbbbbbbbbbbbbbb2",
+    "private_subnets": "true",
+    "efs": "true",
+}
+
+
+@pytest.fixture(scope="session")
+def private_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    return _synth(PRIVATE_CONTEXT, tmp_path_factory.mktemp("cdk-private"))
+
+
+@pytest.fixture(scope="session")
+def private_custom_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
+    return _synth(PRIVATE_CUSTOM_CONTEXT, tmp_path_factory.mktemp("cdk-private-custom"))

@@ -50,6 +50,17 @@ def test_command_line_strings_are_parsed() -> None:
         ({"vpcid": "vpc-0123456789abcdef0"}, "vpcid"),
         ({"keep_finished_volumes": "maybe"}, "keep_finished_volumes"),
         ({"interruption_concurrency": "-1"}, "interruption_concurrency"),
+        ({"private_subnets": "maybe"}, "private_subnets"),
+        ({"private_subnets": "true", "route_table_ids": "rtb-0aaaaaaaaaaaaaaa1"}, "route_table_ids"),
+        (
+            {
+                "vpc_id": "vpc-0123456789abcdef0",
+                "subnet_ids": "subnet-0aaaaaaaaaaaaaaa1",
+                "availability_zones": "us-east-1a",
+                "private_subnets": "true",
+            },
+            "route_table_ids",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(values: dict, named: str) -> None:
