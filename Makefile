@@ -44,9 +44,11 @@ tracked-deps:
 	@bash tests/tracked/install-deps.sh
 
 # What job VMs (and the rehearsal's VMs) install instead of compiling: CRIU with its libraries, the agent's
-# Python packages; built once into .build/ for this machine's architecture (arm64: run it on an arm64 machine).
+# Python packages, and the locked Debian packages a VM installs instead of apt; built once into .build/ for this
+# machine's architecture (arm64: run it on an arm64 machine).
 artifacts: $(VENV)/.installed
 	@PYTHON=$(PY) bash vm-bootstrap/build-artifact.sh
+	@bash vm-bootstrap/fetch-debian-packages.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(PYTHON_DIRS)

@@ -11,7 +11,9 @@ CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
 BUILD_DIR = REPO_ROOT / ".build"  # vm-bootstrap/build-artifact.sh (make artifacts) writes the prebuilt parts here
 _STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
 # Build-time files: a VM installs the prebuilt artifact instead.
-_BUILD_ONLY = shutil.ignore_patterns("install-criu.sh", "build-artifact.sh", "*.patch", "__pycache__", "*.pyc")
+_BUILD_ONLY = shutil.ignore_patterns(
+    "install-criu.sh", "build-artifact.sh", "fetch-debian-packages.sh", "*.lock", "*.patch", "__pycache__", "*.pyc"
+)
 
 
 class ArtifactMissing(FileNotFoundError):
@@ -20,13 +22,20 @@ class ArtifactMissing(FileNotFoundError):
 
 def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir: Path = BUILD_DIR) -> Path:
     """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, spotcr_contracts/, and the
-    prebuilt parts for `architecture`: criu/ (CRIU's tarball and sha256) and python/ (the agent's packages)."""
+    prebuilt parts for `architecture`: criu/ (CRIU's tarball and sha256), python/ (the agent's packages) and debs/
+    (the Debian packages a VM installs instead of using apt, with the lock they match)."""
     criu = sorted(build_dir.glob(f"spotcr-criu-*-{architecture}.tar.gz"))
     python = build_dir / f"agent-python-{architecture}"
+    debs = build_dir / f"debian-packages-{architecture}"
     if len(criu) != 1 or not criu[0].with_name(criu[0].name + ".sha256").is_file() or not python.is_dir():
         raise ArtifactMissing(
             f"no prebuilt CRIU and agent packages for {architecture} in {build_dir}: run `make artifacts` "
             f"on a Debian 12 {architecture} machine (vm-bootstrap/build-artifact.sh)"
+        )
+    if not (debs / "packages.lock").is_file():
+        raise ArtifactMissing(
+            f"no Debian packages for {architecture} VMs in {build_dir}: run `make artifacts` "
+            f"on a Debian 12 {architecture} machine (vm-bootstrap/fetch-debian-packages.sh)"
         )
     shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_BUILD_ONLY, dirs_exist_ok=True)
     shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)
@@ -34,4 +43,5 @@ def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir
     for path in (criu[0], criu[0].with_name(criu[0].name + ".sha256")):
         shutil.copy2(path, destination / "criu" / path.name)
     shutil.copytree(python, destination / "python", dirs_exist_ok=True)
+    shutil.copytree(debs, destination / "debs", dirs_exist_ok=True)
     return destination

@@ -8,15 +8,17 @@
 #   __SPOTCR_AGENT_ASSET_URL__   s3://bucket/key.zip of the agent asset. The zip's root holds: spotcr_agent/,
 #                                spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
 #                                criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages),
-#                                amazon-efs-utils/ (mount.efs, vendored).
+#                                amazon-efs-utils/ (mount.efs, vendored), debs/ (the Debian 12 packages below, with
+#                                packages.lock: for, name, version, sha256).
 #   __SPOTCR_BUCKET__            bucket of the job's checkpoints (s3 storage)
 #   __SPOTCR_EVENT_BUS__         EventBridge bus name for the agent's events
 #   __SPOTCR_EFS_ID__            EFS file system id (efs storage)
 #   __SPOTCR_EFS_ISOLATION__     "true": mount only the job's own EFS access point, with IAM (mount.efs: the asset's
-#                                amazon-efs-utils; stunnel4 from Debian)
+#                                amazon-efs-utils; stunnel4 from the asset's debs/)
 #   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
 #   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
-#   __SPOTCR_STORE_CREDENTIALS_URL__  function URL vending the job's own store credentials (jobs/<job>/ only)
+#   __SPOTCR_STORE_CREDENTIALS_URL__  function URL (or, with private subnets, private API) vending the job's own store
+#                                credentials (jobs/<job>/ only)
 # The instance role needs s3:GetObject on the asset (and on a job spec), the store's S3 actions, events:PutEvents,
 # what SSM Agent needs for Run Command, and ssm:DescribeInstanceInformation (the readiness check).
 # Sourcing this file (tests) defines its functions and runs nothing.
@@ -76,6 +78,48 @@ missing_packages() {
   if [[ -n "$EFS_ID" && "$EFS_ISOLATION" == "true" ]] && ! command -v stunnel >/dev/null; then echo stunnel4; fi
 }
 
+is_debian_12() {
+  # shellcheck disable=SC1091
+  (. /etc/os-release && [[ "${ID:-}" == "debian" && "${VERSION_ID:-}" == "12" ]])
+}
+
+# What this VM lacks, from the agent asset's debs/ (locked versions, sha256 checked), never from apt: a backup boots
+# in the middle of a recovery and must not wait for, or depend on, the Debian mirror.
+install_packages() {
+  local debs=$1 wanted package
+  shift
+  local files=()
+  (cd "$debs" && awk '!/^#/ {print $4 "  " $2 ".deb"}' packages.lock | sort -u | sha256sum -c --quiet) \
+    || { say "the agent asset's Debian packages do not match their lock"; return 1; }
+  for wanted in "$@"; do
+    grep -q "^$wanted " "$debs/packages.lock" || { say "the agent asset has no Debian package $wanted"; return 1; }
+    while read -r package; do
+      dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q " installed$" || files+=("$debs/$package.deb")
+    done < <(awk -v wanted="$wanted" '$1 == wanted {print $2}' "$debs/packages.lock")
+  done
+  [[ ${#files[@]} -gt 0 ]] || return 0
+  # One dpkg run: it orders the packages by their dependencies itself.
+  mapfile -t files < <(printf '%s\n' "${files[@]}" | sort -u)
+  DEBIAN_FRONTEND=noninteractive dpkg -i --force-confdef --force-confold "${files[@]}" >/dev/null
+}
+
+install_missing_packages() {
+  local missing
+  missing=$(missing_packages | xargs)
+  if [[ -n "$missing" ]] && is_debian_12; then
+    say "installing $missing from the agent asset"
+    # shellcheck disable=SC2086
+    install_packages "$PREFIX/lib/debs" $missing
+  elif [[ -n "$missing" ]]; then
+    # Another image (ami_id, gpu_image): Debian 12's packages may not fit it, so its own apt; bake them in instead.
+    say "installing $missing with apt (not a Debian 12 image)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  fi
+}
+
 install_ssm_agent() {
   local region=$1 arch
   if systemctl is-active --quiet amazon-ssm-agent || systemctl is-active --quiet snap.amazon-ssm-agent.amazon-ssm-agent; then
@@ -112,18 +156,6 @@ main() {
   install_ssm_agent "$region"
   done_step
 
-  step="packages"
-  local missing
-  missing=$(missing_packages | xargs)
-  if [[ -n "$missing" ]]; then
-    say "installing $missing"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    # shellcheck disable=SC2086
-    apt-get install -y -qq --no-install-recommends $missing >/dev/null
-  fi
-  done_step
-
   step="asset"
   say "fetching the agent from $AGENT_ASSET_URL"
   local workdir
@@ -134,6 +166,10 @@ main() {
   python3 -m zipfile -e "$workdir/agent.zip" "$PREFIX/lib.new"
   rm -rf "$PREFIX/lib" "$workdir"
   mv "$PREFIX/lib.new" "$PREFIX/lib"
+  done_step
+
+  step="packages"
+  install_missing_packages
   done_step
 
   step="install"

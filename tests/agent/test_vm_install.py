@@ -46,6 +46,90 @@ def test_the_bundle_carries_the_prebuilt_parts_and_no_build_scripts(bundle):
     recorded = (bundle / "criu" / f"{tarball.name}.sha256").read_text().split()[0]
     assert recorded == hashlib.sha256(tarball.read_bytes()).hexdigest()
     assert (bundle / "python" / "boto3").is_dir() and list((bundle / "python").glob("zstandard/backend_c*.so"))
+    assert not {"fetch-debian-packages.sh", f"debian-packages-{ARCH}.lock"} & names
+
+
+def test_the_bundle_carries_every_debian_package_a_vm_installs_as_locked(bundle):
+    # Given the lock of the Debian 12 packages a VM may lack (iptables; nfs-common and stunnel4 for EFS)
+    lock = (VM / f"debian-packages-{ARCH}.lock").read_text()
+    entries = {tuple(line.split()) for line in lock.splitlines() if not line.startswith("#")}
+    assert {wanted for wanted, *_ in entries} == {"iptables", "nfs-common", "stunnel4"}
+    # Then the bundle's debs/ holds each at its locked sha256, with the lock the VM checks them against
+    assert (bundle / "debs" / "packages.lock").read_text() == lock
+    for _, name, version, sha256 in entries:
+        deb = bundle / "debs" / f"{name}.deb"
+        assert hashlib.sha256(deb.read_bytes()).hexdigest() == sha256, name
+        control = subprocess.run(
+            ["dpkg-deb", "-f", str(deb), "Package", "Version"], capture_output=True, text=True, check=True
+        )
+        assert control.stdout.split() == ["Package:", name, "Version:", version]
+    # And it stays small: every VM downloads the asset at boot
+    assert sum(path.stat().st_size for path in (bundle / "debs").iterdir()) < 5 * 2**20
+
+
+def _packages_step(
+    bundle: Path, tmp_path: Path, efs_id: str, isolation: str
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """bootstrap.sh's packages step on this Debian 12 machine, with dpkg -i and apt-get recorded, not run."""
+    shims, log = tmp_path / "shims", tmp_path / "system.log"
+    shims.mkdir()
+    for name, body in {
+        "dpkg": 'if [ "$1" = -i ]; then echo "dpkg $*" >> "$SHIM_LOG"; exit 0; fi; exec /usr/bin/dpkg "$@"',
+        "apt-get": 'echo "apt-get $*" >> "$SHIM_LOG"; exit 1',
+        "mount.nfs4": "exit 0",  # present or not: set by the case below
+    }.items():
+        (shims / name).write_text(f"#!/bin/sh\n{body}\n")
+        (shims / name).chmod(0o755)
+    if efs_id:
+        (shims / "mount.nfs4").unlink()  # a fresh VM: no NFS client
+    script = (
+        f"source {VM / 'bootstrap.sh'}; PREFIX={tmp_path / 'opt'}; EFS_ID={efs_id!r}; EFS_ISOLATION={isolation!r};"
+        " install_missing_packages"
+    )
+    (tmp_path / "opt").mkdir()
+    (tmp_path / "opt" / "lib").symlink_to(bundle)
+    ran = subprocess.run(
+        ["/bin/bash", "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{shims}:/usr/sbin:/usr/bin:/sbin:/bin", "SHIM_LOG": str(log)},
+    )
+    return ran, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.skipif(shutil.which("stunnel") is not None, reason="needs a machine without stunnel, as a fresh VM")
+def test_an_isolated_efs_vm_installs_its_packages_from_the_asset_without_apt(bundle, tmp_path):
+    # Given a Debian 12 VM without an NFS client or stunnel, and an isolated EFS job
+    ran, recorded = _packages_step(bundle, tmp_path, "fs-0123456789abcdef0", "true")
+    # Then its packages come from the asset in one dpkg run, and apt (the Debian mirror) is never called
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert not [line for line in recorded if line.startswith("apt-get")]
+    [dpkg] = [line for line in recorded if line.startswith("dpkg -i")]
+    installed = {Path(arg).name for arg in dpkg.split() if arg.endswith(".deb")}
+    assert {"nfs-common.deb", "stunnel4.deb"} <= installed
+    assert all(Path(arg).parent == tmp_path / "opt" / "lib" / "debs" for arg in dpkg.split() if arg.endswith(".deb"))
+    # And only what the machine lacks: a package it already has (netbase, say) is left alone
+    assert not [name for name in installed if _installed(name.removesuffix(".deb"))]
+
+
+def _installed(package: str) -> bool:
+    status = subprocess.run(
+        ["dpkg-query", "-W", "-f=${db:Status-Status}", package], capture_output=True, text=True, check=False
+    )
+    return status.stdout == "installed"
+
+
+def test_a_deb_that_does_not_match_its_lock_is_refused(bundle, tmp_path):
+    # Given an asset whose nfs-common package was replaced
+    tampered = tmp_path / "bundle"
+    shutil.copytree(bundle / "debs", tampered / "debs")
+    (tampered / "debs" / "nfs-common.deb").write_bytes(b"not the locked package")
+    ran, recorded = _packages_step(tampered, tmp_path, "fs-0123456789abcdef0", "")
+    # Then nothing is installed, and the step fails saying why
+    assert ran.returncode != 0
+    assert "do not match their lock" in ran.stdout
+    assert not recorded
 
 
 def test_a_missing_artifact_is_named_with_how_to_build_it(tmp_path):

@@ -117,7 +117,7 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
         for line in ran.stdout.splitlines()
         if " took " in line
     ]
-    assert steps == ["ssm-agent", "packages", "asset", "install", "agent-bootstrap"]
+    assert steps == ["ssm-agent", "asset", "packages", "install", "agent-bootstrap"]
     recorded = log.read_text().splitlines()
     region_url = f"https://s3.{REGION}.amazonaws.com/amazon-ssm-{REGION}/latest/debian_amd64/amazon-ssm-agent.deb"
     order = [
