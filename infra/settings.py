@@ -83,7 +83,9 @@ class Settings:
     alarm_email: str | None = None
     powertools_layer_version: int | None = None
     keep_finished_volumes: bool = False  # a completed EBS job's volume is deleted with its instance unless true
-    interruption_concurrency: int = 10  # reserved for the interruption function; 0 reserves none
+    # Reserved for the interruption function; 0 (default) reserves none. Lambda keeps 100 of the account's
+    # concurrency unreserved, so reserving N fails the deploy unless the account's quota is at least 100 + N.
+    interruption_concurrency: int = 0
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -143,6 +145,11 @@ class Settings:
             raise InvalidSetting("gpu_image: not with ami_id (each names the job VMs' image)")
         if self.gpu_image and self.vm_architecture != "amd64":
             raise InvalidSetting("gpu_image: CRIU's CUDA plugin is x86-64 only; set vm_architecture=amd64")
+        if self.fsx is not None and self.ami_id is None:
+            raise InvalidSetting(
+                "fsx: the default Debian 12 image has no Lustre client, so job VMs could not mount FSx; "
+                "set ami_id to an image with the Lustre client installed"
+            )
 
 
 def _text(pattern: re.Pattern[str] | None = None) -> Callable[[str, Any], str]:

@@ -135,10 +135,8 @@ def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -
         assert props["Runtime"] == "python3.12"
         assert props["Architectures"] == ["arm64"]
         assert props["Timeout"] == spec.timeout_s
-        if spec.reserved_concurrency:
-            assert props["ReservedConcurrentExecutions"] == 10
-        else:
-            assert "ReservedConcurrentExecutions" not in props
+        # By default nothing is reserved: Lambda keeps 100 unreserved, so a small account's quota would fail it.
+        assert "ReservedConcurrentExecutions" not in props
         assert props["MemorySize"] == spec.memory_mb
         assert props["TracingConfig"] == {"Mode": "Active"}
         assert props["LoggingConfig"]["LogFormat"] == "JSON"
@@ -151,6 +149,12 @@ def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -
         assert set(config.ENV.values()) <= set(variables)
         assert variables["POWERTOOLS_SERVICE_NAME"] == "spotcr"
         assert variables["POWERTOOLS_METRICS_NAMESPACE"] == "spotcr"
+
+
+def test_interruption_concurrency_reserves_for_the_interruption_function_only(custom_synth: Synth) -> None:
+    functions = custom_synth.of_type("AWS::Lambda::Function").values()
+    reserved = {f["Properties"]["Handler"]: f["Properties"].get("ReservedConcurrentExecutions") for f in functions}
+    assert {h: n for h, n in reserved.items() if n is not None} == {catalog.by_name("interruption").handler: 5}
 
 
 def test_function_log_groups_have_retention(default_synth: Synth) -> None:
