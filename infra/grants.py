@@ -204,7 +204,7 @@ def _ec2_terminate(t: GrantTargets) -> list[Grant]:
             iam.PolicyStatement(
                 actions=["ec2:TerminateInstances"],
                 resources=[_arn(t, "ec2", "instance", "*")],
-                conditions={"StringEquals": {"aws:ResourceTag/aws:ec2launchtemplate:id": t.launch_template_id}},
+                conditions={"StringEquals": {f"aws:ResourceTag/{tags.LAUNCH_TEMPLATE}": t.launch_template_id}},
             ),
             "Backups that failed and interrupted (stopped, hibernated) job instances are terminated; EC2 tags every "
             "instance launched from a template with aws:ec2launchtemplate:id, so only instances from spotcr's "

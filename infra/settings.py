@@ -13,6 +13,7 @@ from typing import Any
 
 from aws_cdk import aws_logs as logs
 from constructs import Node
+from spotcr_functions.config import DEFAULT_PENDING_TIMEOUT_MINUTES
 
 # The public Powertools layer (pydantic and the X-Ray SDK included). By default its ARN is resolved at
 # deploy time from the public SSM parameter Powertools publishes for the pinned release;
@@ -86,6 +87,8 @@ class Settings:
     # Reserved for the interruption function; 0 (default) reserves none. Lambda keeps 100 of the account's
     # concurrency unreserved, so reserving N fails the deploy unless the account's quota is at least 100 + N.
     interruption_concurrency: int = 0
+    # A job not started this long after registering fails (its VM's boot failed before the agent); 0: never.
+    pending_timeout_minutes: int = DEFAULT_PENDING_TIMEOUT_MINUTES
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -225,4 +228,5 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "powertools_layer_version": _number(1, 10_000),
     "keep_finished_volumes": _flag,
     "interruption_concurrency": _number(0, 1000),
+    "pending_timeout_minutes": _number(0, 10_080),
 }

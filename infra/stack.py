@@ -85,6 +85,7 @@ class SpotcrStack(Stack):
             "store_role_arn": store_access.role.role_arn,
             "job_role_name": vm.job_role.role_name,
             "file_system_id": storage.file_system.file_system_id if storage.file_system else "",
+            "pending_timeout_minutes": str(settings.pending_timeout_minutes),
             **{f"{name}_document": document for name, document in documents.items()},
         }
         functions = Functions(

@@ -35,6 +35,8 @@ INTERRUPT_REQUESTED = "requested"
 # Set by spotcr on the one instance registered for a run of the job (and on its backups): the run's identity.
 # An agent in run mode starts the job only once this tag is on its instance; an instance refused gets ERROR instead.
 RUN = "spotcr:run"
+# EC2 tags every instance launched from a launch template with its id; only EC2 writes aws: tags.
+LAUNCH_TEMPLATE = "aws:ec2launchtemplate:id"
 RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
