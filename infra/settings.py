@@ -34,6 +34,7 @@ _ID = {
 _AZ = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9][a-z]$")
 _STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+_KMS_KEY = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:[0-9]{12}:key/(mrk-)?[0-9a-f-]{32,36}$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
@@ -89,6 +90,9 @@ class Settings:
     interruption_concurrency: int = 0
     # A job not started this long after registering fails (its VM's boot failed before the agent); 0: never.
     pending_timeout_minutes: int = DEFAULT_PENDING_TIMEOUT_MINUTES
+    # The customer managed key EBS encrypts job volumes with (the account's default EBS key, if one is set);
+    # None: spotcr's roles may use any key of the account, only through EC2.
+    ebs_kms_key_arn: str | None = None
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -229,4 +233,5 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "keep_finished_volumes": _flag,
     "interruption_concurrency": _number(0, 1000),
     "pending_timeout_minutes": _number(0, 10_080),
+    "ebs_kms_key_arn": _text(_KMS_KEY),
 }

@@ -39,6 +39,7 @@ OPTIONAL_TEXT_ENV = {
     "job_role_name": "SPOTCR_JOB_ROLE_NAME",  # the job VMs' role: the only caller store-credentials answers
     "file_system_id": "SPOTCR_FILE_SYSTEM_ID",  # the stack's EFS: an access point per efs job; empty without EFS
     "pending_timeout_minutes": "SPOTCR_PENDING_TIMEOUT_MINUTES",  # a job not started this long fails; 0: never
+    "stack_name": "SPOTCR_STACK_NAME",  # the spotcr:stack tag value of the volumes and snapshots spotcr creates
 }
 DEFAULT_PENDING_TIMEOUT_MINUTES = 20
 
@@ -68,6 +69,7 @@ class Settings:
     job_role_name: str = ""
     file_system_id: str = ""
     pending_timeout_minutes: int = DEFAULT_PENDING_TIMEOUT_MINUTES
+    stack_name: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -98,4 +100,5 @@ class Settings:
             job_role_name=environ.get(OPTIONAL_TEXT_ENV["job_role_name"], ""),
             file_system_id=environ.get(OPTIONAL_TEXT_ENV["file_system_id"], ""),
             pending_timeout_minutes=int(pending),
+            stack_name=environ.get(OPTIONAL_TEXT_ENV["stack_name"], ""),
         )

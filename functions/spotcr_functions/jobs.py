@@ -129,7 +129,7 @@ def _create_job_volume(deps: Deps, record: JobRecord) -> JobRecord:
     volume_id = deps.cloud.create_volume(
         az=record.az,
         size_gib=deps.settings.ebs_volume_gib,
-        tags={tags.JOB: record.job_id},
+        tags={tags.JOB: record.job_id, tags.STACK: deps.settings.stack_name},
         client_token=client_token(record.job_id, record.instance_id),
     )
     deps.cloud.wait_volume_available(volume_id)
