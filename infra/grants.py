@@ -43,6 +43,7 @@ class GrantTargets:
     stack: cdk.Stack
     store_role_arn: str = ""
     file_system_arn: str = ""  # the stack's EFS (efs=true); without it the EFS capabilities grant nothing
+    ebs_kms_key_arn: str = ""  # the EBS encryption key (setting ebs_kms_key_arn); empty: any key of the account
 
 
 def _arn(t: GrantTargets, service: str, resource: str, name: str, *, account: str | None = None) -> str:
@@ -194,8 +195,47 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
                 conditions={"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
             )
         ),
+        *_ebs_key(t),
     ]
     return grants
+
+
+def _ebs_key(t: GrantTargets) -> list[Grant]:
+    """What the caller of RunInstances and CreateVolume needs on a customer managed EBS key (an account default key
+    included: Amazon EBS User Guide, "Requirements for Amazon EBS encryption", permissions for users), only as EC2
+    uses it for this account in this region. The AWS-managed aws/ebs key needs none of it."""
+    key = t.ebs_kms_key_arn or _arn(t, "kms", "key", "*")
+    through_ec2 = {"kms:ViaService": f"ec2.{t.stack.region}.amazonaws.com", "kms:CallerAccount": t.stack.account}
+    reason = (
+        None
+        if t.ebs_kms_key_arn
+        else "EBS encrypts job volumes under the account's default EBS key, unknown at synth (setting ebs_kms_key_arn "
+        "names it); kms:ViaService and kms:CallerAccount allow the key only as EC2 uses it for this account."
+    )
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=[
+                    "kms:Decrypt",
+                    "kms:DescribeKey",
+                    "kms:GenerateDataKeyWithoutPlaintext",
+                    "kms:ReEncryptFrom",
+                    "kms:ReEncryptTo",
+                ],
+                resources=[key],
+                conditions={"StringEquals": through_ec2},
+            ),
+            reason,
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["kms:CreateGrant"],
+                resources=[key],
+                conditions={"StringEquals": through_ec2, "Bool": {"kms:GrantIsForAWSResource": "true"}},
+            ),
+            reason,
+        ),
+    ]
 
 
 def _ec2_terminate(t: GrantTargets) -> list[Grant]:
@@ -204,7 +244,7 @@ def _ec2_terminate(t: GrantTargets) -> list[Grant]:
             iam.PolicyStatement(
                 actions=["ec2:TerminateInstances"],
                 resources=[_arn(t, "ec2", "instance", "*")],
-                conditions={"StringEquals": {"aws:ResourceTag/aws:ec2launchtemplate:id": t.launch_template_id}},
+                conditions={"StringEquals": {f"aws:ResourceTag/{tags.LAUNCH_TEMPLATE}": t.launch_template_id}},
             ),
             "Backups that failed and interrupted (stopped, hibernated) job instances are terminated; EC2 tags every "
             "instance launched from a template with aws:ec2launchtemplate:id, so only instances from spotcr's "
@@ -223,48 +263,59 @@ def _ec2_terminate(t: GrantTargets) -> list[Grant]:
 
 
 def _ec2_volumes(t: GrantTargets) -> list[Grant]:
+    """Volumes and snapshots spotcr created carry spotcr:stack (written only at creation, ec2:CreateAction): attach,
+    detach, snapshot and delete require it, never the user-writable spotcr:job alone. The instances they attach to
+    are the job's (a user's own, submitted by tag, or a backup), so for instances spotcr:job is what qualifies."""
     volume = _arn(t, "ec2", "volume", "*")
     instance = _arn(t, "ec2", "instance", "*")
     snapshot = _arn(t, "ec2", "snapshot", "*", account="")
+    created_by_stack = {"StringEquals": {f"aws:ResourceTag/{tags.STACK}": t.stack.stack_name}}
+    tagged_for_stack = {
+        "StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"},
+        "StringEquals": {f"aws:RequestTag/{tags.STACK}": t.stack.stack_name},
+    }
     return [
         Grant(
             iam.PolicyStatement(
                 actions=["ec2:CreateVolume"],
                 resources=[volume, snapshot],
-                conditions={
-                    "StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"},
-                    "Bool": {"ec2:Encrypted": "true"},
-                },
+                conditions={**tagged_for_stack, "Bool": {"ec2:Encrypted": "true"}},
             ),
             "CreateVolume makes a volume (possibly from a job snapshot) whose id is unknown in advance; it must be "
-            "encrypted and tagged spotcr:job.",
+            "encrypted and tagged spotcr:job and this stack's spotcr:stack.",
         ),
         Grant(
             iam.PolicyStatement(
                 actions=["ec2:AttachVolume", "ec2:DetachVolume", "ec2:DeleteVolume", "ec2:CreateSnapshot"],
-                resources=[volume, instance],
-                conditions=_EC2_JOB_CONDITION,
+                resources=[volume],
+                conditions=created_by_stack,
             ),
-            "Job volumes and instances are created at run time; aws:ResourceTag/spotcr:job limits these "
-            "calls to resources carrying the job tag.",
+            "Job volumes are created at run time; only volumes this stack created (spotcr:stack, which its roles "
+            "write only at creation) qualify.",
         ),
         Grant(
             iam.PolicyStatement(
-                actions=["ec2:CreateSnapshot"],
-                resources=[snapshot],
-                conditions={"StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"}},
+                actions=["ec2:AttachVolume", "ec2:DetachVolume"],
+                resources=[instance],
+                conditions=_EC2_JOB_CONDITION,
             ),
-            "Snapshots that move a job volume across zones get ids at run time; they are created tagged spotcr:job.",
+            "A job's volume attaches to the job's instance (the user's own, submitted by tag, or a backup), whose id "
+            "is known only at run time; only instances carrying spotcr:job qualify.",
+        ),
+        Grant(
+            iam.PolicyStatement(actions=["ec2:CreateSnapshot"], resources=[snapshot], conditions=tagged_for_stack),
+            "Snapshots that move a job volume across zones get ids at run time; they are created tagged spotcr:job "
+            "and this stack's spotcr:stack.",
         ),
         Grant(
             iam.PolicyStatement(
                 actions=["ec2:DeleteSnapshot"],
                 resources=[snapshot],
                 # DeleteSnapshot carries no request tags: the snapshot's own tag (set at creation) is what qualifies.
-                conditions=_EC2_JOB_CONDITION,
+                conditions=created_by_stack,
             ),
-            "A hand-over snapshot is deleted once the volume made from it is committed; only snapshots tagged "
-            "spotcr:job qualify.",
+            "A hand-over snapshot is deleted once the volume made from it is committed; only snapshots this stack "
+            "created (spotcr:stack) qualify.",
         ),
         Grant(
             iam.PolicyStatement(
@@ -274,6 +325,7 @@ def _ec2_volumes(t: GrantTargets) -> list[Grant]:
             ),
             "Tags can only be written while creating a job volume or snapshot (ec2:CreateAction).",
         ),
+        *_ebs_key(t),
     ]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from aws_cdk import aws_logs as logs
 from constructs import Node
+from spotcr_functions.config import DEFAULT_PENDING_TIMEOUT_MINUTES
 
 # The public Powertools layer (pydantic and the X-Ray SDK included). By default its ARN is resolved at
 # deploy time from the public SSM parameter Powertools publishes for the pinned release;
@@ -34,6 +35,7 @@ _ID = {
 _AZ = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9][a-z]$")
 _STACK_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,63}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+_KMS_KEY = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:[0-9]{12}:key/(mrk-)?[0-9a-f-]{32,36}$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
@@ -88,7 +90,14 @@ class Settings:
     alarm_email: str | None = None
     powertools_layer_version: int | None = None
     keep_finished_volumes: bool = False  # a completed EBS job's volume is deleted with its instance unless true
-    interruption_concurrency: int = 10  # reserved for the interruption function; 0 reserves none
+    # Reserved for the interruption function; 0 (default) reserves none. Lambda keeps 100 of the account's
+    # concurrency unreserved, so reserving N fails the deploy unless the account's quota is at least 100 + N.
+    interruption_concurrency: int = 0
+    # A job not started this long after registering fails (its VM's boot failed before the agent); 0: never.
+    pending_timeout_minutes: int = DEFAULT_PENDING_TIMEOUT_MINUTES
+    # The customer managed key EBS encrypts job volumes with (the account's default EBS key, if one is set);
+    # None: spotcr's roles may use any key of the account, only through EC2.
+    ebs_kms_key_arn: str | None = None
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -159,6 +168,11 @@ class Settings:
             raise InvalidSetting("gpu_image: not with ami_id (each names the job VMs' image)")
         if self.gpu_image and self.vm_architecture != "amd64":
             raise InvalidSetting("gpu_image: CRIU's CUDA plugin is x86-64 only; set vm_architecture=amd64")
+        if self.fsx is not None and self.ami_id is None:
+            raise InvalidSetting(
+                "fsx: the default Debian 12 image has no Lustre client, so job VMs could not mount FSx; "
+                "set ami_id to an image with the Lustre client installed"
+            )
 
 
 def _text(pattern: re.Pattern[str] | None = None) -> Callable[[str, Any], str]:
@@ -236,4 +250,6 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "powertools_layer_version": _number(1, 10_000),
     "keep_finished_volumes": _flag,
     "interruption_concurrency": _number(0, 1000),
+    "pending_timeout_minutes": _number(0, 10_080),
+    "ebs_kms_key_arn": _text(_KMS_KEY),
 }

@@ -71,6 +71,7 @@ class SpotcrStack(Stack):
             stack=self,
             store_role_arn=store_access.role.role_arn,
             file_system_arn=storage.file_system.file_system_arn if storage.file_system else "",
+            ebs_kms_key_arn=settings.ebs_kms_key_arn or "",
         )
         values = {
             "jobs_table": registry.jobs_table.table_name,
@@ -85,6 +86,8 @@ class SpotcrStack(Stack):
             "store_role_arn": store_access.role.role_arn,
             "job_role_name": vm.job_role.role_name,
             "file_system_id": storage.file_system.file_system_id if storage.file_system else "",
+            "pending_timeout_minutes": str(settings.pending_timeout_minutes),
+            "stack_name": settings.stack_name,
             **{f"{name}_document": document for name, document in documents.items()},
         }
         functions = Functions(

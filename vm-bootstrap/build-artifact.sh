@@ -2,8 +2,9 @@
 # Builds what a job VM installs instead of compiling (make artifacts): CRIU with its plugin and the Debian 12
 # libraries it links against, as one tarball with its sha256, and the agent's Python packages for Debian 12's
 # python3 (3.11) and Ubuntu 24.04's (3.12: the GPU image). For the machine's own architecture: amd64 here; for
-# arm64 run the same on an arm64 Debian 12.
+# arm64 run the same on an arm64 Debian 12 with SPOTCR_VM_ARCHITECTURE=arm64.
 # Output under .build/ (or $1): spotcr-criu-<version>-<arch>.tar.gz{,.sha256} and agent-python-<arch>/.
+# `build-artifact.sh --check-host` only checks that this machine may build it (check_build_host).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -18,6 +19,25 @@ AGENT_SERVICES="s3 ssm events sts"  # the AWS services the agent calls (sts: cre
 SYSTEM_LIBS='^(libc|libm|libdl|libpthread|librt|libresolv|ld-linux[^.]*)\.so'
 
 log() { echo "build-artifact: $*" >&2; }
+# CRIU and the agent's Python parts link against this machine's glibc and libraries: only a Debian 12 machine of
+# the VMs' architecture (SPOTCR_VM_ARCHITECTURE, the stack's vm_architecture: amd64 by default) builds them.
+check_build_host() {
+  local os_release=${SPOTCR_OS_RELEASE:-/etc/os-release} target=${SPOTCR_VM_ARCHITECTURE:-amd64} found
+  [[ -r "$os_release" ]] || { log "cannot read $os_release: build on Debian 12 ($target)"; return 1; }
+  found=$(. "$os_release" && echo "${ID:-?} ${VERSION_ID:-?} ${PRETTY_NAME:-}")
+  if [[ "$found" != "debian 12 "* ]]; then
+    log "this machine runs ${found#* * } (ID=${found%% *}); the artifact must be built on Debian 12 (bookworm)," \
+      "the job VMs' system, or CRIU and the agent's parts may need a newer glibc than the VMs have"
+    return 1
+  fi
+  if [[ "$ARCH" != "$target" ]]; then
+    log "this machine is $ARCH, the job VMs are $target: build on a Debian 12 $target machine" \
+      "(or set SPOTCR_VM_ARCHITECTURE=$ARCH and deploy with -c vm_architecture=$ARCH)"
+    return 1
+  fi
+}
+check_build_host
+[[ "${1:-}" == "--check-host" ]] && exit 0
 # The Debian package (and version) a library comes from, for the record: merged /usr means either path.
 debian_package() {
   local real candidate owner

@@ -35,6 +35,11 @@ INTERRUPT_REQUESTED = "requested"
 # Set by spotcr on the one instance registered for a run of the job (and on its backups): the run's identity.
 # An agent in run mode starts the job only once this tag is on its instance; an instance refused gets ERROR instead.
 RUN = "spotcr:run"
+# EC2 tags every instance launched from a launch template with its id; only EC2 writes aws: tags.
+LAUNCH_TEMPLATE = "aws:ec2launchtemplate:id"
+# On the volumes and snapshots spotcr creates: the stack whose roles may attach, move and delete them (its roles
+# write the key only while creating one; the users' policy must not allow writing it).
+STACK = "spotcr:stack"
 RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")

@@ -161,8 +161,18 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="scheduler",
         handler="spotcr_functions.handlers.scheduler.handler",
-        description="Every minute: a periodic checkpoint for each running job whose interval is due.",
-        capabilities=(JOBS_READ, JOBS_WRITE, SEND_COMMAND),
+        description="Every minute: a periodic checkpoint for each running job whose interval is due; a job PENDING "
+        "past pending_timeout_minutes fails (its instance marked, terminated if spotcr launched it).",
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            SEND_COMMAND,
+            EC2_DESCRIBE,
+            EC2_TAG,
+            EC2_TERMINATE,
+            PUBLISH_FAILURE,
+            EFS_ACCESS_POINT_DELETE,
+        ),
         rules=(Rule("periodic-checkpoints", schedule_minutes=SCHEDULE_EVERY_MINUTES),),
         timeout_s=60,
     ),

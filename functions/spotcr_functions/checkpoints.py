@@ -44,7 +44,8 @@ def run_scheduler(deps: Deps) -> dict[str, Any]:
             asked.append(record.job_id)
         if _order_periodic(deps, record, expected_due=record.next_checkpoint_at):
             ordered.append(record.job_id)
-    return {"ordered": ordered, "exits_asked": asked}
+    timed_out = [record.job_id for record in deps.registry.overdue_pending(now) if jobs.time_out_pending(deps, record)]
+    return {"ordered": ordered, "exits_asked": asked, "timed_out": timed_out}
 
 
 def on_rebalance(deps: Deps, instance_id: str) -> dict[str, Any]:

@@ -38,7 +38,10 @@ OPTIONAL_TEXT_ENV = {
     "store_role_arn": "SPOTCR_STORE_ROLE_ARN",  # the role store-credentials assumes for one job's prefix
     "job_role_name": "SPOTCR_JOB_ROLE_NAME",  # the job VMs' role: the only caller store-credentials answers
     "file_system_id": "SPOTCR_FILE_SYSTEM_ID",  # the stack's EFS: an access point per efs job; empty without EFS
+    "pending_timeout_minutes": "SPOTCR_PENDING_TIMEOUT_MINUTES",  # a job not started this long fails; 0: never
+    "stack_name": "SPOTCR_STACK_NAME",  # the spotcr:stack tag value of the volumes and snapshots spotcr creates
 }
+DEFAULT_PENDING_TIMEOUT_MINUTES = 20
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class Settings:
     store_role_arn: str = ""
     job_role_name: str = ""
     file_system_id: str = ""
+    pending_timeout_minutes: int = DEFAULT_PENDING_TIMEOUT_MINUTES
+    stack_name: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -83,6 +88,10 @@ class Settings:
         keep = environ.get(OPTIONAL_TEXT_ENV["keep_finished_volumes"], "false").strip().lower()
         if keep not in ("true", "false"):
             raise RuntimeError(f"{OPTIONAL_TEXT_ENV['keep_finished_volumes']} must be true or false, got {keep[:32]!r}")
+        pending = environ.get(OPTIONAL_TEXT_ENV["pending_timeout_minutes"], str(DEFAULT_PENDING_TIMEOUT_MINUTES))
+        if not pending.isascii() or not pending.isdigit():
+            name = OPTIONAL_TEXT_ENV["pending_timeout_minutes"]
+            raise RuntimeError(f"{name} must be a whole number of minutes (0: never), got {pending[:32]!r}")
         return cls(
             **values,  # type: ignore[arg-type]
             subnet_ids=tuple(s.strip() for s in subnets.split(",") if s.strip()),
@@ -90,4 +99,6 @@ class Settings:
             store_role_arn=environ.get(OPTIONAL_TEXT_ENV["store_role_arn"], ""),
             job_role_name=environ.get(OPTIONAL_TEXT_ENV["job_role_name"], ""),
             file_system_id=environ.get(OPTIONAL_TEXT_ENV["file_system_id"], ""),
+            pending_timeout_minutes=int(pending),
+            stack_name=environ.get(OPTIONAL_TEXT_ENV["stack_name"], ""),
         )

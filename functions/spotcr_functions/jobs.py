@@ -65,6 +65,7 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
         tags={k: v for k, v in spec.to_tags().items() if k != tags.RUN},  # spotcr mints the run, never the user
         fallback_types=spec.fallback_types,
         run_id=tags.new_run_id(),
+        next_checkpoint_at=_start_deadline(deps),
         updated_at=deps.iso_now(),
     )
     registered = deps.registry.register(record)
@@ -76,6 +77,38 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
     registered = efs_access.open_for(deps, registered)
     logger.info("job registered", job_id=spec.job_id, instance_id=instance_id, storage=spec.storage)
     return {"registered": True, "job_id": spec.job_id, "volume_id": registered.volume_id}
+
+
+def _start_deadline(deps: Deps) -> int | None:
+    """A PENDING job's deadline to start by (the scheduler fails it after: time_out_pending); None: never."""
+    minutes = deps.settings.pending_timeout_minutes
+    return deps.unix_now() + 60 * minutes if minutes else None
+
+
+def time_out_pending(deps: Deps, record: JobRecord) -> bool:
+    """A job still PENDING at its deadline never started: its VM's user data failed before the agent ran (nothing
+    reports that on the bus), or the agent never got its run. FAILED with the reason, the instance marked
+    spotcr:error and, only if spotcr launched it (from its launch template), terminated; the failure is notified.
+    True when this call ended the job (None from the write: it started or ended meanwhile)."""
+    minutes = deps.settings.pending_timeout_minutes
+    reason = (
+        f"the job did not start within {minutes} minutes on {record.instance_id} (pending_timeout_minutes): "
+        "check the instance's console output (aws ec2 get-console-output) and its user data log "
+        "(/var/log/cloud-init-output.log)"
+    )
+    ended = deps.registry.end(record, Status.FAILED, {"reason": reason, "updated_at": deps.iso_now()})
+    if ended is None:
+        return False
+    logger.error("job never started", job_id=record.job_id, instance_id=record.instance_id, minutes=minutes)
+    efs_access.close_for(deps, ended)
+    instance = deps.cloud.describe_instance(record.instance_id)
+    if instance is not None and instance.state not in ("shutting-down", "terminated"):
+        deps.cloud.tag_instance(record.instance_id, {tags.ERROR: reason[: tags.MAX_TAG_VALUE]})
+        # A user's own instance submitted by tag is only marked: spotcr terminates only what it launched.
+        if instance.tags.get(tags.LAUNCH_TEMPLATE) == deps.settings.launch_template_id:
+            deps.cloud.terminate_instance(record.instance_id)
+    deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {record.job_id} failed", reason)
+    return True
 
 
 def tag_run(deps: Deps, record: JobRecord, instance_tags: Mapping[str, str] | None = None) -> None:
@@ -96,7 +129,7 @@ def _create_job_volume(deps: Deps, record: JobRecord) -> JobRecord:
     volume_id = deps.cloud.create_volume(
         az=record.az,
         size_gib=deps.settings.ebs_volume_gib,
-        tags={tags.JOB: record.job_id},
+        tags={tags.JOB: record.job_id, tags.STACK: deps.settings.stack_name},
         client_token=client_token(record.job_id, record.instance_id),
     )
     deps.cloud.wait_volume_available(volume_id)

@@ -56,7 +56,8 @@ class JobRecord:
     # orders it, carried in the command into the checkpoint's id; checkpoints are ordered by (generation, sequence).
     dump_sequence: int = 0
     restore_ordered_at: str | None = None  # ISO time the recovery ordered a restore: the old instance's dumps are late
-    next_checkpoint_at: int | None = None  # unix seconds; only while RUNNING/CHECKPOINTING
+    # Unix seconds: while RUNNING/CHECKPOINTING the next periodic dump; while PENDING the deadline to start by.
+    next_checkpoint_at: int | None = None
     recovering_from: str | None = None  # the instance whose interruption bumped the generation
     interrupted_at: str | None = None  # ISO time of the warning (or of the missed-warning state change)
     backup_instance_id: str | None = None

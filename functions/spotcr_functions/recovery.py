@@ -273,7 +273,9 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
         return {"done": False, "step": "attaching"}
     # EBS is zonal: the backup moved to another AZ, so the volume moves through a snapshot.
     if record.handover_snapshot_id is None:
-        snapshot_id = cloud.create_snapshot(volume_id, {tags.JOB: job_id, tags.GENERATION: str(generation)})
+        snapshot_id = cloud.create_snapshot(
+            volume_id, {tags.JOB: job_id, tags.GENERATION: str(generation), tags.STACK: deps.settings.stack_name}
+        )
         deps.registry.update(
             job_id,
             {"handover_snapshot_id": snapshot_id},
@@ -289,7 +291,7 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
     new_volume_id = cloud.create_volume(
         az=record.backup_az,
         size_gib=deps.settings.ebs_volume_gib,
-        tags={tags.JOB: job_id, tags.GENERATION: str(generation)},
+        tags={tags.JOB: job_id, tags.GENERATION: str(generation), tags.STACK: deps.settings.stack_name},
         client_token=client_token(execution_name(record), "volume"),
         snapshot_id=record.handover_snapshot_id,
     )

@@ -242,8 +242,15 @@ class Registry:
 
     def due_jobs(self, now: int) -> list[JobRecord]:
         """Jobs whose periodic checkpoint is due: RUNNING ones, and CHECKPOINTING ones whose dump never reported."""
+        return self._due((Status.RUNNING, Status.CHECKPOINTING), now)
+
+    def overdue_pending(self, now: int) -> list[JobRecord]:
+        """PENDING jobs past the deadline to start that registration set (none without one: pending_timeout 0)."""
+        return self._due((Status.PENDING,), now)
+
+    def _due(self, statuses: tuple[Status, ...], now: int) -> list[JobRecord]:
         records = []
-        for status in (Status.RUNNING, Status.CHECKPOINTING):
+        for status in statuses:
             arguments: dict[str, Any] = {
                 "IndexName": registry_schema.BY_STATUS.name,
                 "KeyConditionExpression": "#s = :s AND next_checkpoint_at <= :now",

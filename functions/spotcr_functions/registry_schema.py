@@ -16,6 +16,7 @@ class Index:
 
 
 # The scheduler's query: partition `status`, sort `next_checkpoint_at` (number, unix seconds); due = sort key <= now.
+# A RUNNING or CHECKPOINTING job is due a periodic checkpoint; a PENDING one has not started by its deadline.
 BY_STATUS = Index("by-status", "status", "next_checkpoint_at")
 # EventBridge cannot filter on tags, so EC2 events find their job by instance id.
 BY_INSTANCE = Index("by-instance", "instance_id")

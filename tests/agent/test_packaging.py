@@ -80,3 +80,42 @@ def test_bootstrap_installs_what_the_jobs_storage_mounts_with(tmp_path, efs_id, 
     )
     # Then NFS for EFS, and stunnel (mount.efs's TLS tunnel) only for an isolated EFS mount
     assert set(ran.stdout.split()) == wanted
+
+
+def _check_build_host(tmp_path, os_release: str, target: str | None = None) -> subprocess.CompletedProcess[str]:
+    release = tmp_path / "os-release"
+    release.write_text(os_release)
+    host = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+    env = {"PATH": "/usr/bin:/bin", "SPOTCR_OS_RELEASE": str(release), "SPOTCR_VM_ARCHITECTURE": target or host}
+    return subprocess.run(
+        ["bash", str(VM / "build-artifact.sh"), "--check-host"], env=env, capture_output=True, text=True, check=False
+    )
+
+
+DEBIAN_12 = 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nID=debian\nVERSION_ID="12"\n'
+
+
+def test_the_artifact_builds_on_debian_12_of_the_vms_architecture(tmp_path):
+    assert _check_build_host(tmp_path, DEBIAN_12).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "os_release",
+    [
+        'PRETTY_NAME="Ubuntu 24.04 LTS"\nID=ubuntu\nVERSION_ID="24.04"\n',
+        'PRETTY_NAME="Debian GNU/Linux 13 (trixie)"\nID=debian\nVERSION_ID="13"\n',
+    ],
+)
+def test_the_artifact_is_refused_on_another_system_than_debian_12(tmp_path, os_release):
+    # Its CRIU and Python parts would link against a glibc the VMs may not have
+    checked = _check_build_host(tmp_path, os_release)
+    assert checked.returncode != 0
+    assert "must be built on Debian 12" in checked.stderr
+
+
+def test_the_artifact_is_refused_on_another_architecture_than_the_vms(tmp_path):
+    host = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+    other = "arm64" if host == "amd64" else "amd64"
+    checked = _check_build_host(tmp_path, DEBIAN_12, target=other)
+    assert checked.returncode != 0
+    assert f"this machine is {host}, the job VMs are {other}" in checked.stderr

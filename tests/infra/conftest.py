@@ -31,6 +31,7 @@ CUSTOM_CONTEXT = {
     "checkpoint_expiry_days": "60",
     "job_spec_buckets": "my-job-specs",
     "powertools_layer_version": "52",
+    "interruption_concurrency": "5",
 }
 
 

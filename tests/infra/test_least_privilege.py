@@ -35,9 +35,18 @@ CLIENTS = {
 }
 REGISTRY_TABLE = ("Registry", "table")
 # Calls that need more than their own action: IAM evaluates these too (tag-on-create, PassRole, the topic's key).
+# EBS under a customer managed key: EC2 uses the key as the caller (infra/grants.py _ebs_key).
+EBS_KEY = {
+    "kms:CreateGrant",
+    "kms:Decrypt",
+    "kms:DescribeKey",
+    "kms:GenerateDataKeyWithoutPlaintext",
+    "kms:ReEncryptFrom",
+    "kms:ReEncryptTo",
+}
 IMPLIED = {
-    "ec2:RunInstances": {"ec2:CreateTags", "iam:PassRole"},
-    "ec2:CreateVolume": {"ec2:CreateTags"},
+    "ec2:RunInstances": {"ec2:CreateTags", "iam:PassRole", *EBS_KEY},
+    "ec2:CreateVolume": {"ec2:CreateTags", *EBS_KEY},
     "ec2:CreateSnapshot": {"ec2:CreateTags"},
     "sns:Publish": {"kms:GenerateDataKey", "kms:Decrypt"},
     "sts:AssumeRole": {"sts:TagSession"},  # store_access passes the job as a session tag

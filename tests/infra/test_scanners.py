@@ -38,8 +38,11 @@ CHECKOV_ACKNOWLEDGED = {
 # (issue, action) -> reason
 PARLIAMENT_ACKNOWLEDGED = {
     ("RESOURCE_MISMATCH", "ec2:CreateSnapshot"): "CreateSnapshot is authorized on the source volume (by its "
-    "spotcr:job tag) and on the new snapshot (by its request tag) in two statements, because the conditions differ; "
-    "parliament checks each statement alone.",
+    "spotcr:stack tag) and on the new snapshot (by its request tags) in two statements, because the conditions "
+    "differ; parliament checks each statement alone.",
+    ("RESOURCE_MISMATCH", "ec2:AttachVolume"): "AttachVolume is authorized on the volume (by the stack's own "
+    "spotcr:stack tag) and on the job's instance (by spotcr:job) in two statements, because the conditions differ.",
+    ("RESOURCE_MISMATCH", "ec2:DetachVolume"): "As for AttachVolume.",
     ("RESOURCE_MISMATCH", "states:SendTaskSuccess"): "Task-token callbacks are granted on the recovery state machine "
     "(as CDK's StateMachine.grantTaskResponse does); parliament's database expects '*'.",
     ("RESOURCE_MISMATCH", "states:SendTaskFailure"): "As for SendTaskSuccess.",

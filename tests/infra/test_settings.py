@@ -21,6 +21,7 @@ def test_command_line_strings_are_parsed() -> None:
             "availability_zones": '["us-east-1a", "us-east-1b"]',
             "efs": "true",
             "fsx": "SCRATCH_2",
+            "ami_id": "ami-0123456789abcdef0",
             "root_volume_gib": "40",
             "keep_finished_volumes": "true",
             "interruption_concurrency": "0",
@@ -40,8 +41,9 @@ def test_command_line_strings_are_parsed() -> None:
         ({"subnet_ids": "subnet-0aaaaaaaaaaaaaaa1"}, "subnet_ids"),
         ({"vpc_id": "my-vpc"}, "vpc_id"),
         ({"efs": "yes"}, "efs"),
-        ({"fsx": "SCRATCH_1"}, "fsx"),
+        ({"fsx": "SCRATCH_1", "ami_id": "ami-0123456789abcdef0"}, "fsx"),
         ({"fsx_storage_gib": "2000"}, "fsx_storage_gib"),
+        ({"fsx": "SCRATCH_2"}, "fsx"),
         ({"vm_architecture": "x86"}, "vm_architecture"),
         ({"log_retention_days": "31"}, "log_retention_days"),
         ({"metadata_hop_limit": "3"}, "metadata_hop_limit"),
@@ -66,3 +68,16 @@ def test_command_line_strings_are_parsed() -> None:
 def test_bad_values_are_refused_naming_the_option(values: dict, named: str) -> None:
     with pytest.raises(InvalidSetting, match=named):
         Settings.from_mapping(values)
+
+
+def test_no_concurrency_is_reserved_by_default() -> None:
+    # Lambda keeps 100 unreserved: a reservation fails the deploy on accounts whose quota is 10 or 50.
+    assert Settings.from_mapping({}).interruption_concurrency == 0
+
+
+def test_fsx_with_the_default_debian_image_is_refused_naming_the_lustre_client_and_ami_id() -> None:
+    # Given FSx with no image of the user's (the default Debian 12 image has no Lustre client)
+    with pytest.raises(InvalidSetting, match=r"fsx: .*no Lustre client.*ami_id"):
+        Settings.from_mapping({"fsx": "PERSISTENT_2"})
+    # Then an image that has one is accepted
+    assert Settings.from_mapping({"fsx": "PERSISTENT_2", "ami_id": "ami-0123456789abcdef0"}).fsx == "PERSISTENT_2"

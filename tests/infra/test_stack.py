@@ -8,6 +8,7 @@ import re
 from typing import Any, cast
 
 import aws_cdk as cdk
+import pytest
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk.assertions import Match
 from cdk_nag import AwsSolutionsChecks
@@ -16,7 +17,8 @@ from spotcr_contracts import commands, tags
 from spotcr_functions import catalog, config, registry_schema
 from spotcr_functions.cloud import VOLUME_WAIT_SECONDS
 
-from infra.settings import POWERTOOLS_LAYER_NAME
+from infra import grants
+from infra.settings import POWERTOOLS_LAYER_NAME, InvalidSetting, Settings
 from infra.workflow import RECOVERY_ASL, asl_variables
 from tests.infra.conftest import REPO_ROOT, Synth
 from tests.infra.test_least_privilege import reachable
@@ -135,10 +137,8 @@ def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -
         assert props["Runtime"] == "python3.12"
         assert props["Architectures"] == ["arm64"]
         assert props["Timeout"] == spec.timeout_s
-        if spec.reserved_concurrency:
-            assert props["ReservedConcurrentExecutions"] == 10
-        else:
-            assert "ReservedConcurrentExecutions" not in props
+        # By default nothing is reserved: Lambda keeps 100 unreserved, so a small account's quota would fail it.
+        assert "ReservedConcurrentExecutions" not in props
         assert props["MemorySize"] == spec.memory_mb
         assert props["TracingConfig"] == {"Mode": "Active"}
         assert props["LoggingConfig"]["LogFormat"] == "JSON"
@@ -151,6 +151,12 @@ def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -
         assert set(config.ENV.values()) <= set(variables)
         assert variables["POWERTOOLS_SERVICE_NAME"] == "spotcr"
         assert variables["POWERTOOLS_METRICS_NAMESPACE"] == "spotcr"
+
+
+def test_interruption_concurrency_reserves_for_the_interruption_function_only(custom_synth: Synth) -> None:
+    functions = custom_synth.of_type("AWS::Lambda::Function").values()
+    reserved = {f["Properties"]["Handler"]: f["Properties"].get("ReservedConcurrentExecutions") for f in functions}
+    assert {h: n for h, n in reserved.items() if n is not None} == {catalog.by_name("interruption").handler: 5}
 
 
 def test_function_log_groups_have_retention(default_synth: Synth) -> None:
@@ -512,7 +518,29 @@ def test_delete_snapshot_is_conditioned_on_the_snapshots_own_tag(default_synth: 
     by_role = statements_by_role(default_synth)
     for spec in deleters:
         [statement] = statements_with(by_role[function_role(default_synth, spec.name)], "ec2:DeleteSnapshot")
-        assert statement["Condition"] == {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}
+        assert statement["Condition"] == {"StringEquals": {f"aws:ResourceTag/{tags.STACK}": "spotcr"}}
+
+
+def test_volumes_and_snapshots_are_moved_and_deleted_only_with_the_stacks_own_tag(default_synth: Synth) -> None:
+    # spotcr:job is user-writable; spotcr:stack is written by the stack's roles only while creating (CreateAction)
+    by_role = statements_by_role(default_synth)
+    for spec in (f for f in catalog.FUNCTIONS if catalog.EC2_VOLUMES in f.capabilities):
+        statements = by_role[function_role(default_synth, spec.name)]
+        for action in ("ec2:AttachVolume", "ec2:DetachVolume", "ec2:DeleteVolume", "ec2:CreateSnapshot"):
+            for statement in statements_with(statements, action):
+                resources = _flat(statement["Resource"])
+                conditions = statement["Condition"]
+                if ":volume/" in resources:
+                    assert conditions == {"StringEquals": {f"aws:ResourceTag/{tags.STACK}": "spotcr"}}, action
+                elif ":snapshot/" in resources:
+                    assert conditions["StringEquals"] == {f"aws:RequestTag/{tags.STACK}": "spotcr"}, action
+                else:
+                    assert ":instance/" in resources and ":volume/" not in resources, (spec.name, action)
+        [create] = statements_with(statements, "ec2:CreateVolume")
+        assert create["Condition"]["StringEquals"] == {f"aws:RequestTag/{tags.STACK}": "spotcr"}
+        for statement in statements_with(statements, "ec2:CreateTags"):
+            if ":volume/" in _flat(statement["Resource"]) or ":snapshot/" in _flat(statement["Resource"]):
+                assert "ec2:CreateAction" in _flat(statement["Condition"]), spec.name
 
 
 def test_functions_outlast_the_volume_waiter_they_may_run(default_synth: Synth) -> None:
@@ -544,3 +572,94 @@ def test_the_stack_creates_or_checks_the_spot_service_linked_role(default_synth:
     ]
     assert any("createServiceLinkedRole" in c and "spot.amazonaws.com" in c and "InvalidInput" in c for c in calls)
     assert any("getRole" in c and "AWSServiceRoleForEC2Spot" in c for c in calls)
+
+
+EBS_KEY_ACTIONS = {
+    "kms:Decrypt",
+    "kms:DescribeKey",
+    "kms:GenerateDataKeyWithoutPlaintext",
+    "kms:ReEncryptFrom",
+    "kms:ReEncryptTo",
+}
+
+
+def _ebs_key_statements(statements: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    [use] = [s for s in statements if set(_as_list(s["Action"])) == EBS_KEY_ACTIONS]
+    [grant] = statements_with(statements, "kms:CreateGrant")
+    return use, grant
+
+
+def test_roles_that_create_ebs_volumes_may_use_a_customer_managed_key_only_through_ec2(default_synth: Synth) -> None:
+    # With an account default CMK for EBS, RunInstances and CreateVolume fail without these (EBS User Guide,
+    # "Requirements for Amazon EBS encryption")
+    creators = [f for f in catalog.FUNCTIONS if {catalog.EC2_LAUNCH, catalog.EC2_VOLUMES} & set(f.capabilities)]
+    assert {"launch-backup", "move-volume", "state-change"} <= {f.name for f in creators}
+    by_role = statements_by_role(default_synth)
+    for spec in creators:
+        use, grant = _ebs_key_statements(by_role[function_role(default_synth, spec.name)])
+        for statement in (use, grant):
+            # Any key of the account (the default key is unknown at synth), only as EC2 in this region uses it
+            assert _flat(statement["Resource"]) == _flat(
+                {
+                    "Fn::Join": [
+                        "",
+                        [
+                            "arn:",
+                            {"Ref": "AWS::Partition"},
+                            ":kms:",
+                            {"Ref": "AWS::Region"},
+                            ":",
+                            {"Ref": "AWS::AccountId"},
+                            ":key/*",
+                        ],
+                    ]
+                }
+            ), spec.name
+            conditions = statement["Condition"]["StringEquals"]
+            assert _flat(conditions["kms:ViaService"]) == _flat(
+                {"Fn::Join": ["", ["ec2.", {"Ref": "AWS::Region"}, ".amazonaws.com"]]}
+            )
+            assert conditions["kms:CallerAccount"] == {"Ref": "AWS::AccountId"}
+        assert grant["Condition"]["Bool"] == {"kms:GrantIsForAWSResource": "true"}
+    for spec in catalog.FUNCTIONS:
+        if spec not in creators:
+            assert not statements_with(by_role[function_role(default_synth, spec.name)], "kms:CreateGrant"), spec.name
+
+
+def test_ebs_kms_key_arn_narrows_the_key_grants_to_that_key() -> None:
+    key = "arn:aws:kms:eu-west-1:111122223333:key/0123abcd-4567-89ab-cdef-0123456789ab"
+    settings = Settings.from_mapping({"ebs_kms_key_arn": key})
+    stack = cdk.Stack(cdk.App())
+    targets = grants.GrantTargets(
+        jobs_table_arn="t",
+        jobs_index_names=(),
+        idempotency_table_arn="i",
+        document_names={},
+        launch_template_id="lt-0123456789abcdef0",
+        job_role_arn="r",
+        state_machine_arn="s",
+        failure_topic_arn="f",
+        failure_topic_key_arn="k",
+        checkpoint_bucket_name="b",
+        job_spec_buckets=(),
+        stack=stack,
+        ebs_kms_key_arn=settings.ebs_kms_key_arn or "",
+    )
+    kms = [g for g in grants.grants_for([catalog.EC2_VOLUMES], targets) if g.statement.actions[0].startswith("kms:")]
+    assert len(kms) == 2
+    for grant in kms:
+        assert grant.statement.resources == [key] and grant.wildcard_reason is None
+    with pytest.raises(InvalidSetting, match="ebs_kms_key_arn"):
+        Settings.from_mapping({"ebs_kms_key_arn": "alias/aws/ebs"})
+
+
+def test_every_job_vm_reads_every_spec_as_the_readme_says(default_synth: Synth) -> None:
+    # IAM has no key tying an instance profile's S3 read to the instance's job (README, "What the isolation does
+    # not cover"): the grant stays the whole specs/ prefix, and the README must keep saying so
+    by_role = statements_by_role(default_synth)
+    job_role = logical_id(default_synth, child(default_synth, "VmLaunch", "JobRole"))
+    [spec_read] = [s for s in statements_with(by_role[job_role], "s3:GetObject") if "/specs/*" in _flat(s["Resource"])]
+    assert "Condition" not in spec_read
+    readme = " ".join((REPO_ROOT / "README.md").read_text().split())
+    assert "a job VM can still read every job's spec under `specs/`" in readme
+    assert "IAM cannot narrow the read to the VM's own job" in readme

@@ -72,7 +72,7 @@ def test_an_exit_racing_a_periodic_dump_order_is_recorded_once(
     job = plane.job("race-1")
     assert (job.status, job.exit_code, job.next_checkpoint_at) == (Status.COMPLETED, 0, None)
     ordered = len(plane.sent_commands("checkpoint"))
-    assert _scheduler() == {"ordered": [], "exits_asked": []}
+    assert _scheduler() == {"ordered": [], "exits_asked": [], "timed_out": []}
     assert len(plane.sent_commands("checkpoint")) == ordered
 
     # And a duplicated or late exit (another code) does not end it a second time
@@ -100,7 +100,7 @@ def test_an_exit_right_after_the_restore_ends_the_job_and_the_recovery(
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     job = plane.job("quick-1")
     assert (job.status, job.exit_code) == (status, exit_code)
-    assert _scheduler() == {"ordered": [], "exits_asked": []}
+    assert _scheduler() == {"ordered": [], "exits_asked": [], "timed_out": []}
 
 
 @pytest.mark.parametrize("exit_generation", [0, 1])

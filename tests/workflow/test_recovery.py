@@ -11,7 +11,7 @@ from moto.ec2.models.elastic_block_store import EBSBackend
 from moto.ec2.models.instances import InstanceBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
-from spotcr_functions.config import OPTIONAL_ENV
+from spotcr_functions.config import OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import (
@@ -205,6 +205,7 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given an EBS job in AZ a, and no capacity left in AZ a
+    monkeypatch.setenv(OPTIONAL_TEXT_ENV["stack_name"], "spotcr-test")
     primary = plane.start_job("fem-1", **{tag_names.STORAGE: "ebs"})
     volume_id = plane.job("fem-1").volume_id
     assert volume_id
@@ -229,6 +230,8 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     assert volume["Encrypted"] is True
     assert volume["SnapshotId"]
     assert [a["InstanceId"] for a in volume["Attachments"]] == [backup]
+    # And the volume the move made carries the stack's own tag, which its roles need to attach, move and delete it
+    assert {t["Key"]: t["Value"] for t in volume["Tags"]}[tag_names.STACK] == "spotcr-test"
 
 
 def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(

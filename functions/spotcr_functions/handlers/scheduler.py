@@ -1,4 +1,5 @@
-"""Every minute: a periodic checkpoint for each running job whose interval is due."""
+"""Every minute: a periodic checkpoint for each running job whose interval is due; a job PENDING past its deadline
+to start fails."""
 
 from __future__ import annotations
 
