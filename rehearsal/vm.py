@@ -247,6 +247,10 @@ class LocalVM:
             (self.root / marker).unlink(missing_ok=True)
         for name in PRIVATE_PATHS:
             self.dir(name).mkdir(parents=True, exist_ok=True)
+        # A file system of its own, as an EC2 VM's disk is: bound from the host's root file system instead, a job's
+        # nested mount namespace is dumped as a bind of that root at this VM's host path, which every VM can reach.
+        if not os.path.ismount(self.dir("state")):
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "vm-state", str(self.dir("state"))], check=True)
         agent = self.dir("opt") / "bin" / "spotcr-agent"
         agent.parent.mkdir(parents=True, exist_ok=True)
         # bootstrap.sh installs the agent under /opt/spotcr; here it runs from the checkout.
@@ -357,6 +361,8 @@ class LocalVM:
         self.imds.stop()
 
     def remove(self) -> None:
+        if os.path.ismount(self.dir("state")):
+            subprocess.run(["umount", "--lazy", str(self.dir("state"))], check=False)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
