@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import mounts
+
 LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 - the VM-local places a fresh VM has empty
 IMAGE_DIRS = ("/usr", "/etc", "/opt", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/snap")
 KERNEL_DIRS = ("/proc", "/sys", "/dev")  # CRIU restores these descriptors itself; /dev/shm is VM-local instead
@@ -193,14 +195,18 @@ def scan_job(pid: int) -> JobScan:
     sockets: dict[str, int] = {}  # inode -> the process holding it
     held: set[str] = set()
     writers: dict[str, tuple[int, str]] = {}  # path -> (process, its /proc fd link) of files open for writing
+    job_ns = _mount_namespace(pid)
     for member in process_tree(pid):
-        for fd, target, writes in _fd_targets(member):
+        # In a mount namespace the job made itself, a path may name another file of the VM (a bind mount)
+        named = mounts.vm_path(member) if _mount_namespace(member) != job_ns else str
+        for fd, link, writes in _fd_targets(member):
+            target = named(link)
             _note(scan, member, target, writes, sockets)
             held.add(target)
             if writes and target.startswith("/"):
                 writers.setdefault(target, (member, f"/proc/{member}/fd/{fd}"))
-        for target, writes in _mapped(member):
-            _note(scan, member, target, writes, sockets)
+        for link, writes in _mapped(member):
+            _note(scan, member, named(link), writes, sockets)
     if sockets:
         _tcp_endpoints(pid, set(sockets), scan)
         _undumpable_sockets(pid, sockets, scan)
@@ -208,6 +214,13 @@ def scan_job(pid: int) -> JobScan:
     scan.deleted = sorted(set(scan.deleted))
     scan.unsupported = sorted(set(scan.unsupported))
     return scan
+
+
+def _mount_namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return ""
 
 
 def _fd_targets(pid: int) -> Iterable[tuple[str, str, bool]]:
