@@ -254,9 +254,10 @@ def reference_argv(options: Options) -> tuple[str, ...]:
 
 
 def check_result_path(result_file: str) -> None:
-    path = PurePosixPath(result_file)
-    if not result_file or path.is_absolute() or ".." in path.parts or "\x00" in result_file:
-        raise RehearsalFailed(f"--result {result_file!r}: must be a path relative to the job's work dir, without '..'")
+    if tags.result_path_problem(result_file):
+        raise RehearsalFailed(
+            f"--result {result_file!r}: must be a path relative to the job's work dir, without '..' or ','"
+        )
 
 
 # Runs inside the reference VM: the job started as the agent starts it, waited for, its exit code printed.
@@ -543,12 +544,14 @@ class Rehearsal:
             tags.INTERVAL: str(options.interval_s),
             tags.COMMAND: command_tag(options),
             tags.FALLBACK_TYPES: "m5.large",
+            # The file compared is declared: a job that ends without it fails instead of storing a result.
+            tags.RESULT: options.result_file,
         }
+        check_result_path(options.result_file)
         try:
             tags.parse_job_tags(job_tags)
         except tags.InvalidJobTags as error:
             raise RehearsalFailed(f"the job cannot be submitted: {error}") from None
-        check_result_path(options.result_file)
         return job_tags
 
     def _await_periodic(self, instance_id: str, generation: int, number: int) -> None:
