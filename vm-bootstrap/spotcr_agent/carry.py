@@ -40,6 +40,8 @@ SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite dat
 
 # anon_inode kinds CRIU 4.1 dumps (criu/files.c, dump_one_file); any other one fails the dump.
 DUMPABLE_ANON = ("[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]")
+REFUSED = "the job cannot be checkpointed: "  # how a dump refused up front begins (the rehearsal reads it too)
+ROLLBACK_JOURNAL = "in rollback-journal mode"
 WORKAROUNDS = {
     "[io_uring]": "Node.js: set UV_USE_IO_URING=0 in the job's environment; other programs: turn io_uring off",
     "[userfaultfd]": "turn off the program's userfaultfd use",
@@ -255,7 +257,7 @@ def _rollback_journal_databases(writers: Mapping[str, tuple[int, str]], held: se
             continue
         if header == SQLITE_HEADER:
             problems.append(
-                f"{describe_process(holder)} holds the SQLite database {path} in rollback-journal mode, which "
+                f"{describe_process(holder)} holds the SQLite database {path} {ROLLBACK_JOURNAL}, which "
                 "cannot be written after a restore (SQLite finds a new inode: 'attempt to write a readonly "
                 "database'); switch it to WAL once with PRAGMA journal_mode=WAL"
             )
@@ -383,7 +385,7 @@ def unsupported_problem(scan: JobScan) -> str | None:
     """The message a checkpoint fails with when the job holds what CRIU cannot dump; None when all can be."""
     if not scan.unsupported:
         return None
-    return "the job cannot be checkpointed: " + "; ".join(scan.unsupported[:5])
+    return REFUSED + "; ".join(scan.unsupported[:5])
 
 
 def vm_bound_listeners(scan: JobScan, tcp: str) -> str | None:
