@@ -628,25 +628,24 @@ class Rehearsal:
             ids = [e.checkpoint_id for e in done if isinstance(e, agent_events.CheckpointCompleted)]
             return bool(ids) and self.job_record().get("checkpoint_id") == max(ids, key=checkpoint_order)
 
+        def refusals() -> list[str]:
+            failed = self.watcher.matching(lambda t, e: t == "CheckpointFailed" and e.instance_id == instance_id)
+            return [e.reason for e in failed if isinstance(e, agent_events.CheckpointFailed)]
+
         deadline = time.monotonic() + self.options.timeout_s
         while len(done := self.watcher.matching(periodic)) < wanted or not recorded(done):
             if (ended := self._ended()) is not None:
                 how = f"exited with {ended['exit_code']}" if "exit_code" in ended else f"ended {ended['status']}"
-                refusals = [
-                    e.reason
-                    for e in self.watcher.matching(
-                        lambda t, e: t == "CheckpointFailed" and e.instance_id == instance_id
-                    )
-                    if isinstance(e, agent_events.CheckpointFailed)
-                ]
                 raise RehearsalFailed(
                     f"the job {how} on {ended.get('instance_id')} before a periodic checkpoint on {instance_id}, so "
-                    f"interruption {number} could not happen: {no_checkpoint_remedy(self.options, refusals)}"
+                    f"interruption {number} could not happen: {no_checkpoint_remedy(self.options, refusals())}"
                     f"{stderr_tail(self.cloud.vms[instance_id], self.workdir)}"
                 )
             if time.monotonic() > deadline:
+                refused = any(reason.startswith(REFUSED) for reason in refusals())
                 raise RehearsalFailed(
                     f"no periodic checkpoint on {instance_id} recorded within {self.options.timeout_s} s"
+                    + (f": {no_checkpoint_remedy(self.options, refusals())}" if refused else "")
                 )
             time.sleep(0.2)
 
