@@ -276,8 +276,8 @@ def no_checkpoint_remedy(options: Options, refusals: list[str]) -> str:
         )
     elif ROLLBACK_JOURNAL in refused:
         remedy = (
-            "switch the SQLite database to WAL once (PRAGMA journal_mode=WAL, e.g. "
-            "`sqlite3 DB 'PRAGMA journal_mode=WAL'`), or have the job do it when it opens the database"
+            "to switch it: `sqlite3 DB 'PRAGMA journal_mode=WAL'` once, before the job, "
+            "or have the job run that PRAGMA when it opens the database"
         )
     else:
         remedy = "the reason above says what the job must stop holding"
