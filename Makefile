@@ -70,8 +70,9 @@ test-gpu: where nvidia-gpu setup
 nvidia-gpu:
 	@[ -n "$$(ls /proc/driver/nvidia/gpus 2>/dev/null)" ] || { echo "spotcr: no NVIDIA GPU on this machine (no /proc/driver/nvidia/gpus): make test-gpu and make bench ARGS=gpu need one; make test covers the GPU-independent parts" >&2; exit 2; }
 
+# make exits 2 for any failed recipe, so the rehearsal's own exit code (README: 0, 1, 2) is printed as the last line.
 demo: where setup
-	$(PY) -m rehearsal $(ARGS)
+	@$(PY) -m rehearsal $(ARGS) || { code=$$?; echo "make demo: the rehearsal exited with $$code (1: the results differ, 2: it could not complete)" >&2; exit $$code; }
 
 bench: setup
 	$(PY) -m bench $(ARGS)

@@ -49,6 +49,11 @@ def parse(argv: list[str]) -> Options:
         metavar="S",
         help="send a rebalance recommendation S s before each warning",
     )
+    parser.add_argument(
+        "--missed-warning",
+        action="store_true",
+        help="lose each interruption's notice: no final dump, the backup restores the newest periodic checkpoint",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each phase may take (default 300)")
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
     parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where each run's files go (rehearsal-runs/)")
@@ -77,6 +82,7 @@ def parse(argv: list[str]) -> Options:
         runs_dir=args.runs_dir,
         rebalance_lead_s=args.rebalance,
         timeout_s=args.timeout,
+        missed_warning=args.missed_warning,
     )
 
 

@@ -613,8 +613,9 @@ class LocalCloud:
         def terminate_instances(original: Any) -> Any:
             def hooked(backend: Any, instance_ids: list[str]) -> Any:
                 result = original(backend, instance_ids)
-                for instance, _previous in result:
-                    cloud.spawn(cloud._terminated, backend, instance.id, name=f"terminated-{instance.id}")
+                for instance, previous in result:
+                    if previous.name != "terminated":  # terminating it again changes nothing, as on EC2
+                        cloud.spawn(cloud._terminated, backend, instance.id, name=f"terminated-{instance.id}")
                 return result
 
             return hooked

@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from spotcr_agent.carry import REFUSED, ROLLBACK_JOURNAL
 from spotcr_agent.result import ResultError, fetch_result_file
 from spotcr_agent.store.backends import S3Backend
 from spotcr_agent.store.errors import StoreError
@@ -67,6 +68,7 @@ class Options:
     exit_code: int = 0  # the exit code the job must end with (the fault suite makes some jobs fail on purpose)
     timeline_png: bool = True  # draw timeline.png besides timeline.json (the fault suite skips it: matplotlib)
     stop_file: str = ""  # the sample job exits with STOPPED_EXIT_CODE once this file is in its work dir
+    missed_warning: bool = False  # the notice is lost: no final dump, the backup restores the newest periodic one
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Outcome:
     run_dir: Path
     timeline_png: Path
     final_dumps: list[dict[str, Any]] = field(default_factory=list)
+    restored_from: list[str] = field(default_factory=list)  # the checkpoint each interruption's restore used
+    newest_periodic: list[str] = field(default_factory=list)  # the newest recorded periodic one at each interruption
 
     @property
     def identical(self) -> bool:
@@ -133,6 +137,8 @@ class Watcher:
             self._running_since[vm] = now
             say.say(f"job {event.job_id} started on {vm}")
         elif isinstance(event, agent_events.CheckpointCompleted):
+            if event.kind == "final" and any(d["checkpoint_id"] == event.checkpoint_id for d in self.final_dumps):
+                return  # the same final dump, reported again when the control plane's order found it taken
             kind = "final-dump" if event.kind == "final" else "periodic-dump"
             text = (
                 f"{event.kind} checkpoint {event.checkpoint_id} on {vm}: {event.bytes_total / MIB:.0f} MiB "
@@ -253,10 +259,36 @@ def reference_argv(options: Options) -> tuple[str, ...]:
     return tuple(job_command(options, pace=0.0))
 
 
+def no_checkpoint_remedy(options: Options, refusals: list[str]) -> str:
+    """What to change when no periodic checkpoint came before the job ended: the agent's refusal and its remedy
+    when it refused the dumps, else a longer job."""
+    refused = next((reason for reason in refusals if reason.startswith(REFUSED)), None)
+    if refused is None:
+        return (
+            f"rehearse a job that runs longer than --interval ({options.interval_s} s) on each VM, "
+            "or fewer --interruptions"
+        )
+    command = command_tag(options)
+    if "[io_uring]" in refused:
+        remedy = (
+            "for Node.js (libuv) turn io_uring off in the job's environment: "
+            f"--command {shlex.quote(f'env UV_USE_IO_URING=0 {command}')}"
+        )
+    elif ROLLBACK_JOURNAL in refused:
+        remedy = (
+            "to switch it: `sqlite3 DB 'PRAGMA journal_mode=WAL'` once, before the job, "
+            "or have the job run that PRAGMA when it opens the database"
+        )
+    else:
+        remedy = "the reason above says what the job must stop holding"
+    return f"every periodic dump was refused: {refused}; {remedy}"
+
+
 def check_result_path(result_file: str) -> None:
-    path = PurePosixPath(result_file)
-    if not result_file or path.is_absolute() or ".." in path.parts or "\x00" in result_file:
-        raise RehearsalFailed(f"--result {result_file!r}: must be a path relative to the job's work dir, without '..'")
+    if tags.result_path_problem(result_file):
+        raise RehearsalFailed(
+            f"--result {result_file!r}: must be a path relative to the job's work dir, without '..' or ','"
+        )
 
 
 # Runs inside the reference VM: the job started as the agent starts it, waited for, its exit code printed.
@@ -286,7 +318,11 @@ def reference_result(
 ) -> bytes:
     """The same job run once without interruption, on a bare VM of its own at the same work dir."""
     assert cloud.network is not None
-    with bare_vm(cloud.run_dir / "reference", cloud.network, cloud_env=cloud.vm_env) as vm:
+    # Shared storage of its own, as the job's (efs, fsx): the job may write there.
+    shared = cloud.run_dir / "reference-storage" if options.storage in ("efs", "fsx") else None
+    if shared is not None:
+        shared.mkdir(parents=True, exist_ok=True)
+    with bare_vm(cloud.run_dir / "reference", cloud.network, cloud_env=cloud.vm_env, shared_storage=shared) as vm:
         booted(vm)
         say(f"uninterrupted reference run on a bare VM at {vm.address}")
         argv = [sys.executable, "-c", _REFERENCE_RUN, workdir, *reference_argv(options)]
@@ -363,6 +399,8 @@ class Rehearsal:
         self.cloud = cloud
         self._vms_before = set(cloud.vms)
         self.recoveries_s: list[float] = []
+        self.restored_from: list[str] = []
+        self.newest_periodic: list[str] = []
         self.outcome: Outcome | None = None
         self._reference_vms: list[LocalVM] = []
         self.before_cleanup: list[Callable[[], None]] = []  # checks run once the job ended, before the leak check
@@ -437,7 +475,14 @@ class Rehearsal:
             raise RehearsalFailed(f"the uninterrupted reference run did not end within {options.timeout_s:.0f} s")
         expected = expected_box["result"]
         outcome = Outcome(
-            result, expected, self.recoveries_s, self.run_dir, self.run_dir / "timeline.png", self.watcher.final_dumps
+            result,
+            expected,
+            self.recoveries_s,
+            self.run_dir,
+            self.run_dir / "timeline.png",
+            self.watcher.final_dumps,
+            self.restored_from,
+            self.newest_periodic,
         )
         (self.run_dir / "result").write_bytes(result)
         (self.run_dir / "result.reference").write_bytes(expected)
@@ -455,6 +500,7 @@ class Rehearsal:
     def _interruption(self, number: int, current: str, generation: int) -> tuple[str, int]:
         """One interruption of the job's current VM, once it has checkpointed; returns where the job runs again."""
         self._await_periodic(current, generation, number)
+        newest = str(self.job_record().get("checkpoint_id", ""))
         warned = self._interrupt(current, number)
         restored = self.watcher.wait(
             restored_after(generation),
@@ -464,6 +510,18 @@ class Rehearsal:
         )
         recovery = self.timeline.now() - warned
         self.recoveries_s.append(round(recovery, 2))
+        self.restored_from.append(restored.checkpoint_id)
+        self.newest_periodic.append(newest)
+        if self.options.missed_warning:
+            if restored.checkpoint_id != newest:
+                raise RehearsalFailed(
+                    f"interruption {number}: with the warning missed the job was restored from "
+                    f"{restored.checkpoint_id or 'nothing'}, not from the newest periodic checkpoint {newest}"
+                )
+            self.timeline.say(
+                f"interruption {number}: restored from the newest periodic checkpoint {newest}; "
+                "the work done after it runs again"
+            )
         self.timeline.say(f"interruption {number}: warning to running again in {recovery:.1f} s")
         return restored.instance_id, restored.generation
 
@@ -543,12 +601,14 @@ class Rehearsal:
             tags.INTERVAL: str(options.interval_s),
             tags.COMMAND: command_tag(options),
             tags.FALLBACK_TYPES: "m5.large",
+            # The file compared is declared: a job that ends without it fails instead of storing a result.
+            tags.RESULT: options.result_file,
         }
+        check_result_path(options.result_file)
         try:
             tags.parse_job_tags(job_tags)
         except tags.InvalidJobTags as error:
             raise RehearsalFailed(f"the job cannot be submitted: {error}") from None
-        check_result_path(options.result_file)
         return job_tags
 
     def _await_periodic(self, instance_id: str, generation: int, number: int) -> None:
@@ -568,19 +628,24 @@ class Rehearsal:
             ids = [e.checkpoint_id for e in done if isinstance(e, agent_events.CheckpointCompleted)]
             return bool(ids) and self.job_record().get("checkpoint_id") == max(ids, key=checkpoint_order)
 
+        def refusals() -> list[str]:
+            failed = self.watcher.matching(lambda t, e: t == "CheckpointFailed" and e.instance_id == instance_id)
+            return [e.reason for e in failed if isinstance(e, agent_events.CheckpointFailed)]
+
         deadline = time.monotonic() + self.options.timeout_s
         while len(done := self.watcher.matching(periodic)) < wanted or not recorded(done):
             if (ended := self._ended()) is not None:
                 how = f"exited with {ended['exit_code']}" if "exit_code" in ended else f"ended {ended['status']}"
                 raise RehearsalFailed(
                     f"the job {how} on {ended.get('instance_id')} before a periodic checkpoint on {instance_id}, so "
-                    f"interruption {number} could not happen: rehearse a job that runs longer than "
-                    f"--interval ({self.options.interval_s} s) on each VM, or fewer --interruptions"
+                    f"interruption {number} could not happen: {no_checkpoint_remedy(self.options, refusals())}"
                     f"{stderr_tail(self.cloud.vms[instance_id], self.workdir)}"
                 )
             if time.monotonic() > deadline:
+                refused = any(reason.startswith(REFUSED) for reason in refusals())
                 raise RehearsalFailed(
                     f"no periodic checkpoint on {instance_id} recorded within {self.options.timeout_s} s"
+                    + (f": {no_checkpoint_remedy(self.options, refusals())}" if refused else "")
                 )
             time.sleep(0.2)
 
@@ -588,6 +653,15 @@ class Rehearsal:
         """As AWS (and FIS) does: the notice on IMDS and the warning event, then the instance goes away."""
         notice = self.options.notice_s
         vm = self.cloud.vms[instance_id]
+        if self.options.missed_warning:
+            # The notice is lost: nothing reaches the VM's IMDS or the bus, so no final dump; the instance just goes.
+            warned = self.timeline.now()
+            self.timeline.point(
+                instance_id, "warning", f"interruption {number}: {instance_id} terminated, its warning missed"
+            )
+            self.watcher.vm_stopped(instance_id)
+            self.cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+            return warned
         if self.options.rebalance_lead_s > 0:
             self.timeline.say(f"rebalance recommendation for {instance_id}")
             self.cloud.emit_ec2(catalog.REBALANCE_RECOMMENDATION, instance_id, {})

@@ -27,6 +27,7 @@ import fcntl
 import ipaddress
 import itertools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -96,6 +97,24 @@ def _remove_stale_links() -> None:
             subprocess.run(["ip", "link", "delete", name], capture_output=True, check=False)
 
 
+_STATE_SOURCE = "spotcr-state-"  # + the PID, in hex, of the process that booted the VM (its state tmpfs's source)
+
+
+def _remove_stale_state_mounts() -> None:
+    """VM state file systems left mounted by processes that were killed before they could clean up."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        source, target = line.split()[:2]
+        owner = source.removeprefix(_STATE_SOURCE)
+        try:
+            dead = source.startswith(_STATE_SOURCE) and not Path(f"/proc/{int(owner, 16)}").exists()
+        except ValueError:
+            continue
+        if dead:
+            # /proc/self/mounts writes a space, tab, newline or backslash in a path as a 3-digit octal escape
+            path = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), target)
+            subprocess.run(["umount", "--lazy", path], capture_output=True, check=False)
+
+
 class VmNetwork:
     """A private /24 from 198.18.0.0/15 on a bridge of its own: the host holds .1, each VM the next free address.
 
@@ -119,6 +138,7 @@ class VmNetwork:
         with _ALLOCATION_LOCK.open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two processes must not pick the same free subnet
             _remove_stale_links()
+            _remove_stale_state_mounts()
             used = {
                 ipaddress.IPv4Interface(word).network
                 for line in _ip("-o", "-4", "addr", "show").splitlines()
@@ -247,6 +267,11 @@ class LocalVM:
             (self.root / marker).unlink(missing_ok=True)
         for name in PRIVATE_PATHS:
             self.dir(name).mkdir(parents=True, exist_ok=True)
+        # A file system of its own, as an EC2 VM's disk is: bound from the host's root file system instead, a job's
+        # nested mount namespace is dumped as a bind of that root at this VM's host path, which every VM can reach.
+        if not os.path.ismount(self.dir("state")):
+            source = f"{_STATE_SOURCE}{os.getpid():x}"  # the booting process: a sweep knows when it is gone
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", source, str(self.dir("state"))], check=True)
         agent = self.dir("opt") / "bin" / "spotcr-agent"
         agent.parent.mkdir(parents=True, exist_ok=True)
         # bootstrap.sh installs the agent under /opt/spotcr; here it runs from the checkout.
@@ -357,6 +382,8 @@ class LocalVM:
         self.imds.stop()
 
     def remove(self) -> None:
+        if os.path.ismount(self.dir("state")):
+            subprocess.run(["umount", "--lazy", str(self.dir("state"))], check=False)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -37,6 +37,7 @@ def job_tags(
     workdir: str | None,
     tcp: str | None,
     restart_from_scratch: bool | None,
+    result: str | None = None,
 ) -> dict[str, str]:
     """The tags of a job, checked exactly as the control plane and the agent check them (InvalidJobTags names it)."""
     values = {
@@ -49,6 +50,7 @@ def job_tags(
         tags.WORKDIR: workdir,
         tags.TCP: tcp,
         tags.RESTART_FROM_SCRATCH: None if restart_from_scratch is None else str(restart_from_scratch).lower(),
+        tags.RESULT: result,
     }
     chosen = {key: value for key, value in values.items() if value is not None}
     if command is not None and spec is not None:

@@ -103,6 +103,11 @@ def _add_submit(commands: Any) -> None:
     submit.add_argument("--workdir", help="the job's working directory on the VM")
     submit.add_argument("--tcp", choices=tags.TCP_POLICIES, help="the job's TCP connections after a restore")
     submit.add_argument(
+        "--result",
+        metavar="FILES",
+        help="files, relative to the work dir and comma-separated, the job must leave: without them it FAILS",
+    )
+    submit.add_argument(
         "--no-restart-from-scratch",
         dest="restart_from_scratch",
         action="store_const",
@@ -155,6 +160,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         tcp=args.tcp,
         restart_from_scratch=args.restart_from_scratch,
+        result=args.result,
     )
     if args.instance and (args.instance_type or args.on_demand):
         raise CommandError("--instance tags a running instance: --instance-type and --on-demand do not apply", 2)

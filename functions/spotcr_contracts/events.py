@@ -144,6 +144,8 @@ class JobExited(AgentEvent):
     exit_code: int = 0
     result: str = ""  # where the job's final work dir was committed (its result manifest); empty: not stored
     result_error: str = ""  # why the result could not be stored; the VM is then left running with the work dir
+    # The files the job declared (spotcr:result) but did not leave, comma-separated: its end is a failure.
+    result_missing: str = ""
 
 
 EVENT_TYPES: dict[str, type[AgentEvent]] = {

@@ -11,6 +11,7 @@ import secrets
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 
 PREFIX = "spotcr:"
 JOB = "spotcr:job"
@@ -21,6 +22,8 @@ COMMAND = "spotcr:command"
 SPEC = "spotcr:spec"
 WORKDIR = "spotcr:workdir"
 TCP = "spotcr:tcp"
+# Files, relative to the work dir and comma-separated, the job must leave: without them its end is not a success.
+RESULT = "spotcr:result"
 RESTART_FROM_SCRATCH = "spotcr:restart-from-scratch"  # true (default) | false: with no checkpoint, start over
 # Seconds of the two-minute notice the agent's plan keeps free: periodic dumps come often enough that the predicted
 # final dump takes at most the notice less this.
@@ -56,6 +59,7 @@ SPOT_NOTICE_S = 120  # EC2's spot interruption warning comes two minutes before 
 DEFAULT_DEADLINE_MARGIN_S = 30
 MAX_DEADLINE_MARGIN_S = 110
 MAX_FALLBACK_TYPES = 8
+MAX_RESULT_FILES = 16
 MAX_TAG_VALUE = 256
 
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -99,6 +103,7 @@ class JobSpec:
     restart_from_scratch: bool = True
     deadline_margin_s: int = DEFAULT_DEADLINE_MARGIN_S
     run_id: str = ""  # spotcr:run, set by spotcr once the job is registered (empty on a user's instance before)
+    result_files: tuple[str, ...] = ()  # spotcr:result
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -128,6 +133,8 @@ class JobSpec:
             tags[DEADLINE_MARGIN] = str(self.deadline_margin_s)
         if self.run_id:
             tags[RUN] = self.run_id
+        if self.result_files:
+            tags[RESULT] = ",".join(self.result_files)
         return tags
 
 
@@ -183,6 +190,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
     margin = _parse_int(tags, DEADLINE_MARGIN, DEFAULT_DEADLINE_MARGIN_S, 0, MAX_DEADLINE_MARGIN_S)
     run_id = _parse_run(tags)
+    result_files = parse_result_files(tags[RESULT]) if RESULT in tags else ()
     extra = {k: v for k, v in tags.items() if not k.startswith(PREFIX)}
     return JobSpec(
         job_id=job_id,
@@ -198,6 +206,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         restart_from_scratch=restart,
         deadline_margin_s=margin,
         run_id=run_id,
+        result_files=result_files,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )
@@ -213,6 +222,25 @@ def workdir_problem(workdir: str) -> str | None:
     if normal in SYSTEM_DIRS or any(normal == t or normal.startswith(t + "/") for t in SYSTEM_TREES):
         return f"{workdir!r} is a system directory; restore replaces the work dir, so use the job's own (e.g. /opt/job)"
     return None
+
+
+def result_path_problem(name: str) -> str | None:
+    """Why a name cannot be a result file of the job (a path relative to its work dir), or None when it can."""
+    path = PurePosixPath(name)
+    if not name.strip() or path.is_absolute() or ".." in path.parts or "," in name or _CONTROL.search(name):
+        return f"{name[:64]!r} must be a path relative to the job's work dir, without '..' or ','"
+    return None
+
+
+def parse_result_files(value: str, tag: str = RESULT) -> tuple[str, ...]:
+    """The result files a job declares, comma-separated; each must be a path relative to its work dir."""
+    names = tuple(part.strip() for part in value.split(","))
+    if len(names) > MAX_RESULT_FILES:
+        raise InvalidJobTags(tag, f"at most {MAX_RESULT_FILES} files")
+    for name in names:
+        if problem := result_path_problem(name):
+            raise InvalidJobTags(tag, problem)
+    return names
 
 
 def parse_command(value: str, tag: str = COMMAND) -> tuple[str, ...]:

@@ -294,8 +294,11 @@ def end_from_exit(deps: Deps, record: JobRecord, event: events.JobExited) -> dic
     a checkpoint recorded, a restore finished) it is retried against the fresh record, never dropped. A record
     already COMPLETED or FAILED is never written again, so duplicates and late copies change nothing.
     """
-    status = Status.COMPLETED if event.exit_code == 0 else Status.FAILED
+    # An exit without the files the job declared (spotcr:result) is no success, whatever its code.
+    status = Status.COMPLETED if event.exit_code == 0 and not event.result_missing else Status.FAILED
     reason = f"job exited with code {event.exit_code} on {event.instance_id}"
+    if event.result_missing:
+        reason += f" without its declared result: missing {event.result_missing.replace(',', ', ')}"
     seen: JobRecord | None = record
     for _ in range(MAX_END_ATTEMPTS):
         if seen is None:
@@ -307,7 +310,11 @@ def end_from_exit(deps: Deps, record: JobRecord, event: events.JobExited) -> dic
                 efs_access.close_for(deps, seen)
                 return {"action": "ignored", "reason": "job ended already", "vm": _release_vm(deps, seen, event)}
             return {"action": "ignored", "reason": f"job is {seen.status} on {seen.instance_id}"}
-        kept = "" if event.result else f"; result not stored ({event.result_error or 'no reason given'})"
+        kept = (
+            ""
+            if event.result or event.result_missing
+            else f"; result not stored ({event.result_error or 'no reason given'})"
+        )
         values = {"exit_code": event.exit_code, "reason": reason + kept, "updated_at": deps.iso_now()}
         if event.result:
             values["result"] = event.result

@@ -76,6 +76,7 @@ def reported_exit(
         exit_code=code,
         result=str(answer.get("result") or ""),
         result_error=str(answer.get("result_error") or ""),
+        result_missing=str(answer.get("result_missing") or ""),
     )
 
 

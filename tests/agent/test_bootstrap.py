@@ -148,11 +148,18 @@ def test_an_ebs_volume_that_never_appears_is_named(tmp_path):
         ('{"command": ["x"], "env": {"A=B": "1"}}', "env: 'A=B'"),
         ('{"command": ["x"], "user": "root"}', "unknown fields: user"),
         ("[1]", "must be a JSON object"),
+        ('{"command": ["x"], "result": "model.bin"}', "result: must be a list"),
+        ('{"command": ["x"], "result": ["../model.bin"]}', "result: '../model.bin' must be a path relative"),
     ],
 )
 def test_job_specs_are_validated_strictly(spec, message):
     with pytest.raises(InvalidJobSpec, match=message):
         parse_job_spec(spec)
+
+
+def test_a_job_spec_declares_the_files_its_result_must_hold():
+    definition = parse_job_spec('{"command": ["x"], "result": ["model.bin", "out/log.txt"]}')
+    assert definition.result_files == ("model.bin", "out/log.txt")
 
 
 @pytest.fixture

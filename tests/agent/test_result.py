@@ -31,8 +31,9 @@ class ReadingPublisher(FakePublisher):
         return super().publish(event)
 
 
-def _ended(tmp_path, publisher, code=0, **overrides):
-    config = make_config(tmp_path, command=(sys.executable, "-c", f"{WRITE_RESULT}; raise SystemExit({code})"))
+def _ended(tmp_path, publisher, code=0, result_files=(), **overrides):
+    command = (sys.executable, "-c", f"{WRITE_RESULT}; raise SystemExit({code})")
+    config = make_config(tmp_path, command=command, result_files=result_files)
     agent = make_agent(config, publisher)
     for name, value in overrides.items():
         setattr(agent, name, value)
@@ -69,6 +70,34 @@ def test_the_result_is_committed_before_job_exited(tmp_path, code):
         agent.checkpoint("periodic", 1)
     assert [e.result for e in publisher.of("JobExited")] == [exited.result, exited.result]
     assert result.read_manifest(backend, "job-1", exited.run_id).attempt == manifest.attempt
+
+
+def test_a_job_that_ends_without_its_declared_result_is_reported_and_nothing_is_stored(tmp_path, publisher):
+    # Given a job that declares out/result.txt and model.bin (spotcr:result) but leaves only out/result.txt
+    agent = _ended(tmp_path, publisher, 0, result_files=("out/result.txt", "model.bin"))
+
+    # When the agent notices its end (exit code 0)
+    agent.watch_job()
+
+    # Then JobExited names the missing file, and no result is stored as if the job had succeeded
+    [exited] = publisher.of("JobExited")
+    assert (exited.exit_code, exited.result, exited.result_missing) == (0, "", "model.bin")
+    assert "missing model.bin" in exited.result_error
+    with pytest.raises(ObjectNotFound, match=r"manifest\.json"):
+        result.read_manifest(DirectoryBackend(tmp_path / "store"), "job-1", exited.run_id)
+    # And the status the control plane ends the job from says the same
+    status = agent.status()
+    assert (status["result"], status["result_missing"]) == ("", "model.bin")
+
+
+def test_a_job_that_leaves_its_declared_result_is_stored(tmp_path, publisher):
+    agent = _ended(tmp_path, publisher, 0, result_files=("./out/result.txt",))
+
+    agent.watch_job()
+
+    [exited] = publisher.of("JobExited")
+    assert (exited.result_missing, exited.result_error) == ("", "")
+    assert result.fetch_result_file(DirectoryBackend(tmp_path / "store"), "job-1", "out/result.txt", exited.run_id)
 
 
 class BrokenBackend(DirectoryBackend):

@@ -6,7 +6,7 @@ import sys
 import types
 
 import pytest
-from spotcr_cli import render
+from spotcr_cli import actions, render
 from spotcr_cli.aws import CommandError, StackOutputs
 from spotcr_cli.main import build_parser, main
 from spotcr_contracts import fis
@@ -34,12 +34,29 @@ def submit(*argv):
         (["job-1", "--command", "python3 a.py", "--workdir", "/etc"], "spotcr:workdir", "system directory"),
         (["job-1", "--command", "a", "--fallback-types", "m5.large,not a type"], "spotcr:fallback-types", "m5.large"),
         (["job-1", "--spec", "http://x/y"], "spotcr:spec", "s3://bucket/key"),
+        (["job-1", "--command", "a", "--result", "model.bin,../etc/x"], "spotcr:result", "relative to the job's work"),
     ],
 )
 def test_submit_refuses_a_bad_tag_naming_the_tag_before_reaching_the_cloud(argv, tag, words, capsys):
     assert submit(*argv) == 2
     error = capsys.readouterr().err
     assert error.startswith(f"spotcr submit: {tag}: ") and words in error
+
+
+def test_submit_declares_the_jobs_result_files_in_its_tags():
+    chosen = actions.job_tags(
+        "job-1",
+        command="a",
+        spec=None,
+        storage=None,
+        interval_s=None,
+        fallback_types=None,
+        workdir=None,
+        tcp=None,
+        restart_from_scratch=None,
+        result="model.bin,out/log.txt",
+    )
+    assert chosen["spotcr:result"] == "model.bin,out/log.txt"
 
 
 def test_submit_wants_a_command_or_a_spec_not_both(capsys):

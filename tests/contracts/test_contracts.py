@@ -22,6 +22,7 @@ def test_valid_tags_read_back_and_round_trip() -> None:
                 tags.FALLBACK_TYPES: "m6i.large, c6i.large",
                 tags.TCP: "close",
                 tags.DEADLINE_MARGIN: "45",
+                tags.RESULT: "model.bin, out/metrics.json",
                 "Name": "x",
             }
         )
@@ -30,6 +31,7 @@ def test_valid_tags_read_back_and_round_trip() -> None:
     assert spec.tcp == "close" and tags.parse_job_tags(_job()).tcp == "established"
     assert spec.deadline_margin_s == 45 and tags.parse_job_tags(_job()).deadline_margin_s == 30
     assert spec.command == ("/opt/job/run", "--steps", "1000")
+    assert spec.result_files == ("model.bin", "out/metrics.json")
     assert spec.extra == {"Name": "x"}
     assert tags.parse_job_tags(spec.to_tags()) == tags.JobSpec(**{**spec.__dict__, "extra": {}})
 
@@ -71,6 +73,9 @@ def test_a_command_tag_near_the_limit_is_carried_to_the_backup_as_written() -> N
         ({tags.TCP: "keep"}, tags.TCP),
         ({tags.DEADLINE_MARGIN: "111"}, tags.DEADLINE_MARGIN),
         ({tags.DEADLINE_MARGIN: "-1"}, tags.DEADLINE_MARGIN),
+        ({tags.RESULT: "/etc/passwd"}, tags.RESULT),
+        ({tags.RESULT: "../model.bin"}, tags.RESULT),
+        ({tags.RESULT: "model.bin,,log"}, tags.RESULT),
     ],
 )
 def test_hostile_or_invalid_tag_values_name_the_tag(bad: dict[str, str], tag: str) -> None:

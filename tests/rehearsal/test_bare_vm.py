@@ -2,6 +2,7 @@
 
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 import time
@@ -196,3 +197,24 @@ def test_a_vm_and_its_network_do_not_outlive_a_killed_test_process(tmp_path):
     with VmNetwork.create():
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert f" {bridge}:" not in links
+
+
+def test_a_vm_state_mount_left_by_a_killed_process_is_swept_by_the_next_network(tmp_path):
+    # Given the state file system of a VM whose booting process was killed before its clean-up, and one of a live VM
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left, live = tmp_path / "left state", tmp_path / "live"
+    for path, owner in ((left, gone.pid), (live, os.getpid())):
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", f"spotcr-state-{owner:x}", str(path)], check=True)
+    try:
+        # When the next VM network is set up
+        with VmNetwork.create():
+            pass
+
+        # Then the left one is unmounted, the live VM's kept
+        assert not os.path.ismount(left)
+        assert os.path.ismount(live)
+    finally:
+        for path in (left, live):
+            subprocess.run(["umount", "--lazy", str(path)], capture_output=True, check=False)

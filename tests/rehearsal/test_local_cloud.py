@@ -148,6 +148,27 @@ def test_running_and_terminated_state_changes_are_emitted(cloud, events):
 
 
 @pytest.mark.criu
+def test_an_instance_terminated_twice_is_reported_terminated_once(cloud, events):
+    # Given an interrupted instance that the control plane terminates, and then the interruption itself
+    instance_id, _ = launch(cloud, {"Name": "a"})
+    cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    wait_for(lambda: cloud.timeline.find("terminated", instance_id))
+    cloud.client("ec2").terminate_instances(InstanceIds=[instance_id])
+    # A report comes from a thread of its own, started by the call: wait until every such thread is done
+    wait_for(lambda: not [t for t in cloud._threads if t.name == f"terminated-{instance_id}" and t.is_alive()])
+
+    # Then its end is shown once and its state changes are emitted once each
+    assert len(cloud.timeline.find("terminated", instance_id)) == 1
+    states = [
+        json.loads(e["Detail"])["state"]
+        for e in events
+        if e.get("DetailType") == "EC2 Instance State-change Notification"
+        and json.loads(e["Detail"])["instance-id"] == instance_id
+    ]
+    assert states == ["pending", "running", "shutting-down", "terminated"]
+
+
+@pytest.mark.criu
 def test_an_ebs_volume_moves_between_vms_with_its_data(cloud):
     # Given a new volume attached to a first VM, which formats it and writes a file
     ec2 = cloud.client("ec2")

@@ -277,6 +277,7 @@ def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, An
         "exit_code": exited.exit_code,
         "result": exited.result,
         "result_error": result_error,
+        "result_missing": exited.result_missing,
     }
     ended = []
     for command in statuses:

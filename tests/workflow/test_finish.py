@@ -76,6 +76,25 @@ def test_a_result_that_was_not_stored_keeps_the_backup_and_says_so(plane: Contro
     assert _state(plane, backup) == "running"
 
 
+def test_an_exit_without_the_declared_result_fails_the_job_naming_the_files(plane: ControlPlane) -> None:
+    # Given a job on a backup that exited with 0 but without the files it declared (spotcr:result)
+    _, backup = _on_backup(plane, "lacks-1")
+    missing = "the job ended without its declared result (spotcr:result): missing model.bin, log.txt"
+    exited = events.JobExited(
+        "lacks-1", backup, 1, now_iso(), exit_code=0, result_error=missing, result_missing="model.bin,log.txt"
+    )
+
+    # When the exit arrives
+    [(_, outcome)] = finish_exit(exited)
+
+    # Then the job is FAILED, not COMPLETED, its reason names the missing files, and the backup keeps the work dir
+    job = plane.job("lacks-1")
+    assert job.status == Status.FAILED
+    assert job.result is None
+    assert "without its declared result: missing model.bin, log.txt" in str(job.reason)
+    assert outcome["vm"] == f"kept {backup}: result not stored"
+
+
 def test_a_redelivered_exit_terminates_a_backup_the_first_delivery_left(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -87,6 +87,24 @@ WORKLOADS = (
         # no other VM has: the restore keeps that address on the backup's loopback.
         holds=("processes:mpi:2", "maps:/SYSV", "listen-vm:"),
     ),
+    # Jobs with mount namespaces of their own (MPI launchers, sandboxes, containers): every one of them must find
+    # the restoring VM's files, so the result is compared on the backup, where every write must have landed.
+    Workload(
+        "unshare-mount-proc",
+        lambda built: ("unshare", "--mount", "--mount-proc", str(built / "goroutines"), *_args()),
+        holds=("threads:3",),
+    ),
+    Workload(
+        "bind-mount-of-workdir",
+        lambda built: ("bash", str(PROGRAMS / "bind_workdir.sh"), str(built / "goroutines"), *_args()),
+        holds=("threads:3",),
+        results=("data/result.txt", "data/progress.log"),
+    ),
+    Workload(
+        "mpich-in-own-mount-namespace",
+        lambda built: ("unshare", "--mount", "--mount-proc", "mpiexec", "-n", "2", str(built / "mpi"), *_args()),
+        holds=("processes:mpi:2", "maps:/SYSV", "listen-vm:"),
+    ),
     Workload(
         "sqlite-wal",
         lambda built: (PYTHON, str(PROGRAMS / "sqlite_job.py"), *_args(), "wal"),

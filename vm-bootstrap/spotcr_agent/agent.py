@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotcr_contracts import tags
 from spotcr_contracts.events import (
     UNKNOWN_EXIT_CODE,
     AgentEvent,
@@ -159,7 +160,11 @@ class Agent:
         with self.state.locked() as state:
             exited = state.job_status == "exited"
             exit_code = state.exit_code
-            stored = {"result": state.result, "result_error": state.result_error}
+            stored = {
+                "result": state.result,
+                "result_error": state.result_error,
+                "result_missing": state.result_missing,
+            }
         if exited and exit_code is not None:
             if reported is None:
                 self.emit(JobExited, generation, exit_code=exit_code, **stored)
@@ -353,7 +358,7 @@ class Agent:
             state.job_id = self.config.job_id
             state.job_pid, state.job_start_time = job.pid, job.start_time
             state.job_status, state.exit_code, state.last_checkpoint = "running", None, None
-            state.result, state.result_error = "", ""
+            state.result, state.result_error, state.result_missing = "", "", ""
             state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
         return RestoreOutcome(
             checkpoint_id="",
@@ -388,6 +393,7 @@ class Agent:
                 # from this answer (read from SSM), never from JobExited alone.
                 "result": state.result,
                 "result_error": state.result_error,
+                "result_missing": state.result_missing,
                 "last_checkpoint": state.last_checkpoint,
                 "final_dumps": {k: v.status for k, v in state.final_dumps.items()},
             }
@@ -491,11 +497,25 @@ class Agent:
                     return None
                 generation, exit_code = state.generation, state.exit_code
             assert exit_code is not None  # _result_due
-            location, error = self._commit_result(exit_code, generation)
+            # Only a success needs its declared files: a failed job's work dir is stored as it is, for its diagnosis.
+            missing = result.missing_files(self.config.workdir, self.config.result_files) if exit_code == 0 else []
+            if missing:
+                error = f"the job ended without its declared result ({tags.RESULT}): missing {', '.join(missing)}"
+                location = ""
+                log.error("%s; the result is not stored, the VM keeps the work dir", error)
+            else:
+                location, error = self._commit_result(exit_code, generation)
             with self.state.locked() as state:
-                state.result, state.result_error = location, error
+                state.result, state.result_error, state.result_missing = location, error, ",".join(missing)
         aliases.release(self.config.state_dir)  # the old VM's address is no longer the job's to shadow
-        self.emit(JobExited, generation, exit_code=exit_code, result=location, result_error=error)
+        self.emit(
+            JobExited,
+            generation,
+            exit_code=exit_code,
+            result=location,
+            result_error=error,
+            result_missing=",".join(missing),
+        )
         return exit_code
 
     @staticmethod

@@ -111,6 +111,7 @@ def _config(
         "store_credentials_url": args.store_credentials_url,
         "command": definition.command,
         "env": dict(definition.env),
+        "result_files": job.result_files or definition.result_files,
         "interval_s": job.interval_s,
         "tcp": job.tcp,
         "restart_from_scratch": job.restart_from_scratch,

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import mounts
+
 LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 - the VM-local places a fresh VM has empty
 IMAGE_DIRS = ("/usr", "/etc", "/opt", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/snap")
 KERNEL_DIRS = ("/proc", "/sys", "/dev")  # CRIU restores these descriptors itself; /dev/shm is VM-local instead
@@ -38,6 +40,8 @@ SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite dat
 
 # anon_inode kinds CRIU 4.1 dumps (criu/files.c, dump_one_file); any other one fails the dump.
 DUMPABLE_ANON = ("[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]")
+REFUSED = "the job cannot be checkpointed: "  # how a dump refused up front begins (the rehearsal reads it too)
+ROLLBACK_JOURNAL = "in rollback-journal mode"
 WORKAROUNDS = {
     "[io_uring]": "Node.js: set UV_USE_IO_URING=0 in the job's environment; other programs: turn io_uring off",
     "[userfaultfd]": "turn off the program's userfaultfd use",
@@ -193,14 +197,18 @@ def scan_job(pid: int) -> JobScan:
     sockets: dict[str, int] = {}  # inode -> the process holding it
     held: set[str] = set()
     writers: dict[str, tuple[int, str]] = {}  # path -> (process, its /proc fd link) of files open for writing
+    job_ns = _mount_namespace(pid)
     for member in process_tree(pid):
-        for fd, target, writes in _fd_targets(member):
+        # In a mount namespace the job made itself, a path may name another file of the VM (a bind mount)
+        named = mounts.vm_path(member) if _mount_namespace(member) != job_ns else str
+        for fd, link, writes in _fd_targets(member):
+            target = named(link)
             _note(scan, member, target, writes, sockets)
             held.add(target)
             if writes and target.startswith("/"):
                 writers.setdefault(target, (member, f"/proc/{member}/fd/{fd}"))
-        for target, writes in _mapped(member):
-            _note(scan, member, target, writes, sockets)
+        for link, writes in _mapped(member):
+            _note(scan, member, named(link), writes, sockets)
     if sockets:
         _tcp_endpoints(pid, set(sockets), scan)
         _undumpable_sockets(pid, sockets, scan)
@@ -208,6 +216,13 @@ def scan_job(pid: int) -> JobScan:
     scan.deleted = sorted(set(scan.deleted))
     scan.unsupported = sorted(set(scan.unsupported))
     return scan
+
+
+def _mount_namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return ""
 
 
 def _fd_targets(pid: int) -> Iterable[tuple[str, str, bool]]:
@@ -242,7 +257,7 @@ def _rollback_journal_databases(writers: Mapping[str, tuple[int, str]], held: se
             continue
         if header == SQLITE_HEADER:
             problems.append(
-                f"{describe_process(holder)} holds the SQLite database {path} in rollback-journal mode, which "
+                f"{describe_process(holder)} holds the SQLite database {path} {ROLLBACK_JOURNAL}, which "
                 "cannot be written after a restore (SQLite finds a new inode: 'attempt to write a readonly "
                 "database'); switch it to WAL once with PRAGMA journal_mode=WAL"
             )
@@ -370,7 +385,7 @@ def unsupported_problem(scan: JobScan) -> str | None:
     """The message a checkpoint fails with when the job holds what CRIU cannot dump; None when all can be."""
     if not scan.unsupported:
         return None
-    return "the job cannot be checkpointed: " + "; ".join(scan.unsupported[:5])
+    return REFUSED + "; ".join(scan.unsupported[:5])
 
 
 def vm_bound_listeners(scan: JobScan, tcp: str) -> str | None:

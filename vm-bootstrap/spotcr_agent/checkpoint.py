@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, gpu, tracking
+from . import aliases, carry, gpu, mounts, tracking
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -548,6 +548,9 @@ class Checkpointer:
             self._gpus = self.check_gpus(scratch_room.job_tree(pid), self.criu)
         except gpu.GpuUnsupported as error:
             raise CheckpointError(str(error)) from error
+        problem = mounts.layout_problem(scratch_room.job_tree(pid))
+        if problem:
+            raise CheckpointError(problem)
         self._scan = carry.scan_job(pid)
         problem = carry.unsupported_problem(self._scan) or carry.vm_bound_listeners(self._scan, self.tcp)
         if problem:
@@ -584,7 +587,11 @@ class Checkpointer:
             entries = carry.local_inventory(self._layout, scan)
             if copy_to is not None:
                 carry.copy_files(entries, copy_to)
-            frozen = {"scan": scan.to_json(), "entries": [e.to_json() for e in entries]}
+            frozen = {
+                "scan": scan.to_json(),
+                "entries": [e.to_json() for e in entries],
+                "mount_points": mounts.workdir_mount_points(scratch_room.job_tree(pid), str(self.workdir)),
+            }
             (scratch / "frozen.json").write_text(json.dumps(frozen))
 
         lines = []
@@ -637,6 +644,7 @@ class Checkpointer:
             "layout": layout.to_json(),
             "scan": scan.to_json(),
             "entries": [e.to_json() for e in entries],
+            "workdir_mount_points": frozen.get("mount_points", []),
             "image_files": images,
             # The addresses a restore may keep on its loopback for the job's sockets (aliases.py), and no other.
             "vm_addresses": aliases.vm_addresses(self.state.dir),

@@ -63,6 +63,7 @@ class AgentConfig:
     command: tuple[str, ...] = ()
     workdir: Path = Path()
     env: Mapping[str, str] = field(default_factory=dict)
+    result_files: tuple[str, ...] = ()  # spotcr:result (or the spec's): files the job must leave in its work dir
     interval_s: int = 300
     state_dir: Path = DEFAULT_STATE_DIR
     scratch_dir: Path = Path()  # local dir (ideally tmpfs) for periodic dumps; default <state_dir>/scratch

@@ -270,6 +270,9 @@ class Restorer:
                 check_listeners(record)
             self._place_workdir(dest / "workdir")
             if record is not None:
+                for relative in record.get("workdir_mount_points", []):  # mount points of the job's own namespaces
+                    if ".." not in Path(relative).parts:
+                        (self.workdir / relative).mkdir(parents=True, exist_ok=True)
                 created = carry.put_back([Entry.from_json(e) for e in record["entries"]], dest)
             check_open_files(manifest, record)
             tcp_close = close_connections(record, self.tcp)

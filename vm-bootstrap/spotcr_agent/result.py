@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .checkpoint import workdir_files
@@ -51,6 +51,12 @@ class ResultManifest:
     def to_json(self) -> bytes:
         document = {"version": VERSION, **self.__dict__}
         return json.dumps(document, indent=1, sort_keys=True).encode()
+
+
+def missing_files(workdir: Path, declared: tuple[str, ...]) -> list[str]:
+    """The declared result files (spotcr:result) that a commit of the work dir would not hold."""
+    present = {name.removeprefix("workdir/") for name in workdir_files(workdir)}
+    return [name for name in declared if PurePosixPath(name).as_posix() not in present]
 
 
 def commit_result(

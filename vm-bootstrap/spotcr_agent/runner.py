@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spotcr_contracts.tags import workdir_problem
+from spotcr_contracts.tags import result_path_problem, workdir_problem
 
 CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every checkpoint
 # Descriptors opened outside the job's mount namespace cannot be dumped with it: reopen stdio inside.
@@ -45,10 +45,11 @@ class JobDefinition:
     command: tuple[str, ...]
     workdir: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    result_files: tuple[str, ...] = ()  # what the job must leave in its work dir (as spotcr:result)
 
 
 def parse_job_spec(text: str | bytes) -> JobDefinition:
-    """`{"command": [...], "workdir": "/abs", "env": {"K": "V"}}`; anything else is refused."""
+    """`{"command": [...], "workdir": "/abs", "env": {"K": "V"}, "result": ["out.bin"]}`; anything else is refused."""
     if len(text) > MAX_SPEC_BYTES:
         raise InvalidJobSpec(f"job spec is {len(text)} bytes, at most {MAX_SPEC_BYTES}")
     try:
@@ -57,7 +58,7 @@ def parse_job_spec(text: str | bytes) -> JobDefinition:
         raise InvalidJobSpec(f"job spec is not JSON: {error}") from error
     if not isinstance(data, dict):
         raise InvalidJobSpec("job spec must be a JSON object")
-    unknown = sorted(set(data) - {"command", "workdir", "env"})
+    unknown = sorted(set(data) - {"command", "workdir", "env", "result"})
     if unknown:
         raise InvalidJobSpec(f"job spec has unknown fields: {', '.join(unknown)}")
     command = data.get("command")
@@ -78,7 +79,18 @@ def parse_job_spec(text: str | bytes) -> JobDefinition:
     for key, value in env.items():
         if not key or "=" in key or "\x00" in key or not isinstance(value, str) or "\x00" in value:
             raise InvalidJobSpec(f"env: {key[:32]!r} must be a name without '=' and a string value")
-    return JobDefinition(command=tuple(command), workdir=workdir, env=dict(env))
+    return JobDefinition(
+        command=tuple(command), workdir=workdir, env=dict(env), result_files=_result_files(data.get("result", []))
+    )
+
+
+def _result_files(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise InvalidJobSpec("result: must be a list of paths relative to the work dir")
+    for name in value:
+        if problem := result_path_problem(name):
+            raise InvalidJobSpec(f"result: {problem}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class AgentState:
     last_checkpoint: str | None = None
     result: str = ""  # where the ended job's work dir was committed as its result
     result_error: str = ""  # why it could not be; with `result`, empty until the commit was tried
+    result_missing: str = ""  # the declared result files (spotcr:result) the job did not leave, comma-separated
     # The final dumps of the job's run on this VM, by the generation that asked (JSON keys are strings).
     final_dumps: dict[str, FinalDump] = field(default_factory=dict)
     # The newest periodic dumps' figures (deadline.Sample), from which the final dump's time is predicted.
