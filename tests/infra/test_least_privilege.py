@@ -37,6 +37,8 @@ REGISTRY_TABLE = ("Registry", "table")
 # Calls that need more than their own action: IAM evaluates these too (tag-on-create, PassRole, the topic's key).
 IMPLIED = {
     "ec2:RunInstances": {"ec2:CreateTags", "iam:PassRole"},
+    # An instant fleet launches with the caller's RunInstances, tags on create and passes the instance profile.
+    "ec2:CreateFleet": {"ec2:RunInstances", "ec2:CreateTags", "iam:PassRole"},
     "ec2:CreateVolume": {"ec2:CreateTags"},
     "ec2:CreateSnapshot": {"ec2:CreateTags"},
     "sns:Publish": {"kms:GenerateDataKey", "kms:Decrypt"},
