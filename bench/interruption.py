@@ -63,6 +63,7 @@ def _environment() -> dict[str, str]:
         "failure_topic_arn": f"arn:aws:sns:{REGION}:123456789012:spotcr-failures",
         "checkpoint_bucket": "spotcr-checkpoints",
         "launch_template_id": "lt-0123456789abcdef0",
+        "launch_template_version": "1",
         "checkpoint_document": "spotcr-checkpoint",
         "restore_document": "spotcr-restore",
         "release_document": "spotcr-release",

@@ -160,6 +160,7 @@ class FunctionEnvironment:
         if function.function_url:
             # Its URL is in the launch template's user data, so its settings cannot name the template (a cycle).
             variables[config.ENV["launch_template_id"]] = ""
+            variables[config.ENV["launch_template_version"]] = ""
         variables.update(function.extra)
         return variables
 

@@ -178,15 +178,32 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
             ),
             reason,
         ),
+        # A spot backup is one instant EC2 Fleet: CreateFleet on the fleet and what it names, and the instances
+        # it launches are authorized as RunInstances (above) with this caller's permissions.
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:CreateFleet"],
+                resources=[_arn(t, "ec2", "fleet", "*"), template_arn, *launched, image],
+            ),
+            "An instant fleet's id is unknown before the call; what it launches is limited by the RunInstances "
+            "grant above to spotcr's launch template.",
+        ),
         Grant(
             iam.PolicyStatement(
                 actions=["ec2:CreateTags"],
                 resources=[_arn(t, "ec2", kind, "*") for kind in ("instance", "volume", "spot-instances-request")]
                 + [_arn(t, "ec2", "network-interface", "*")],
-                conditions={"StringEquals": {"ec2:CreateAction": "RunInstances"}},
+                conditions={"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}},
             ),
-            "Tags can only be written while launching (ec2:CreateAction = RunInstances) on resources "
-            "whose ids do not exist before the call.",
+            "Tags can only be written while launching (ec2:CreateAction = RunInstances or CreateFleet) on "
+            "resources whose ids do not exist before the call.",
+        ),
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:DescribeImages"],
+                resources=["*"],
+            ),
+            "DescribeImages supports no resource-level permissions: a backup checks that its job's image exists.",
         ),
         Grant(
             iam.PolicyStatement(

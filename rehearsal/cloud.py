@@ -347,6 +347,7 @@ class LocalCloud:
             "failure_topic_arn": topic_arn,
             "checkpoint_bucket": names["checkpoint_bucket"],
             "launch_template_id": template_id,
+            "launch_template_version": "1",
             "checkpoint_document": document_names["checkpoint"],
             "restore_document": document_names["restore"],
             "release_document": document_names["release"],
@@ -407,6 +408,7 @@ class LocalCloud:
             "JobTable": self.names["jobs_table"],
             "AgentEventBus": self.names["event_bus_name"],
             "LaunchTemplateId": template_id,
+            "LaunchTemplateVersion": self.settings_env[ENV["launch_template_version"]],
             "RecoveryStateMachineArn": state_machine_arn,
         }
         for command in COMMANDS.values():

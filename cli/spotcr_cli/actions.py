@@ -13,6 +13,7 @@ from typing import Any
 
 from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
+from spotcr_functions.cloud import client_token
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 from spotcr_functions.registry import WAIT_KEYS
 
@@ -68,7 +69,9 @@ def submit(
     on_demand: bool,
     say: Say,
 ) -> dict[str, Any]:
-    """Launch an instance from the stack's launch template with the job's tags, or tag a running one."""
+    """Launch an instance from the stack's launch template with the job's tags, or tag a running one.
+
+    The template names no instance type (EC2 would launch an m1.small): a launch needs one."""
     ec2 = cloud.client("ec2")
     tag_list = [{"Key": key, "Value": value} for key, value in job.items()]
     if instance_id is not None:
@@ -79,18 +82,20 @@ def submit(
         ec2.create_tags(Resources=[instance_id], Tags=tag_list)
         say(f"tagged {instance_id}: its bootstrap registers job {job[tags.JOB]}")
         return {"job_id": job[tags.JOB], "instance_id": instance_id, "tags": dict(job)}
+    if not instance_type:
+        raise CommandError("--instance-type is required to launch: the stack's launch template names none", 2)
     stack = cloud.stack
+    template = {"LaunchTemplateId": stack.launch_template_id, "Version": stack.launch_template_version}
     arguments: dict[str, Any] = {
-        "LaunchTemplate": {"LaunchTemplateId": stack.launch_template_id},
+        "LaunchTemplate": template,
+        "InstanceType": instance_type,
         "MinCount": 1,
         "MaxCount": 1,
         "TagSpecifications": [{"ResourceType": "instance", "Tags": tag_list}],
-        "ClientToken": f"spotcr-{job[tags.JOB]}-{uuid.uuid4().hex[:16]}",
+        "ClientToken": client_token(job[tags.JOB], uuid.uuid4().hex),
     }
     if not on_demand:
         arguments["InstanceMarketOptions"] = {"MarketType": "spot"}
-    if instance_type:
-        arguments["InstanceType"] = instance_type
     if stack.subnets:
         arguments["SubnetId"] = stack.subnets[0]
     launched = ec2.run_instances(**arguments)["Instances"][0]

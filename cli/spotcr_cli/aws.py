@@ -29,6 +29,7 @@ class StackOutputs:
     job_table: str
     launch_template_id: str
     state_machine_arn: str
+    launch_template_version: str  # the latest at deploy: $Default stays version 1 through stack updates
     subnets: tuple[str, ...] = ()
     security_group: str = ""
     experiment_templates: tuple[tuple[str, str], ...] = ()  # (kind, template id), spotcr_contracts/fis.py
@@ -43,6 +44,7 @@ class StackOutputs:
             "job_table": "JobTable",
             "launch_template_id": "LaunchTemplateId",
             "state_machine_arn": "RecoveryStateMachineArn",
+            "launch_template_version": "LaunchTemplateVersion",
         }
         missing = [output for output in required.values() if not outputs.get(output)]
         if missing:

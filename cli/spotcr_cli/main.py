@@ -114,7 +114,7 @@ def _add_submit(commands: Any) -> None:
         const=False,
         help="fail the job instead of starting it over when no checkpoint can be restored",
     )
-    submit.add_argument("--instance-type", help="instance type (default: the launch template's)")
+    submit.add_argument("--instance-type", help="instance type to launch (required unless --instance)")
     submit.add_argument("--on-demand", action="store_true", help="launch on demand instead of spot")
     submit.add_argument("--instance", metavar="ID", help="tag this running instance instead of launching one")
     submit.add_argument("--json", action="store_true", help="print the job as JSON")

@@ -15,8 +15,8 @@ from spotcr_contracts.commands import Command
 
 from spotcr_functions.gpus import Gpus, from_gpu_info
 
-# RunInstances errors that concern this candidate only (type, subnet, market): try the next one. Names from the
-# EC2 API error-code reference; tests/events/run-instances-errors.json holds each with AWS's documented meaning.
+# RunInstances and CreateFleet errors that concern this candidate only (type, subnet, market): try the next one.
+# Names from the EC2 API error-code reference; tests/events/run-instances-errors.json holds each with its meaning.
 CAPACITY_ERRORS = frozenset(
     {
         "InsufficientInstanceCapacity",
@@ -26,6 +26,7 @@ CAPACITY_ERRORS = frozenset(
         "InsufficientCapacity",
         "InsufficientHostCapacity",
         "InvalidParameterValue",  # e.g. a fallback type of another architecture than the AMI
+        "InvalidParameterCombination",  # e.g. a type that does not support the template's options or the AMI
         "VcpuLimitExceeded",
         "InsufficientFreeAddressesInSubnet",
         "AuthFailure.ServiceLinkedRoleCreationNotPermitted",  # no AWSServiceRoleForEC2Spot: on-demand still works
@@ -49,6 +50,7 @@ class Instance:
     tags: Mapping[str, str]
     spot_request_id: str = ""
     launched_at: str = ""  # ISO time of the last start: a stopped instance started again gets a new one
+    image_id: str = ""
 
 
 def client_token(*parts: str | None) -> str:
@@ -162,6 +164,7 @@ class Cloud:
                     tags={t["Key"]: t["Value"] for t in raw.get("Tags", [])},
                     spot_request_id=raw.get("SpotInstanceRequestId", ""),
                     launched_at=_iso(raw.get("LaunchTime")),
+                    image_id=raw.get("ImageId", ""),
                 )
         return None
 
@@ -193,15 +196,17 @@ class Cloud:
     def run_instance(
         self,
         *,
-        launch_template_id: str,
+        launch_template: tuple[str, str],
         instance_type: str,
         subnet_id: str,
-        spot: bool,
+        image_id: str,
         tags: Mapping[str, str],
         client_token: str,
     ) -> Instance:
+        """One on-demand instance from this (template id, version); image_id ("": the template's) overrides."""
+        template_id, version = launch_template
         arguments: dict[str, Any] = {
-            "LaunchTemplate": {"LaunchTemplateId": launch_template_id, "Version": "$Default"},
+            "LaunchTemplate": {"LaunchTemplateId": template_id, "Version": version},
             "InstanceType": instance_type,
             "SubnetId": subnet_id,
             "MinCount": 1,
@@ -211,11 +216,8 @@ class Cloud:
                 {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
             ],
         }
-        if spot:
-            arguments["InstanceMarketOptions"] = {
-                "MarketType": "spot",
-                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
-            }
+        if image_id:
+            arguments["ImageId"] = image_id
         raw = self.ec2.run_instances(**arguments)["Instances"][0]
         return Instance(
             instance_id=raw["InstanceId"],
@@ -225,7 +227,66 @@ class Cloud:
             subnet_id=raw.get("SubnetId", subnet_id),
             vpc_id=raw.get("VpcId", ""),
             tags=dict(tags),
+            image_id=raw.get("ImageId", image_id),
         )
+
+    def launch_spot(
+        self,
+        *,
+        launch_template: tuple[str, str],
+        overrides: Sequence[Mapping[str, str]],
+        image_id: str,
+        tags: Mapping[str, str],
+        client_token: str,
+    ) -> tuple[Instance | None, list[tuple[str, str]]]:
+        """One spot instance from an instant EC2 Fleet over these overrides (instance_type, subnet_id, az), as AWS
+        recommends: EC2 picks the pool (price-capacity-optimized). Returns the instance (None: none launched) and
+        the (code, message) of each error the fleet reports: an instant fleet reports no capacity there, not as a
+        failed call."""
+        template_id, version = launch_template
+        image = {"ImageId": image_id} if image_id else {}
+        response = self.ec2.create_fleet(
+            Type="instant",
+            ClientToken=client_token,
+            TargetCapacitySpecification={"TotalTargetCapacity": 1, "DefaultTargetCapacityType": "spot"},
+            SpotOptions={"AllocationStrategy": "price-capacity-optimized", "InstanceInterruptionBehavior": "terminate"},
+            LaunchTemplateConfigs=[
+                {
+                    "LaunchTemplateSpecification": {"LaunchTemplateId": template_id, "Version": version},
+                    "Overrides": [
+                        {"InstanceType": o["instance_type"], "SubnetId": o["subnet_id"], **image} for o in overrides
+                    ],
+                }
+            ],
+            TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}],
+        )
+        errors = [(str(e.get("ErrorCode", "")), str(e.get("ErrorMessage", ""))) for e in response.get("Errors", [])]
+        for launched in response.get("Instances", []):
+            chosen = launched.get("LaunchTemplateAndOverrides", {}).get("Overrides", {})
+            # The zone comes from the override chosen: a new instance may not be describable yet.
+            override = next((o for o in overrides if o["subnet_id"] == chosen.get("SubnetId")), overrides[0])
+            for instance_id in launched.get("InstanceIds", []):
+                return Instance(
+                    instance_id=instance_id,
+                    state="pending",
+                    instance_type=str(launched.get("InstanceType") or override["instance_type"]),
+                    az=override["az"],
+                    subnet_id=override["subnet_id"],
+                    vpc_id="",
+                    tags=dict(tags),
+                    image_id=image_id,
+                ), errors
+        return None, errors
+
+    def image_exists(self, image_id: str) -> bool:
+        """The AMI can still launch instances (False once deregistered)."""
+        try:
+            images = self.ec2.describe_images(ImageIds=[image_id])["Images"]
+        except ClientError as error:
+            if error_code(error).startswith("InvalidAMIID"):
+                return False
+            raise
+        return any(image.get("State") == "available" for image in images)
 
     def terminate_instance(self, instance_id: str) -> None:
         try:

@@ -17,6 +17,8 @@ ENV = {
     "failure_topic_arn": "SPOTCR_FAILURE_TOPIC_ARN",
     "checkpoint_bucket": "SPOTCR_CHECKPOINT_BUCKET",
     "launch_template_id": "SPOTCR_LAUNCH_TEMPLATE_ID",
+    # The template's latest version at deploy: CloudFormation never moves $Default off version 1 on update.
+    "launch_template_version": "SPOTCR_LAUNCH_TEMPLATE_VERSION",
     "checkpoint_document": "SPOTCR_CHECKPOINT_DOCUMENT",
     "restore_document": "SPOTCR_RESTORE_DOCUMENT",
     "release_document": "SPOTCR_RELEASE_DOCUMENT",
@@ -53,6 +55,7 @@ class Settings:
     failure_topic_arn: str
     checkpoint_bucket: str
     launch_template_id: str
+    launch_template_version: str
     checkpoint_document: str
     restore_document: str
     release_document: str

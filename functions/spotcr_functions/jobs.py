@@ -60,6 +60,7 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
         subnet_id=instance.subnet_id,
         vpc_id=instance.vpc_id,
         instance_type=instance.instance_type,
+        image_id=instance.image_id,
         storage=spec.storage,
         interval_s=spec.interval_s,
         tags={k: v for k, v in spec.to_tags().items() if k != tags.RUN},  # spotcr mints the run, never the user

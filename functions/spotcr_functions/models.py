@@ -44,6 +44,10 @@ class JobRecord:
     interval_s: int
     tags: Mapping[str, str]  # the job's spotcr tags, as a backup VM carries them
     fallback_types: tuple[str, ...] = ()
+    # The job's current instance's AMI: a backup restores only on the image the checkpoint was taken on, so it
+    # launches from this one, not from the template's (resolved again at every deploy).
+    image_id: str = ""
+    image_warning: str | None = None  # why the newest backup launched from the template's image instead
     # This run's identity (spotcr:run), minted at registration: a name reused after COMPLETED or FAILED is a new run
     # that never sees the earlier run's checkpoints; events and commands of another run never move this one.
     run_id: str = ""

@@ -20,11 +20,15 @@ from spotcr_functions.registry import RESTORE_KEYS, WAIT_KEYS, StaleGeneration, 
 
 logger = Logger(service=SERVICE, child=True)
 
-MAX_CANDIDATES = 40
+MAX_OVERRIDES = 40  # per spot fleet; CreateFleet allows more, a job names far fewer
 
 
 class CapacityUnavailable(Exception):
     """RunInstances found no capacity for this candidate; the workflow moves down the list."""
+
+
+class LaunchFailed(Exception):
+    """The spot fleet failed for a reason no other candidate avoids (not capacity): the recovery fails, named."""
 
 
 class HandOverTimedOut(Exception):
@@ -178,7 +182,11 @@ def _current(deps: Deps, job_id: str, generation: int) -> JobRecord:
 
 
 def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
-    """Backup candidates: the job's type as spot in each subnet (its own first), then fallback types, then on-demand."""
+    """Backup candidates, tried in order: spot in one instant fleet over the job's type and its fallback types in
+    each stack subnet (its own first), then on demand in the job's own subnet.
+
+    An EBS job's spot candidates are AZ-major: first every type in the volume's AZ, then the other AZs, since a
+    backup elsewhere waits for the volume to move through a snapshot (minutes, then lazily loaded blocks)."""
     record = _current(deps, job_id, generation)
     stack_subnets = deps.settings.subnet_ids
     if not stack_subnets:
@@ -189,12 +197,23 @@ def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         if not subnets:
             raise ValueError(f"none of the stack's subnets exists: {', '.join(stack_subnets)}")
     home = subnets[0]
-    fallbacks = _restorable_fallbacks(deps, record)
-    candidates = [
-        {"instance_type": instance_type, "subnet_id": subnet_id, "az": az, "spot": True}
-        for instance_type in (record.instance_type, *fallbacks)
-        for subnet_id, az in subnets
-    ][: MAX_CANDIDATES - 1]
+    types = (record.instance_type, *_restorable_fallbacks(deps, record))
+    if record.storage == "ebs":
+        zones = [[s for s in subnets if s[1] == record.az], [s for s in subnets if s[1] != record.az]]
+    else:
+        zones = [subnets]
+    candidates: list[dict[str, Any]] = [
+        {
+            "spot": True,
+            "overrides": [
+                {"instance_type": instance_type, "subnet_id": subnet_id, "az": az}
+                for instance_type in types
+                for subnet_id, az in zone
+            ][:MAX_OVERRIDES],
+        }
+        for zone in zones
+        if zone
+    ]
     candidates.append({"instance_type": record.instance_type, "subnet_id": home[0], "az": home[1], "spot": False})
     return {"storage": record.storage, "candidates": candidates, "candidate_count": len(candidates)}
 
@@ -215,20 +234,29 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
     backup_tags = {**record.tags, tags.MODE: "restore", tags.GENERATION: str(generation)}
     if record.run_id:
         backup_tags[tags.RUN] = record.run_id  # the backup serves this run: it restores only this run's checkpoints
+    settings = deps.settings
+    # The version is explicit: $Default stays version 1, whose user data may name an agent asset since replaced.
+    template = (settings.launch_template_id, settings.launch_template_version)
+    image_id = _backup_image(deps, record)
+    token = client_token(execution_name(record), str(index))
     try:
-        instance = deps.cloud.run_instance(
-            launch_template_id=deps.settings.launch_template_id,
-            instance_type=candidate["instance_type"],
-            subnet_id=candidate["subnet_id"],
-            spot=bool(candidate["spot"]),
-            tags=backup_tags,
-            client_token=client_token(execution_name(record), str(index)),
-        )
+        if candidate["spot"]:
+            overrides = candidate.get("overrides") or [candidate]  # a plan made before fleets named one
+            instance = _launch_spot(deps, template, overrides, image_id=image_id, backup_tags=backup_tags, token=token)
+        else:
+            instance = deps.cloud.run_instance(
+                launch_template=template,
+                instance_type=candidate["instance_type"],
+                subnet_id=candidate["subnet_id"],
+                image_id=image_id,
+                tags=backup_tags,
+                client_token=token,
+            )
     except ClientError as error:
         code = error_code(error)
         if code in CAPACITY_ERRORS:
             logger.info("no capacity for this candidate", job_id=job_id, candidate=candidate, error=code)
-            raise CapacityUnavailable(f"{code}: {candidate['instance_type']} in {candidate['az']}") from error
+            raise CapacityUnavailable(f"{code}: candidate {index}") from error
         raise
     updated = deps.registry.update(
         job_id,
@@ -247,6 +275,47 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
         "instance_type": instance.instance_type,
         "market": market,
     }
+
+
+def _launch_spot(
+    deps: Deps,
+    template: tuple[str, str],
+    overrides: list[dict[str, str]],
+    *,
+    image_id: str,
+    backup_tags: dict[str, str],
+    token: str,
+) -> Instance:
+    instance, errors = deps.cloud.launch_spot(
+        launch_template=template, overrides=overrides, image_id=image_id, tags=backup_tags, client_token=token
+    )
+    if instance is not None:
+        return instance
+    codes = sorted({code for code, _ in errors})
+    failed = [f"{code}: {message}" for code, message in errors if code not in CAPACITY_ERRORS]
+    if failed:
+        raise LaunchFailed(f"the spot fleet launched no backup: {'; '.join(failed)}"[:1000])
+    logger.info("no spot capacity in this fleet", overrides=overrides, errors=codes)
+    raise CapacityUnavailable(f"{', '.join(codes) or 'no instance'}: {len(overrides)} spot candidates")
+
+
+def _backup_image(deps: Deps, record: JobRecord) -> str:
+    """The AMI the job's instance runs, which its checkpoints need; "" (the template's, resolved at deploy) when
+    none is recorded or it is gone, and then the record and log say why."""
+    if not record.image_id or deps.cloud.image_exists(record.image_id):
+        return record.image_id
+    warning = (
+        f"image {record.image_id} of the job's instance is gone (deregistered): the backup launches from the "
+        "launch template's image, whose agent may refuse a checkpoint taken on another image"
+    )
+    logger.warning("job's image gone; backup launches from the template's", job_id=record.job_id, warning=warning)
+    deps.registry.update(
+        record.job_id,
+        {"image_warning": warning},
+        condition="#generation = :g",
+        condition_values={":g": record.generation},
+    )
+    return ""
 
 
 def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # noqa: PLR0911 (one step per state)
@@ -544,7 +613,7 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         "updated_at": deps.iso_now(),
     }
     if backup is not None:
-        values |= {"subnet_id": backup.subnet_id, "instance_type": backup.instance_type}
+        values |= {"subnet_id": backup.subnet_id, "instance_type": backup.instance_type, "image_id": backup.image_id}
     if record.handover_volume_id:
         values["volume_id"] = record.handover_volume_id
     updated = deps.registry.update(

@@ -7,7 +7,7 @@ import boto3
 import pytest
 from moto import mock_aws
 from spotcr_cli import actions
-from spotcr_cli.aws import Cloud, CommandError, StackOutputs
+from spotcr_cli.aws import Cloud, CommandError
 from spotcr_cli.main import main
 from spotcr_contracts import events
 from spotcr_functions import registry_schema
@@ -36,10 +36,15 @@ def world(monkeypatch):
         template = ec2.create_launch_template(
             LaunchTemplateName="job-vm", LaunchTemplateData={"ImageId": image, "InstanceType": "c5.large"}
         )["LaunchTemplate"]["LaunchTemplateId"]
+        # A stack updated once: CloudFormation added version 2 and left $Default at version 1.
+        ec2.create_launch_template_version(
+            LaunchTemplateId=template, LaunchTemplateData={"ImageId": image, "UserData": "dmVyc2lvbiAy"}
+        )
         outputs = {
             "CheckpointBucket": "checkpoints",
             "JobTable": "jobs",
             "LaunchTemplateId": template,
+            "LaunchTemplateVersion": "2",
             "RecoveryStateMachineArn": machine,
         }
         stack = {
@@ -52,29 +57,29 @@ def world(monkeypatch):
             StackName="spotcr", TemplateBody=json.dumps(stack)
         )
         cloud = Cloud(region=REGION)
-        assert cloud.stack == StackOutputs("spotcr", "checkpoints", "jobs", template, machine)
+        assert (cloud.stack.launch_template_id, cloud.stack.state_machine_arn) == (template, machine)
         yield cloud
 
 
-def running_job(cloud, job_id="job-1", status=Status.RUNNING):
-    submitted = actions.submit(
-        cloud,
-        actions.job_tags(
-            job_id,
-            command="python3 a.py",
-            spec=None,
-            storage=None,
-            interval_s=10,
-            fallback_types=None,
-            workdir=None,
-            tcp=None,
-            restart_from_scratch=None,
-        ),
-        instance_id=None,
-        instance_type=None,
-        on_demand=False,
-        say=lambda line: None,
+def submit(cloud, job_id="job-1", instance_type="c5.large"):
+    job = actions.job_tags(
+        job_id,
+        command="python3 a.py",
+        spec=None,
+        storage=None,
+        interval_s=10,
+        fallback_types=None,
+        workdir=None,
+        tcp=None,
+        restart_from_scratch=None,
     )
+    return actions.submit(
+        cloud, job, instance_id=None, instance_type=instance_type, on_demand=False, say=lambda line: None
+    )
+
+
+def running_job(cloud, job_id="job-1", status=Status.RUNNING):
+    submitted = submit(cloud, job_id)
     record = JobRecord(
         job_id=job_id,
         status=status,
@@ -91,6 +96,34 @@ def running_job(cloud, job_id="job-1", status=Status.RUNNING):
     )
     Registry("jobs").register(record)
     return record
+
+
+def test_submit_launches_the_templates_latest_version_not_its_default(world):
+    # Given a stack whose launch template has a version 2 (its output) while $Default is still version 1
+    # When a job is submitted
+    submitted = submit(world)
+    # Then its instance was launched from version 2 (EC2 tags each instance with the version it used)
+    ec2 = world.client("ec2")
+    [reservation] = ec2.describe_instances(InstanceIds=[submitted["instance_id"]])["Reservations"]
+    tags = {t["Key"]: t["Value"] for t in reservation["Instances"][0]["Tags"]}
+    assert tags["aws:ec2launchtemplate:version"] == "2"
+
+
+def test_submit_without_an_instance_type_is_refused_before_anything_launches(world, capsys):
+    # The template names no type, and EC2's default (m1.small, Xen) is not one the agent can run on.
+    argv = ["submit", "job-1", "--command", "python3 a.py"]
+    assert main(argv, out=io.StringIO()) == 2
+    assert "--instance-type is required" in capsys.readouterr().err
+    assert world.client("ec2").describe_instances()["Reservations"] == []
+
+
+def test_a_long_job_name_gets_a_client_token_ec2_accepts(world):
+    tokens = []
+    ec2 = world.client("ec2")
+    ec2.meta.events.register("provide-client-params.ec2.RunInstances", lambda params, **_: tokens.append(params))
+    submit(world, "j" * 63)
+    [params] = tokens
+    assert 0 < len(params["ClientToken"]) <= 64  # EC2's limit for ClientToken
 
 
 def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(world):

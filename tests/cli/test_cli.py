@@ -15,6 +15,7 @@ OUTPUTS = {
     "CheckpointBucket": "bucket",
     "JobTable": "jobs",
     "LaunchTemplateId": "lt-0123",
+    "LaunchTemplateVersion": "3",
     "RecoveryStateMachineArn": "arn:aws:states:us-east-1:123456789012:stateMachine:spotcr-recovery",
     "JobSubnets": "subnet-a,subnet-b",
     "InterruptExperimentTemplate": "EXT1",

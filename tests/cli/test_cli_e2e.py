@@ -62,6 +62,8 @@ def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_pa
             command_tag(options),
             "--interval",
             "10",
+            "--instance-type",
+            "c5.large",
             "--fallback-types",
             "m5.large",
             "--json",

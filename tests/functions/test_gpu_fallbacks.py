@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import boto3
 import pytest
 from moto import mock_aws
-from moto.ec2.models.instances import InstanceBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.gpus import Gpus, matching_fallbacks
 
-from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, route
-from tests.workflow.test_recovery import NoCapacity
+from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, refuse_launches, route
+from tests.workflow.test_recovery import NO_CAPACITY
 
 A10G = Gpus("NVIDIA", "A10G", 1)
 TYPES = {"g5.xlarge": A10G, "g5.2xlarge": A10G, "g5.12xlarge": Gpus("NVIDIA", "A10G", 4), "m5.large": None}
@@ -64,22 +61,14 @@ def test_a_gpu_job_is_never_recovered_on_a_type_with_other_gpus(
     route(ec2_event("state-change-running", primary))
     route(agent_event(events.JobStarted("llm-1", primary, 0, now_iso(), pid=4242)))
     # And no spot capacity anywhere, so the workflow goes through every candidate it planned
-    tried: list[str] = []
-    original = InstanceBackend.run_instances
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("instance_market_options"):
-            tried.append(str(kwargs.get("instance_type")))
-            raise NoCapacity()
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    launches = refuse_launches(monkeypatch, lambda _t, _s, market: NO_CAPACITY if market == "spot" else None)
 
     # When the warning comes
     route(ec2_event("spot-interruption-warning", primary))
     record = plane.wait_until(lambda: (r := plane.job("llm-1")).backup_instance_id and r, "the backup launch")
 
     # Then only the job's own type and the fallback with the same GPU were tried, and the backup is a g5.xlarge
+    tried = [instance_type for instance_type, _, market in launches if market == "spot"]
     assert sorted(set(tried)) == ["g5.2xlarge", "g5.xlarge"]
     [backup] = plane.backups()
     assert backup["InstanceId"] == record.backup_instance_id

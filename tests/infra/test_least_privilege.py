@@ -46,6 +46,8 @@ EBS_KEY = {
 }
 IMPLIED = {
     "ec2:RunInstances": {"ec2:CreateTags", "iam:PassRole", *EBS_KEY},
+    # An instant fleet launches with the caller's RunInstances, tags on create and passes the instance profile.
+    "ec2:CreateFleet": {"ec2:RunInstances", "ec2:CreateTags", "iam:PassRole", *EBS_KEY},
     "ec2:CreateVolume": {"ec2:CreateTags", *EBS_KEY},
     "ec2:CreateSnapshot": {"ec2:CreateTags"},
     "sns:Publish": {"kms:GenerateDataKey", "kms:Decrypt"},

@@ -51,6 +51,7 @@ STAR_RESOURCE_ACTIONS = {
     "ec2:DescribeSubnets",
     "ec2:DescribeVolumes",
     "ec2:DescribeSnapshots",
+    "ec2:DescribeImages",
     "logs:CreateLogDelivery",
     "logs:GetLogDelivery",
     "logs:UpdateLogDelivery",
@@ -254,7 +255,7 @@ def test_run_instances_only_from_the_launch_template(default_synth: Synth) -> No
                 continue
             assert "ec2:LaunchTemplate" in statement["Condition"]["ArnLike"]
         for statement in statements_with(statements, "ec2:CreateTags"):
-            assert statement["Condition"] == {"StringEquals": {"ec2:CreateAction": "RunInstances"}}
+            assert statement["Condition"] == {"StringEquals": {"ec2:CreateAction": ["RunInstances", "CreateFleet"]}}
         for statement in statements_with(statements, "iam:PassRole"):
             assert statement["Resource"] == {"Fn::GetAtt": [job_role, "Arn"]}
             assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}
@@ -313,6 +314,17 @@ def test_workflow_role_invokes_only_workflow_steps(default_synth: Synth) -> None
     steps = [f for f in catalog.FUNCTIONS if f.workflow_step]
     assert len(invoked) == len(steps)
     assert all(name.startswith("Functions") for name in invoked)
+
+
+def test_backups_and_the_cli_launch_the_templates_latest_version(default_synth: Synth) -> None:
+    # CloudFormation adds a version on each update and leaves $Default at 1: the number is passed on explicitly.
+    [template_id] = default_synth.of_type("AWS::EC2::LaunchTemplate")
+    latest = {"Fn::GetAtt": [template_id, "LatestVersionNumber"]}
+    outputs = default_synth.template.to_json()["Outputs"]
+    assert outputs["LaunchTemplateVersion"]["Value"] == latest
+    launcher = logical_id(default_synth, child(default_synth, "Functions", "launch-backup", "Function"))
+    variables = default_synth.resources[launcher]["Properties"]["Environment"]["Variables"]
+    assert variables[config.ENV["launch_template_version"]] == latest
 
 
 def test_launch_template_requires_imdsv2_with_tags_and_bootstrap(default_synth: Synth) -> None:

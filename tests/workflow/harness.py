@@ -22,7 +22,11 @@ import boto3
 from botocore.exceptions import ClientError
 from moto.awslambda_simple.models import LambdaSimpleBackend
 from moto.core.botocore_stubber import BotocoreStubber
-from moto.core.responses import EmptyResult
+from moto.core.responses import ActionResult, EmptyResult
+from moto.ec2.exceptions import EC2ClientError
+from moto.ec2.models.fleets import Fleet
+from moto.ec2.models.instances import InstanceBackend
+from moto.ec2.responses.fleets import Fleets
 from moto.events.models import EventPattern
 from moto.ssm.models import Command as MotoCommand
 from moto.ssm.models import ssm_backends
@@ -121,6 +125,63 @@ def _restore_runs(self: Any, *args: Any, **kwargs: Any) -> None:
         self.status = self.status_details = "InProgress"
         for invocation in self.invocations:
             invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
+
+
+# (instance type, subnet id, market) of a launch -> the error code EC2 refuses it with; None: it launches.
+Refusal = Callable[[str, str, str], str | None]
+
+
+class Refused(EC2ClientError):
+    def __init__(self, code: str) -> None:
+        super().__init__(code, f"{code} (as documented)")
+
+
+def refuse_launches(monkeypatch: Any, refusal: Refusal) -> list[tuple[str, str, str]]:
+    """EC2 refuses the launches `refusal` names, as AWS reports it: RunInstances fails with the code; an instant
+    fleet lists the override in its Errors and tries its next one (moto 5 reports no Errors and always takes the
+    first override). Returns every launch tried, in order: (instance type, subnet id, market)."""
+    tried: list[tuple[str, str, str]] = []
+    run_instances = InstanceBackend.run_instances
+    create_spot_requests = Fleet.create_spot_requests
+    create_fleet = Fleets.create_fleet
+
+    def refused_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("lifecycle") != "spot":  # a fleet's spot instance was decided in refused_fleet
+            market = "spot" if kwargs.get("instance_market_options") else "on-demand"
+            tried.append((str(kwargs.get("instance_type")), str(kwargs.get("subnet_id")), market))
+            code = refusal(*tried[-1])
+            if code:
+                raise Refused(code)
+        return run_instances(self, *args, **kwargs)
+
+    def refused_fleet(self: Any, weight: float) -> Any:
+        specs, self.errors = self.launch_specs, []
+        for spec in specs:
+            tried.append((str(spec.instance_type), str(spec.subnet_id), "spot"))
+            code = refusal(*tried[-1])
+            if code is None:
+                self.launch_specs = [spec]
+                try:
+                    return create_spot_requests(self, weight)
+                finally:
+                    self.launch_specs = specs
+            launched = {"LaunchTemplateSpecification": spec.launch_template_spec, "Overrides": spec.overrides}
+            error = {"ErrorCode": code, "ErrorMessage": f"{code} (as documented)", "Lifecycle": "spot"}
+            self.errors.append({"LaunchTemplateAndOverrides": launched, **error})
+        return self.spot_requests
+
+    def fleet_with_errors(self: Any) -> ActionResult:
+        result = create_fleet(self)
+        body: Any = result.result
+        fleet = self.ec2_backend.get_fleet(body["FleetId"])
+        if getattr(fleet, "errors", None):
+            body["Errors"] = fleet.errors
+        return result
+
+    monkeypatch.setattr(InstanceBackend, "run_instances", refused_run)
+    monkeypatch.setattr(Fleet, "create_spot_requests", refused_fleet)
+    monkeypatch.setattr(Fleets, "create_fleet", fleet_with_errors)
+    return tried
 
 
 def command_ended(instance_id: str, command_id: str, document_name: str, status: str) -> dict[str, Any]:
@@ -458,6 +519,7 @@ class ControlPlane:
             "failure_topic_arn": self.topic_arn,
             "checkpoint_bucket": "spotcr-checkpoints",
             "launch_template_id": self.launch_template_id,
+            "launch_template_version": "1",
             "checkpoint_document": self.documents["checkpoint"],
             "restore_document": self.documents["restore"],
             "release_document": self.documents["release"],

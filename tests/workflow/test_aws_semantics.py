@@ -11,7 +11,6 @@ import json
 from typing import Any
 
 import pytest
-from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models.instances import InstanceBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
@@ -32,6 +31,7 @@ from tests.workflow.harness import (
     finish_restore,
     load_event,
     now_iso,
+    refuse_launches,
     route,
 )
 
@@ -123,7 +123,8 @@ def test_a_stopped_or_hibernated_primary_is_terminated_and_its_spot_request_canc
     # Then before the restore, the stopped primary was terminated and its request cancelled: EC2 cannot start it
     # again with the job in it while the backup runs the job
     assert _state(plane, primary) == "terminated"
-    assert plane.ec2.describe_spot_instance_requests()["SpotInstanceRequests"] == []
+    requests = plane.ec2.describe_spot_instance_requests()["SpotInstanceRequests"]
+    assert request not in [r["SpotInstanceRequestId"] for r in requests]  # the backup's own fleet request stays
     job = plane.job("hib-1")
     assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
 
@@ -197,30 +198,17 @@ def test_backups_launch_only_in_the_stacks_subnets(plane: ControlPlane, monkeypa
     private_id = private["Subnet"]["SubnetId"]
     primary = plane.start_job("net-1")
     _commit(plane, "net-1", primary, 0, "periodic")
-    tried: list[str] = []
-    original = InstanceBackend.run_instances
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tried.append(str(kwargs.get("subnet_id")))
-        if kwargs.get("instance_market_options"):
-            raise _Refused("InsufficientInstanceCapacity")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    launches = refuse_launches(monkeypatch, lambda _t, _s, market: "InsufficientInstanceCapacity" * (market == "spot"))
 
     # When no spot capacity is left anywhere
     route(ec2_event("spot-interruption-warning", primary))
     _backup(plane, "net-1")
 
     # Then every candidate was in the stack's subnets (the job's own first) and never the private one
+    tried = [subnet for _, subnet, _ in launches]
     assert private_id not in tried
     assert set(tried) == set(plane.subnets.values())
     assert tried[0] == plane.subnets["us-east-1a"]
-
-
-class _Refused(EC2ClientError):
-    def __init__(self, code: str) -> None:
-        super().__init__(code, f"{code} (as documented)")
 
 
 ERRORS = json.loads((EVENTS / "run-instances-errors.json").read_text())
@@ -232,19 +220,16 @@ def test_each_documented_candidate_error_moves_to_the_next_candidate(
 ) -> None:
     primary = plane.start_job("cap-1")
     _commit(plane, "cap-1", primary, 0, "periodic")
-    original = InstanceBackend.run_instances
-    refused: list[str] = []
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subnet_id") == plane.subnets["us-east-1a"] and kwargs.get("instance_market_options"):
-            refused.append(code)
-            raise _Refused(code)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    zone_a = plane.subnets["us-east-1a"]
+    tried = refuse_launches(
+        monkeypatch, lambda _t, subnet, market: code if (subnet, market) == (zone_a, "spot") else None
+    )
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "cap-1")
-    assert refused == [code]
+    assert [(subnet, market) for _, subnet, market in tried] == [
+        (zone_a, "spot"),
+        (plane.subnets["us-east-1b"], "spot"),
+    ]
     [instance] = plane.backups()
     assert (instance["InstanceId"], instance["Placement"]["AvailabilityZone"]) == (backup, "us-east-1b")
 
@@ -255,19 +240,14 @@ def test_an_error_no_candidate_can_avoid_fails_the_recovery_at_once(
 ) -> None:
     primary = plane.start_job("bad-1")
     _commit(plane, "bad-1", primary, 0, "periodic")
-    attempts: list[str] = []
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        attempts.append(code)
-        raise _Refused(code)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    tried = refuse_launches(monkeypatch, lambda _t, _s, _m: code)
     route(ec2_event("spot-interruption-warning", primary))
     plane.wait_for_token("bad-1", "final-dump")
     _commit(plane, "bad-1", primary, 1, "final")
     assert plane.wait_for_execution()["status"] == "FAILED"
-    assert attempts == [code]
-    assert plane.job("bad-1").status == Status.FAILED
+    assert {market for _, _, market in tried} == {"spot"}  # the spot fleet's error: no on-demand launch followed
+    job = plane.job("bad-1")
+    assert job.status == Status.FAILED and code in str(job.reason)
 
 
 def _status_change(plane: ControlPlane, status: str, machine: str | None = None) -> dict[str, Any]:
@@ -344,14 +324,8 @@ def test_a_cross_az_move_deletes_the_replaced_volume_and_its_snapshot(
     primary = plane.start_job("mv-1", **{tag_names.STORAGE: "ebs"})
     old_volume = str(plane.job("mv-1").volume_id)
     _commit(plane, "mv-1", primary, 0, "periodic")
-    original = InstanceBackend.run_instances
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subnet_id") == plane.subnets["us-east-1a"]:
-            raise _Refused("InsufficientInstanceCapacity")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    zone_a = plane.subnets["us-east-1a"]
+    refuse_launches(monkeypatch, lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "mv-1")
     plane.wait_for_token("mv-1", "final-dump")
@@ -389,14 +363,8 @@ def test_a_failed_cross_az_recovery_keeps_the_jobs_volume_and_deletes_what_the_m
     primary = plane.start_job("mvf-1", **{tag_names.STORAGE: "ebs"})
     original_volume = str(plane.job("mvf-1").volume_id)
     only = _commit(plane, "mvf-1", primary, 0, "periodic")
-    original = InstanceBackend.run_instances
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subnet_id") == plane.subnets["us-east-1a"]:
-            raise _Refused("InsufficientInstanceCapacity")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    zone_a = plane.subnets["us-east-1a"]
+    refuse_launches(monkeypatch, lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
     route(ec2_event("state-change-terminated", primary))
     backup = _backup(plane, "mvf-1")
     route(agent_event(events.AgentReady("mvf-1", backup, 1, now_iso(), mode="restore")))

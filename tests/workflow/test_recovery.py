@@ -6,9 +6,7 @@ import random
 from typing import Any
 
 import pytest
-from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.models.elastic_block_store import EBSBackend
-from moto.ec2.models.instances import InstanceBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import OPTIONAL_ENV, OPTIONAL_TEXT_ENV
@@ -25,28 +23,16 @@ from tests.workflow.harness import (
     now_iso,
     order_periodic,
     ordered_sequence,
+    refuse_launches,
     route,
 )
 
-
-class NoCapacity(EC2ClientError):
-    code = "InsufficientInstanceCapacity"
-    message = "We currently do not have sufficient capacity in the Availability Zone you requested."
-
-    def __init__(self) -> None:
-        super().__init__(self.code, self.message)
+NO_CAPACITY = "InsufficientInstanceCapacity"
 
 
-def _no_capacity_in(subnet_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RunInstances in this subnet fails as AWS does when a zone has no capacity left."""
-    original = InstanceBackend.run_instances
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("subnet_id") == subnet_id:
-            raise NoCapacity()
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+def _no_capacity_in(subnet_id: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """No launch in this subnet: EC2 refuses it as AWS does when a zone has no capacity left."""
+    return refuse_launches(monkeypatch, lambda _type, subnet, _market: NO_CAPACITY if subnet == subnet_id else None)
 
 
 def _commit(
@@ -176,25 +162,16 @@ def test_capacity_errors_on_every_spot_option_end_on_demand(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given no spot capacity anywhere, for the job's type or its fallback
-    refused: list[str] = []
-    original = InstanceBackend.run_instances
-
-    def run_instances(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("instance_market_options"):
-            refused.append(f"{kwargs.get('instance_type')}@{kwargs.get('subnet_id')}")
-            raise NoCapacity()
-        return original(self, *args, **kwargs)
-
     primary = plane.start_job("cfd-3", **{tag_names.FALLBACK_TYPES: "m6i.large"})
     periodic = _commit(plane, "cfd-3", primary, 0, "periodic")
-    monkeypatch.setattr(InstanceBackend, "run_instances", run_instances)
+    tried = refuse_launches(monkeypatch, lambda _type, _subnet, market: NO_CAPACITY if market == "spot" else None)
 
     # When the warning comes
     route(ec2_event("spot-interruption-warning", primary))
     backup = _recover(plane, "cfd-3", periodic, final_from=primary)
 
     # Then every spot candidate was tried (2 types x 2 subnets) and the backup is on-demand
-    assert len(refused) == 4
+    assert [market for _, _, market in tried] == ["spot"] * 4 + ["on-demand"]
     [instance] = plane.backups()
     assert instance["InstanceId"] == backup
     assert instance.get("InstanceLifecycle") != "spot"
