@@ -51,6 +51,7 @@ from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from werkzeug.exceptions import Forbidden
 
+from rehearsal import account as local_account
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.storage import LoopVolumes
@@ -129,6 +130,8 @@ class LocalCloud:
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
+        self.account = local_account.Account()  # what moto lacks of the account's settings (spotcr preflight)
+        self._account_patches = contextlib.ExitStack()
         self.names = {
             "jobs_table": f"{PREFIX}-jobs",
             "idempotency_table": f"{PREFIX}-idempotency",
@@ -223,6 +226,7 @@ class LocalCloud:
         moto_logger.addHandler(cloud_log)
         moto_logger.propagate = False
         self._install_hooks()
+        self._account_patches.enter_context(local_account.serve(self.account))
         self._create_stack()
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
@@ -264,6 +268,7 @@ class LocalCloud:
             else:
                 setattr(owner, name, original)
         self._patches.clear()
+        self._account_patches.close()
         if self._saved_stdout is not None:
             # Loggers made meanwhile hold the redirecting stream: it writes to the real stdout again.
             _STDOUT.target = self._saved_stdout
@@ -330,6 +335,7 @@ class LocalCloud:
             },
         )["LaunchTemplate"]["LaunchTemplateId"]
         self.image_id = image_id
+        local_account.create_spot_role(self.client("iam"))  # the stack's SpotServiceLinkedRole
         role_arn = self.client("iam").create_role(
             RoleName=f"{PREFIX}-role", AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
         )["Role"]["Arn"]

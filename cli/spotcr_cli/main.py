@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from spotcr_contracts import tags
 
-from spotcr_cli import actions, jobs, render
+from spotcr_cli import actions, jobs, preflight, render, selftest
 from spotcr_cli.aws import DEFAULT_STACK, ENDPOINT_ENV, STACK_ENV, Cloud, CommandError
 
 OPTIONAL_COMMANDS = ("spotcr_cli.plan", "spotcr_cli.probe")  # written beside this module; absent ones are skipped
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("--json", action="store_true")
     cancel.set_defaults(func=cmd_cancel)
 
+    preflight.register(commands)
+    selftest.register(commands)
     for name in OPTIONAL_COMMANDS:
         try:
             module = __import__(name, fromlist=["register"])
