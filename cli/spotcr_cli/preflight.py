@@ -31,7 +31,7 @@ NO_FUNCTION_URLS = frozenset(
 )  # fmt: skip
 STORE_CREDENTIALS_STORAGES = ("s3", "efs")  # job VMs of these storages call the store-credentials function URL
 UNRESERVED_MINIMUM = 100  # Lambda keeps this much of the account's concurrency unreserved
-RESERVED_CONCURRENCY = 10  # infra/settings.py's interruption_concurrency default (a test keeps them equal)
+RESERVED_CONCURRENCY = 0  # infra/settings.py's interruption_concurrency default (a test keeps them equal)
 SPOT_ROLE = "AWSServiceRoleForEC2Spot"
 SPOT_VCPU_QUOTA = "L-34B43A08"  # All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests
 ON_DEMAND_VCPU_QUOTA = "L-1216C47A"  # Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances
@@ -114,11 +114,15 @@ def lambda_concurrency(cloud: Cloud, target: Target) -> Check:
         f"{target.reserved_concurrency} and Lambda keeps {UNRESERVED_MINIMUM} unreserved"
     )
     if unreserved < needed:
+        reserve = (
+            f"deploy with -c interruption_concurrency={max(0, unreserved - UNRESERVED_MINIMUM)} (0 reserves none), or "
+            if target.reserved_concurrency
+            else "a wave of interruptions runs several functions per job at once: "
+        )
         return failed(
             "lambda-concurrency",
             found,
-            f"deploy with -c interruption_concurrency={max(0, unreserved - UNRESERVED_MINIMUM)} (0 reserves none), "
-            "or ask for a higher 'Concurrent executions' quota (Service Quotas, AWS Lambda)",
+            f"{reserve}ask for a higher 'Concurrent executions' quota (Service Quotas, AWS Lambda)",
         )
     return passed("lambda-concurrency", found)
 
@@ -235,8 +239,8 @@ def route_store_credentials(cloud: Cloud, target: Target) -> Check:
             f"{', '.join(s.subnet_id for s in missing)} have no internet or NAT gateway route, and the "
             f"store-credentials function URL is public-internet only (no PrivateLink); {target.storage} jobs there "
             "cannot start",
-            "add a NAT gateway default route, or deploy with the stack's private API Gateway path to the "
-            "store-credentials function where your spotcr version has it",
+            "add a NAT gateway default route, or deploy with -c private_subnets=true: the stack then serves "
+            "store credentials from a private API Gateway API through a VPC endpoint",
         )
     return passed(name, f"{len(target.subnets)} subnet(s) reach the internet for the function URL")
 

@@ -73,11 +73,12 @@ def test_every_check_passes_on_a_ready_account_and_the_command_exits_0(world):
     assert lines[-1] == f"{len(preflight.CHECKS)} passed, 0 failed"
 
 
-def test_a_lambda_concurrency_quota_of_10_fails_naming_the_setting_to_lower(world, monkeypatch):
+def test_a_lambda_concurrency_quota_of_10_fails_naming_the_quota_and_any_reservation_to_lower(world, monkeypatch):
     monkeypatch.setenv("MOTO_LAMBDA_CONCURRENCY_QUOTA", "10")
     check = failures()["lambda-concurrency"]
     assert check.found.startswith("10 of 10 concurrent executions unreserved")
-    assert "-c interruption_concurrency=0" in check.fix
+    assert "higher 'Concurrent executions' quota" in check.fix
+    assert "-c interruption_concurrency=0" in failures(reserved_concurrency=5)["lambda-concurrency"].fix
     out = io.StringIO()
     assert main(["--region", REGION, "preflight"], out=out) == 1
     assert "FAIL  lambda-concurrency: 10 of 10" in out.getvalue()
@@ -100,7 +101,7 @@ def test_a_private_subnet_fails_the_function_url_route_for_s3_jobs_and_names_the
     failed = failures(subnets=(world["private"],), storage="s3")
     assert set(failed) == {"route-store-credentials"}
     assert "public-internet only" in failed["route-store-credentials"].found
-    assert "private API Gateway path" in failed["route-store-credentials"].fix
+    assert "-c private_subnets=true" in failed["route-store-credentials"].fix
 
 
 def test_a_subnet_without_ssm_endpoints_or_internet_fails_naming_the_missing_endpoints(world):
