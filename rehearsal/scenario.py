@@ -28,6 +28,7 @@ from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
+from spotcr_functions.models import ENDED
 
 from rehearsal import asset, leaks
 from rehearsal.cloud import REGION, LocalCloud
@@ -618,7 +619,7 @@ class Rehearsal:
 
     def _ended(self) -> dict[str, Any] | None:
         record = self.job_record()
-        return record if record.get("status") in ("COMPLETED", "FAILED") else None
+        return record if record.get("status") in ENDED else None
 
     def _await_end(self, timeout_s: float) -> agent_events.JobExited:
         """The job's end as the control plane recorded it, which it takes from SSM's answer on the instance, never

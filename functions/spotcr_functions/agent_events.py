@@ -348,7 +348,7 @@ def exit_ends_job(record: JobRecord, event: events.JobExited) -> str | None:
 
 def _ended_by(record: JobRecord, event: events.JobExited) -> bool:
     """The record's end is this exit (same code, and its result, if stored, is the one recorded)."""
-    ended = record.status in (Status.COMPLETED, Status.FAILED) and record.exit_code == event.exit_code
+    ended = record.status in ENDED and record.exit_code == event.exit_code
     return ended and (record.result or "") == event.result
 
 
@@ -440,7 +440,7 @@ def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instan
 
 def _set_status(deps: Deps, record: JobRecord, status: Status, expect: Status | None = None, **values: Any) -> bool:
     set_values = {"status": status.value, "updated_at": deps.iso_now(), **values}
-    remove = ("next_checkpoint_at",) if status in (Status.COMPLETED, Status.FAILED) else ()
+    remove = ("next_checkpoint_at",) if status in ENDED else ()
     condition_values = {":g": record.generation, ":expect": (expect or record.status).value}
     updated = deps.registry.update(
         record.job_id,

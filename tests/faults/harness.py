@@ -22,6 +22,7 @@ from typing import Any
 
 from spotcr_contracts import events as agent_events
 from spotcr_functions.config import ENV
+from spotcr_functions.models import ENDED
 
 from rehearsal.cloud import LocalCloud, StoreFault
 from rehearsal.scenario import Options, Rehearsal, RehearsalFailed
@@ -190,7 +191,7 @@ class FaultRehearsal(Rehearsal):
         deadline = time.monotonic() + SETTLE_S
         while True:
             record, running = self.job_record(), self.running_workflows()
-            if record.get("status") in ("COMPLETED", "FAILED") and not running:
+            if record.get("status") in ENDED and not running:
                 break
             if time.monotonic() > deadline:
                 raise RehearsalFailed(f"not settled: job record {record.get('status')}, workflows running {running}")

@@ -13,6 +13,7 @@ import pytest
 from spotcr_agent.store.store import run_prefix
 from spotcr_contracts import events as agent_events
 from spotcr_functions.config import ENV
+from spotcr_functions.models import ENDED
 
 from rehearsal.sample_job import STOPPED_EXIT_CODE
 from rehearsal.scenario import committed_result
@@ -242,9 +243,9 @@ def _ends_failed(rehearsal: FaultRehearsal) -> None:
 
 
 def _until_ended(rehearsal: FaultRehearsal, bound_s: float = 60.0) -> None:
-    """Poll (bounded) until the job's record is COMPLETED or FAILED: events are handled asynchronously."""
+    """Poll (bounded) until the job's record has ended: events are handled asynchronously."""
     deadline = time.monotonic() + bound_s
-    while rehearsal.job_record().get("status") not in ("COMPLETED", "FAILED"):
+    while rehearsal.job_record().get("status") not in ENDED:
         if time.monotonic() > deadline:
             raise AssertionError(f"the confirmed exit did not end the job: {rehearsal.job_record()}")
         time.sleep(0.2)
