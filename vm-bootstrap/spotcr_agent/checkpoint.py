@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, gpu, tracking
+from . import aliases, carry, gpu, mounts, tracking
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -584,7 +584,11 @@ class Checkpointer:
             entries = carry.local_inventory(self._layout, scan)
             if copy_to is not None:
                 carry.copy_files(entries, copy_to)
-            frozen = {"scan": scan.to_json(), "entries": [e.to_json() for e in entries]}
+            frozen = {
+                "scan": scan.to_json(),
+                "entries": [e.to_json() for e in entries],
+                "mounts": mounts.job_mounts(pid),
+            }
             (scratch / "frozen.json").write_text(json.dumps(frozen))
 
         lines = []
@@ -640,6 +644,8 @@ class Checkpointer:
             "image_files": images,
             # The addresses a restore may keep on its loopback for the job's sockets (aliases.py), and no other.
             "vm_addresses": aliases.vm_addresses(self.state.dir),
+            # The VM's mounts the job saw, each of which a restore must find (restore.check_mounts).
+            "mounts": frozen.get("mounts", []),
         }
         (scratch / carry.RECORD).write_text(json.dumps(record))
         files[carry.RECORD] = scratch / carry.RECORD

@@ -7,11 +7,16 @@ CRIU then dumps that mount namespace. Every mount in it but the root and /proc i
 mount point, and the restore binds the same path of the VM it restores on, so the job finds that
 VM's files, never the old VM's. /proc mounts are not external: CRIU mounts them afresh in the
 restored PID namespace. The root is the restoring VM's (`--root /`).
+
+A mount the job's VM had and a backup lacks (one made by the instance's own boot script, which backups do not
+run) cannot be bound on restore: the checkpoint records the job's mount points, and the restore names what is
+missing (restore.MissingMount) before CRIU would fail on it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = "/"
@@ -40,14 +45,26 @@ def _external(point: str) -> list[str]:
     return ["--external", f"mnt[{point}]:{point}"]
 
 
-def dump_options(pid: int) -> list[str]:
-    """`criu dump` options for the mount namespace of the job whose PID 1 has host PID `pid`."""
+def job_mounts(pid: int) -> list[str]:
+    """The VM's mount points in the mount namespace of the job whose PID 1 has host PID `pid` (what a dump names
+    external, so what a restore must find on its VM)."""
     try:
         points = mount_points(Path(f"/proc/{pid}/mountinfo").read_text())
     except OSError:
         return []  # the job is gone: CRIU itself says so, in its own words
-    external = sorted({point for point, fstype in points if point != ROOT and fstype != "proc"})
-    return [arg for point in external for arg in _external(point)]
+    return sorted({point for point, fstype in points if point != ROOT and fstype != "proc"})
+
+
+def dump_options(pid: int) -> list[str]:
+    """`criu dump` options for the mount namespace of the job whose PID 1 has host PID `pid`."""
+    return [arg for point in job_mounts(pid) for arg in _external(point)]
+
+
+def missing_here(points: Iterable[str], mountinfo: str | None = None) -> list[str]:
+    """The job's mount points that are no mount point of this VM (`mountinfo`: this process's by default)."""
+    text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
+    here = {point for point, _ in mount_points(text)}
+    return [point for point in points if point not in here]
 
 
 def restore_options() -> list[str]:
