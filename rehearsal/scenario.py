@@ -159,7 +159,9 @@ class Watcher:
             if event.skipped:
                 say.say(f"  newer checkpoints skipped: {event.skipped}")
             newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
-            if newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
+            if newest and not event.checkpoint_id:
+                say.say(f"! started from the beginning although final dump {newest} is committed (not restorable)")
+            elif newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
                 lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
                 say.say(
                     f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "

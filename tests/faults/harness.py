@@ -6,7 +6,8 @@ as the rehearsal observes them. Every scenario then asserts:
 - the job's result equals the uninterrupted run's, or the job ended FAILED with the reason expected;
 - never two live copies: the job's processes, sampled across all VMs every 50 ms, ran on one VM at a time;
 - no job record left in a non-final state, and no recovery workflow still running;
-- nothing left running or allocated (the rehearsal's leak check).
+- nothing left running or allocated (the rehearsal's leak check, rehearsal/leaks.py: instances, volumes,
+  snapshots, access points, and SSM commands still pending or in progress).
 """
 
 from __future__ import annotations
