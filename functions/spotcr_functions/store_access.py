@@ -8,7 +8,8 @@ recovering from (that one still writes the final dump). Only then is the store r
 role-chaining limit) with the job as session tag `SpotcrJob`, which the store role's policy uses as
 `jobs/${aws:PrincipalTag/SpotcrJob}/`, and with a session policy narrower still: the objects of the record's run
 (`jobs/<job>/runs/<run>/`), and of the name's other runs only the checkpoint state an ended run leaves behind
-(checkpoints, chunks, commit and sweep markers), which the new run prunes; never another run's result. Listing
+(checkpoints, chunks, commit and sweep markers), which the new run prunes; never another run's result. Of the job
+it also reaches the logs kept for `spotcr logs` (`criu-logs/`, `agent-logs/`, shared by the name's runs). Listing
 stays job-wide (key names, no contents): the new run finds the earlier runs to prune by it.
 
 EFS (efs storage): the session policy also allows ClientMount, ClientWrite and ClientRootAccess on the file system
@@ -47,6 +48,8 @@ _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
 ANY_RUN = "r-" + "?" * 16
 # What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs); result/ is not here.
 PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps")
+# The job's kept logs (the agent's checkpoint.CRIU_LOGS and AGENT_LOGS), which every run of the name writes.
+JOB_LOGS = ("criu-logs", "agent-logs")
 # The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.
 SESSION_TAG = "SpotcrJob"
 
@@ -135,8 +138,9 @@ def session_policy(
     access_point_arn: str | None = None,
     file_system_id: str = "",
 ) -> dict[str, Any]:
-    """The session policy: the run's objects, the checkpoint state of the name's other runs (to prune it), listing
-    only under the job's prefix, and (efs storage) mounting the file system only through the job's access point."""
+    """The session policy: the run's objects, the checkpoint state of the name's other runs (to prune it), the
+    job's kept logs, listing only under the job's prefix, and (efs storage) mounting the file system only through
+    the job's access point."""
     objects = f"arn:{partition}:s3:::{bucket}/"
     statements: list[dict[str, Any]] = [
         {
@@ -147,7 +151,10 @@ def session_policy(
         {
             "Effect": "Allow",
             "Action": list(OBJECT_ACTIONS),
-            "Resource": [f"{objects}{run_prefix(job_id, ANY_RUN)}{part}/*" for part in PRUNABLE],
+            "Resource": [
+                *(f"{objects}{run_prefix(job_id, ANY_RUN)}{part}/*" for part in PRUNABLE),
+                *(f"{objects}{job_prefix(job_id)}{logs}/*" for logs in JOB_LOGS),
+            ],
         },
         {
             "Effect": "Allow",

@@ -116,7 +116,12 @@ def test_the_session_policy_names_the_runs_prefix_and_only_the_checkpoint_state_
         "Resource": "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-0123456789abcdef/*",
     }
     runs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-????????????????/"
-    assert earlier["Resource"] == [f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps")]
+    logs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/"
+    assert earlier["Resource"] == [
+        *(f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps")),
+        f"{logs}criu-logs/*",
+        f"{logs}agent-logs/*",
+    ]
     assert listing == {
         "Effect": "Allow",
         "Action": "s3:ListBucket",
@@ -219,3 +224,12 @@ def test_a_request_that_is_no_function_url_event_is_answered_400(vending: list[d
     response = invoke_function("store-credentials", {"detail-type": "EC2 Instance State-change Notification"})
     assert response["statusCode"] == 400
     assert vending == []
+
+
+def test_the_session_names_the_paths_the_agent_writes() -> None:
+    # The agent's side of the same layout (a VM package the functions do not ship): checked here from both sides
+    from spotcr_agent import checkpoint
+    from spotcr_agent.store.store import run_prefix
+
+    assert store_access.JOB_LOGS == (checkpoint.CRIU_LOGS, checkpoint.AGENT_LOGS)
+    assert store_access.run_prefix("render-42", "r-0123456789abcdef") == run_prefix("render-42", "r-0123456789abcdef")

@@ -122,6 +122,8 @@ OWN = [
     f"{BUCKET_ARN}/jobs/render-42/runs/{RUN}/checkpoints/c1.json",
     f"{BUCKET_ARN}/jobs/render-42/runs/{RUN}/chunks/ab/abcd",
     f"{BUCKET_ARN}/jobs/render-42/runs/{RUN}/result/result.json",
+    f"{BUCKET_ARN}/jobs/render-42/criu-logs/0001-dump-c1.log",  # the logs `spotcr logs` reads, of every run
+    f"{BUCKET_ARN}/jobs/render-42/agent-logs/0001-dump-c1.log",
 ]
 OTHERS = [
     f"{BUCKET_ARN}/jobs/render-43/checkpoints/c1.json",  # another job
