@@ -46,8 +46,9 @@ _ASSUMED_ROLE = re.compile(r"^arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
 # IAM's `?` matches one character: a run id (r- and 16 hex digits), so the pattern never reaches into result/.
 ANY_RUN = "r-" + "?" * 16
-# What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs); result/ is not here.
-PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps")
+# What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs), and what `spotcr-agent
+# probe` writes on a job VM as a scratch run of its own (io/ and a pipeline's checkpoints); result/ is not here.
+PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps", "io")
 # The job's kept logs (the agent's checkpoint.CRIU_LOGS and AGENT_LOGS), which every run of the name writes.
 JOB_LOGS = ("criu-logs", "agent-logs")
 # The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.

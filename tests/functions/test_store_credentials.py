@@ -118,7 +118,7 @@ def test_the_session_policy_names_the_runs_prefix_and_only_the_checkpoint_state_
     runs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-????????????????/"
     logs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/"
     assert earlier["Resource"] == [
-        *(f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps")),
+        *(f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps", "io")),
         f"{logs}criu-logs/*",
         f"{logs}agent-logs/*",
     ]
