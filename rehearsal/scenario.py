@@ -29,6 +29,7 @@ from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV
+from spotcr_functions.models import ENDED
 
 from rehearsal import asset, leaks
 from rehearsal.cloud import REGION, LocalCloud
@@ -164,7 +165,9 @@ class Watcher:
             if event.skipped:
                 say.say(f"  newer checkpoints skipped: {event.skipped}")
             newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
-            if newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
+            if newest and not event.checkpoint_id:
+                say.say(f"! started from the beginning although final dump {newest} is committed (not restorable)")
+            elif newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
                 lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
                 say.say(
                     f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
@@ -692,7 +695,7 @@ class Rehearsal:
 
     def _ended(self) -> dict[str, Any] | None:
         record = self.job_record()
-        return record if record.get("status") in ("COMPLETED", "FAILED") else None
+        return record if record.get("status") in ENDED else None
 
     def _await_end(self, timeout_s: float) -> agent_events.JobExited:
         """The job's end as the control plane recorded it, which it takes from SSM's answer on the instance, never

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from spotcr_contracts import tags
+from spotcr_functions.models import ENDED
 
 from spotcr_cli import actions, jobs, preflight, render, selftest
 from spotcr_cli.aws import DEFAULT_STACK, ENDPOINT_ENV, STACK_ENV, Cloud, CommandError
@@ -212,7 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             render.as_json(view, args.out)
         else:
             _print_status(view, args.out)
-        ended = view["state"] in ("COMPLETED", "FAILED", "CANCELLED")
+        ended = view["state"] in ENDED
         if not args.watch or ended:
             return 0
         time.sleep(args.watch)

@@ -23,8 +23,9 @@ class InvalidEvent(ValueError):
 @dataclass(frozen=True)
 class AgentEvent:
     """Fields every agent event carries. `generation` is the fencing token the VM serves; `run_id` the run of the
-    job it serves (spotcr:run), empty only before the control plane registered this VM's run (AgentReady,
-    BootstrapFailed): an event of another run never moves the job."""
+    job it serves (spotcr:run). An event whose run_id is not the job's moves nothing (telemetry only): any job VM
+    can put an event on the bus, and a run id is what it cannot guess. Empty only before the control plane
+    registered this VM's run; an AgentReady in run mode without one just asks it to check that registration."""
 
     DETAIL_TYPE: ClassVar[str] = ""
 

@@ -24,8 +24,7 @@ FINAL_DUMPS_AT_RISK = "FinalDumpsAtRisk"
 
 def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
     record = deps.registry.get(event.job_id)
-    waiting = isinstance(event, events.AgentReady) and event.mode == "run" and not event.run_id
-    if waiting or (record is None and isinstance(event, events.JobStarted)):
+    if _waiting_for_run(event) or (record is None and isinstance(event, events.JobStarted)):
         # Events come in any order: the agent may be up before its instance's "running" state change arrives (or
         # that event is lost). An agent waiting for its run registers the job as the state change would: the
         # instance's own tags decide, and it gets either the run's tag (a lost tag write is put again) or
@@ -73,15 +72,14 @@ def _refusal(record: JobRecord, event: events.AgentEvent) -> dict[str, Any] | No
     return None
 
 
-# An agent knows its run once the control plane tagged its instance; before that it can only say it is up or failed.
-_BEFORE_RUN = (events.AgentReady, events.BootstrapFailed)
-
-
 def _of_this_run(record: JobRecord, event: events.AgentEvent) -> bool:
-    """An event moves the job only if it carries the job's run id (AgentReady and BootstrapFailed may carry none)."""
-    if event.run_id == record.run_id:
-        return True
-    return not event.run_id and isinstance(event, _BEFORE_RUN)
+    """An event moves the job only if it carries the job's run id. A run-mode AgentReady without one (the agent
+    waits for its run's tag) moves nothing either: it is only noted, after registration was checked from EC2."""
+    return event.run_id == record.run_id or _waiting_for_run(event)
+
+
+def _waiting_for_run(event: events.AgentEvent) -> bool:
+    return isinstance(event, events.AgentReady) and event.mode == "run" and not event.run_id
 
 
 def _last_checkpoint_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
@@ -111,7 +109,9 @@ def _agent_ready(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     if event.mode != "restore":
         logger.info("agent ready", job_id=record.job_id, instance_id=event.instance_id)
         return {"action": "noted"}
-    if record.backup_instance_id and event.instance_id != record.backup_instance_id:
+    if event.instance_id != record.backup_instance_id:
+        # Only the backup the recovery recorded moves it (it is recorded before its VM can boot), never a VM
+        # someone tagged spotcr:mode=restore (jobs.register_instance tags that one spotcr:error).
         logger.warning("AgentReady from an instance that is not the job's backup", instance_id=event.instance_id)
         return {"action": "ignored", "reason": "not the backup"}
     rendezvous.arrive(deps, record.job_id, "backup-ready", record.generation, {"instance_id": event.instance_id})
@@ -355,7 +355,7 @@ def exit_ends_job(record: JobRecord, event: events.JobExited) -> str | None:
 
 def _ended_by(record: JobRecord, event: events.JobExited) -> bool:
     """The record's end is this exit (same code, and its result, if stored, is the one recorded)."""
-    ended = record.status in (Status.COMPLETED, Status.FAILED) and record.exit_code == event.exit_code
+    ended = record.status in ENDED and record.exit_code == event.exit_code
     return ended and (record.result or "") == event.result
 
 
@@ -447,7 +447,7 @@ def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instan
 
 def _set_status(deps: Deps, record: JobRecord, status: Status, expect: Status | None = None, **values: Any) -> bool:
     set_values = {"status": status.value, "updated_at": deps.iso_now(), **values}
-    remove = ("next_checkpoint_at",) if status in (Status.COMPLETED, Status.FAILED) else ()
+    remove = ("next_checkpoint_at",) if status in ENDED else ()
     condition_values = {":g": record.generation, ":expect": (expect or record.status).value}
     updated = deps.registry.update(
         record.job_id,

@@ -140,7 +140,7 @@ FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="tag-change",
         handler="spotcr_functions.handlers.tag_change.handler",
-        description="spotcr:job added to a running instance: register the job.",
+        description="spotcr:job added to a running instance: register the job; spotcr:mode: confirm the backup.",
         capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TAG, EC2_VOLUMES, EFS_ACCESS_POINTS),
         rules=(
             Rule(
@@ -151,7 +151,7 @@ FUNCTIONS: tuple[Function, ...] = (
                     "detail": {
                         "service": ["ec2"],
                         "resource-type": ["instance"],
-                        "changed-tag-keys": [tags.JOB],
+                        "changed-tag-keys": [tags.JOB, tags.MODE],
                     },
                 },
             ),

@@ -5,6 +5,9 @@ agent in run mode starts the job only once that tag is on its instance, so an in
 runs elsewhere: PENDING, RUNNING, CHECKPOINTING or RECOVERING) gets `spotcr:error` and never starts the job. A name
 reused after COMPLETED or FAILED is a new run with a new id: its checkpoints live apart from the earlier run's
 (the store is keyed by run), and the earlier run's events and commands are refused by both sides.
+
+Tags a user writes are never taken for spotcr's: an instance tagged `spotcr:mode=restore` is a backup only if the
+job's record names it as one for this run (the recovery records it at launch); any other gets `spotcr:error`.
 """
 
 from __future__ import annotations
@@ -44,8 +47,7 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
         logger.info("job instance is not running yet", instance_id=instance_id, state=instance.state)
         return {"registered": False, "reason": f"instance is {instance.state}"}
     if tags.launched_by_spotcr(instance.tags):
-        # A backup launched by the recovery workflow: the job is registered already and the workflow owns it.
-        return {"registered": False, "reason": "backup launched by spotcr"}
+        return _confirm_backup(deps, instance_id, instance.tags)
     try:
         spec = tags.parse_job_tags(instance.tags)
     except tags.InvalidJobTags as error:
@@ -117,6 +119,25 @@ def tag_run(deps: Deps, record: JobRecord, instance_tags: Mapping[str, str] | No
     if record.run_id and (instance_tags or {}).get(tags.RUN) != record.run_id:
         deps.cloud.tag_instance(record.instance_id, {tags.RUN: record.run_id})
         logger.info("run tagged", job_id=record.job_id, instance_id=record.instance_id, run_id=record.run_id)
+
+
+def _confirm_backup(deps: Deps, instance_id: str, instance_tags: Mapping[str, str]) -> dict[str, Any]:
+    """A backup the recovery launched is the job's and the workflow owns it; an instance a user tagged restore is
+    refused, or its agent would wait for a restore forever."""
+    job_id = instance_tags.get(tags.JOB, "")
+    record = deps.registry.get(job_id) if tags.JOB_NAME.match(job_id) else None
+    if record is not None and instance_tags.get(tags.RUN) == record.run_id:
+        if instance_id in (record.backup_instance_id, record.instance_id, record.recovering_from):
+            return {"registered": False, "reason": "backup launched by spotcr"}
+        launching = record.status == Status.RECOVERING and record.backup_instance_id is None
+        if launching and instance_tags.get(tags.GENERATION) == str(record.generation):
+            # The recovery records its backup right after RunInstances returns: no verdict before that.
+            return {"registered": False, "reason": "backup of this generation not recorded yet"}
+    return _reject(
+        deps,
+        instance_id,
+        f"{tags.MODE}: restore is set by spotcr on the backups it launches; {instance_id} is no backup of job {job_id}",
+    )
 
 
 def _reject(deps: Deps, instance_id: str, reason: str) -> dict[str, Any]:

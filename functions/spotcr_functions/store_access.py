@@ -1,4 +1,4 @@
-"""Per-job store credentials: a job VM gets S3 credentials for its own job's prefix, and nothing else.
+"""Per-run store credentials: a job VM gets S3 credentials for its own run's prefix, and nothing else.
 
 The job VM calls the store-credentials function URL (AuthType AWS_IAM), or with private subnets the private API
 in front of the same function (AWS_IAM), signing with its instance role. Lambda (or API Gateway) verifies the
@@ -7,7 +7,11 @@ signature and names the caller in the event: an instance profile session is
 record must name that instance as its current instance, its backup, or the instance whose interruption it is
 recovering from (that one still writes the final dump). Only then is the store role assumed for one hour (the
 role-chaining limit) with the job as session tag `SpotcrJob`, which the store role's policy uses as
-`jobs/${aws:PrincipalTag/SpotcrJob}/`, and with a session policy naming the same prefix.
+`jobs/${aws:PrincipalTag/SpotcrJob}/`, and with a session policy narrower still: the objects of the record's run
+(`jobs/<job>/runs/<run>/`), and of the name's other runs only the checkpoint state an ended run leaves behind
+(checkpoints, chunks, commit and sweep markers), which the new run prunes; never another run's result. Of the job
+it also reaches the logs kept for `spotcr logs` (`criu-logs/`, `agent-logs/`, shared by the name's runs). Listing
+stays job-wide (key names, no contents): the new run finds the earlier runs to prune by it.
 
 EFS (efs storage): the session policy also allows ClientMount, ClientWrite and ClientRootAccess on the file system
 only with `elasticfilesystem:AccessPointArn` equal to this job's access point (efs_access). The session tag cannot
@@ -27,7 +31,7 @@ from typing import Any
 from spotcr_contracts import tags
 
 from spotcr_functions.deps import Deps
-from spotcr_functions.models import INSTANCE_ID_PATTERN, JobRecord, Status
+from spotcr_functions.models import ENDED, INSTANCE_ID_PATTERN, JobRecord, Status
 
 JOBS_PREFIX = "jobs/"
 SESSION_SECONDS = 3600  # role chaining (an instance role session assuming the store role) caps sessions at 1 hour
@@ -41,7 +45,13 @@ EFS_CLIENT_ACTIONS = (
 ACCESS_POINT_KEY = "elasticfilesystem:AccessPointArn"
 _ASSUMED_ROLE = re.compile(r"^arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=,.@-]{1,64})/([\w+=,.@-]{2,64})$")
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
-ENDED = (Status.COMPLETED, Status.FAILED)
+# IAM's `?` matches one character: a run id (r- and 16 hex digits), so the pattern never reaches into result/.
+ANY_RUN = "r-" + "?" * 16
+# What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs), and what `spotcr-agent
+# probe` writes on a job VM as a scratch run of its own (io/ and a pipeline's checkpoints); result/ is not here.
+PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps", "io")
+# The job's kept logs (the agent's checkpoint.CRIU_LOGS and AGENT_LOGS), which every run of the name writes.
+JOB_LOGS = ("criu-logs", "agent-logs")
 # The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.
 SESSION_TAG = "SpotcrJob"
 
@@ -93,17 +103,27 @@ def instances_of(record: JobRecord) -> tuple[str, ...]:
     return tuple(instance for instance in candidates if instance)
 
 
-def authorize(record: JobRecord | None, job_id: str, instance_id: str) -> None:
+def authorize(record: JobRecord | None, job_id: str, instance_id: str) -> JobRecord:
+    """The job's record, when it grants this instance its run's store; Refused otherwise."""
     if record is None:
         raise Refused(404, f"unknown job {job_id}: it is not registered (yet)")
     if record.status in ENDED:
-        raise Refused(403, f"job {job_id} has ended ({record.status.value}); its store is read by users, not VMs")
+        # 410, not 403: an ended job never gets credentials again, so the agent stops asking at once.
+        raise Refused(410, f"job {job_id} has ended ({record.status.value}); its store is read by users, not VMs")
+    if not record.run_id:
+        raise Refused(404, f"job {job_id} has no run yet (it is minted with its registration)")
     if instance_id not in instances_of(record):
         raise Refused(403, f"instance {instance_id} is not running job {job_id}")
+    return record
 
 
 def job_prefix(job_id: str) -> str:
     return f"{JOBS_PREFIX}{job_id}/"
+
+
+def run_prefix(job_id: str, run_id: str) -> str:
+    """One run's objects (the agent's store.run_prefix names the same)."""
+    return f"{job_prefix(job_id)}runs/{run_id}/"
 
 
 def file_system_arn(access_point_arn: str, file_system_id: str) -> str:
@@ -112,22 +132,37 @@ def file_system_arn(access_point_arn: str, file_system_id: str) -> str:
 
 
 def session_policy(
-    partition: str, bucket: str, job_id: str, access_point_arn: str | None = None, file_system_id: str = ""
+    partition: str,
+    bucket: str,
+    job_id: str,
+    run_id: str,
+    *,
+    access_point_arn: str | None = None,
+    file_system_id: str = "",
 ) -> dict[str, Any]:
-    """The session policy: the job's objects, listing only under the job's prefix, and (efs storage) mounting the
-    file system only through the job's own access point."""
-    prefix = job_prefix(job_id)
+    """The session policy: the run's objects, the checkpoint state of the name's other runs (to prune it), the
+    job's kept logs, listing only under the job's prefix, and (efs storage) mounting the file system only through
+    the job's access point."""
+    objects = f"arn:{partition}:s3:::{bucket}/"
     statements: list[dict[str, Any]] = [
         {
             "Effect": "Allow",
             "Action": list(OBJECT_ACTIONS),
-            "Resource": f"arn:{partition}:s3:::{bucket}/{prefix}*",
+            "Resource": f"{objects}{run_prefix(job_id, run_id)}*",
+        },
+        {
+            "Effect": "Allow",
+            "Action": list(OBJECT_ACTIONS),
+            "Resource": [
+                *(f"{objects}{run_prefix(job_id, ANY_RUN)}{part}/*" for part in PRUNABLE),
+                *(f"{objects}{job_prefix(job_id)}{logs}/*" for logs in JOB_LOGS),
+            ],
         },
         {
             "Effect": "Allow",
             "Action": LIST_ACTION,
             "Resource": f"arn:{partition}:s3:::{bucket}",
-            "Condition": {"StringLike": {"s3:prefix": f"{prefix}*"}},
+            "Condition": {"StringLike": {"s3:prefix": f"{job_prefix(job_id)}*"}},
         },
     ]
     if access_point_arn:
@@ -149,13 +184,20 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
         raise RuntimeError("store credentials need SPOTCR_STORE_ROLE_ARN and SPOTCR_JOB_ROLE_NAME")
     caller = caller_instance(user_arn, settings.job_role_name)
     job = check_job_name(job_id)
-    record = deps.registry.get(job)
-    authorize(record, job, caller.instance_id)
-    access_point = access_point_of(record, settings.file_system_id) if record else None
+    record = authorize(deps.registry.get(job), job, caller.instance_id)
+    access_point = access_point_of(record, settings.file_system_id)
+    policy = session_policy(
+        caller.partition,
+        settings.checkpoint_bucket,
+        job,
+        record.run_id,
+        access_point_arn=access_point,
+        file_system_id=settings.file_system_id,
+    )
     credentials = deps.cloud.assume_store_role(
         role_arn=settings.store_role_arn,
         session_name=caller.instance_id,
-        policy=session_policy(caller.partition, settings.checkpoint_bucket, job, access_point, settings.file_system_id),
+        policy=policy,
         session_tags={SESSION_TAG: job},
         duration_s=SESSION_SECONDS,
     )
@@ -166,7 +208,8 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
         "SessionToken": credentials["SessionToken"],
         "Expiration": _iso(credentials["Expiration"]),
         "Job": job,
-        "Prefix": job_prefix(job),
+        "Run": record.run_id,
+        "Prefix": run_prefix(job, record.run_id),
         **(
             {"FileSystemId": settings.file_system_id, "AccessPointId": access_point.rsplit("/", 1)[-1]}
             if access_point

@@ -42,7 +42,7 @@ def _args(**overrides):
     return argparse.Namespace(**values)
 
 
-def _bootstrap(tmp_path, tags, spec=b"", **args):
+def _bootstrap(tmp_path, tags, spec=b"", metadata=None, sleep=lambda seconds: None, **args):
     results: list = []
     publisher = FakePublisher()
     environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "etc" / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
@@ -50,11 +50,12 @@ def _bootstrap(tmp_path, tags, spec=b"", **args):
         _args(**args),
         environ,
         results.append,
-        metadata=_metadata(tags),
+        metadata=metadata or _metadata(tags),
         publisher=publisher,
         spec_reader=lambda uri: spec,
         ping_status=lambda instance_id: "Online",
         scratch_warning=lambda scratch_dir: None,
+        sleep=sleep,
     )
     return code, results[0], publisher, environ
 
@@ -130,6 +131,33 @@ def test_bootstrap_storage_failure_names_the_step(tmp_path):
     assert result["step"] == "storage"
     assert "storage efs: no file system id configured" in result["error"]
     assert publisher.events[0].step == "storage"
+
+
+def test_a_bootstrap_failure_carries_the_run_the_control_plane_tags_meanwhile(tmp_path):
+    # Given a primary whose storage fails before the control plane has tagged it with its run
+    tags = {"spotcr:job": "j", "spotcr:storage": "efs", "spotcr:command": "x"}
+    metadata = _metadata(tags)
+    slept = []
+
+    def register(seconds):
+        slept.append(seconds)
+        metadata.values["meta-data/tags/instance"] += "\nspotcr:run"
+        metadata.values["meta-data/tags/instance/spotcr:run"] = "r-0123456789abcdef"
+
+    # When its bootstrap fails
+    code, result, publisher, _ = _bootstrap(tmp_path, tags, metadata=metadata, sleep=register, bucket="", efs_id="")
+    # Then the failure waited for the run's tag and carries it: the control plane acts on this run's failure only
+    assert (code, result["step"]) == (1, "storage")
+    [event] = publisher.events
+    assert (event.DETAIL_TYPE, event.run_id, len(slept)) == ("BootstrapFailed", "r-0123456789abcdef", 1)
+
+
+def test_a_bootstrap_failure_on_an_instance_never_registered_carries_no_run(tmp_path):
+    # Given an instance the control plane refused (spotcr:error), whose storage fails
+    tags = {"spotcr:job": "j", "spotcr:storage": "efs", "spotcr:command": "x", "spotcr:error": "already runs"}
+    code, _, publisher, _ = _bootstrap(tmp_path, tags, sleep=pytest.fail, bucket="", efs_id="")
+    # Then it reports at once, with no run: telemetry only
+    assert code == 1 and publisher.events[0].run_id == ""
 
 
 def test_an_ebs_volume_that_never_appears_is_named(tmp_path):

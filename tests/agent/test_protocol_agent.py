@@ -12,8 +12,9 @@ from typing import Any, cast
 import pytest
 from spotcr_agent import daemon
 from spotcr_agent.checkpoint import Checkpointer, CheckpointError
+from spotcr_agent.criu import CriuError
 from spotcr_agent.host import HostInfo
-from spotcr_agent.restore import Restorer
+from spotcr_agent.restore import MissingMount, RestoreError, Restorer, check_mounts, permanent
 from spotcr_agent.runner import process_start_time
 from spotcr_agent.state import FinalDump
 from spotcr_agent.store import CheckpointNotFound, CommitResult, CorruptCheckpoint, StoreUnavailable
@@ -407,3 +408,41 @@ def test_a_warning_during_the_restore_keeps_the_restored_job_and_its_final_dump_
     state = restorer.state.read()
     assert (outcome.checkpoint_id, state.job_status, state.generation) == ("0001-g1-periodic", "running", 2)
     assert state.final_dumps["2"].status == "running"
+
+
+class _CriuWithoutTheMount:
+    """CRIU on a backup that lacks a mount the job's VM had, as CRIU 4.1 says it (the path is not known there)."""
+
+    def restore(self, images, logs, **options):
+        log = "(00.004210) Error (criu/mount.c:3131): mnt: No mapping for 125:(null) mountpoint\n"
+        raise CriuError("restore", "mnt: No mapping for 125:(null) mountpoint", log.strip(), log)
+
+
+def test_a_mount_no_backup_has_ends_the_walk_in_a_start_from_scratch(tmp_path):
+    # Given two intact checkpoints of a job whose VM had a mount the backups lack (the user's boot script made it)
+    clock = [0.0]
+    store = _WalkStore({"0002-g1-periodic": "ok", "0001-g1-periodic": "ok"}, clock)
+    restorer = _restorer(tmp_path, store, clock)
+    restorer.criu = cast(Any, _CriuWithoutTheMount())
+    # When the backup restores
+    with pytest.raises(RestoreError, match="No mapping for") as raised:
+        restorer.restore(1)
+    # Then it tried each checkpoint, and the failure says nothing is restorable: where allowed, the job starts over
+    assert store.fetched == ["0002-g1-periodic", "0001-g1-periodic"]
+    assert raised.value.nothing_restorable
+
+
+def test_a_checkpoint_names_the_mount_a_restore_lacks_before_criu_runs():
+    # Given the mounts a checkpoint recorded, and this VM's, which lack /data
+    here = (
+        "22 1 259:1 / / rw,relatime - ext4 /dev/root rw\n"
+        "23 22 0:21 / /proc rw - proc proc rw\n"
+        "24 22 0:30 / /var/lib/spotcr rw - ext4 /dev/nvme1n1 rw\n"
+    )
+    record = {"mounts": ["/data", "/var/lib/spotcr"]}
+    # Then the check names the missing mount and is final for every backup
+    with pytest.raises(MissingMount, match="had /data mounted") as raised:
+        check_mounts(record, here)
+    assert permanent(raised.value)
+    check_mounts({"mounts": ["/var/lib/spotcr"]}, here)
+    check_mounts({}, here)  # a checkpoint made before mounts were recorded: CRIU's own words decide

@@ -69,6 +69,16 @@ def test_a_refusal_that_lasts_names_the_reason() -> None:
     assert sum(url.slept) <= 10.0
 
 
+def test_the_answer_that_the_job_ended_is_final_never_waited_on() -> None:
+    # Given a URL that answers the job ended (as it does to a status command sent after the end)
+    url = Url((410, b'{"error": "job render-42 has ended (COMPLETED); its store is read by users, not VMs"}'))
+    # When the agent fetches, with the 5 minutes a new primary may wait for its registration
+    with pytest.raises(store_credentials.StoreCredentialsError, match=r"refused \(410\): job render-42 has ended"):
+        url.fetcher(wait_s=store_credentials.WAIT_S)()
+    # Then it asked once and never waited
+    assert (len(url.asked), url.slept) == (1, [])
+
+
 @pytest.mark.parametrize(
     "body", [b"not json", b"{}", _answer("AKIDOTHER", timedelta(hours=1), job="someone-else")], ids=str
 )

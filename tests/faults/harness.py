@@ -6,7 +6,8 @@ as the rehearsal observes them. Every scenario then asserts:
 - the job's result equals the uninterrupted run's, or the job ended FAILED with the reason expected;
 - never two live copies: the job's processes, sampled across all VMs every 50 ms, ran on one VM at a time;
 - no job record left in a non-final state, and no recovery workflow still running;
-- nothing left running or allocated (the rehearsal's leak check).
+- nothing left running or allocated (the rehearsal's leak check, rehearsal/leaks.py: instances, volumes,
+  snapshots, access points, and SSM commands still pending or in progress).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from spotcr_contracts import events as agent_events
 from spotcr_functions.config import ENV
+from spotcr_functions.models import ENDED
 
 from rehearsal.cloud import LocalCloud, StoreFault
 from rehearsal.scenario import Options, Rehearsal, RehearsalFailed
@@ -190,7 +192,7 @@ class FaultRehearsal(Rehearsal):
         deadline = time.monotonic() + SETTLE_S
         while True:
             record, running = self.job_record(), self.running_workflows()
-            if record.get("status") in ("COMPLETED", "FAILED") and not running:
+            if record.get("status") in ENDED and not running:
                 break
             if time.monotonic() > deadline:
                 raise RehearsalFailed(f"not settled: job record {record.get('status')}, workflows running {running}")

@@ -4,6 +4,7 @@ with one injected fault per scenario. The invariants each scenario asserts are i
 from __future__ import annotations
 
 import fcntl
+import json
 import shlex
 import threading
 import time
@@ -12,11 +13,14 @@ from typing import Any
 import pytest
 from spotcr_agent.store.store import run_prefix
 from spotcr_contracts import events as agent_events
+from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
+from spotcr_functions.models import ENDED
 
 from rehearsal.sample_job import STOPPED_EXIT_CODE
 from rehearsal.scenario import committed_result
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
+from tests.infra.test_store_isolation import allows
 
 pytestmark = [pytest.mark.faults, pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -242,9 +246,9 @@ def _ends_failed(rehearsal: FaultRehearsal) -> None:
 
 
 def _until_ended(rehearsal: FaultRehearsal, bound_s: float = 60.0) -> None:
-    """Poll (bounded) until the job's record is COMPLETED or FAILED: events are handled asynchronously."""
+    """Poll (bounded) until the job's record has ended: events are handled asynchronously."""
     deadline = time.monotonic() + bound_s
-    while rehearsal.job_record().get("status") not in ("COMPLETED", "FAILED"):
+    while rehearsal.job_record().get("status") not in ENDED:
         if time.monotonic() > deadline:
             raise AssertionError(f"the confirmed exit did not end the job: {rehearsal.job_record()}")
         time.sleep(0.2)
@@ -420,4 +424,105 @@ def test_the_agent_killed_during_its_final_upload_restores_the_periodic_with_one
     assert not [e for e in rehearsal.events("CheckpointCompleted") if e.kind == "final"], rehearsal.lines
     [restored] = rehearsal.events("RestoreCompleted")
     assert restored.checkpoint_id.endswith("-periodic")
+    _assert_invariants(rehearsal, outcome)
+
+
+def _ask_status(rehearsal: FaultRehearsal, instance_id: str, bound_s: float) -> dict[str, Any]:
+    """Send the agent's status command as the control plane does (exits.ask_exit), and wait (bounded) for it."""
+    ssm = rehearsal.cloud.client("ssm")
+    sent = ssm.send_command(
+        InstanceIds=[instance_id],
+        DocumentName=rehearsal.cloud.settings_env[ENV["status_document"]],
+        Parameters={"JobId": [rehearsal.job_id]},
+    )["Command"]
+    deadline = time.monotonic() + bound_s
+    while True:
+        answer = ssm.get_command_invocation(CommandId=sent["CommandId"], InstanceId=instance_id)
+        if answer["Status"] not in ("Pending", "InProgress", "Delayed"):
+            return dict(answer)
+        if time.monotonic() > deadline:
+            return dict(answer)
+        time.sleep(0.5)
+
+
+def test_a_status_command_after_the_end_answers_at_once(reference, cloud, tmp_path):
+    # Given a job that ran to its end, its instance still up (the user's), and the control plane asking its agent
+    # again once the job has ended (as the scheduler's exits.ask_again may, in the tick that ends it)
+    rehearsal = FaultRehearsal(options(reference, tmp_path, interruptions=0), cloud)
+    asked: dict[str, Any] = {}
+
+    def ask_after_the_end() -> None:
+        started = time.monotonic()
+        asked["answer"] = _ask_status(rehearsal, rehearsal.end["record"]["instance_id"], 60.0)
+        asked["seconds"] = time.monotonic() - started
+
+    rehearsal.before_cleanup.append(ask_after_the_end)
+
+    # When the job runs to its end
+    outcome = _run(rehearsal)
+
+    # Then the status command answered at once from what the VM holds, saying its store is no longer served
+    answer = asked["answer"]
+    assert answer["Status"] == "Success" and asked["seconds"] < 30, (asked, rehearsal.lines)
+    status = json.loads(answer["StandardOutputContent"])
+    assert status["job_status"] == "exited" and "has ended (COMPLETED)" in status["criu_logs_error"], status
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_a_mount_the_backup_lacks_ends_in_a_start_from_scratch_with_the_right_result(reference, cloud, tmp_path):
+    # Given a primary whose own boot made a mount (a tmpfs on /srv) that backups, booted by spotcr alone, lack
+    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    submit = rehearsal._submit
+    mount = ["/bin/sh", "-c", "mount -t tmpfs -o size=1m fault-mount /srv"]
+
+    def submit_with_a_mount() -> str:
+        plain = cloud.boot_commands
+        cloud.boot_commands = [mount, *plain]  # read when the VM is made, inside RunInstances
+        try:
+            return submit()
+        finally:
+            cloud.boot_commands = plain
+
+    rehearsal._submit = submit_with_a_mount  # type: ignore[method-assign]
+
+    # When the job is interrupted after its periodic checkpoint
+    outcome = _run(rehearsal)
+
+    # Then the backup skipped every checkpoint naming the mount, and started the job over: the right result
+    [restored] = rehearsal.events("RestoreCompleted")
+    assert restored.checkpoint_id == "" and "had /srv mounted" in restored.skipped, rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+def test_a_runs_store_session_reaches_nothing_of_an_earlier_runs_result(reference, cloud, tmp_path, monkeypatch):
+    # Given a job that ran to its end under a name, its result stored under its run
+    earlier = FaultRehearsal(options(b"", tmp_path / "earlier", steps=500, interruptions=0), cloud)
+    _run(earlier)
+    [ended] = earlier.events("JobExited")
+    s3, bucket = cloud.client("s3"), cloud.names["checkpoint_bucket"]
+    result_prefix = f"{run_prefix(ended.job_id, ended.run_id)}result/"
+    kept = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=result_prefix).get("Contents", [])]
+    assert kept, earlier.lines
+
+    # When a new run of the name gets its store sessions (each session policy is recorded as the store role is
+    # assumed: the local S3 does not evaluate it, AWS does)
+    policies: list[tuple[str, dict[str, Any]]] = []
+    assume = Cloud.assume_store_role
+
+    def recorded(self: Cloud, **kwargs: Any) -> dict[str, Any]:
+        policies.append((kwargs["session_name"], kwargs["policy"]))
+        return assume(self, **kwargs)
+
+    monkeypatch.setattr(Cloud, "assume_store_role", recorded)
+    rehearsal = FaultRehearsal(options(reference, tmp_path / "again", interruptions=0), cloud)
+    rehearsal.job_id = earlier.job_id
+    outcome = _run(rehearsal)
+
+    # Then no session of the new run may read, overwrite or delete any object of the earlier run's result
+    mine = [policy for instance_id, policy in policies if instance_id in rehearsal.sampler.seen_on]
+    assert mine, rehearsal.lines
+    for policy in mine:
+        for key in kept:
+            for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
+                assert not allows(policy["Statement"], action, f"arn:aws:s3:::{bucket}/{key}", {}), (action, key)
     _assert_invariants(rehearsal, outcome)

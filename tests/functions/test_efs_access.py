@@ -130,7 +130,14 @@ def test_the_vended_session_may_mount_only_through_the_jobs_access_point(
     assert status == 200, body
     assert (body["FileSystemId"], body["AccessPointId"]) == (file_system, access_point.rsplit("/", 1)[-1])
     [call] = vending
-    assert call["policy"] == store_access.session_policy("aws", BUCKET, "render-42", access_point, file_system)
+    assert call["policy"] == store_access.session_policy(
+        "aws",
+        BUCKET,
+        "render-42",
+        plane.job("render-42").run_id,
+        access_point_arn=access_point,
+        file_system_id=file_system,
+    )
     [efs_statement] = [s for s in call["policy"]["Statement"] if s["Action"][0].startswith("elasticfilesystem:")]
     assert efs_statement == {
         "Effect": "Allow",

@@ -94,7 +94,7 @@ def test_second_instance_with_a_running_jobs_name_is_refused(plane: ControlPlane
     assert plane.job("dup-1").instance_id == first
 
 
-def test_backup_launched_by_spotcr_is_not_a_new_job(plane: ControlPlane) -> None:
+def test_an_instance_tagged_restore_is_no_new_job_and_no_backup_of_an_unknown_one(plane: ControlPlane) -> None:
     backup = plane.launch_job_instance(
         {
             tag_names.JOB: "job-b",
@@ -104,7 +104,7 @@ def test_backup_launched_by_spotcr_is_not_a_new_job(plane: ControlPlane) -> None
         }
     )
     [(_, result)] = route(ec2_event("state-change-running", backup))
-    assert result == {"registered": False, "reason": "backup launched by spotcr"}
+    assert result["registered"] is False and "is no backup of job job-b" in result["error"]
     _nothing_ran(plane)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
@@ -102,3 +103,92 @@ def test_a_name_reused_after_completed_is_a_new_run_that_never_sees_the_old_ones
     assert restore["parameters"]["CheckpointId"] == ""
     finish_restore(events.RestoreCompleted("again-1", backup, 1, now_iso(), checkpoint_id=""))
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+
+
+def _without_run(event: events.AgentEvent) -> dict[str, Any]:
+    """The event as anything on the bus may put it: for the job's instance, but carrying no run id."""
+    entry = agent_event(event)
+    entry["detail"]["run_id"] = ""
+    return entry
+
+
+def test_a_bootstrap_failure_without_the_jobs_run_fails_nothing(plane: ControlPlane) -> None:
+    # Given a job registered on its instance, which has not started it yet
+    instance_id = plane.launch_job_instance({tag_names.JOB: "forged-1", tag_names.COMMAND: "/opt/job/run"})
+    route(ec2_event("state-change-running", instance_id))
+    assert plane.job("forged-1").status == Status.PENDING
+    # When a BootstrapFailed naming that instance but no run (anything on the bus can put one) arrives
+    failed = events.BootstrapFailed("forged-1", instance_id, 0, now_iso(), step="storage", reason="forged")
+    route(_without_run(failed))
+    # Then the job is as it was: only its own run's failure ends it
+    assert plane.job("forged-1").status == Status.PENDING
+    route(agent_event(failed))
+    assert plane.job("forged-1").status == Status.FAILED
+
+
+def test_an_agent_ready_without_the_jobs_run_moves_no_recovery(plane: ControlPlane) -> None:
+    # Given a job recovering onto its backup, which has not said it is ready
+    instance_id = plane.start_job("forged-2")
+    route(ec2_event("spot-interruption-warning", instance_id))
+    finish_checkpoint(events.CheckpointFailed("forged-2", instance_id, 1, now_iso(), kind="final", reason="down"))
+    backup = plane.wait_until(lambda: plane.job("forged-2").backup_instance_id, "the backup launch")
+    # When an AgentReady in restore mode names the backup but carries no run
+    route(_without_run(events.AgentReady("forged-2", backup, 1, now_iso(), mode="restore")))
+    # Then the recovery did not take it for the backup's: nothing arrived for its wait, no restore was ordered
+    assert plane.job("forged-2").arrival("backup-ready") is None
+    assert plane.sent_commands("restore") == []
+    # And the backup's own AgentReady (with the run it was launched with) moves it on to the end
+    route(agent_event(events.AgentReady("forged-2", backup, 1, now_iso(), mode="restore")))
+    plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    finish_restore(events.RestoreCompleted("forged-2", backup, 1, now_iso(), checkpoint_id=""))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+
+
+def test_an_instance_a_user_tags_restore_is_no_backup_and_is_told_so(plane: ControlPlane) -> None:
+    # Given a job running, and its backup-looking twin: a user's instance tagged spotcr:mode=restore with its name
+    # and even its run (any user may read the tag and write it)
+    first = plane.start_job("restore-1")
+    record = plane.job("restore-1")
+    forged = plane.launch_job_instance(
+        {
+            tag_names.JOB: "restore-1",
+            tag_names.COMMAND: "/opt/job/run",
+            tag_names.MODE: "restore",
+            tag_names.GENERATION: "0",
+            tag_names.RUN: record.run_id,
+        }
+    )
+    # When it runs
+    [(_, result)] = route(ec2_event("state-change-running", forged))
+    # Then it gets spotcr:error naming why (its agent would wait for a restore forever), and the job is unmoved
+    reason = plane.instance_tags(forged)[tag_names.ERROR]
+    assert result == {"registered": False, "error": reason}
+    assert f"{forged} is no backup of job restore-1" in reason
+    assert (plane.job("restore-1").status, plane.job("restore-1").instance_id) == (Status.RUNNING, first)
+
+
+def test_spotcr_mode_added_to_a_job_instance_is_checked_on_the_tag_change(plane: ControlPlane) -> None:
+    # Given an instance running with a job tag, that a user then tags spotcr:mode=restore
+    instance_id = plane.launch_job_instance(
+        {tag_names.JOB: "restore-2", tag_names.COMMAND: "/opt/job/run", tag_names.MODE: "restore"}
+    )
+    changed = ec2_event("tag-change", instance_id)
+    changed["detail"]["changed-tag-keys"] = [tag_names.MODE]
+    changed["detail"]["tags"] = plane.instance_tags(instance_id)
+    # When the tag change arrives
+    route(changed)
+    # Then the instance is refused with a reason, as no job's backup
+    assert "is no backup of job restore-2" in plane.instance_tags(instance_id)[tag_names.ERROR]
+
+
+def test_the_backup_the_recovery_launched_is_confirmed_as_one(plane: ControlPlane) -> None:
+    # Given a job recovering onto a backup spotcr launched
+    instance_id = plane.start_job("restore-3")
+    route(ec2_event("spot-interruption-warning", instance_id))
+    finish_checkpoint(events.CheckpointFailed("restore-3", instance_id, 1, now_iso(), kind="final", reason="down"))
+    backup = plane.wait_until(lambda: plane.job("restore-3").backup_instance_id, "the backup launch")
+    # When its "running" state change arrives
+    [(_, result)] = route(ec2_event("state-change-running", backup))
+    # Then it is the job's backup: no error, nothing registered
+    assert result == {"registered": False, "reason": "backup launched by spotcr"}
+    assert tag_names.ERROR not in plane.instance_tags(backup)

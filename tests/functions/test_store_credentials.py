@@ -97,16 +97,17 @@ def test_the_instance_running_a_job_gets_credentials_for_that_job_only(
     instance_id = registered_job(plane)
     # When its agent asks for the job's store credentials
     status, body = answer(request("render-42", instance_session(instance_id)))
-    # Then it gets a session of the store role named after the instance, for jobs/render-42/ only
+    # Then it gets a session of the store role named after the instance, for its run's prefix only
+    run = plane.job("render-42").run_id
     assert status == 200, body
     assert {"AccessKeyId", "SecretAccessKey", "SessionToken", "Expiration"} <= set(body)
-    assert (body["Job"], body["Prefix"]) == ("render-42", "jobs/render-42/")
+    assert (body["Job"], body["Run"], body["Prefix"]) == ("render-42", run, f"jobs/render-42/runs/{run}/")
     [call] = vending
     assert call["role_arn"] == STORE_ROLE_ARN
     assert call["session_name"] == instance_id
     assert call["session_tags"] == {"SpotcrJob": "render-42"}
     assert call["duration_s"] == 3600  # the role-chaining limit
-    assert call["policy"] == store_access.session_policy("aws", BUCKET, "render-42")
+    assert call["policy"] == store_access.session_policy("aws", BUCKET, "render-42", run)
     identity = boto3.client(
         "sts",
         region_name=REGION,
@@ -117,14 +118,21 @@ def test_the_instance_running_a_job_gets_credentials_for_that_job_only(
     assert identity["Arn"].endswith(f":assumed-role/spotcr-StoreRole-0F1E2D3C4B5A/{instance_id}")
 
 
-def test_the_session_policy_names_only_the_jobs_prefix() -> None:
-    policy = store_access.session_policy("aws", BUCKET, "render-42")
-    objects, listing = policy["Statement"]
+def test_the_session_policy_names_the_runs_prefix_and_only_the_checkpoint_state_of_other_runs() -> None:
+    policy = store_access.session_policy("aws", BUCKET, "render-42", "r-0123456789abcdef")
+    objects, earlier, listing = policy["Statement"]
     assert objects == {
         "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
-        "Resource": "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/*",
+        "Resource": "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-0123456789abcdef/*",
     }
+    runs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-????????????????/"
+    logs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/"
+    assert earlier["Resource"] == [
+        *(f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps", "io")),
+        f"{logs}criu-logs/*",
+        f"{logs}agent-logs/*",
+    ]
     assert listing == {
         "Effect": "Allow",
         "Action": "s3:ListBucket",
@@ -182,16 +190,23 @@ def test_a_job_that_is_no_job_name_is_refused(plane: ControlPlane, vending: list
     assert vending == []
 
 
-def test_an_ended_job_gets_no_credentials(plane: ControlPlane, vending: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("ended", ["COMPLETED", "FAILED", "CANCELLED"])
+def test_an_ended_job_gets_no_credentials_and_is_told_so_for_good(
+    plane: ControlPlane, vending: list[dict[str, Any]], ended: str
+) -> None:
+    # Given a job that ended (a cancelled one included) while its instance still runs
     instance_id = registered_job(plane)
     boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs").update_item(
         Key={"job_id": "render-42"},
         UpdateExpression="SET #s = :s",
         ExpressionAttributeNames={"#s": "status"},
-        ExpressionAttributeValues={":s": "COMPLETED"},
+        ExpressionAttributeValues={":s": ended},
     )
+    # When its agent asks for the store
     status, body = answer(request("render-42", instance_session(instance_id)))
-    assert (status, body["error"]) == (403, "job render-42 has ended (COMPLETED); its store is read by users, not VMs")
+    # Then it is refused with 410 (Gone), which the agent never asks again after
+    assert (status, body["error"]) == (410, f"job render-42 has ended ({ended}); its store is read by users, not VMs")
+    assert vending == []
 
 
 def test_a_backup_and_the_interrupted_instance_may_hold_the_job_while_it_recovers(plane: ControlPlane) -> None:
@@ -239,9 +254,10 @@ def test_through_the_private_api_the_instance_running_a_job_gets_that_jobs_crede
     # Given a registered job, asked for through the private API by its instance's role session
     instance_id = registered_job(plane)
     status, body = answer(api_request("render-42", instance_session(instance_id)))
-    # Then the same answer as through the function URL: a session for jobs/render-42/ only
+    # Then the same answer as through the function URL: a session for the run's prefix only
+    run = plane.job("render-42").run_id
     assert status == 200, body
-    assert (body["Job"], body["Prefix"]) == ("render-42", "jobs/render-42/")
+    assert (body["Job"], body["Run"], body["Prefix"]) == ("render-42", run, f"jobs/render-42/runs/{run}/")
     [call] = vending
     assert (call["session_name"], call["session_tags"]) == (instance_id, {"SpotcrJob": "render-42"})
 
@@ -261,3 +277,12 @@ def test_through_the_private_api_other_callers_and_requests_are_refused(
     registered_job(plane)
     assert answer(api_request(job, user_arn))[0] == status
     assert vending == []
+
+
+def test_the_session_names_the_paths_the_agent_writes() -> None:
+    # The agent's side of the same layout (a VM package the functions do not ship): checked here from both sides
+    from spotcr_agent import checkpoint
+    from spotcr_agent.store.store import run_prefix
+
+    assert store_access.JOB_LOGS == (checkpoint.CRIU_LOGS, checkpoint.AGENT_LOGS)
+    assert store_access.run_prefix("render-42", "r-0123456789abcdef") == run_prefix("render-42", "r-0123456789abcdef")

@@ -116,7 +116,15 @@ def store_role(default_synth: Synth) -> list[dict[str, Any]]:
     return _policies_of(default_synth, "StoreAccessStoreRole")[2]
 
 
-OWN = [f"{BUCKET_ARN}/jobs/render-42/checkpoints/c1.json", f"{BUCKET_ARN}/jobs/render-42/chunks/ab/abcd"]
+RUN = "r-0123456789abcdef"
+EARLIER_RUN = "r-fedcba9876543210"
+OWN = [
+    f"{BUCKET_ARN}/jobs/render-42/runs/{RUN}/checkpoints/c1.json",
+    f"{BUCKET_ARN}/jobs/render-42/runs/{RUN}/chunks/ab/abcd",
+    f"{BUCKET_ARN}/jobs/render-42/runs/{RUN}/result/result.json",
+    f"{BUCKET_ARN}/jobs/render-42/criu-logs/0001-dump-c1.log",  # the logs `spotcr logs` reads, of every run
+    f"{BUCKET_ARN}/jobs/render-42/agent-logs/0001-dump-c1.log",
+]
 OTHERS = [
     f"{BUCKET_ARN}/jobs/render-43/checkpoints/c1.json",  # another job
     f"{BUCKET_ARN}/jobs/render-42-evil/chunks/ab/abcd",  # a job whose name starts with this one's
@@ -128,13 +136,13 @@ OTHERS = [
 
 
 def _both(store_role: list[dict[str, Any]], action: str, resource: str, context: Mapping[str, str]) -> bool:
-    session = store_access.session_policy("aws", BUCKET, "render-42")["Statement"]
+    session = store_access.session_policy("aws", BUCKET, "render-42", RUN)["Statement"]
     return allows(store_role, action, resource, context) and allows(session, action, resource, context)
 
 
 @pytest.mark.parametrize("action", OBJECT_ACTIONS)
 def test_a_vended_session_touches_its_own_jobs_objects_only(store_role: list[dict[str, Any]], action: str) -> None:
-    session = store_access.session_policy("aws", BUCKET, "render-42")["Statement"]
+    session = store_access.session_policy("aws", BUCKET, "render-42", RUN)["Statement"]
     for resource in OWN:
         assert allows(store_role, action, resource, _session("render-42")), resource
         assert _both(store_role, action, resource, _session("render-42")), resource
@@ -142,6 +150,25 @@ def test_a_vended_session_touches_its_own_jobs_objects_only(store_role: list[dic
         # Each policy alone already refuses: the role's by the session tag, the session policy by its prefix
         assert not allows(store_role, action, resource, _session("render-42")), resource
         assert not allows(session, action, resource, {}), resource
+
+
+@pytest.mark.parametrize("action", OBJECT_ACTIONS)
+def test_a_runs_session_never_touches_an_earlier_runs_result(store_role: list[dict[str, Any]], action: str) -> None:
+    # Given a run's session, and an earlier run of the same job name whose result is stored under its run
+    session = store_access.session_policy("aws", BUCKET, "render-42", RUN)["Statement"]
+    earlier = f"{BUCKET_ARN}/jobs/render-42/runs/{EARLIER_RUN}/"
+    # Then it reaches nothing of that run's result, nor the job's objects outside runs/
+    for resource in (
+        f"{earlier}result/result.json",
+        f"{earlier}result/chunks/ab/abcd",
+        f"{earlier}result/checkpoints/c1.json",
+        f"{BUCKET_ARN}/jobs/render-42/checkpoints/c1.json",
+        f"{BUCKET_ARN}/jobs/render-42/runs/r-0123/checkpoints/c1.json",
+    ):
+        assert not allows(session, action, resource, {}), resource
+    # And of the earlier run only the checkpoint state it left, which the new run prunes
+    for part in ("checkpoints/c1.json", "chunks/ab/abcd", "commits/c1", "sweeps/u1"):
+        assert _both(store_role, action, f"{earlier}{part}", _session("render-42")), part
 
 
 def test_a_session_without_the_job_tag_touches_nothing(store_role: list[dict[str, Any]]) -> None:
@@ -230,7 +257,9 @@ def denied_by(statements: Iterable[Mapping[str, Any]], action: str, context: Map
 def efs_policies(custom_synth: Synth) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """The store role's statements, the vended session's (for render-42), the file system policy's."""
     store_role = _policies_of(custom_synth, "StoreAccessStoreRole")[2]
-    session = store_access.session_policy("aws", BUCKET, "render-42", OWN_ACCESS_POINT, FILE_SYSTEM_ID)["Statement"]
+    session = store_access.session_policy(
+        "aws", BUCKET, "render-42", RUN, access_point_arn=OWN_ACCESS_POINT, file_system_id=FILE_SYSTEM_ID
+    )["Statement"]
     [file_system] = custom_synth.of_type("AWS::EFS::FileSystem").values()
     return store_role, session, file_system["Properties"]["FileSystemPolicy"]["Statement"]
 

@@ -1,20 +1,22 @@
 """`spotcr-agent bootstrap`: read the job from IMDS, fetch its spec, prepare its storage, write agent.json,
 then wait until SSM can reach this instance (readiness.py), so the agent's first event is answerable.
 
-A failure names its step, goes to the console, and is published as BootstrapFailed.
+A failure names its step, goes to the console, and is published as BootstrapFailed with the run this VM was
+registered for (its spotcr:run, waited for a bounded while): the control plane acts on no other.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from spotcr_contracts.events import BootstrapFailed
-from spotcr_contracts.tags import JOB, JobSpec, parse_job_tags
+from spotcr_contracts.tags import ERROR, JOB, RUN, RUN_ID_PATTERN, JobSpec, parse_job_tags
 
 from . import config as agent_config
 from . import readiness, scratch, storage
@@ -43,6 +45,8 @@ def fetch_spec(uri: str) -> bytes:
 
 
 TAG_POLL_S = 5.0
+# How long a failed bootstrap waits for the run's tag: the control plane puts it on "running", in seconds.
+RUN_WAIT_S = 120.0
 
 
 def build_config(
@@ -137,6 +141,7 @@ def bootstrap(
     devices_dir: Path = Path("/dev/disk/by-id"),
     ping_status: readiness.PingStatus | None = None,
     scratch_warning: Callable[[Path], str | None] = scratch.capacity_warning,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     metadata = metadata or Imds(environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT))
     config: AgentConfig | None = None
@@ -179,6 +184,7 @@ def bootstrap(
                 instance_id=config.instance_id if config else _best_effort(metadata, "meta-data/instance-id"),
                 generation=config.generation if config else 0,
                 at=now_iso(),
+                run_id=config.run_id if config and config.run_id else registered_run(metadata, sleep),
                 step=error.step,
                 reason=error.reason[:1000],
             )
@@ -191,6 +197,22 @@ def bootstrap(
         result["scratch_warning"] = warning
     print_result(result)
     return 0
+
+
+def registered_run(metadata: Metadata, sleep: Callable[[float], None], wait_s: float = RUN_WAIT_S) -> str:
+    """The run the control plane registered this instance for (spotcr:run), waited for a bounded while; empty when
+    it refused the instance (spotcr:error), IMDS cannot tell, or none came: a failure without it moves no job."""
+    waited = 0.0
+    while True:
+        try:
+            found = instance_tags(metadata)
+        except Exception:
+            found = {}
+        run_id = found.get(RUN, "")
+        if run_id or ERROR in found or waited >= wait_s:
+            return run_id if re.fullmatch(RUN_ID_PATTERN, run_id) else ""
+        sleep(TAG_POLL_S)
+        waited += TAG_POLL_S
 
 
 def _best_effort(metadata: Metadata, path: str) -> str:

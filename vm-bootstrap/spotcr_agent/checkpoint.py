@@ -591,6 +591,7 @@ class Checkpointer:
                 "scan": scan.to_json(),
                 "entries": [e.to_json() for e in entries],
                 "mount_points": mounts.workdir_mount_points(scratch_room.job_tree(pid), str(self.workdir)),
+                "mounts": mounts.job_mounts(pid),
             }
             (scratch / "frozen.json").write_text(json.dumps(frozen))
 
@@ -648,6 +649,8 @@ class Checkpointer:
             "image_files": images,
             # The addresses a restore may keep on its loopback for the job's sockets (aliases.py), and no other.
             "vm_addresses": aliases.vm_addresses(self.state.dir),
+            # The VM's mounts the job saw, each of which a restore must find (restore.check_mounts).
+            "mounts": frozen.get("mounts", []),
         }
         (scratch / carry.RECORD).write_text(json.dumps(record))
         files[carry.RECORD] = scratch / carry.RECORD

@@ -14,6 +14,10 @@ mount (or of the root) of the same file system, at the same place in it. So ever
 of the job must be either a view of a file system the VM has (restored from the restoring VM's) or one CRIU
 carries itself (proc, sysfs, tmpfs, ...); anything else (a disk the job mounted) is refused before the dump.
 What a process of a nested namespace holds is named by the VM's path of the same file (`vm_path`).
+
+A mount the job's VM had and a backup lacks (one made by the instance's own boot script, which backups do not
+run) cannot be bound on restore: the checkpoint records the job's mount points, and the restore names what is
+missing (restore.MissingMount) before CRIU would fail on it.
 """
 
 from __future__ import annotations
@@ -151,14 +155,26 @@ def _external(point: str) -> list[str]:
     return ["--external", f"mnt[{point}]:{point}"]
 
 
-def dump_options(pid: int) -> list[str]:
-    """`criu dump` options for the mount namespace of the job whose PID 1 has host PID `pid`."""
+def job_mounts(pid: int) -> list[str]:
+    """The VM's mount points in the mount namespace of the job whose PID 1 has host PID `pid` (what a dump names
+    external, so what a restore must find on its VM)."""
     try:
         points = mount_points(Path(f"/proc/{pid}/mountinfo").read_text())
     except OSError:
         return []  # the job is gone: CRIU itself says so, in its own words
-    external = sorted({point for point, fstype in points if point != ROOT and fstype != "proc"})
-    return [arg for point in external for arg in _external(point)]
+    return sorted({point for point, fstype in points if point != ROOT and fstype != "proc"})
+
+
+def dump_options(pid: int) -> list[str]:
+    """`criu dump` options for the mount namespace of the job whose PID 1 has host PID `pid`."""
+    return [arg for point in job_mounts(pid) for arg in _external(point)]
+
+
+def missing_here(points: Iterable[str], mountinfo: str | None = None) -> list[str]:
+    """The job's mount points that are no mount point of this VM (`mountinfo`: this process's by default)."""
+    text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
+    here = {point for point, _ in mount_points(text)}
+    return [point for point in points if point not in here]
 
 
 def restore_options() -> list[str]:

@@ -4,6 +4,9 @@ The walk: the checkpoint the control plane names (else the newest committed), th
 newest first. A store error that may pass (an outage, a throttle) is retried on the same checkpoint with
 backoff; a checkpoint that is damaged, missing or incompatible is skipped. Only when the walk finds nothing
 restorable for such reasons (or nothing committed at all) may the caller start the job from the beginning.
+Damaged and missing checkpoints count, and so does one that needs a mount this VM lacks (MissingMount): every
+backup boots alike from the launch template, so no backup will ever have it. Other incompatibilities and CRIU
+failures do not: another machine may restore that checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +25,7 @@ from typing import Any
 from spotcr_contracts.commands import checkpoint_order
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, gpu
+from . import aliases, carry, gpu, mounts
 from .carry import Entry
 from .checkpoint import Store
 from .criu import Criu, CriuError
@@ -35,6 +39,9 @@ log = logging.getLogger(__name__)
 
 STORE_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # 15.5 s of retries: a store brownout of 12 s does not fail a restore
 PERMANENT_STORE_ERRORS = (CorruptCheckpoint, CheckpointNotFound, UnsupportedManifest)
+# CRIU's words for an external mount of the image that this VM cannot bind (a checkpoint recorded without its
+# mounts, or one missed by check_mounts): as permanent as MissingMount.
+CRIU_MISSING_MOUNT = re.compile(r"mnt: No mapping for \S+ mountpoint")
 
 
 STOPPED_HERE = "the job was stopped on this VM after its final dump failed; it is never resumed here"
@@ -64,6 +71,10 @@ class RestoreError(RuntimeError):
 
 class Incompatible(RuntimeError):
     """This machine cannot restore the checkpoint; the message says what differs."""
+
+
+class MissingMount(Incompatible):
+    """The checkpoint needs a mount this VM lacks, and so does every backup (they boot alike)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,23 @@ def check_open_files(manifest: Manifest, record: Mapping[str, Any] | None = None
     missing = [path for path in held if not Path(path).exists()]
     if missing:
         raise Incompatible(f"files the job had open are missing here: {', '.join(missing[:5])}")
+
+
+def check_mounts(record: Mapping[str, Any], mountinfo: str | None = None) -> None:
+    """Raise MissingMount naming the VM mounts the job saw that this VM lacks (CRIU could not bind them)."""
+    missing = mounts.missing_here([str(point) for point in record.get("mounts", [])], mountinfo)
+    if missing:
+        raise MissingMount(
+            f"the job's VM had {', '.join(missing[:5])} mounted and this VM has not (a mount made by the instance's "
+            "own boot script, which backups do not run): no backup can restore this checkpoint"
+        )
+
+
+def permanent(error: Exception) -> bool:
+    """A failure that says this checkpoint will never restore on a backup: the walk may end in a fresh start."""
+    if isinstance(error, CriuError):
+        return bool(CRIU_MISSING_MOUNT.search(f"{error.reason}\n{error.log}"))
+    return isinstance(error, (*PERMANENT_STORE_ERRORS, MissingMount))
 
 
 def check_image(record: Mapping[str, Any]) -> None:
@@ -193,9 +221,9 @@ class Restorer:
                     reason = error.reason if isinstance(error, CriuError) else str(error)
                     if isinstance(error, CriuError):
                         logs[candidate], log_tail = error.log, error.log_tail
-                    # Only a store that says the data is gone makes a start from scratch right; a CRIU or host
-                    # failure here says nothing about the checkpoint, and an outage may hide a good one.
-                    transient |= not isinstance(error, PERMANENT_STORE_ERRORS)
+                    # Only a store that says the data is gone, or a mount no backup has, makes a start from
+                    # scratch right; other CRIU or host failures may pass elsewhere, an outage may hide a good one.
+                    transient |= not permanent(error)
                     log.warning("restoring checkpoint %s failed: %s", candidate, reason)
                     failures.append(f"{candidate}: {reason}")
                     continue
@@ -264,6 +292,7 @@ class Restorer:
             manifest = self.store.fetch(checkpoint_id, dest)
             record = _record(dest)
             if record is not None:
+                check_mounts(record)
                 check_image(record)
                 # The checkpoint VM's address the job's sockets were bound to, kept on this VM's loopback.
                 kept = aliases.keep(self.state.dir, aliases.wanted(record, self.tcp))

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 METHOD = "spotcr-store-credentials"
 WAIT_S = 300.0  # a new primary may ask before the control plane registered it (it registers on "running")
 RETRY_S = (1.0, 2.0, 4.0, 8.0, 15.0)
+ENDED_STATUS = 410  # the job has ended: the function never grants its store again, so asking again is pointless
 
 Fetch = Callable[[], Mapping[str, Any]]
 
@@ -69,7 +70,8 @@ def fetcher(
     sleep: Callable[[float], None] = time.sleep,
     wait_s: float = WAIT_S,
 ) -> Fetch:
-    """A function returning fresh credentials in botocore's metadata form; refusals are retried up to wait_s."""
+    """A function returning fresh credentials in botocore's metadata form; refusals are retried up to wait_s,
+    except the answer that the job has ended, which is final."""
     target = request_url(url, job_id)
     do_get = get or (lambda address: signed_get(address, region))
 
@@ -87,7 +89,7 @@ def fetcher(
                 log.info("store credentials for jobs/%s/ until %s", job_id, metadata["expiry_time"])
                 return metadata
             pause = RETRY_S[min(attempt, len(RETRY_S) - 1)]
-            if waited + pause > wait_s:
+            if status == ENDED_STATUS or waited + pause > wait_s:
                 raise StoreCredentialsError(f"store credentials for job {job_id} refused ({status}): {reason}")
             log.warning("store credentials not granted yet (%s: %s); asking again in %.0f s", status, reason, pause)
             sleep(pause)

@@ -1,4 +1,5 @@
-"""Tag Change on Resource → spotcr:job added to a running instance: register the job."""
+"""Tag Change on Resource → spotcr:job added to a running instance: register the job; spotcr:mode added: check
+that the instance is the backup spotcr launched."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     if change.detail.resource_type != "instance" or instance_id is None:
         logger.debug("tag change not on an instance", resources=change.resources)
         return {"action": "ignored", "reason": "not an instance"}
-    if tags.JOB not in change.detail.changed_tag_keys or tags.JOB not in change.detail.tags:
-        return {"action": "ignored", "reason": f"{tags.JOB} not added"}
+    changed = set(change.detail.changed_tag_keys) & {tags.JOB, tags.MODE}
+    if not changed or tags.JOB not in change.detail.tags:
+        return {"action": "ignored", "reason": f"neither {tags.JOB} nor {tags.MODE} added"}
     deps = _edge.deps()
     return jobs.register_instance(deps, instance_id)
