@@ -19,7 +19,7 @@ from typing import Any
 from spotcr_contracts import fis as fis_experiments
 from spotcr_contracts import tags
 
-# The tags a user may write: the job's own (spotcr_cli.actions.job_tags) and the interruption marker. Never
+# The tags a user may write: the job's own (README's tag table) and the interruption marker. Never
 # spotcr:run, which only spotcr mints (registering), nor the control plane's other tags.
 USER_TAG_KEYS = (
     tags.JOB,
@@ -31,6 +31,7 @@ USER_TAG_KEYS = (
     tags.WORKDIR,
     tags.TCP,
     tags.RESTART_FROM_SCRATCH,
+    tags.DEADLINE_MARGIN,
     tags.INTERRUPT,
 )
 JOB_TAGGED = {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}
