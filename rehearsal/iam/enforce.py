@@ -298,6 +298,12 @@ def _s3_call(response: Any, resource: str, account: str) -> iam_requests.Call:
     prefix = response.querystring.get("prefix") if isinstance(response.querystring, dict) else None
     if prefix:
         params["prefix"] = prefix[0] if isinstance(prefix, list) else prefix
+    if action == "DeleteObject" and response.is_delete_keys():
+        # DeleteObjects is authorized as s3:DeleteObject on each key it names.
+        from xml.etree import ElementTree
+
+        body = ElementTree.fromstring(response.raw_body)  # noqa: S314 (the local cloud's own request)
+        params["Keys"] = [key.text or "" for key in body.iterfind("{*}Object/{*}Key")]
     return iam_requests.Call("s3", action, params, response.region, account)
 
 

@@ -289,3 +289,13 @@ def agent_asset(job: Role) -> tuple[str, str]:
                 if resource.startswith("arn:aws:s3:::cdk-") and key.endswith(".zip"):
                     return bucket, key
     raise UnresolvedIntrinsic(f"the job role {job.arn} may read no agent asset")
+
+
+def state_machine_name(synthesized: Mapping[str, Any]) -> str:
+    """The name the stack gives its state machine: the function roles' grants name its ARN by it."""
+    (name,) = [
+        r["Properties"]["StateMachineName"]
+        for r in synthesized["Resources"].values()
+        if r["Type"] == "AWS::StepFunctions::StateMachine"
+    ]
+    return str(name)

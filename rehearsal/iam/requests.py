@@ -340,6 +340,8 @@ def _s3(call: Call, state: State) -> list[Request]:
     context: dict[str, ContextValue] = {}
     if action == "ListBucket" and "prefix" in call.params:
         context["s3:prefix"] = call.params["prefix"]
+    if "Keys" in call.params:  # DeleteObjects: each object it deletes
+        return [Request(f"s3:{action}", f"{call.params['Resource']}/{key}", context) for key in call.params["Keys"]]
     return [Request(f"s3:{action}", call.params["Resource"], context)]
 
 
