@@ -53,6 +53,7 @@ from werkzeug.exceptions import Forbidden
 
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
+from rehearsal.iam import enforce, principals
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -62,6 +63,10 @@ ACCOUNT = "123456789012"
 PREFIX = "spotcr-rehearsal"
 ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
 SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
+# The key the job VMs sign with: the job role's (rehearsal/iam/enforce.py names each principal by its key).
+JOB_ROLE_KEY = enforce.access_key("role:job")
+# The stack as the rehearsal deploys it: with EFS (efs jobs get an access point each).
+STACK_CONTEXT = {"efs": "true"}
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
 
 
@@ -134,7 +139,8 @@ class LocalCloud:
             "idempotency_table": f"{PREFIX}-idempotency",
             "event_bus_name": f"{PREFIX}-agent",
             "checkpoint_bucket": f"{PREFIX}-checkpoints",
-            "state_machine": f"{PREFIX}-recovery",
+            # As the stack names it: its functions' grants name the state machine's ARN.
+            "state_machine": principals.state_machine_name(principals.template(STACK_CONTEXT)),
             "topic": f"{PREFIX}-failures",
             "launch_template": f"{PREFIX}-job-vm",
             "job_role": f"{PREFIX}-job",
@@ -154,6 +160,9 @@ class LocalCloud:
         self._saved_stdout: Any = None
         self._functions_log: Any = None
         self._saved_config: dict[str, Any] = {}
+        self.enforcer: enforce.Enforcer | None = None
+        self.agent_asset = ("", "")  # where the stack's agent asset is (bucket, key): the job role may read it there
+        self._iam = contextlib.ExitStack()
 
     def __enter__(self) -> LocalCloud:
         self.start()
@@ -224,6 +233,9 @@ class LocalCloud:
         moto_logger.propagate = False
         self._install_hooks()
         self._create_stack()
+        # From here on every call but the deployer's is evaluated against the synthesized stack's IAM.
+        self.enforcer = self._enforcer()
+        self._iam.enter_context(enforce.enforced(self.enforcer))
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
 
@@ -245,6 +257,7 @@ class LocalCloud:
         for vm in list(self.vms.values()):
             vm.terminate()
         self._join_threads(timeout_s=30)
+        self._iam.close()
         if self._store_credentials is not None:
             self._store_credentials.shutdown()
             self._store_credentials.server_close()
@@ -288,10 +301,11 @@ class LocalCloud:
 
     @property
     def vm_env(self) -> dict[str, str]:
-        """What a job VM's processes see: the cloud's endpoint on their network and (dummy) credentials."""
+        """What a job VM's processes see: the cloud's endpoint on their network and the job role's credentials (the
+        instance profile's, which a VM gets from its IMDS on AWS)."""
         return {
             "AWS_ENDPOINT_URL": self.vm_endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_ACCESS_KEY_ID": JOB_ROLE_KEY,
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": REGION,
             "AWS_REGION": REGION,
@@ -398,6 +412,38 @@ class LocalCloud:
                     EventBusName=bus,
                     Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
                 )
+
+    def _enforcer(self) -> enforce.Enforcer:
+        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
+        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
+        names = self.names
+        env = self.settings_env
+        local_names = {
+            "RegistryJobs": names["jobs_table"],
+            "RegistryIdempotency": names["idempotency_table"],
+            "RegistryFailureTopic": env[ENV["failure_topic_arn"]],
+            "RegistryAgentBus": names["event_bus_name"],
+            "StorageCheckpoints": names["checkpoint_bucket"],
+            "StorageEfs": self.file_system_id,
+            "VmLaunchJobLaunchTemplate": env[ENV["launch_template_id"]],
+            "VmLaunchJobRole": names["job_role"],
+            "StoreAccessStoreRole": names["store_role"],
+            "WorkflowRecovery": names["state_machine"],
+            **{f"VmLaunchDocument{c}": env[ENV[f"{c}_document"]] for c in COMMANDS},
+        }
+        local = principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
+        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
+        keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
+        keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
+        keys[JOB_ROLE_KEY] = roles.job.principal()
+        self.agent_asset = principals.agent_asset(roles.job)
+        return enforce.Enforcer(
+            keys=keys,
+            # The rehearsal itself: it deploys the stack as CloudFormation would, plays the user and AWS's services.
+            trusted={"testing": "the rehearsal"},
+            roles={role.arn: role.principal() for role in roles.all()},
+            state=enforce.MotoState(ACCOUNT, REGION),
+        )
 
     def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:
         """The stack's FIS experiment templates, and a CloudFormation stack whose outputs name what `spotcr` reads."""
@@ -672,6 +718,10 @@ class LocalCloud:
         function = self._functions.get(name)
         if function is None:
             raise KeyError(f"no local function {name!r}")
+        with enforce.acting_as(enforce.function_key(function.name)):
+            return self._call_handler(name, function, payload)
+
+    def _call_handler(self, name: str, function: catalog.Function, payload: Any) -> Any:
         module_name, attribute = function.handler.rsplit(".", 1)
         handler = getattr(importlib.import_module(module_name), attribute)
         context = LambdaContext(
