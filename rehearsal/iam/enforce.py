@@ -31,7 +31,7 @@ from moto.core.authorization import ActionAuthenticatorMixin
 from werkzeug.exceptions import HTTPException
 
 from rehearsal.iam import requests as iam_requests
-from rehearsal.iam.policy import Decision, PolicyError, Principal, Request, evaluate_all
+from rehearsal.iam.policy import ContextValue, Decision, PolicyError, Principal, Request, evaluate_all
 
 log = logging.getLogger("spotcr.iam")
 
@@ -122,10 +122,18 @@ class Enforcer:
     trusted: Mapping[str, str]  # access key id -> who (the test building the local AWS); not evaluated
     roles: Mapping[str, Principal]  # role ARN -> its principal, for sessions STS vends of it
     state: iam_requests.State
+    # access key id -> the condition keys AWS adds for its credentials (ec2:SourceInstanceARN for an instance's)
+    contexts: dict[str, Mapping[str, ContextValue]] = field(default_factory=dict)
     denials: list[Denial] = field(default_factory=list)
     evaluated: list[tuple[str, str]] = field(default_factory=list)  # (principal ARN, service:operation)
     _session_tags: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_key(self, key: str, principal: Principal, context: Mapping[str, ContextValue] | None = None) -> None:
+        """A principal that comes to be while the local AWS runs (a job VM's instance-profile session)."""
+        with self._lock:
+            self.keys = {**self.keys, key: principal}
+            self.contexts[key] = dict(context or {})
 
     def principal(self, key: str, account: str) -> Principal | None:
         if key in self.keys:
@@ -157,16 +165,22 @@ class Enforcer:
         name = f"{call.service}:{call.operation}"
         if principal is None:
             return Decision(False, f"the access key {key!r} is no spotcr principal's: {name} refused")
-        common = {"aws:PrincipalArn": principal.arn, "aws:PrincipalAccount": call.account}
+        common: dict[str, ContextValue] = {"aws:PrincipalArn": principal.arn, "aws:PrincipalAccount": call.account}
         common["aws:RequestedRegion"] = call.region
-        requests = tuple(
-            Request(r.action, r.resource, {**common, **r.context}) for r in iam_requests.requests_for(call, self.state)
-        )
+        common.update(self.contexts.get(key, {}))
+        requests: tuple[Request, ...] = ()
         try:
+            requests = tuple(
+                Request(r.action, r.resource, {**common, **r.context})
+                for r in iam_requests.requests_for(call, self.state)
+            )
             # An operation that asks nothing (sts:GetCallerIdentity) needs no permission.
             decision = evaluate_all(principal, requests) if requests else Decision(True, f"{name} needs no permission")
         except PolicyError as error:
             decision = Decision(False, f"policy error: {error}")
+        except iam_requests.UnknownOperation as error:
+            # Refused, never allowed, and said in the service's own error shape (not a 500 in server mode).
+            decision = Decision(False, f"the local AWS has no IAM request model for {name}: {error}")
         with self._lock:
             self.evaluated.append((principal.arn, name))
             if not decision.allowed:
@@ -323,6 +337,8 @@ def enforced(enforcer: Enforcer) -> Iterator[Enforcer]:
         def authorize(response: Any, iam_request_cls: type, resource: str = "*") -> None:
             match = _CREDENTIAL.search(response.headers.get("Authorization", ""))
             key = match.group(1) if match else ""
+            if key in enforcer.trusted:
+                return
             account = response.current_account
             service = response.boto3_service_name
             if service == "s3":

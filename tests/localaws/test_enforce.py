@@ -116,3 +116,42 @@ def test_enforcement_is_undone_on_leaving(plane: ControlPlane) -> None:
 
     # Then the hook in place before is back
     assert ActionAuthenticatorMixin.__dict__["_authenticate_and_authorize_action"] is hooked
+
+
+def test_an_operation_without_a_request_model_is_refused_naming_it_in_server_mode() -> None:
+    # Given the local AWS as a server (as the rehearsal runs it), and a principal allowed everything
+    from moto.server import ThreadedMotoServer
+
+    from rehearsal.iam.policy import Principal
+
+    key = enforce.access_key("test:anything")
+    anything = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    enforcer = enforce.Enforcer(
+        keys={key: Principal(f"arn:aws:iam::{ACCOUNT}:role/anything", (anything,))},
+        trusted={"testing": "the test"},
+        roles={},
+        state=enforce.MotoState(ACCOUNT, REGION),
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        trusted = boto3.client(
+            "s3", region_name=REGION, endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="x"
+        )
+        trusted.create_bucket(Bucket="spotcr-unmodelled")
+        s3 = boto3.client(
+            "s3", region_name=REGION, endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key="x"
+        )
+        with enforce.enforced(enforcer):
+            # When it calls an operation requests.py has no entry for
+            with pytest.raises(ClientError) as refused:
+                s3.get_bucket_tagging(Bucket="spotcr-unmodelled")
+    finally:
+        server.stop()
+
+    # Then S3 answers 403 AccessDenied naming the operation, not a 500: a gap in the model is never an allow
+    error = refused.value.response
+    assert (error["Error"]["Code"], error["ResponseMetadata"]["HTTPStatusCode"]) == ("AccessDenied", 403)
+    assert "the local AWS has no IAM request model for s3:GetBucketTagging" in error["Error"]["Message"]
