@@ -144,10 +144,9 @@ def test_an_operation_without_a_request_model_is_refused_naming_it_in_server_mod
         s3 = boto3.client(
             "s3", region_name=REGION, endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key="x"
         )
-        with enforce.enforced(enforcer):
-            # When it calls an operation requests.py has no entry for
-            with pytest.raises(ClientError) as refused:
-                s3.get_bucket_tagging(Bucket="spotcr-unmodelled")
+        # When it calls an operation requests.py has no entry for
+        with enforce.enforced(enforcer), pytest.raises(ClientError) as refused:
+            s3.get_bucket_tagging(Bucket="spotcr-unmodelled")
     finally:
         server.stop()
 
