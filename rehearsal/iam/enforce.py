@@ -51,6 +51,10 @@ def access_key(name: str) -> str:
     return "AKIA" + hashlib.sha256(name.encode()).hexdigest()[:16].upper()
 
 
+# The `spotcr` command's user's access key (principals.cli_user): in tests its calls run inside acting_as(it).
+CLI_USER_KEY = access_key("user:spotcr")
+
+
 def function_key(name: str) -> str:
     """The access key a catalog function's handler signs with: its role's."""
     return access_key(f"function:{name}")
@@ -270,6 +274,17 @@ class MotoState:
 
     def file_system_arn(self, file_system_id: str) -> str:
         return f"arn:aws:elasticfilesystem:{self.region}:{self.account}:file-system/{file_system_id}"
+
+    def stack_arn(self, stack_name: str) -> str:
+        if stack_name.startswith("arn:"):
+            return stack_name
+        from moto.cloudformation.models import cloudformation_backends
+
+        for stack in cloudformation_backends[self.account][self.region].stacks.values():
+            if stack.name == stack_name and stack.status != "DELETE_COMPLETE":
+                return str(stack.stack_id)
+        # No such stack: AWS authorizes the name with any id (DescribeStacks then answers it does not exist).
+        return f"arn:aws:cloudformation:{self.region}:{self.account}:stack/{stack_name}/*"
 
 
 def _parameters(response: Any, operation: str) -> dict[str, Any]:

@@ -299,3 +299,10 @@ def state_machine_name(synthesized: Mapping[str, Any]) -> str:
         if r["Type"] == "AWS::StepFunctions::StateMachine"
     ]
     return str(name)
+
+
+def cli_user(account: str, stack: str, region: str, outputs: Mapping[str, str]) -> Principal:
+    """The user who runs `spotcr`: an IAM user holding only the policy the README gives (infra/user_policy.py)."""
+    from infra.user_policy import cli_user_policy
+
+    return Principal(f"arn:aws:iam::{account}:user/spotcr-user", (cli_user_policy(stack, region, account, outputs),))

@@ -36,6 +36,7 @@ class State(Protocol):
     def topic_key(self, topic_arn: str) -> str: ...
     def access_point_tags(self, access_point_id: str) -> Mapping[str, str]: ...
     def file_system_arn(self, file_system_id: str) -> str: ...
+    def stack_arn(self, stack_name: str) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -334,6 +335,37 @@ def _efs_access_point(call: Call, state: State) -> list[Request]:
     ]
 
 
+def _ec2_delete_tags(call: Call, state: State) -> list[Request]:
+    keys: tuple[str, ...] = tuple(t["Key"] for t in call.params.get("Tags", []) or [])
+    return [
+        _ec2_existing(call, state, "ec2:DeleteTags", resource_id, **({"aws:TagKeys": keys} if keys else {}))
+        for resource_id in call.params["Resources"]
+    ]
+
+
+def _cloudformation_stack(call: Call, state: State) -> list[Request]:
+    return [Request(f"cloudformation:{call.operation}", state.stack_arn(call.params.get("StackName", "")), {})]
+
+
+def _fis_start_experiment(call: Call, state: State) -> list[Request]:
+    template = f"arn:aws:fis:{call.region}:{call.account}:experiment-template/{call.params['experimentTemplateId']}"
+    experiment = f"arn:aws:fis:{call.region}:{call.account}:experiment/*"
+    tags = dict(call.params.get("tags", {}) or {})
+    requests = [
+        Request("fis:StartExperiment", template, request_tag_context(tags)),
+        Request("fis:StartExperiment", experiment, request_tag_context(tags)),
+    ]
+    if tags:  # tags given at start are written with fis:TagResource on the new experiment
+        requests.append(Request("fis:TagResource", experiment, request_tag_context(tags)))
+    return requests
+
+
+def _fis_experiment(call: Call, state: State) -> list[Request]:
+    return [
+        Request(f"fis:{call.operation}", f"arn:aws:fis:{call.region}:{call.account}:experiment/{call.params['id']}", {})
+    ]
+
+
 def _s3(call: Call, state: State) -> list[Request]:
     """S3 as moto names it (its IAM action and the bucket or object ARN); HeadBucket is authorized as ListBucket."""
     action = {"HeadBucket": "ListBucket", "HeadObject": "GetObject"}.get(call.operation, call.operation)
@@ -363,6 +395,12 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
         )
     },
     ("ec2", "CreateTags"): _ec2_create_tags,
+    ("ec2", "DeleteTags"): _ec2_delete_tags,
+    ("ec2", "DescribeSpotPriceHistory"): _ec2_describe,
+    ("pricing", "GetProducts"): _unscoped("pricing"),
+    ("cloudformation", "DescribeStacks"): _cloudformation_stack,
+    ("fis", "StartExperiment"): _fis_start_experiment,
+    ("fis", "GetExperiment"): _fis_experiment,
     ("ec2", "RunInstances"): _ec2_run_instances,
     ("ec2", "TerminateInstances"): _ec2_on_instances,
     ("ec2", "StopInstances"): _ec2_on_instances,
