@@ -54,6 +54,7 @@ from werkzeug.exceptions import Forbidden
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
+from rehearsal.iam.policy import Principal
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -63,8 +64,6 @@ ACCOUNT = "123456789012"
 PREFIX = "spotcr-rehearsal"
 ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
 SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
-# The key the job VMs sign with: the job role's (rehearsal/iam/enforce.py names each principal by its key).
-JOB_ROLE_KEY = enforce.access_key("role:job")
 # The stack as the rehearsal deploys it: with EFS (efs jobs get an access point each).
 STACK_CONTEXT = {"efs": "true"}
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
@@ -161,6 +160,8 @@ class LocalCloud:
         self._functions_log: Any = None
         self._saved_config: dict[str, Any] = {}
         self.enforcer: enforce.Enforcer | None = None
+        self._job_role: principals.Role | None = None
+        self.stack_outputs: dict[str, str] = {}  # the CloudFormation stack's outputs, as `spotcr` reads them
         self.agent_asset = ("", "")  # where the stack's agent asset is (bucket, key): the job role may read it there
         self._iam = contextlib.ExitStack()
 
@@ -301,15 +302,24 @@ class LocalCloud:
 
     @property
     def vm_env(self) -> dict[str, str]:
-        """What a job VM's processes see: the cloud's endpoint on their network and the job role's credentials (the
-        instance profile's, which a VM gets from its IMDS on AWS)."""
-        return {
-            "AWS_ENDPOINT_URL": self.vm_endpoint,
-            "AWS_ACCESS_KEY_ID": JOB_ROLE_KEY,
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_REGION": REGION,
-        }
+        """What any local VM's processes see: the cloud's endpoint on their network and its region. No credentials:
+        a VM that is no EC2 instance has no instance profile (`instance_env` is a job VM's)."""
+        return {"AWS_ENDPOINT_URL": self.vm_endpoint, "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
+
+    def as_cli_user(self) -> contextlib.AbstractContextManager[None]:
+        """Calls made inside are the `spotcr` user's: its own key, holding only the README's user policy."""
+        return enforce.acting_as(enforce.CLI_USER_KEY)
+
+    def instance_env(self, instance_id: str) -> dict[str, str]:
+        """What a job VM's processes see: `vm_env` and credentials of its own, the instance profile role's session
+        for this instance (on AWS from its IMDS), as IAM names it and with the context AWS gives it."""
+        assert self.enforcer is not None and self._job_role is not None, "instances launch only while the cloud runs"
+        key = enforce.access_key(f"instance:{instance_id}")
+        session = f"arn:aws:sts::{ACCOUNT}:assumed-role/{self.names['job_role']}/{instance_id}"
+        instance_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"
+        principal = Principal(session, self._job_role.policies)
+        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn})
+        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "instance-profile"}
 
     def _create_stack(self) -> None:
         """The resources `cdk deploy` creates, built from the same definitions infra/ uses."""
@@ -435,7 +445,8 @@ class LocalCloud:
         roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
         keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
         keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
-        keys[JOB_ROLE_KEY] = roles.job.principal()
+        self._job_role = roles.job  # each job VM signs as its own session of it (instance_env)
+        keys[enforce.CLI_USER_KEY] = principals.cli_user(ACCOUNT, PREFIX, REGION, self.stack_outputs)
         self.agent_asset = principals.agent_asset(roles.job)
         return enforce.Enforcer(
             keys=keys,
@@ -457,6 +468,8 @@ class LocalCloud:
         }
         for command in COMMANDS.values():
             outputs[f"{command.name.capitalize()}Document"] = self.settings_env[ENV[f"{command.name}_document"]]
+        outputs["ProbeDocument"] = f"{PREFIX}-{PROBE.name}"
+        outputs["EfsFileSystemId"] = self.file_system_id
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
                 clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
@@ -472,6 +485,7 @@ class LocalCloud:
             "Outputs": {name: {"Value": value} for name, value in outputs.items()},
         }
         self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(template))
+        self.stack_outputs = outputs
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
         definition = ASL_PATH.read_text()
@@ -805,7 +819,7 @@ class LocalCloud:
             user_data=user_data,
             tags=lambda: _tags_of(backend, instance_id),
             root=self.run_dir / "vms",
-            cloud_env=self.vm_env,
+            cloud_env=self.instance_env(instance_id),
             network=self.network,
             shared_storage=self.shared_storage,
             boot_commands=self.boot_commands,
