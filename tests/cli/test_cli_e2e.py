@@ -49,7 +49,8 @@ def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_pa
 
         def spotcr(*argv):
             out = io.StringIO()
-            code = main([*where, *argv], out=out)
+            with cloud.as_cli_user():  # the user's own key, holding only the README's user policy
+                code = main([*where, *argv], out=out)
             assert code == 0, f"spotcr {' '.join(argv)} exited {code}: {capsys.readouterr().err}\n" + "\n".join(lines)
             text = out.getvalue()
             return json.loads(text) if "--json" in argv else text
