@@ -43,6 +43,9 @@ class FakeState:
     def file_system_arn(self, file_system_id: str) -> str:
         return f"arn:aws:elasticfilesystem:{REGION}:{ACCOUNT}:file-system/{file_system_id}"
 
+    def stack_arn(self, stack_name: str) -> str:
+        return f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/{stack_name}/0a1b"
+
 
 def call(service: str, operation: str, **params: Any) -> Call:
     return Call(service, operation, params, REGION, ACCOUNT)
@@ -117,6 +120,31 @@ def test_assume_role_with_session_tags_also_asks_to_tag_the_session() -> None:
     )
     assert (assume.action, tag.action) == ("sts:AssumeRole", "sts:TagSession")
     assert tag.context == {"aws:TagKeys": ("SpotcrJob",), "aws:RequestTag/SpotcrJob": "x"}
+
+
+def test_removing_a_tag_names_its_key_only_and_the_resources_current_tags() -> None:
+    [request] = requests_for(
+        call("ec2", "DeleteTags", Resources=["i-0aaa"], Tags=[{"Key": "spotcr:interrupt"}]), FakeState()
+    )
+    assert (request.action, request.resource) == ("ec2:DeleteTags", f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/i-0aaa")
+    assert request.context == {
+        "aws:TagKeys": ("spotcr:interrupt",),
+        "aws:ResourceTag/spotcr:job": "train-1",
+        "ec2:ResourceTag/spotcr:job": "train-1",
+    }
+
+
+def test_starting_a_tagged_experiment_asks_for_its_template_the_new_experiment_and_its_tags() -> None:
+    requests = requests_for(
+        call("fis", "StartExperiment", experimentTemplateId="EXT1", tags={"spotcr:job": "train-1"}), FakeState()
+    )
+    fis = f"arn:aws:fis:{REGION}:{ACCOUNT}"
+    assert [(r.action, r.resource) for r in requests] == [
+        ("fis:StartExperiment", f"{fis}:experiment-template/EXT1"),
+        ("fis:StartExperiment", f"{fis}:experiment/*"),
+        ("fis:TagResource", f"{fis}:experiment/*"),
+    ]
+    assert all(r.context["aws:TagKeys"] == ("spotcr:job",) for r in requests)
 
 
 def test_a_query_on_an_index_asks_for_the_index() -> None:
