@@ -140,6 +140,10 @@ def _ec2_describe(t: GrantTargets) -> list[Grant]:
     ]
 
 
+# The tags registering writes on a job's instance (spotcr_functions.jobs): the run it mints, or why it refused the job.
+REGISTRATION_TAGS = (tags.RUN, tags.ERROR)
+
+
 def _ec2_tag(t: GrantTargets) -> list[Grant]:
     return [
         Grant(
@@ -148,11 +152,11 @@ def _ec2_tag(t: GrantTargets) -> list[Grant]:
                 resources=[_arn(t, "ec2", "instance", "*")],
                 conditions={
                     **_EC2_JOB_CONDITION,
-                    "ForAllValues:StringEquals": {"aws:TagKeys": [tags.ERROR]},
+                    "ForAllValues:StringEquals": {"aws:TagKeys": list(REGISTRATION_TAGS)},
                 },
             ),
-            "CreateTags writes only the spotcr:error key (aws:TagKeys) on instances carrying spotcr:job, "
-            "whose ids are known only at run time.",
+            "CreateTags writes only the spotcr:run and spotcr:error keys (aws:TagKeys) on instances carrying "
+            "spotcr:job, whose ids are known only at run time.",
         )
     ]
 

@@ -21,14 +21,14 @@ ASSET_KEY = "assets/spotcr-agent.zip"
 VM_PREFIX = "/opt/spotcr"
 
 
-def publish(s3: Any, bucket: str, architecture: str = "amd64") -> str:
+def publish(s3: Any, bucket: str, architecture: str = "amd64", key: str = ASSET_KEY) -> str:
     """Stage the bundle, zip it and upload it, as CDK's asset publishing does; returns its s3:// URL."""
     with tempfile.TemporaryDirectory(prefix="spotcr-rehearsal-asset-") as work:
         staged = stage_agent_bundle(Path(work) / "bundle", architecture)
         archive = shutil.make_archive(str(Path(work) / "agent"), "zip", staged)
         s3.create_bucket(Bucket=bucket)
-        s3.upload_file(archive, bucket, ASSET_KEY)
-    return f"s3://{bucket}/{ASSET_KEY}"
+        s3.upload_file(archive, bucket, key)
+    return f"s3://{bucket}/{key}"
 
 
 def install_command(asset_url: str, region: str) -> list[str]:

@@ -54,6 +54,8 @@ from werkzeug.exceptions import Forbidden
 from rehearsal import account as local_account
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
+from rehearsal.iam import enforce, principals
+from rehearsal.iam.policy import Principal
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -63,6 +65,8 @@ ACCOUNT = "123456789012"
 PREFIX = "spotcr-rehearsal"
 ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
 SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
+# The stack as the rehearsal deploys it: with EFS (efs jobs get an access point each).
+STACK_CONTEXT = {"efs": "true"}
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
 
 
@@ -137,7 +141,8 @@ class LocalCloud:
             "idempotency_table": f"{PREFIX}-idempotency",
             "event_bus_name": f"{PREFIX}-agent",
             "checkpoint_bucket": f"{PREFIX}-checkpoints",
-            "state_machine": f"{PREFIX}-recovery",
+            # As the stack names it: its functions' grants name the state machine's ARN.
+            "state_machine": principals.state_machine_name(principals.template(STACK_CONTEXT)),
             "topic": f"{PREFIX}-failures",
             "launch_template": f"{PREFIX}-job-vm",
             "job_role": f"{PREFIX}-job",
@@ -157,6 +162,11 @@ class LocalCloud:
         self._saved_stdout: Any = None
         self._functions_log: Any = None
         self._saved_config: dict[str, Any] = {}
+        self.enforcer: enforce.Enforcer | None = None
+        self._job_role: principals.Role | None = None
+        self.stack_outputs: dict[str, str] = {}  # the CloudFormation stack's outputs, as `spotcr` reads them
+        self.agent_asset = ("", "")  # where the stack's agent asset is (bucket, key): the job role may read it there
+        self._iam = contextlib.ExitStack()
 
     def __enter__(self) -> LocalCloud:
         self.start()
@@ -228,6 +238,9 @@ class LocalCloud:
         self._install_hooks()
         self._account_patches.enter_context(local_account.serve(self.account))
         self._create_stack()
+        # From here on every call but the deployer's is evaluated against the synthesized stack's IAM.
+        self.enforcer = self._enforcer()
+        self._iam.enter_context(enforce.enforced(self.enforcer))
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
 
@@ -249,6 +262,7 @@ class LocalCloud:
         for vm in list(self.vms.values()):
             vm.terminate()
         self._join_threads(timeout_s=30)
+        self._iam.close()
         if self._store_credentials is not None:
             self._store_credentials.shutdown()
             self._store_credentials.server_close()
@@ -293,14 +307,24 @@ class LocalCloud:
 
     @property
     def vm_env(self) -> dict[str, str]:
-        """What a job VM's processes see: the cloud's endpoint on their network and (dummy) credentials."""
-        return {
-            "AWS_ENDPOINT_URL": self.vm_endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_REGION": REGION,
-        }
+        """What any local VM's processes see: the cloud's endpoint on their network and its region. No credentials:
+        a VM that is no EC2 instance has no instance profile (`instance_env` is a job VM's)."""
+        return {"AWS_ENDPOINT_URL": self.vm_endpoint, "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
+
+    def as_cli_user(self) -> contextlib.AbstractContextManager[None]:
+        """Calls made inside are the `spotcr` user's: its own key, holding only the README's user policy."""
+        return enforce.acting_as(enforce.CLI_USER_KEY)
+
+    def instance_env(self, instance_id: str) -> dict[str, str]:
+        """What a job VM's processes see: `vm_env` and credentials of its own, the instance profile role's session
+        for this instance (on AWS from its IMDS), as IAM names it and with the context AWS gives it."""
+        assert self.enforcer is not None and self._job_role is not None, "instances launch only while the cloud runs"
+        key = enforce.access_key(f"instance:{instance_id}")
+        session = f"arn:aws:sts::{ACCOUNT}:assumed-role/{self.names['job_role']}/{instance_id}"
+        instance_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"
+        principal = Principal(session, self._job_role.policies)
+        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn})
+        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "instance-profile"}
 
     def _create_stack(self) -> None:
         """The resources `cdk deploy` creates, built from the same definitions infra/ uses."""
@@ -406,6 +430,39 @@ class LocalCloud:
                     Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
                 )
 
+    def _enforcer(self) -> enforce.Enforcer:
+        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
+        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
+        names = self.names
+        env = self.settings_env
+        local_names = {
+            "RegistryJobs": names["jobs_table"],
+            "RegistryIdempotency": names["idempotency_table"],
+            "RegistryFailureTopic": env[ENV["failure_topic_arn"]],
+            "RegistryAgentBus": names["event_bus_name"],
+            "StorageCheckpoints": names["checkpoint_bucket"],
+            "StorageEfs": self.file_system_id,
+            "VmLaunchJobLaunchTemplate": env[ENV["launch_template_id"]],
+            "VmLaunchJobRole": names["job_role"],
+            "StoreAccessStoreRole": names["store_role"],
+            "WorkflowRecovery": names["state_machine"],
+            **{f"VmLaunchDocument{c}": env[ENV[f"{c}_document"]] for c in COMMANDS},
+        }
+        local = principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
+        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
+        keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
+        keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
+        self._job_role = roles.job  # each job VM signs as its own session of it (instance_env)
+        keys[enforce.CLI_USER_KEY] = principals.cli_user(ACCOUNT, PREFIX, REGION, self.stack_outputs)
+        self.agent_asset = principals.agent_asset(roles.job)
+        return enforce.Enforcer(
+            keys=keys,
+            # The rehearsal itself: it deploys the stack as CloudFormation would, plays the user and AWS's services.
+            trusted={"testing": "the rehearsal"},
+            roles={role.arn: role.principal() for role in roles.all()},
+            state=enforce.MotoState(ACCOUNT, REGION),
+        )
+
     def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:
         """The stack's FIS experiment templates, and a CloudFormation stack whose outputs name what `spotcr` reads."""
         fis = self.client("fis")
@@ -419,6 +476,8 @@ class LocalCloud:
         }
         for command in COMMANDS.values():
             outputs[f"{command.name.capitalize()}Document"] = self.settings_env[ENV[f"{command.name}_document"]]
+        outputs["ProbeDocument"] = f"{PREFIX}-{PROBE.name}"
+        outputs["EfsFileSystemId"] = self.file_system_id
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
                 clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
@@ -434,6 +493,7 @@ class LocalCloud:
             "Outputs": {name: {"Value": value} for name, value in outputs.items()},
         }
         self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(template))
+        self.stack_outputs = outputs
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
         definition = ASL_PATH.read_text()
@@ -681,6 +741,10 @@ class LocalCloud:
         function = self._functions.get(name)
         if function is None:
             raise KeyError(f"no local function {name!r}")
+        with enforce.acting_as(enforce.function_key(function.name)):
+            return self._call_handler(name, function, payload)
+
+    def _call_handler(self, name: str, function: catalog.Function, payload: Any) -> Any:
         module_name, attribute = function.handler.rsplit(".", 1)
         handler = getattr(importlib.import_module(module_name), attribute)
         context = LambdaContext(
@@ -764,7 +828,7 @@ class LocalCloud:
             user_data=user_data,
             tags=lambda: _tags_of(backend, instance_id),
             root=self.run_dir / "vms",
-            cloud_env=self.vm_env,
+            cloud_env=self.instance_env(instance_id),
             network=self.network,
             shared_storage=self.shared_storage,
             boot_commands=self.boot_commands,

@@ -564,7 +564,8 @@ class Rehearsal:
         """bootstrap.sh's steps: the SSM agent, the agent asset installed, `spotcr-agent bootstrap ...`, the daemon."""
         agent = "/opt/spotcr/bin/spotcr-agent"
         names = self.cloud.names
-        asset_url = asset.publish(self.cloud.client("s3"), f"{names['checkpoint_bucket']}-assets")
+        bucket, key = self.cloud.agent_asset
+        asset_url = asset.publish(self.cloud.client("s3"), bucket, key=key)
         bootstrap = [agent, "bootstrap", "--bucket", names["checkpoint_bucket"], "--event-bus", names["event_bus_name"]]
         # The agent's store credentials come from the store-credentials URL (here its stand-in), as on AWS.
         bootstrap += ["--store-credentials-url", self.cloud.store_credentials_url]
@@ -583,7 +584,8 @@ class Rehearsal:
         self.timeline.say(f"submitting job {self.job_id}: {job_tags[tags.COMMAND]}")
         ec2 = self.cloud.client("ec2")
         reservation = ec2.run_instances(
-            ImageId=self.cloud.image_id,
+            # From the stack's launch template, as `spotcr submit` launches (its grants terminate only those).
+            LaunchTemplate={"LaunchTemplateId": self.cloud.settings_env[ENV["launch_template_id"]]},
             InstanceType="c5.large",
             MinCount=1,
             MaxCount=1,

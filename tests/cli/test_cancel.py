@@ -1,10 +1,16 @@
-"""`spotcr cancel` and the refusals of restore and interrupt, against in-process moto (no VMs)."""
+"""`spotcr cancel` and the refusals of restore and interrupt, against in-process moto (no VMs).
+
+The command runs as the `spotcr` user, holding only the README's user policy (IAM enforced); the test itself
+builds the world and plays the control plane with its own, trusted key.
+"""
 
 import io
 import json
+import os
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from moto import mock_aws
 from spotcr_cli import actions
 from spotcr_cli.aws import Cloud, CommandError
@@ -15,7 +21,10 @@ from spotcr_functions.agent_events import exit_ends_job
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.registry import Registry
 
+from rehearsal.iam import enforce, principals
+
 REGION = "us-east-1"
+ACCOUNT = "123456789012"
 ASL = {"StartAt": "Wait", "States": {"Wait": {"Type": "Wait", "Seconds": 3600, "End": True}}}
 
 
@@ -40,7 +49,9 @@ def world(monkeypatch):
         ec2.create_launch_template_version(
             LaunchTemplateId=template, LaunchTemplateData={"ImageId": image, "UserData": "dmVyc2lvbiAy"}
         )
+        file_system = boto3.client("efs", region_name=REGION).create_file_system(CreationToken="spotcr")
         outputs = {
+            "EfsFileSystemId": file_system["FileSystemId"],
             "CheckpointBucket": "checkpoints",
             "JobTable": "jobs",
             "LaunchTemplateId": template,
@@ -56,9 +67,27 @@ def world(monkeypatch):
         boto3.client("cloudformation", region_name=REGION).create_stack(
             StackName="spotcr", TemplateBody=json.dumps(stack)
         )
+        enforcer = enforce.Enforcer(
+            keys={enforce.CLI_USER_KEY: principals.cli_user(ACCOUNT, "spotcr", REGION, outputs)},
+            trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"},
+            roles={},
+            state=enforce.MotoState(ACCOUNT, REGION),
+        )
         cloud = Cloud(region=REGION)
-        assert (cloud.stack.launch_template_id, cloud.stack.state_machine_arn) == (template, machine)
-        yield cloud
+        with enforce.enforced(enforcer):
+            with as_user():
+                assert (cloud.stack.launch_template_id, cloud.stack.state_machine_arn) == (template, machine)
+            yield cloud
+
+
+def as_user():
+    """The `spotcr` command's calls, signed with its user's own key."""
+    return enforce.acting_as(enforce.CLI_USER_KEY)
+
+
+def spotcr(argv, **kwargs):
+    with as_user():
+        return main(argv, **kwargs)
 
 
 def submit(cloud, job_id="job-1", instance_type="c5.large"):
@@ -73,9 +102,10 @@ def submit(cloud, job_id="job-1", instance_type="c5.large"):
         tcp=None,
         restart_from_scratch=None,
     )
-    return actions.submit(
-        cloud, job, instance_id=None, instance_type=instance_type, on_demand=False, say=lambda line: None
-    )
+    with as_user():
+        return actions.submit(
+            cloud, job, instance_id=None, instance_type=instance_type, on_demand=False, say=lambda line: None
+        )
 
 
 def running_job(cloud, job_id="job-1", status=Status.RUNNING):
@@ -112,7 +142,7 @@ def test_submit_launches_the_templates_latest_version_not_its_default(world):
 def test_submit_without_an_instance_type_is_refused_before_anything_launches(world, capsys):
     # The template names no type, and EC2's default (m1.small, Xen) is not one the agent can run on.
     argv = ["submit", "job-1", "--command", "python3 a.py"]
-    assert main(argv, out=io.StringIO()) == 2
+    assert spotcr(argv, out=io.StringIO()) == 2
     assert "--instance-type is required" in capsys.readouterr().err
     assert world.client("ec2").describe_instances()["Reservations"] == []
 
@@ -140,7 +170,7 @@ def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(
     s3.put_object(Bucket="checkpoints", Key="jobs/job-1/runs/r-00000000000000e1/result/manifest.json", Body=b"{}")
     # When it is cancelled with its checkpoints
     out = io.StringIO()
-    assert main(["cancel", "job-1", "--delete-checkpoints", "--json"], out=out) == 0
+    assert spotcr(["cancel", "job-1", "--delete-checkpoints", "--json"], out=out) == 0
     result = json.loads(out.getvalue())
     # Then it is CANCELLED, the scheduler finds nothing due, its recovery is stopped and its VM terminated
     assert result["state"] == "CANCELLED" and result["was"] == "RUNNING"
@@ -165,30 +195,52 @@ def test_a_cancelled_job_is_never_ordered_a_dump_again_and_its_vms_are_released(
 def test_cancel_restore_and_interrupt_refuse_what_they_cannot_do_naming_the_state(world, capsys):
     running_job(world, "done-1", status=Status.COMPLETED)
     out = io.StringIO()
-    assert main(["cancel", "done-1"], out=out) == 0 and "COMPLETED already" in out.getvalue()
-    assert main(["restore", "done-1", "--checkpoint", "1700000000000-g0-periodic"]) == 1
+    assert spotcr(["cancel", "done-1"], out=out) == 0 and "COMPLETED already" in out.getvalue()
+    assert spotcr(["restore", "done-1", "--checkpoint", "1700000000000-g0-periodic"]) == 1
     assert "done-1 is COMPLETED" in capsys.readouterr().err
-    assert main(["interrupt", "done-1"]) == 1
+    assert spotcr(["interrupt", "done-1"]) == 1
     assert "only a running job's instance can be interrupted" in capsys.readouterr().err
     running_job(world, "run-1")
-    assert main(["restore", "run-1", "--checkpoint", "1700000000000-g0-periodic"]) == 1
+    assert spotcr(["restore", "run-1", "--checkpoint", "1700000000000-g0-periodic"]) == 1
     assert "is not committed for job run-1" in capsys.readouterr().err
-    assert main(["restore", "run-1", "--checkpoint", "newest"]) == 2
-    assert main(["status", "nope"]) == 1 and "no job 'nope'" in capsys.readouterr().err
-    with pytest.raises(CommandError, match="no FIS experiment template"):
+    assert spotcr(["restore", "run-1", "--checkpoint", "newest"]) == 2
+    assert spotcr(["status", "nope"]) == 1 and "no job 'nope'" in capsys.readouterr().err
+    with as_user(), pytest.raises(CommandError, match="no FIS experiment template"):
         actions.interrupt(world, "run-1", rebalance_first=False, say=lambda line: None)
 
 
 def test_cancelling_an_efs_job_deletes_its_access_point(world):
-    # Given a running efs job with its access point (made at its registration)
+    # Given a running efs job with its access point (made and tagged with its job at its registration)
     efs = world.client("efs")
-    file_system = efs.create_file_system(CreationToken="spotcr")["FileSystemId"]
-    point = efs.create_access_point(FileSystemId=file_system, RootDirectory={"Path": "/jobs/job-1"})
+    [file_system] = [f["FileSystemId"] for f in efs.describe_file_systems()["FileSystems"]]  # the stack's
+    point = efs.create_access_point(
+        FileSystemId=file_system, RootDirectory={"Path": "/jobs/job-1"}, Tags=[{"Key": "spotcr:job", "Value": "job-1"}]
+    )
     running_job(world)
     Registry("jobs").update("job-1", {"access_point_arn": point["AccessPointArn"]})
     # When it is cancelled
-    assert main(["cancel", "job-1", "--json"], out=io.StringIO()) == 0
+    assert spotcr(["cancel", "job-1", "--json"], out=io.StringIO()) == 0
     # Then its access point is gone (its files on the file system stay)
     assert efs.describe_access_points(FileSystemId=file_system)["AccessPoints"] == []
     cancelled = Registry("jobs").get("job-1")
     assert cancelled is not None and cancelled.status == Status.CANCELLED
+
+
+def test_the_spotcr_user_may_not_do_what_only_spotcr_does(world):
+    # Given a job the user submitted, and an instance that is no job's
+    record = running_job(world)
+    ec2 = world.client("ec2")
+    stranger = ec2.run_instances(
+        LaunchTemplate={"LaunchTemplateId": world.stack.launch_template_id}, MinCount=1, MaxCount=1
+    )["Instances"][0]["InstanceId"]
+    with as_user():
+        # When the user mints a run for the job's instance, or terminates an instance of no job
+        with pytest.raises(ClientError) as forged:
+            ec2.create_tags(Resources=[record.instance_id], Tags=[{"Key": "spotcr:run", "Value": "r-0000000000000001"}])
+        with pytest.raises(ClientError) as terminated:
+            ec2.terminate_instances(InstanceIds=[stranger])
+    # Then EC2 refuses both as AWS does, naming the user
+    for refused in (forged, terminated):
+        error = refused.value.response["Error"]
+        assert error["Code"] == "UnauthorizedOperation"
+        assert f"User: arn:aws:iam::{ACCOUNT}:user/spotcr-user is not authorized" in error["Message"]

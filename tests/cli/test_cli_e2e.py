@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import pytest
 from spotcr_cli.main import main
 
 from rehearsal.cloud import PREFIX, REGION
+from rehearsal.iam import enforce
 from rehearsal.scenario import Options, Rehearsal, command_tag, restored_after
 
 
@@ -49,7 +51,8 @@ def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_pa
 
         def spotcr(*argv):
             out = io.StringIO()
-            code = main([*where, *argv], out=out)
+            with cloud.as_cli_user():  # the user's own key, holding only the README's user policy
+                code = main([*where, *argv], out=out)
             assert code == 0, f"spotcr {' '.join(argv)} exited {code}: {capsys.readouterr().err}\n" + "\n".join(lines)
             text = out.getvalue()
             return json.loads(text) if "--json" in argv else text
@@ -123,9 +126,19 @@ def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_pa
         assert spotcr("checkpoints", job, "--json") == []
         assert "CANCELLED" in spotcr("jobs")
         # And the installed entry point reads the same world (python -m spotcr_cli, as the console script runs)
+        # with the user's own access key in its environment, as a user's shell holds it
+        user_env = {**os.environ, "AWS_ACCESS_KEY_ID": enforce.CLI_USER_KEY, "AWS_SECRET_ACCESS_KEY": "user-secret"}
         listing = subprocess.run(
-            [sys.executable, "-m", "spotcr_cli", *where, "jobs", "--json"], capture_output=True, text=True, check=True
+            [sys.executable, "-m", "spotcr_cli", *where, "jobs", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={k: v for k, v in user_env.items() if k != "AWS_SESSION_TOKEN"},
         )
         assert [j["state"] for j in json.loads(listing.stdout) if j["job_id"] == job] == ["CANCELLED"]
+        # And along the way every principal, the user included, was evaluated and refused nothing
+        assert cloud.enforcer is not None and cloud.enforcer.denials == []
+        user = {name for arn, name in cloud.enforcer.evaluated if arn.endswith(":user/spotcr-user")}
+        assert {"ec2:RunInstances", "fis:StartExperiment", "states:StartExecution", "s3:DeleteObject"} <= user
     finally:
         cloud.stop()

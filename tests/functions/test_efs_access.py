@@ -28,9 +28,8 @@ __all__ = ["vending"]
 @pytest.fixture
 def file_system(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> str:
     """The stack's EFS, named to the functions as the stack names it (SPOTCR_FILE_SYSTEM_ID)."""
-    file_system_id = boto3.client("efs", region_name=REGION).create_file_system(CreationToken="spotcr")["FileSystemId"]
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["file_system_id"], file_system_id)
-    return file_system_id
+    monkeypatch.setenv(OPTIONAL_TEXT_ENV["file_system_id"], plane.file_system_id)
+    return plane.file_system_id
 
 
 def access_points(file_system_id: str) -> list[dict[str, Any]]:

@@ -261,7 +261,7 @@ def test_run_instances_only_from_the_launch_template(default_synth: Synth) -> No
             assert statement["Condition"] == {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}
 
 
-def test_tagging_instances_is_limited_to_the_error_tag(default_synth: Synth) -> None:
+def test_tagging_instances_is_limited_to_the_tags_registering_writes(default_synth: Synth) -> None:
     taggers = [f for f in catalog.FUNCTIONS if catalog.EC2_TAG in f.capabilities]
     by_role = statements_by_role(default_synth)
     for spec in taggers:
@@ -269,7 +269,7 @@ def test_tagging_instances_is_limited_to_the_error_tag(default_synth: Synth) -> 
         tag_statements = [s for s in statements if "aws:TagKeys" in _flat(s.get("Condition", {}))]
         assert tag_statements
         for statement in tag_statements:
-            assert statement["Condition"]["ForAllValues:StringEquals"] == {"aws:TagKeys": [tags.ERROR]}
+            assert statement["Condition"]["ForAllValues:StringEquals"] == {"aws:TagKeys": [tags.RUN, tags.ERROR]}
 
 
 def test_functions_that_move_volumes_may_read_volume_and_snapshot_states(default_synth: Synth) -> None:

@@ -190,6 +190,38 @@ def test_an_ebs_volume_moves_between_vms_with_its_data(cloud):
 
 
 @pytest.mark.criu
+def test_each_job_vm_signs_as_its_own_instance_profile_session(cloud):
+    # Given two job VMs, each registering with SSM from inside (the agent stand-in at boot)
+    first, first_vm = launch(cloud, {"Name": "first"})
+    second, second_vm = launch(cloud, {"Name": "second"})
+    role = cloud.names["job_role"]
+    sessions = {i: f"arn:aws:sts::{cloud.enforcer.state.account}:assumed-role/{role}/{i}" for i in (first, second)}
+
+    # Then each registered as the job role's session named by its own instance id, with a key of its own
+    for instance_id in (first, second):
+        wait_for(lambda i=instance_id: (sessions[i], "ssm:UpdateInstanceInformation") in cloud.enforcer.evaluated)
+    assert first_vm.env["AWS_ACCESS_KEY_ID"] != second_vm.env["AWS_ACCESS_KEY_ID"]
+
+    # And a call it is not granted is refused naming its session, with the instance AWS puts in its context
+    import boto3
+
+    dynamodb = boto3.client(
+        "dynamodb",
+        endpoint_url=cloud.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=first_vm.env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key="x",
+    )
+    with pytest.raises(ClientError) as refused:
+        dynamodb.get_item(TableName=cloud.names["jobs_table"], Key={"job_id": {"S": "j"}})
+    assert sessions[first] in refused.value.response["Error"]["Message"]
+    [denial] = [d for d in cloud.enforcer.denials if d.principal == sessions[first]]
+    assert {r.context["ec2:SourceInstanceARN"] for r in denial.requests} == {
+        f"arn:aws:ec2:us-east-1:{cloud.enforcer.state.account}:instance/{first}"
+    }
+
+
+@pytest.mark.criu
 def test_send_command_is_refused_until_the_vms_ssm_agent_registers(cloud):
     # Given a running VM whose boot did not start the SSM agent stand-in
     cloud.boot_commands = [["sleep", "infinity"]]

@@ -75,7 +75,9 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
     # What the VM reads lives in its private /var/lib/spotcr (a VM does not share the host's /tmp)
     private, inside = vm.dir("state") / "user-data-test", Path("/var/lib/spotcr/user-data-test")
     private.mkdir()
-    url = asset.publish(cloud.client("s3"), "cdk-assets-rehearsal")
+    # Where the stack publishes its agent asset: the only object of CDK's assets bucket the job role may read.
+    bucket, key = cloud.agent_asset
+    url = asset.publish(cloud.client("s3"), bucket, key=key)
     user_data = private / "user-data.sh"
     user_data.write_text(
         render_user_data(

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 import pytest
 from moto import mock_aws
 
+from rehearsal.iam.enforce import enforced
 from tests.workflow.harness import MOTO_CONFIG, REGION, ControlPlane
 
 
@@ -26,5 +27,6 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
     with mock_aws(config=MOTO_CONFIG):
         control_plane = ControlPlane(monkeypatch)
-        yield control_plane
-        control_plane.close()
+        with enforced(control_plane.enforcer):
+            yield control_plane
+            control_plane.close()

@@ -38,6 +38,8 @@ from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
+from rehearsal.iam import enforce, principals
+
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "tests" / "events"
 ASL = ROOT / "statemachines" / "recovery.asl.json"
@@ -45,6 +47,11 @@ REGION = "us-east-1"
 ACCOUNT = "123456789012"
 FUNCTION_PREFIX = "spotcr-"
 MOTO_CONFIG: Any = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
+# The stack's roles as named in this account (the store-credentials tests sign as sessions of the job role).
+# The stack as deployed with efs=true: the EFS grants too (the file system's id is set for efs tests only).
+STACK_CONTEXT = {"efs": "true"}
+JOB_ROLE_NAME = "spotcr-JobRole-1A2B3C4D5E6F"
+STORE_ROLE_NAME = "spotcr-StoreRole-0F1E2D3C4B5A"
 
 
 @dataclass
@@ -64,9 +71,17 @@ def handler_for(function: catalog.Function) -> Callable[[Any, Any], Any]:
     return getattr(importlib.import_module(module), name)
 
 
+function_key = enforce.function_key
+
+
+def run_handler(function: catalog.Function, payload: Any) -> Any:
+    """The catalog handler run as Lambda runs it: its AWS calls made as the function's role."""
+    with enforce.acting_as(function_key(function.name)):
+        return handler_for(function)(payload, FakeContext(function_name=FUNCTION_PREFIX + function.name))
+
+
 def invoke_function(name: str, payload: Any) -> Any:
-    function = catalog.by_name(name)
-    return handler_for(function)(payload, FakeContext(function_name=FUNCTION_PREFIX + name))
+    return run_handler(catalog.by_name(name), payload)
 
 
 def _moto_lambda_invoke(
@@ -440,7 +455,7 @@ def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
             if pattern is None or rule.agent_bus != on_agent_bus:
                 continue
             if EventPattern.load(json.dumps(pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
-                result = handler_for(function)(json.loads(json.dumps(event)), FakeContext(function_name=function.name))
+                result = run_handler(function, json.loads(json.dumps(event)))
                 delivered.append((function.name, result))
     return delivered
 
@@ -501,6 +516,9 @@ class ControlPlane:
             LaunchTemplateName="spotcr-job", LaunchTemplateData={"ImageId": image_id, "InstanceType": "m5.large"}
         )["LaunchTemplate"]["LaunchTemplateId"]
         self.image_id = image_id
+        self.file_system_id = boto3.client("efs", region_name=REGION).create_file_system(CreationToken="spotcr")[
+            "FileSystemId"
+        ]
         resolve = {
             "topic:failure": self.topic_arn,
             **{f"document:{name}": document for name, document in self.documents.items()},
@@ -538,15 +556,44 @@ class ControlPlane:
         }
         for key, seconds in timing.items():
             monkeypatch.setenv(OPTIONAL_ENV[key], str(seconds))
+        self.enforcer = self._enforcer()
+
+    def _enforcer(self) -> enforce.Enforcer:
+        """IAM as the synthesized stack grants it: each function's role, and the state machine's for its engine."""
+        names = {
+            "RegistryJobs": "spotcr-jobs",
+            "RegistryIdempotency": "spotcr-idempotency",
+            "RegistryFailureTopic": self.topic_arn,
+            "RegistryAgentBus": "spotcr-agent",
+            "StorageCheckpoints": "spotcr-checkpoints",
+            "VmLaunchJobLaunchTemplate": self.launch_template_id,
+            "VmLaunchJobRole": JOB_ROLE_NAME,
+            "StoreAccessStoreRole": STORE_ROLE_NAME,
+            "WorkflowRecovery": "spotcr-recovery",
+            "StorageEfs": self.file_system_id,
+            **{f"VmLaunchDocument{name}": document for name, document in self.documents.items()},
+        }
+        local = principals.Local(REGION, ACCOUNT, names, FUNCTION_PREFIX)
+        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
+        keys = {function_key(name): role.principal() for name, role in roles.functions.items()}
+        keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
+        return enforce.Enforcer(
+            keys=keys,
+            # The test's own key (mock_aws's): it builds the account as CloudFormation would, plays the user and
+            # the agents, and reads what happened; IAM does not evaluate it.
+            trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"},
+            roles={role.arn: role.principal() for role in roles.all()},
+            state=enforce.MotoState(ACCOUNT, REGION),
+        )
 
     def launch_job_instance(
         self, job_tags: Mapping[str, str], az: str = f"{REGION}a", instance_type: str = "m5.large"
     ) -> str:
-        """A job VM as the user starts it: tagged, running."""
+        """A job VM as the user starts it (`spotcr submit`): from the stack's launch template, tagged, running."""
         tag_list = [{"Key": k, "Value": v} for k, v in job_tags.items()]
         return str(
             self.ec2.run_instances(
-                ImageId=self.image_id,
+                LaunchTemplate={"LaunchTemplateId": self.launch_template_id},
                 InstanceType=instance_type,
                 MinCount=1,
                 MaxCount=1,

@@ -83,18 +83,23 @@ def test_a_stopped_or_hibernated_primary_is_terminated_and_its_spot_request_canc
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch, action: str
 ) -> None:
     # Given a job on a persistent spot instance (interruption behaviour stop or hibernate) that will stop before
-    # its final dump (hibernation may give no notice)
+    # its final dump (hibernation may give no notice), launched from the stack's launch template: spotcr may
+    # terminate only instances EC2 tagged with that template (RequestSpotInstances takes no template).
     monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    spot = {"SpotInstanceType": "persistent", "InstanceInterruptionBehavior": action}
+    primary = plane.ec2.run_instances(
+        LaunchTemplate={"LaunchTemplateId": plane.launch_template_id},
+        InstanceMarketOptions={"MarketType": "spot", "SpotOptions": spot},
+        SubnetId=plane.subnets["us-east-1a"],
+        MinCount=1,
+        MaxCount=1,
+    )["Instances"][0]["InstanceId"]
+    # moto records no spot request for a spot RunInstances, which AWS makes: this one stands in for it.
     request = plane.ec2.request_spot_instances(
         Type="persistent",
         InstanceInterruptionBehavior=action,
-        LaunchSpecification={
-            "ImageId": plane.image_id,
-            "InstanceType": "m5.large",
-            "SubnetId": plane.subnets["us-east-1a"],
-        },
+        LaunchSpecification={"ImageId": plane.image_id, "InstanceType": "m5.large"},
     )["SpotInstanceRequests"][0]["SpotInstanceRequestId"]
-    [primary] = [i["InstanceId"] for r in plane.ec2.describe_instances()["Reservations"] for i in r["Instances"]]
     # moto's DescribeInstances omits SpotInstanceRequestId, which AWS returns for every spot instance.
     original = Cloud.describe_instance
 

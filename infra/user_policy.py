@@ -1,0 +1,253 @@
+"""The IAM policy a user needs to run the `spotcr` command against one deployed stack, and nothing more.
+
+Every AWS call in cli/spotcr_cli has its action here (tests/localaws/test_user_policy.py scans for them), scoped
+to the stack's resources as named by its CloudFormation outputs. Where a resource must be `*` or a pattern, the
+statement says why. Print it for a deployed stack:
+
+    python -m infra.user_policy --stack spotcr --region eu-west-1 --account 111122223333
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spotcr_contracts import fis as fis_experiments
+from spotcr_contracts import tags
+
+# The tags a user may write: the job's own (README's tag table) and the interruption marker. Never
+# spotcr:run, which only spotcr mints (registering), nor the control plane's other tags.
+USER_TAG_KEYS = (
+    tags.JOB,
+    tags.COMMAND,
+    tags.SPEC,
+    tags.STORAGE,
+    tags.INTERVAL,
+    tags.FALLBACK_TYPES,
+    tags.WORKDIR,
+    tags.TCP,
+    tags.RESTART_FROM_SCRATCH,
+    tags.DEADLINE_MARGIN,
+    tags.INTERRUPT,
+)
+JOB_TAGGED = {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}
+JOB_TAGGED_REQUEST = {"StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"}}
+LAUNCHED = ("volume", "network-interface", "subnet", "security-group", "spot-instances-request")
+REQUIRED_OUTPUTS = ("CheckpointBucket", "JobTable", "LaunchTemplateId", "RecoveryStateMachineArn")
+PROBE_PREFIX = "jobs/spotcr-probe-"  # spotcr_agent.probe.PROBE_JOB_PREFIX under jobs/: `spotcr probe --s3` here
+
+
+@dataclass(frozen=True)
+class UserStatement:
+    sid: str
+    actions: tuple[str, ...]
+    resources: tuple[str, ...]
+    conditions: Mapping[str, Mapping[str, Any]] | None = None
+    why: str = ""  # required when a resource holds a wildcard
+
+    def document(self) -> dict[str, Any]:
+        statement: dict[str, Any] = {
+            "Sid": self.sid,
+            "Effect": "Allow",
+            "Action": list(self.actions),
+            "Resource": list(self.resources),
+        }
+        if self.conditions:
+            statement["Condition"] = {op: dict(block) for op, block in self.conditions.items()}
+        return statement
+
+
+def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]) -> list[UserStatement]:
+    """The policy's statements for a stack with these CloudFormation outputs (infra/stack.py names them)."""
+    missing = [o for o in REQUIRED_OUTPUTS if not outputs.get(o)]
+    if missing:
+        raise ValueError(f"stack {stack} has no output {', '.join(missing)}: is it a spotcr stack, deployed?")
+    ec2 = f"arn:aws:ec2:{region}:{account}"
+    bucket = f"arn:aws:s3:::{outputs['CheckpointBucket']}"
+    state_machine = outputs["RecoveryStateMachineArn"]
+    template = f"{ec2}:launch-template/{outputs['LaunchTemplateId']}"
+    documents = [outputs[o] for o in ("StatusDocument", "ProbeDocument") if outputs.get(o)]
+    experiment_templates = [outputs[o] for o in fis_experiments.OUTPUTS.values() if outputs.get(o)]
+    fis = f"arn:aws:fis:{region}:{account}"
+    found: list[UserStatement] = [
+        UserStatement(
+            "ReadStackOutputs",
+            ("cloudformation:DescribeStacks",),
+            (f"arn:aws:cloudformation:{region}:{account}:stack/{stack}/*",),
+            why="A stack's ARN ends with the id CloudFormation gives it at creation.",
+        ),
+        UserStatement(
+            "JobRecords",
+            ("dynamodb:GetItem", "dynamodb:Scan", "dynamodb:UpdateItem"),
+            (f"arn:aws:dynamodb:{region}:{account}:table/{outputs['JobTable']}",),
+        ),
+        UserStatement("ListStore", ("s3:ListBucket",), (bucket,)),
+        UserStatement(
+            "ReadStore",
+            ("s3:GetObject",),
+            (f"{bucket}/jobs/*", f"{bucket}/probes/*"),
+            why="Checkpoints and logs are kept per job (jobs/<job>/), probe results per instance type (probes/).",
+        ),
+        UserStatement(
+            "DeleteJobCheckpoints",
+            ("s3:DeleteObject",),
+            (f"{bucket}/jobs/*",),
+            why="`spotcr cancel --delete-checkpoints` deletes any job's checkpoints (its result is kept).",
+        ),
+        UserStatement(
+            "WriteProbes",
+            ("s3:PutObject",),
+            (f"{bucket}/probes/*", f"{bucket}/{PROBE_PREFIX}*"),
+            why="`spotcr probe` keeps results under probes/ and measures S3 under a fresh jobs/spotcr-probe-* prefix.",
+        ),
+        UserStatement(
+            "Describe",
+            ("ec2:DescribeInstances", "ec2:DescribeVolumes", "ec2:DescribeSpotPriceHistory", "pricing:GetProducts"),
+            ("*",),
+            why="EC2's Describe actions and the Price List API have no resource-level permissions.",
+        ),
+        UserStatement("LaunchFromTheStacksTemplate", ("ec2:RunInstances",), (template,)),
+        UserStatement(
+            "LaunchJobInstances",
+            ("ec2:RunInstances",),
+            (f"{ec2}:instance/*",),
+            {"ArnEquals": {"ec2:LaunchTemplate": template}, **JOB_TAGGED_REQUEST},
+            why="An instance's id is made at launch; only from the stack's template and tagged with its job.",
+        ),
+        UserStatement(
+            "LaunchWithTheTemplatesResources",
+            ("ec2:RunInstances",),
+            (*(f"{ec2}:{kind}/*" for kind in LAUNCHED), f"arn:aws:ec2:{region}::image/*"),
+            {"ArnEquals": {"ec2:LaunchTemplate": template}},
+            why="RunInstances creates volumes, interfaces and a spot request with new ids, in the template's subnets "
+            "and security group, from the AMI resolved at deploy; only through the stack's launch template.",
+        ),
+        UserStatement(
+            "PassTheJobRole",
+            ("iam:PassRole",),
+            (f"arn:aws:iam::{account}:role/{stack}-*",),
+            {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
+            why="The job role's name is made by CloudFormation (<stack>-<id>-<suffix>) and is no stack output.",
+        ),
+        UserStatement(
+            "TagJobInstances",
+            ("ec2:CreateTags",),
+            (f"{ec2}:instance/*",),
+            {"ForAllValues:StringEquals": {"aws:TagKeys": list(USER_TAG_KEYS)}},
+            why="A job's instance is launched or chosen (--instance) by the user; only a job's own tag keys.",
+        ),
+        UserStatement(
+            "RemoveTheInterruptMarker",
+            ("ec2:DeleteTags",),
+            (f"{ec2}:instance/*",),
+            {**JOB_TAGGED, "ForAllValues:StringEquals": {"aws:TagKeys": [tags.INTERRUPT]}},
+            why="`spotcr interrupt` removes its marker from the job's instance, whose id is known at run time.",
+        ),
+        UserStatement(
+            "StopJobInstances",
+            ("ec2:TerminateInstances",),
+            (f"{ec2}:instance/*",),
+            JOB_TAGGED,
+            why="A job's instances are known at run time; only instances carrying spotcr:job.",
+        ),
+        UserStatement(
+            "DeleteJobVolumes",
+            ("ec2:DeleteVolume",),
+            (f"{ec2}:volume/*",),
+            JOB_TAGGED,
+            why="An ebs job's checkpoint volumes are known at run time; only volumes carrying spotcr:job.",
+        ),
+        UserStatement("StartRecoveries", ("states:StartExecution", "states:ListExecutions"), (state_machine,)),
+        UserStatement(
+            "StopRecoveries",
+            ("states:StopExecution",),
+            (state_machine.replace(":stateMachine:", ":execution:") + ":*",),
+            why="A recovery's execution is named per job and generation at run time.",
+        ),
+        UserStatement(
+            "AskTheAgentOnAJobInstance",
+            ("ssm:SendCommand",),
+            (f"{ec2}:instance/*",),
+            {"StringLike": {f"ssm:resourceTag/{tags.JOB}": "?*"}},
+            why="A job's instance is known at run time; only instances carrying spotcr:job.",
+        ),
+        UserStatement(
+            "ThroughTheStacksDocuments",
+            ("ssm:SendCommand",),
+            tuple(f"arn:aws:ssm:{region}:{account}:document/{d}" for d in documents),
+        ),
+        UserStatement(
+            "ReadTheAgentsAnswer",
+            ("ssm:GetCommandInvocation",),
+            ("*",),
+            why="GetCommandInvocation has no resource-level permissions.",
+        ),
+    ]
+    if experiment_templates:
+        found.append(
+            UserStatement(
+                "InterruptThroughFis",
+                ("fis:StartExperiment",),
+                (*(f"{fis}:experiment-template/{t}" for t in experiment_templates), f"{fis}:experiment/*"),
+                why="An experiment's id is made when it starts.",
+            )
+        )
+        found.append(
+            UserStatement(
+                "FollowTheExperiment",
+                ("fis:GetExperiment", "fis:TagResource"),
+                (f"{fis}:experiment/*",),
+                why="An experiment's id is made when it starts (and tagged as it starts).",
+            )
+        )
+    if outputs.get("EfsFileSystemId"):
+        found.append(
+            UserStatement(
+                "DeleteJobAccessPoints",
+                ("elasticfilesystem:DeleteAccessPoint",),
+                (f"arn:aws:elasticfilesystem:{region}:{account}:access-point/*",),
+                JOB_TAGGED,
+                why="An efs job's access point is made for it at run time; only those carrying spotcr:job.",
+            )
+        )
+    found = [s for s in found if s.resources]  # a stack without documents (older outputs) gets no SendCommand on them
+    for statement in found:
+        if any("*" in r for r in statement.resources) and not statement.why:
+            raise ValueError(f"statement {statement.sid} has a wildcard resource without a reason")
+    return found
+
+
+def cli_user_policy(stack: str, region: str, account: str, outputs: Mapping[str, str]) -> dict[str, Any]:
+    """The `spotcr` command's least-privilege IAM policy document for this stack."""
+    return {"Version": "2012-10-17", "Statement": [s.document() for s in statements(stack, region, account, outputs)]}
+
+
+def stack_outputs(stack: str, region: str) -> dict[str, str]:
+    """The deployed stack's outputs, as `spotcr` reads them."""
+    import boto3
+
+    found = boto3.client("cloudformation", region_name=region).describe_stacks(StackName=stack)["Stacks"][0]
+    return {o["OutputKey"]: o["OutputValue"] for o in found.get("Outputs", [])}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infra.user_policy", description=__doc__.splitlines()[0])
+    parser.add_argument("--stack", default="spotcr", help="the deployed stack's name (%(default)s)")
+    parser.add_argument("--region", required=True)
+    parser.add_argument("--account", required=True, help="the stack's account id")
+    args = parser.parse_args(argv)
+    try:
+        policy = cli_user_policy(args.stack, args.region, args.account, stack_outputs(args.stack, args.region))
+    except Exception as error:  # the reason, in one line, for whoever prints the policy
+        print(f"python -m infra.user_policy: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(policy, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of the local AWS (rehearsal/): its IAM evaluator and what it is fed."""

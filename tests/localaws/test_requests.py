@@ -1,0 +1,157 @@
+"""The IAM requests an API call makes, as the Service Authorization Reference describes them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from rehearsal.iam.requests import Call, UnknownOperation, requests_for
+
+REGION, ACCOUNT = "eu-west-1", "111122223333"
+TEMPLATE = "lt-0123456789abcdef0"
+
+
+class FakeState:
+    """A local AWS with one tagged job instance, one launch template and one instance profile."""
+
+    tags: Mapping[str, Mapping[str, str]] = {"i-0aaa": {"spotcr:job": "train-1"}, "subnet-0bbb": {}, "ami-0ccc": {}}
+
+    def ec2_tags(self, resource_id: str) -> Mapping[str, str]:
+        return self.tags.get(resource_id, {})
+
+    def launch_template(self, template_id: str, template_name: str, version: str) -> tuple[str, Mapping[str, Any]]:
+        assert (template_id, version) == (TEMPLATE, "$Latest")
+        return TEMPLATE, {"ImageId": "ami-0ccc", "IamInstanceProfile": {"Arn": "profile"}}
+
+    def subnet_default(self, launch_data: Mapping[str, Any]) -> str:
+        return ""
+
+    def instance_profile_roles(self, profile: Mapping[str, str]) -> Sequence[str]:
+        return [f"arn:aws:iam::{ACCOUNT}:role/job"] if profile == {"Arn": "profile"} else []
+
+    def state_machine_of_token(self, token: str) -> str:
+        return f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:recovery"
+
+    def topic_key(self, topic_arn: str) -> str:
+        return ""
+
+    def access_point_tags(self, access_point_id: str) -> Mapping[str, str]:
+        return {}
+
+    def file_system_arn(self, file_system_id: str) -> str:
+        return f"arn:aws:elasticfilesystem:{REGION}:{ACCOUNT}:file-system/{file_system_id}"
+
+    def stack_arn(self, stack_name: str) -> str:
+        return f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/{stack_name}/0a1b"
+
+
+def call(service: str, operation: str, **params: Any) -> Call:
+    return Call(service, operation, params, REGION, ACCOUNT)
+
+
+def test_create_tags_names_the_tag_keys_the_new_values_and_the_resources_current_tags() -> None:
+    [request] = requests_for(
+        call("ec2", "CreateTags", Resources=["i-0aaa"], Tags=[{"Key": "spotcr:run", "Value": "r-1"}]), FakeState()
+    )
+    assert request.action == "ec2:CreateTags"
+    assert request.resource == f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/i-0aaa"
+    assert request.context == {
+        "aws:TagKeys": ("spotcr:run",),
+        "aws:RequestTag/spotcr:run": "r-1",
+        "aws:ResourceTag/spotcr:job": "train-1",
+        "ec2:ResourceTag/spotcr:job": "train-1",
+    }
+
+
+def test_run_instances_from_a_template_asks_for_each_resource_the_tags_on_create_and_passing_the_role() -> None:
+    requests = requests_for(
+        call(
+            "ec2",
+            "RunInstances",
+            LaunchTemplate={"LaunchTemplateId": TEMPLATE, "Version": "$Latest"},
+            InstanceType="m5.large",
+            SubnetId="subnet-0bbb",
+            MinCount=1,
+            MaxCount=1,
+            InstanceMarketOptions={"MarketType": "spot"},
+            TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "spotcr:job", "Value": "train-1"}]}],
+        ),
+        FakeState(),
+    )
+    template_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:launch-template/{TEMPLATE}"
+    by_resource = {(r.action, r.resource): r.context for r in requests}
+    run = [resource for action, resource in by_resource if action == "ec2:RunInstances"]
+    assert sorted(run) == sorted(
+        [
+            f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/*",
+            f"arn:aws:ec2:{REGION}:{ACCOUNT}:network-interface/*",
+            f"arn:aws:ec2:{REGION}:{ACCOUNT}:volume/*",
+            f"arn:aws:ec2:{REGION}:{ACCOUNT}:spot-instances-request/*",
+            f"arn:aws:ec2:{REGION}:{ACCOUNT}:subnet/subnet-0bbb",
+            f"arn:aws:ec2:{REGION}::image/ami-0ccc",
+            template_arn,
+        ]
+    )
+    assert all(by_resource[("ec2:RunInstances", r)]["ec2:LaunchTemplate"] == template_arn for r in run)
+    tagging = by_resource[("ec2:CreateTags", f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/*")]
+    assert tagging["ec2:CreateAction"] == "RunInstances"
+    assert tagging["aws:RequestTag/spotcr:job"] == "train-1"
+    assert by_resource[("iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/job")] == {
+        "iam:PassedToService": "ec2.amazonaws.com"
+    }
+
+
+def test_send_command_asks_for_the_document_and_each_instance_with_its_ssm_resource_tags() -> None:
+    document, instance = requests_for(
+        call("ssm", "SendCommand", DocumentName="spotcr-restore", InstanceIds=["i-0aaa"]), FakeState()
+    )
+    assert document.resource == f"arn:aws:ssm:{REGION}:{ACCOUNT}:document/spotcr-restore"
+    assert instance.resource == f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/i-0aaa"
+    assert instance.context["ssm:resourceTag/spotcr:job"] == "train-1"
+
+
+def test_assume_role_with_session_tags_also_asks_to_tag_the_session() -> None:
+    role = f"arn:aws:iam::{ACCOUNT}:role/store"
+    assume, tag = requests_for(
+        call("sts", "AssumeRole", RoleArn=role, RoleSessionName="i-0aaa", Tags=[{"Key": "SpotcrJob", "Value": "x"}]),
+        FakeState(),
+    )
+    assert (assume.action, tag.action) == ("sts:AssumeRole", "sts:TagSession")
+    assert tag.context == {"aws:TagKeys": ("SpotcrJob",), "aws:RequestTag/SpotcrJob": "x"}
+
+
+def test_removing_a_tag_names_its_key_only_and_the_resources_current_tags() -> None:
+    [request] = requests_for(
+        call("ec2", "DeleteTags", Resources=["i-0aaa"], Tags=[{"Key": "spotcr:interrupt"}]), FakeState()
+    )
+    assert (request.action, request.resource) == ("ec2:DeleteTags", f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/i-0aaa")
+    assert request.context == {
+        "aws:TagKeys": ("spotcr:interrupt",),
+        "aws:ResourceTag/spotcr:job": "train-1",
+        "ec2:ResourceTag/spotcr:job": "train-1",
+    }
+
+
+def test_starting_a_tagged_experiment_asks_for_its_template_the_new_experiment_and_its_tags() -> None:
+    requests = requests_for(
+        call("fis", "StartExperiment", experimentTemplateId="EXT1", tags={"spotcr:job": "train-1"}), FakeState()
+    )
+    fis = f"arn:aws:fis:{REGION}:{ACCOUNT}"
+    assert [(r.action, r.resource) for r in requests] == [
+        ("fis:StartExperiment", f"{fis}:experiment-template/EXT1"),
+        ("fis:StartExperiment", f"{fis}:experiment/*"),
+        ("fis:TagResource", f"{fis}:experiment/*"),
+    ]
+    assert all(r.context["aws:TagKeys"] == ("spotcr:job",) for r in requests)
+
+
+def test_a_query_on_an_index_asks_for_the_index() -> None:
+    [request] = requests_for(call("dynamodb", "Query", TableName="jobs", IndexName="by-status"), FakeState())
+    assert request.resource == f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/jobs/index/by-status"
+
+
+def test_an_operation_without_an_entry_is_an_error_not_an_allow() -> None:
+    with pytest.raises(UnknownOperation, match="ec2:ModifyInstanceAttribute has no entry"):
+        requests_for(call("ec2", "ModifyInstanceAttribute", InstanceId="i-0aaa"), FakeState())

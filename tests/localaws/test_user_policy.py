@@ -1,0 +1,188 @@
+"""The `spotcr` command's IAM policy (infra/user_policy.py) grants every AWS call the command makes, and no other.
+
+An AST scan of cli/spotcr_cli finds each boto3 call: on clients bound to a name (`ec2 = cloud.client("ec2")`,
+`boto3.client("s3")`, a parameter named after its service), called directly (`cloud.client("ec2").x(...)`), through
+paginators, and through the control plane's Registry (whose DynamoDB calls tests/infra/test_least_privilege finds).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+from collections.abc import Iterator
+from contextlib import redirect_stdout
+from functools import cache
+
+import boto3
+from moto import mock_aws
+
+from infra.user_policy import cli_user_policy, main
+from rehearsal.iam.policy import ContextValue, Principal, Request, evaluate
+from tests.infra.conftest import REPO_ROOT
+from tests.infra.test_least_privilege import IMPLIED, used_by
+
+CLI = REPO_ROOT / "cli" / "spotcr_cli"
+SERVICE_PREFIX = {"stepfunctions": "states", "efs": "elasticfilesystem"}  # boto3 client name -> IAM prefix
+SERVICE_PARAMETERS = {"ec2", "s3", "ssm", "fis", "efs"}  # a parameter so named holds that service's client
+ACTION_OF = {
+    "s3:ListObjectsV2": "s3:ListBucket",
+    "s3:DeleteObjects": "s3:DeleteObject",
+    "s3:HeadBucket": "s3:ListBucket",
+}
+IMPLIED_HERE = {"fis:StartExperiment": {"fis:TagResource"}}  # spotcr interrupt tags the experiment as it starts
+# `spotcr probe --s3 BUCKET` runs the agent's own store here (spotcr_agent.store.backends.S3Backend): its calls.
+AGENT_STORE = {"s3:PutObject", "s3:GetObject", "s3:ListBucket", "s3:DeleteObject"}
+
+REGION, ACCOUNT = "eu-west-1", "111122223333"
+OUTPUTS = {
+    "CheckpointBucket": "spotcr-storagecheckpointbucket-1a2b3c",
+    "JobTable": "spotcr-ControlPlaneJobs-1A2B3C",
+    "LaunchTemplateId": "lt-0123456789abcdef0",
+    "RecoveryStateMachineArn": f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:spotcr-recovery",
+    "StatusDocument": "spotcr-status",
+    "ProbeDocument": "spotcr-probe",
+    "InterruptExperimentTemplate": "EXT1a2b3c4d5e6f7",
+    "RebalanceInterruptExperimentTemplate": "EXT7f6e5d4c3b2a1",
+    "EfsFileSystemId": "fs-0123456789abcdef0",
+}
+INSTANCE = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/i-0123456789abcdef0"
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _client_service(node: ast.expr) -> str | None:
+    """`cloud.client("ec2")` or `boto3.client("ec2", ...)`: the service named."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "client"):
+        return None
+    first = node.args[0] if node.args else None
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def _bindings(function: ast.FunctionDef) -> dict[str, str]:
+    names = {a.arg: a.arg for a in function.args.args if a.arg in SERVICE_PARAMETERS}
+    for node in ast.walk(function):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = (
+                zip(target.elts, node.value.elts, strict=False)
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                else [(target, node.value)]
+            )
+            for name, value in pairs:
+                if not isinstance(name, ast.Name):
+                    continue
+                service = _client_service(value)
+                if service:
+                    names[name.id] = service
+                elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Registry":
+                    names[name.id] = "Registry"
+    return names
+
+
+def _action(service: str, operation: str) -> str:
+    action = f"{SERVICE_PREFIX.get(service, service)}:{_camel(operation)}"
+    return ACTION_OF.get(action, action)
+
+
+def _calls(function: ast.FunctionDef) -> Iterator[str]:
+    names = _bindings(function)
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value
+        service = names.get(owner.id) if isinstance(owner, ast.Name) else _client_service(owner)
+        if service == "Registry":
+            yield from (action for _, action in used_by(f"spotcr_functions.registry.Registry.{node.func.attr}"))
+        elif service and node.func.attr == "get_paginator":
+            yield _action(service, str(node.args[0].value))  # type: ignore[attr-defined]
+        elif service:
+            yield _action(service, node.func.attr)
+
+
+@cache
+def cli_calls() -> frozenset[str]:
+    found: set[str] = set()
+    for path in sorted(CLI.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                found.update(_calls(node))
+    for action in list(found):
+        found |= IMPLIED.get(action, set()) | IMPLIED_HERE.get(action, set())
+    return frozenset(found)
+
+
+def _granted() -> set[str]:
+    policy = cli_user_policy("spotcr", REGION, ACCOUNT, OUTPUTS)
+    return {action for s in policy["Statement"] for action in s["Action"]}
+
+
+def test_the_scan_finds_calls_made_every_way_the_command_makes_them() -> None:
+    calls = cli_calls()
+    assert "ec2:RunInstances" in calls  # ec2 = cloud.client("ec2"); ec2.run_instances
+    assert "ec2:TerminateInstances" in calls  # cloud.client("ec2").terminate_instances
+    assert "dynamodb:Scan" in calls  # a paginator
+    assert "dynamodb:UpdateItem" in calls  # through Registry.update
+    assert "ssm:SendCommand" in calls  # a parameter named ssm (spotcr probe --instance)
+    assert "pricing:GetProducts" in calls  # boto3.client("pricing", ...)
+    assert "iam:PassRole" in calls  # implied by RunInstances
+
+
+def test_every_call_the_command_makes_is_granted() -> None:
+    missing = cli_calls() - _granted()
+    assert not missing, f"spotcr calls these without a grant in infra/user_policy.py: {sorted(missing)}"
+
+
+def test_every_granted_action_is_one_the_command_makes() -> None:
+    unused = _granted() - cli_calls() - AGENT_STORE
+    assert not unused, f"infra/user_policy.py grants actions spotcr never calls: {sorted(unused)}"
+
+
+def _user(**outputs: str) -> Principal:
+    policy = cli_user_policy("spotcr", REGION, ACCOUNT, {**OUTPUTS, **outputs})
+    return Principal(f"arn:aws:iam::{ACCOUNT}:user/ana", (policy,))
+
+
+def test_the_policy_lets_a_user_submit_a_job_from_the_stacks_template_only() -> None:
+    template = f"arn:aws:ec2:{REGION}:{ACCOUNT}:launch-template/{OUTPUTS['LaunchTemplateId']}"
+    tagged: dict[str, ContextValue] = {
+        "ec2:LaunchTemplate": template,
+        "aws:RequestTag/spotcr:job": "train-1",
+        "aws:TagKeys": ("spotcr:job",),
+    }
+    assert evaluate(_user(), Request("ec2:RunInstances", INSTANCE, tagged)).allowed
+    assert evaluate(_user(), Request("ec2:RunInstances", template, tagged)).allowed
+    other = {**tagged, "ec2:LaunchTemplate": template.replace("lt-0", "lt-9")}
+    assert not evaluate(_user(), Request("ec2:RunInstances", INSTANCE, other)).allowed
+    untagged = {"ec2:LaunchTemplate": template}
+    assert not evaluate(_user(), Request("ec2:RunInstances", INSTANCE, untagged)).allowed
+
+
+def test_the_policy_never_lets_a_user_write_the_run_id_spotcr_mints() -> None:
+    job: dict[str, ContextValue] = {"aws:ResourceTag/spotcr:job": "train-1"}
+    assert evaluate(_user(), Request("ec2:CreateTags", INSTANCE, {**job, "aws:TagKeys": ("spotcr:interrupt",)})).allowed
+    forged: dict[str, ContextValue] = {**job, "aws:TagKeys": ("spotcr:job", "spotcr:run")}
+    assert not evaluate(_user(), Request("ec2:CreateTags", INSTANCE, forged)).allowed
+
+
+def test_the_policy_stops_only_instances_that_carry_a_job() -> None:
+    assert evaluate(_user(), Request("ec2:TerminateInstances", INSTANCE, {"aws:ResourceTag/spotcr:job": "j"})).allowed
+    assert not evaluate(_user(), Request("ec2:TerminateInstances", INSTANCE, {})).allowed
+
+
+def test_the_command_prints_the_policy_of_a_deployed_stack() -> None:
+    with mock_aws():
+        template = {
+            "Resources": {"Marker": {"Type": "AWS::SNS::Topic"}},
+            "Outputs": {name: {"Value": value} for name, value in OUTPUTS.items()},
+        }
+        boto3.client("cloudformation", region_name=REGION).create_stack(
+            StackName="spotcr", TemplateBody=json.dumps(template)
+        )
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert main(["--stack", "spotcr", "--region", REGION, "--account", ACCOUNT]) == 0
+    assert json.loads(out.getvalue()) == cli_user_policy("spotcr", REGION, ACCOUNT, OUTPUTS)
