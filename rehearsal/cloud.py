@@ -51,6 +51,8 @@ from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from werkzeug.exceptions import Forbidden
 
+from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
+from rehearsal import asset
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.storage import LoopVolumes
@@ -63,6 +65,7 @@ PREFIX = "spotcr-rehearsal"
 ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
 SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
+ASSET_BUCKET = f"cdk-hnb659fds-assets-{ACCOUNT}-{REGION}"  # CDK's bootstrap bucket: `cdk deploy` publishes assets there
 
 
 _INHERITED = object()  # marks a patched attribute the class only inherited
@@ -102,6 +105,7 @@ class LocalCloud:
         agent_command: list[str] | None = None,
         with_workflow: bool = True,
         fis_notice_s: float = 120.0,
+        with_agent_asset: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.timeline = timeline
@@ -113,6 +117,10 @@ class LocalCloud:
         self.agent_command = agent_command
         self.with_workflow = with_workflow
         self.fis_notice_s = fis_notice_s
+        # True: the stack's launch template names a published agent asset (the rehearsal's VMs install it at boot).
+        self.with_agent_asset = with_agent_asset
+        self.agent_asset_url = ""  # the asset the stack's latest launch template version names
+        self._revoked_assets: set[str] = set()  # keys of earlier assets: the job role may no longer read them
         # The fault suite's hook (tests/faults): called as (action, bucket, key) before S3 serves a request; it may
         # raise StoreFault (an outage), or act at that exact point (kill an agent mid-upload).
         self.store_fault: Callable[[str, str, str], None] | None = None
@@ -324,9 +332,7 @@ class LocalCloud:
                 "ImageId": image_id,
                 "InstanceType": "c5.large",
                 "MetadataOptions": {"HttpTokens": "required", "InstanceMetadataTags": "enabled"},
-                "UserData": base64.b64encode((REPO / "vm-bootstrap" / "bootstrap.sh").read_bytes()).decode()
-                if (REPO / "vm-bootstrap" / "bootstrap.sh").exists()
-                else "",
+                "UserData": self._job_vm_user_data(self._publish_agent_asset("deployment 1")),
             },
         )["LaunchTemplate"]["LaunchTemplateId"]
         self.image_id = image_id
@@ -418,16 +424,75 @@ class LocalCloud:
                 clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
             )
             outputs[output] = created["experimentTemplate"]["id"]
-        template = {
-            "Resources": {
-                "Marker": {
-                    "Type": "AWS::SSM::Parameter",
-                    "Properties": {"Name": f"/{PREFIX}/stack", "Type": "String", "Value": "rehearsal"},
-                }
-            },
-            "Outputs": {name: {"Value": value} for name, value in outputs.items()},
-        }
-        self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(template))
+        self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
+
+    def upgrade_stack(self, deployment: str) -> str:
+        """What `cdk deploy` of a changed agent does: the new asset published under its own key, a new launch
+        template version naming it ($Default stays 1: CloudFormation never moves it), the functions' settings and the
+        stack's output naming that version (a Lambda configuration update), and the job role's read of the old asset
+        gone (CDK grants it per asset). `deployment` is written into the asset; returns the new version."""
+        old = self.agent_asset_url
+        user_data = self._job_vm_user_data(self._publish_agent_asset(deployment))
+        ec2, template_id = self.client("ec2"), self.settings_env[ENV["launch_template_id"]]
+        latest = ec2.describe_launch_template_versions(LaunchTemplateId=template_id, Versions=["$Latest"])
+        data = {**latest["LaunchTemplateVersions"][0]["LaunchTemplateData"], "UserData": user_data}
+        created = ec2.create_launch_template_version(LaunchTemplateId=template_id, LaunchTemplateData=data)
+        version = str(created["LaunchTemplateVersion"]["VersionNumber"])
+        self.settings_env[ENV["launch_template_version"]] = version
+        self._set_env(self.settings_env)  # the in-process handlers read their settings at each invocation's edge
+        lambda_client = self.client("lambda")
+        for name in self._functions:
+            lambda_client.update_function_configuration(FunctionName=name, Environment={"Variables": self.settings_env})
+        cloudformation = self.client("cloudformation")
+        stack = cloudformation.describe_stacks(StackName=PREFIX)["Stacks"][0]
+        outputs = {output["OutputKey"]: output["OutputValue"] for output in stack.get("Outputs", [])}
+        outputs["LaunchTemplateVersion"] = version
+        cloudformation.update_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
+        if old:
+            with self._lock:
+                self._revoked_assets.add(old.removeprefix(f"s3://{ASSET_BUCKET}/"))
+        return version
+
+    def _publish_agent_asset(self, deployment: str) -> str:
+        """The agent asset, published as `cdk deploy` publishes it before it creates or updates the stack."""
+        if self.with_agent_asset:
+            self.agent_asset_url = asset.publish(self.client("s3"), ASSET_BUCKET, deployment)
+        return self.agent_asset_url
+
+    def _job_vm_user_data(self, asset_url: str) -> str:
+        """The launch template's user data: bootstrap.sh naming the agent asset as infra/ renders it (what the
+        rehearsal's boot passes itself is left empty), or bootstrap.sh as is when the stack has no asset."""
+        script = BOOTSTRAP_SCRIPT.read_text()
+        if asset_url:
+            values = dict.fromkeys(PLACEHOLDER.findall(script), "")
+            values["__SPOTCR_AGENT_ASSET_URL__"] = asset_url
+            values["__SPOTCR_BUCKET__"] = self.names["checkpoint_bucket"]
+            values["__SPOTCR_EVENT_BUS__"] = self.names["event_bus_name"]
+            values["__SPOTCR_STORE_CREDENTIALS_URL__"] = self.store_credentials_url
+            script = render_user_data(script, values)
+        return base64.b64encode(script.encode()).decode()
+
+    def _install_asset_grant(self) -> None:
+        """The job role's s3:GetObject on the agent asset, granted per asset as CDK grants it: an asset an upgrade
+        replaced is refused with AccessDenied (HTTP 403), as AWS refuses it."""
+        from moto.s3.exceptions import S3AccessDeniedError
+        from moto.s3.models import S3Backend
+
+        cloud = self
+
+        def get_object(original: Any) -> Any:
+            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
+                bucket = kwargs.get("bucket_name", args[0] if args else "")
+                key = kwargs.get("key_name", args[1] if len(args) > 1 else "")
+                with cloud._lock:
+                    revoked = bucket == ASSET_BUCKET and key in cloud._revoked_assets
+                if revoked:
+                    raise S3AccessDeniedError()
+                return original(backend, *args, **kwargs)
+
+            return hooked
+
+        self._patch(S3Backend, "get_object", get_object)
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
         definition = ASL_PATH.read_text()
@@ -511,6 +576,7 @@ class LocalCloud:
         self._install_ec2_hooks()
         self._install_fis_hooks()
         self._install_s3_hooks()
+        self._install_asset_grant()
 
     def _install_fis_hooks(self) -> None:
         from moto.fis.models import FISBackend
@@ -953,6 +1019,19 @@ def _spot_targets(ec2: Any, target: dict[str, Any]) -> list[str]:
             if getattr(instance, "lifecycle", None) == "spot":
                 chosen.append(instance.id)
     return chosen
+
+
+def _stack_template(outputs: dict[str, str]) -> dict[str, Any]:
+    """The rehearsal's CloudFormation stack: one resource, and the real stack's outputs for `spotcr --stack`."""
+    return {
+        "Resources": {
+            "Marker": {
+                "Type": "AWS::SSM::Parameter",
+                "Properties": {"Name": f"/{PREFIX}/stack", "Type": "String", "Value": "rehearsal"},
+            }
+        },
+        "Outputs": {name: {"Value": value} for name, value in outputs.items()},
+    }
 
 
 def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:
