@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VM_BOOTSTRAP_DIR = REPO_ROOT / "vm-bootstrap"
 CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
+BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"  # the job VMs' user data, once rendered
+PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
 BUILD_DIR = REPO_ROOT / ".build"  # vm-bootstrap/build-artifact.sh (make artifacts) writes the prebuilt parts here
 _STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
 # Build-time files: a VM installs the prebuilt artifact instead.
 _BUILD_ONLY = shutil.ignore_patterns(
     "install-criu.sh", "build-artifact.sh", "fetch-debian-packages.sh", "*.lock", "*.patch", "__pycache__", "*.pyc"
 )
+
+
+def render_user_data(script: str, values: Mapping[str, str]) -> str:
+    """Put deployment values into the bootstrap's `__SPOTCR_*__` placeholders; an unknown one is an error."""
+    unknown = sorted(set(PLACEHOLDER.findall(script)) - set(values))
+    if unknown:
+        raise ValueError(f"{BOOTSTRAP_SCRIPT.name} uses placeholders infra does not provide: {', '.join(unknown)}")
+    return PLACEHOLDER.sub(lambda match: values[match.group(0)], script)
 
 
 class ArtifactMissing(FileNotFoundError):

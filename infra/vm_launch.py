@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import re
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 import jsii
@@ -18,7 +16,7 @@ from constructs import Construct
 from spotcr_contracts import commands
 
 from infra import grants
-from infra.agent_bundle import VM_BOOTSTRAP_DIR, stage_agent_bundle
+from infra.agent_bundle import BOOTSTRAP_SCRIPT, render_user_data, stage_agent_bundle
 from infra.nag import acknowledge, acknowledge_wildcard_resource
 from infra.network import Network
 from infra.settings import GPU_IMAGE_PARAMETER, Settings
@@ -26,18 +24,8 @@ from infra.storage import Storage
 from infra.store_access import Later
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"
-PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
 ROOT_DEVICE = "/dev/xvda"  # Debian 12 AMIs boot from xvda
 GPU_IMAGE_ROOT_DEVICE = "/dev/sda1"  # Ubuntu AMIs, the Deep Learning ones included, boot from sda1
-
-
-def render_user_data(script: str, values: Mapping[str, str]) -> str:
-    """Put deployment values into the bootstrap's `__SPOTCR_*__` placeholders; an unknown one is an error."""
-    unknown = sorted(set(PLACEHOLDER.findall(script)) - set(values))
-    if unknown:
-        raise ValueError(f"{BOOTSTRAP_SCRIPT.name} uses placeholders infra does not provide: {', '.join(unknown)}")
-    return PLACEHOLDER.sub(lambda match: values[match.group(0)], script)
 
 
 @jsii.implements(ec2.IMachineImage)

@@ -54,6 +54,13 @@ def parse(argv: list[str]) -> Options:
         action="store_true",
         help="lose each interruption's notice: no final dump, the backup restores the newest periodic checkpoint",
     )
+    parser.add_argument(
+        "--upgrade-at",
+        type=float,
+        metavar="S",
+        help="upgrade the stack S s after the submission (a new agent asset and launch template version), before the "
+        "first interruption: its backup must boot the new version",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each phase may take (default 300)")
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
     parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where each run's files go (rehearsal-runs/)")
@@ -67,6 +74,8 @@ def parse(argv: list[str]) -> Options:
             parser.error(f"{', '.join(given)}: only for the sample job, not with --command")
     elif args.result is not None:
         parser.error("--result goes with --command (the sample job's result is result.txt)")
+    if args.upgrade_at is not None and args.upgrade_at < 0:
+        parser.error(f"--upgrade-at {args.upgrade_at:g}: seconds after the submission, 0 or more")
     return Options(
         storage=args.storage,
         size_mb=256 if args.size_mb is None else args.size_mb,
@@ -83,6 +92,7 @@ def parse(argv: list[str]) -> Options:
         rebalance_lead_s=args.rebalance,
         timeout_s=args.timeout,
         missed_warning=args.missed_warning,
+        upgrade_at_s=args.upgrade_at,
     )
 
 

@@ -37,7 +37,7 @@ import urllib.request
 import uuid
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -51,7 +51,9 @@ from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from werkzeug.exceptions import Forbidden
 
+from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
 from rehearsal import account as local_account
+from rehearsal import asset
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
@@ -68,6 +70,7 @@ SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command'
 # The stack as the rehearsal deploys it: with EFS (efs jobs get an access point each).
 STACK_CONTEXT = {"efs": "true"}
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
+ASSET_BUCKET = f"cdk-hnb659fds-assets-{ACCOUNT}-{REGION}"  # CDK's bootstrap bucket: `cdk deploy` publishes assets there
 
 
 _INHERITED = object()  # marks a patched attribute the class only inherited
@@ -107,6 +110,7 @@ class LocalCloud:
         agent_command: list[str] | None = None,
         with_workflow: bool = True,
         fis_notice_s: float = 120.0,
+        with_agent_asset: bool = False,
     ) -> None:
         self.run_dir = run_dir
         self.timeline = timeline
@@ -118,6 +122,9 @@ class LocalCloud:
         self.agent_command = agent_command
         self.with_workflow = with_workflow
         self.fis_notice_s = fis_notice_s
+        # True: the stack's launch template names a published agent asset (the rehearsal's VMs install it at boot).
+        self.with_agent_asset = with_agent_asset
+        self.agent_asset_url = ""  # the asset the stack's latest launch template version names
         # The fault suite's hook (tests/faults): called as (action, bucket, key) before S3 serves a request; it may
         # raise StoreFault (an outage), or act at that exact point (kill an agent mid-upload).
         self.store_fault: Callable[[str, str, str], None] | None = None
@@ -163,7 +170,7 @@ class LocalCloud:
         self._functions_log: Any = None
         self._saved_config: dict[str, Any] = {}
         self.enforcer: enforce.Enforcer | None = None
-        self._job_role: principals.Role | None = None
+        self._job_policies: tuple[Mapping[str, Any], ...] | None = None  # the job role's, as deployed now
         self.stack_outputs: dict[str, str] = {}  # the CloudFormation stack's outputs, as `spotcr` reads them
         self.agent_asset = ("", "")  # where the stack's agent asset is (bucket, key): the job role may read it there
         self._iam = contextlib.ExitStack()
@@ -318,11 +325,13 @@ class LocalCloud:
     def instance_env(self, instance_id: str) -> dict[str, str]:
         """What a job VM's processes see: `vm_env` and credentials of its own, the instance profile role's session
         for this instance (on AWS from its IMDS), as IAM names it and with the context AWS gives it."""
-        assert self.enforcer is not None and self._job_role is not None, "instances launch only while the cloud runs"
+        assert self.enforcer is not None and self._job_policies is not None, (
+            "instances launch only while the cloud runs"
+        )
         key = enforce.access_key(f"instance:{instance_id}")
         session = f"arn:aws:sts::{ACCOUNT}:assumed-role/{self.names['job_role']}/{instance_id}"
         instance_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"
-        principal = Principal(session, self._job_role.policies)
+        principal = Principal(session, self._job_policies)
         self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn})
         return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "instance-profile"}
 
@@ -353,9 +362,7 @@ class LocalCloud:
                 "ImageId": image_id,
                 "InstanceType": "c5.large",
                 "MetadataOptions": {"HttpTokens": "required", "InstanceMetadataTags": "enabled"},
-                "UserData": base64.b64encode((REPO / "vm-bootstrap" / "bootstrap.sh").read_bytes()).decode()
-                if (REPO / "vm-bootstrap" / "bootstrap.sh").exists()
-                else "",
+                "UserData": self._job_vm_user_data(self._publish_agent_asset("deployment 1")),
             },
         )["LaunchTemplate"]["LaunchTemplateId"]
         self.image_id = image_id
@@ -452,9 +459,13 @@ class LocalCloud:
         roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
         keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
         keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
-        self._job_role = roles.job  # each job VM signs as its own session of it (instance_env)
+        # Each job VM signs as its own session of the job role (instance_env).
+        self._job_policies = roles.job.policies
         keys[enforce.CLI_USER_KEY] = principals.cli_user(ACCOUNT, PREFIX, REGION, self.stack_outputs)
         self.agent_asset = principals.agent_asset(roles.job)
+        if self.agent_asset_url:  # published here under its own hash: the grant names the asset deployed
+            bucket, key = self.agent_asset
+            self._job_policies = _asset_granted(self._job_policies, f"s3://{bucket}/{key}", self.agent_asset_url)
         return enforce.Enforcer(
             keys=keys,
             # The rehearsal itself: it deploys the stack as CloudFormation would, plays the user and AWS's services.
@@ -483,17 +494,53 @@ class LocalCloud:
                 clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
             )
             outputs[output] = created["experimentTemplate"]["id"]
-        template = {
-            "Resources": {
-                "Marker": {
-                    "Type": "AWS::SSM::Parameter",
-                    "Properties": {"Name": f"/{PREFIX}/stack", "Type": "String", "Value": "rehearsal"},
-                }
-            },
-            "Outputs": {name: {"Value": value} for name, value in outputs.items()},
-        }
-        self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(template))
+        self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
         self.stack_outputs = outputs
+
+    def upgrade_stack(self, deployment: str) -> str:
+        """What `cdk deploy` of a changed agent does: the new asset published under its own key, a new launch
+        template version naming it ($Default stays 1: CloudFormation never moves it), the functions' settings and the
+        stack's output naming that version (a Lambda configuration update), and the job role's read of the old asset
+        gone (CDK grants it per asset). `deployment` is written into the asset; returns the new version."""
+        old = self.agent_asset_url
+        user_data = self._job_vm_user_data(self._publish_agent_asset(deployment))
+        ec2, template_id = self.client("ec2"), self.settings_env[ENV["launch_template_id"]]
+        latest = ec2.describe_launch_template_versions(LaunchTemplateId=template_id, Versions=["$Latest"])
+        data = {**latest["LaunchTemplateVersions"][0]["LaunchTemplateData"], "UserData": user_data}
+        created = ec2.create_launch_template_version(LaunchTemplateId=template_id, LaunchTemplateData=data)
+        version = str(created["LaunchTemplateVersion"]["VersionNumber"])
+        self.settings_env[ENV["launch_template_version"]] = version
+        self._set_env(self.settings_env)  # the in-process handlers read their settings at each invocation's edge
+        lambda_client = self.client("lambda")
+        for name in self._functions:
+            lambda_client.update_function_configuration(FunctionName=name, Environment={"Variables": self.settings_env})
+        cloudformation = self.client("cloudformation")
+        stack = cloudformation.describe_stacks(StackName=PREFIX)["Stacks"][0]
+        outputs = {output["OutputKey"]: output["OutputValue"] for output in stack.get("Outputs", [])}
+        outputs["LaunchTemplateVersion"] = version
+        cloudformation.update_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
+        if old:
+            self._job_policies = _asset_granted(self._job_policies, old, self.agent_asset_url)
+        return version
+
+    def _publish_agent_asset(self, deployment: str) -> str:
+        """The agent asset, published as `cdk deploy` publishes it before it creates or updates the stack."""
+        if self.with_agent_asset:
+            self.agent_asset_url = asset.publish(self.client("s3"), ASSET_BUCKET, deployment)
+        return self.agent_asset_url
+
+    def _job_vm_user_data(self, asset_url: str) -> str:
+        """The launch template's user data: bootstrap.sh naming the agent asset as infra/ renders it (what the
+        rehearsal's boot passes itself is left empty), or bootstrap.sh as is when the stack has no asset."""
+        script = BOOTSTRAP_SCRIPT.read_text()
+        if asset_url:
+            values = dict.fromkeys(PLACEHOLDER.findall(script), "")
+            values["__SPOTCR_AGENT_ASSET_URL__"] = asset_url
+            values["__SPOTCR_BUCKET__"] = self.names["checkpoint_bucket"]
+            values["__SPOTCR_EVENT_BUS__"] = self.names["event_bus_name"]
+            values["__SPOTCR_STORE_CREDENTIALS_URL__"] = self.store_credentials_url
+            script = render_user_data(script, values)
+        return base64.b64encode(script.encode()).decode()
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
         definition = ASL_PATH.read_text()
@@ -983,6 +1030,20 @@ class _Redirect(io.TextIOBase):
 _STDOUT = _Redirect()
 
 
+def _asset_granted(
+    policies: tuple[Mapping[str, Any], ...], old_url: str, new_url: str
+) -> tuple[Mapping[str, Any], ...]:
+    """The job role's policies with its read of the agent asset at `old_url` moved to `new_url` (s3:// URLs), as the
+    stack's update grants the asset it publishes (CDK grants per asset)."""
+
+    def arn(url: str) -> str:
+        return "arn:aws:s3:::" + url.removeprefix("s3://")
+
+    return tuple(
+        json.loads(json.dumps(policy).replace(f'"{arn(old_url)}"', f'"{arn(new_url)}"')) for policy in policies
+    )
+
+
 @functools.cache
 def _moto_server() -> Any:
     """One server per process: handlers cache their clients (as warm Lambdas do), so the endpoint must not move."""
@@ -1023,6 +1084,19 @@ def _spot_targets(ec2: Any, target: dict[str, Any]) -> list[str]:
             if getattr(instance, "lifecycle", None) == "spot":
                 chosen.append(instance.id)
     return chosen
+
+
+def _stack_template(outputs: dict[str, str]) -> dict[str, Any]:
+    """The rehearsal's CloudFormation stack: one resource, and the real stack's outputs for `spotcr --stack`."""
+    return {
+        "Resources": {
+            "Marker": {
+                "Type": "AWS::SSM::Parameter",
+                "Properties": {"Name": f"/{PREFIX}/stack", "Type": "String", "Value": "rehearsal"},
+            }
+        },
+        "Outputs": {name: {"Value": value} for name, value in outputs.items()},
+    }
 
 
 def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:

@@ -32,7 +32,7 @@ from spotcr_functions.config import ENV
 from spotcr_functions.models import ENDED
 
 from rehearsal import asset, leaks
-from rehearsal.cloud import REGION, LocalCloud
+from rehearsal.cloud import LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, bare_vm
 
@@ -70,6 +70,7 @@ class Options:
     timeline_png: bool = True  # draw timeline.png besides timeline.json (the fault suite skips it: matplotlib)
     stop_file: str = ""  # the sample job exits with STOPPED_EXIT_CODE once this file is in its work dir
     missed_warning: bool = False  # the notice is lost: no final dump, the backup restores the newest periodic one
+    upgrade_at_s: float | None = None  # the stack upgraded (new agent asset and launch template version) at this second
 
 
 @dataclass
@@ -98,12 +99,14 @@ class Outcome:
 class Watcher:
     """Turns the events on the buses into progress lines, timeline marks and waitable facts."""
 
-    def __init__(self, timeline: Timeline) -> None:
+    def __init__(self, timeline: Timeline, console: Callable[[str], str] = lambda vm: "") -> None:
         self.timeline = timeline
+        self.console = console  # a VM's console output so far, by instance id
         self.seen: list[tuple[str, agent_events.AgentEvent]] = []
         self.final_dumps: list[dict[str, Any]] = []
         self.work_redone_s: list[float] = []
         self.boot_to_ready_s: dict[str, float] = {}
+        self.boots: dict[str, asset.Boot] = {}  # what each VM's console says of its boot, read when it is ready
         self._running_since: dict[str, float] = {}
         self._changed = threading.Condition()
 
@@ -127,12 +130,14 @@ class Watcher:
             say.span(vm, "allocation", launched[0] if launched else now, now)
             boot = now - launched[0] if launched else 0.0
             self.boot_to_ready_s[vm] = round(boot, 2)
+            self.boots[vm] = asset.read_boot(self.console(vm))
             say.point(
                 vm,
                 "ready",
                 f"agent ready on {vm} (mode {event.mode}, generation {event.generation}): "
-                f"{boot:.1f} s from launch (SSM agent, install from the artifact, bootstrap)",
+                f"{boot:.1f} s from launch ({self.boots[vm].describe(boot)})",
                 boot_to_ready_s=round(boot, 2),
+                boot_phases_s=self.boots[vm].phases_s,
             )
         elif isinstance(event, agent_events.JobStarted):
             self._running_since[vm] = now
@@ -382,7 +387,7 @@ class Rehearsal:
         self.job_id = f"demo-{options.storage}-{stamp[-6:]}"
         self.run_dir = options.runs_dir / f"{stamp}-{options.storage}"
         self.timeline = Timeline(echo=echo)
-        self.watcher = Watcher(self.timeline)
+        self.watcher = Watcher(self.timeline, console=self._console)
         shared = self.run_dir / "shared-storage" if options.storage in ("efs", "fsx") else None
         if shared is not None:
             shared.mkdir(parents=True, exist_ok=True)
@@ -396,6 +401,7 @@ class Rehearsal:
                 workflow_waits=workflow_waits(options),
                 on_event=self.watcher,
                 fis_notice_s=options.notice_s,
+                with_agent_asset=True,
             )
         else:
             cloud.timeline, cloud.on_event = self.timeline, self.watcher
@@ -405,6 +411,7 @@ class Rehearsal:
         self.restored_from: list[str] = []
         self.newest_periodic: list[str] = []
         self.outcome: Outcome | None = None
+        self.upgrade: dict[str, Any] | None = None  # the stack's upgrade, once done: when, its version and asset
         self._reference_vms: list[LocalVM] = []
         self.before_cleanup: list[Callable[[], None]] = []  # checks run once the job ended, before the leak check
 
@@ -460,6 +467,8 @@ class Rehearsal:
             reference.start()
         else:
             expected_box["result"] = options.reference
+        if options.upgrade_at_s is not None:
+            self._upgrade(options.upgrade_at_s)
         current, generation = instance_id, 0
         for number in range(1, options.interruptions + 1):
             current, generation = self._interruption(number, current, generation)
@@ -509,9 +518,11 @@ class Rehearsal:
             restored_after(generation),
             self.options.timeout_s,
             f"the job to be restored after interruption {number}",
-            self._workflow_health,
+            lambda: self._recovery_health(number),
         )
         recovery = self.timeline.now() - warned
+        if self.upgrade is not None:
+            self._check_upgraded(restored.instance_id)
         self.recoveries_s.append(round(recovery, 2))
         self.restored_from.append(restored.checkpoint_id)
         self.newest_periodic.append(newest)
@@ -527,6 +538,53 @@ class Rehearsal:
             )
         self.timeline.say(f"interruption {number}: warning to running again in {recovery:.1f} s")
         return restored.instance_id, restored.generation
+
+    def _recovery_health(self, number: int) -> None:
+        self._workflow_health()
+        self._fail_if_ended(f"interruption {number} moved it to a backup")
+
+    def _fail_if_ended(self, before: str) -> None:
+        """A job that ended while the rehearsal waits for a later point of it ends the rehearsal at once."""
+        if (ended := self._ended()) is None:
+            return
+        how = f"exited with {ended['exit_code']}" if "exit_code" in ended else f"ended {ended['status']}"
+        reason = f" ({ended['reason']})" if ended.get("reason") else ""
+        raise RehearsalFailed(
+            f"the job {how} on {ended.get('instance_id')} before {before} (noticed {self.timeline.now():.0f} s after "
+            f"its submission){reason}: rehearse a job that runs longer"
+            + (" (more --steps)" if self.options.command is None else "")
+        )
+
+    def _upgrade(self, at_s: float) -> None:
+        """At `at_s` seconds from the submission (once the job runs), the stack upgraded as `cdk deploy` does."""
+        while self.timeline.now() < at_s:
+            self._fail_if_ended(f"the upgrade at {at_s:.0f} s")
+            self.watcher.check_bootstrap()
+            time.sleep(0.2)
+        version = self.cloud.upgrade_stack(f"the upgrade at {at_s:g} s")
+        self.upgrade = {"at_s": self.timeline.now(), "version": version, "asset": self.cloud.agent_asset_url}
+        self.timeline.say(
+            f"stack upgraded: launch template version {version} names the new agent asset "
+            f"{self.cloud.agent_asset_url}; the functions launch that version"
+        )
+
+    def _check_upgraded(self, instance_id: str) -> None:
+        """The backup booted the upgraded stack's version: its console names the asset that version names."""
+        assert self.upgrade is not None
+        booted = self.watcher.boots.get(instance_id, asset.Boot())
+        if booted.asset_url != self.upgrade["asset"]:
+            raise RehearsalFailed(
+                f"backup {instance_id} booted the agent asset {booted.asset_url or '(none on its console)'}, not the "
+                f"upgraded stack's {self.upgrade['asset']}"
+            )
+        self.timeline.say(f"backup {instance_id} booted the upgraded agent asset ({booted.deployment})")
+
+    def _console(self, instance_id: str) -> str:
+        vm = self.cloud.vms.get(instance_id)
+        try:
+            return vm.log_path.read_text(errors="replace") if vm is not None else ""
+        except OSError:
+            return ""
 
     def _workflow_position(self) -> str:
         """Where each unfinished recovery workflow stands, to say what a timeout was waiting on."""
@@ -564,8 +622,6 @@ class Rehearsal:
         """bootstrap.sh's steps: the SSM agent, the agent asset installed, `spotcr-agent bootstrap ...`, the daemon."""
         agent = "/opt/spotcr/bin/spotcr-agent"
         names = self.cloud.names
-        bucket, key = self.cloud.agent_asset
-        asset_url = asset.publish(self.cloud.client("s3"), bucket, key=key)
         bootstrap = [agent, "bootstrap", "--bucket", names["checkpoint_bucket"], "--event-bus", names["event_bus_name"]]
         # The agent's store credentials come from the store-credentials URL (here its stand-in), as on AWS.
         bootstrap += ["--store-credentials-url", self.cloud.store_credentials_url]
@@ -573,19 +629,21 @@ class Rehearsal:
             bootstrap += ["--efs-id", self.cloud.file_system_id]
         if self.options.storage == "fsx":
             bootstrap += ["--fsx-dns", "fs-0rehearsal.fsx.local", "--fsx-mount-name", "rehearsal"]
-        # First the SSM agent, as bootstrap.sh installs and starts it: until it registers, SSM refuses commands.
-        install = asset.install_command(asset_url, REGION)
-        return [[sys.executable, "-m", "rehearsal.ssm_agent"], install, bootstrap, [agent, "daemon"]]
+        # The agent asset comes from each VM's own user data: the launch template version it was launched from.
+        return [asset.boot_command(bootstrap), [agent, "daemon"]]
 
     def _submit(self) -> str:
-        """Submit the job the way a user does: launch an instance carrying the spotcr tags."""
+        """Submit the job the way a user does (`spotcr submit`): launch an instance from the stack's launch template,
+        at the version the stack names, carrying the spotcr tags."""
         job_tags = self.job_tags()
         self.timeline.restart()
         self.timeline.say(f"submitting job {self.job_id}: {job_tags[tags.COMMAND]}")
         ec2 = self.cloud.client("ec2")
+        settings = self.cloud.settings_env
+        version = settings[ENV["launch_template_version"]]
         reservation = ec2.run_instances(
             # From the stack's launch template, as `spotcr submit` launches (its grants terminate only those).
-            LaunchTemplate={"LaunchTemplateId": self.cloud.settings_env[ENV["launch_template_id"]]},
+            LaunchTemplate={"LaunchTemplateId": settings[ENV["launch_template_id"]], "Version": version},
             InstanceType="c5.large",
             MinCount=1,
             MaxCount=1,
@@ -746,6 +804,9 @@ class Rehearsal:
             "final_dumps": self.watcher.final_dumps,
             "work_redone_s": self.watcher.work_redone_s,
             "boot_to_ready_s": self.watcher.boot_to_ready_s,
+            "boot_phases_s": {vm: boot.phases_s for vm, boot in self.watcher.boots.items()},
+            "agent_assets": {vm: boot.asset_url for vm, boot in self.watcher.boots.items()},
+            "upgrade": self.upgrade,
             "command": command_tag(self.options),
             "result_file": self.options.result_file,
             "result": outcome.describe(outcome.result) if outcome else None,

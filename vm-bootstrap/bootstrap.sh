@@ -134,19 +134,48 @@ install_ssm_agent() {
   systemctl enable --now amazon-ssm-agent
 }
 
+# Milliseconds since the epoch (bash 5's EPOCHREALTIME: no fork).
+now_ms() {
+  local micros=${EPOCHREALTIME/[.,]/}
+  echo $((micros / 1000))
+}
+
+# The callers' $step and $mark (set by main, or by the rehearsal's boot): each step's duration on the console, as
+# "spotcr-bootstrap: STEP took SECONDS s" (rehearsal/asset.py reads these lines back).
+done_step() {
+  local now elapsed
+  now=$(now_ms)
+  elapsed=$((now - mark))
+  say "$step took $((elapsed / 1000)).$((elapsed % 1000 / 100)) s"
+  mark=$now
+}
+
+on_error() {
+  local code=$?
+  say "FAILED at step '$step' (exit $code); see /var/log/cloud-init-output.log"
+  # Once the agent is installed it reports the failure on the bus itself; before that, the console says it.
+  if [[ -x "$PREFIX/bin/spotcr-agent" && "$step" != "agent-bootstrap" ]]; then
+    "$PREFIX/bin/spotcr-agent" bootstrap --event-bus "$EVENT_BUS" --report-failure "$step" || true
+  fi
+  exit "$code"
+}
+
+# The agent asset (a zip) unpacked whole into $PREFIX/lib, or $PREFIX/lib left as it was.
+fetch_asset() {
+  local url=$1 region=$2 workdir
+  workdir=$(mktemp -d)
+  s3_get "$url" "$workdir/agent.zip" "$region"
+  rm -rf "$PREFIX/lib.new"
+  mkdir -p "$PREFIX/lib.new"
+  python3 -m zipfile -e "$workdir/agent.zip" "$PREFIX/lib.new"
+  rm -rf "$PREFIX/lib" "$workdir"
+  mv "$PREFIX/lib.new" "$PREFIX/lib"
+}
+
 main() {
-  local step="start" started=$SECONDS mark=$SECONDS
-  on_error() {
-    local code=$?
-    say "FAILED at step '$step' (exit $code); see /var/log/cloud-init-output.log"
-    # Once the agent is installed it reports the failure on the bus itself; before that, the console says it.
-    if [[ -x "$PREFIX/bin/spotcr-agent" && "$step" != "agent-bootstrap" ]]; then
-      "$PREFIX/bin/spotcr-agent" bootstrap --event-bus "$EVENT_BUS" --report-failure "$step" || true
-    fi
-    exit "$code"
-  }
+  local step="start" started=$SECONDS mark
+  mark=$(now_ms)
   trap on_error ERR
-  done_step() { say "$step took $((SECONDS - mark)) s"; mark=$SECONDS; }
 
   local region
   region=$(imds meta-data/placement/region)
@@ -158,14 +187,7 @@ main() {
 
   step="asset"
   say "fetching the agent from $AGENT_ASSET_URL"
-  local workdir
-  workdir=$(mktemp -d)
-  s3_get "$AGENT_ASSET_URL" "$workdir/agent.zip" "$region"
-  rm -rf "$PREFIX/lib.new"
-  mkdir -p "$PREFIX/lib.new"
-  python3 -m zipfile -e "$workdir/agent.zip" "$PREFIX/lib.new"
-  rm -rf "$PREFIX/lib" "$workdir"
-  mv "$PREFIX/lib.new" "$PREFIX/lib"
+  fetch_asset "$AGENT_ASSET_URL" "$region"
   done_step
 
   step="packages"

@@ -21,6 +21,7 @@ def shared_cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClou
         timeline=Timeline(),
         schedule_every_s=OPTIONS.schedule_every_s,
         workflow_waits=workflow_waits(OPTIONS),
+        with_agent_asset=True,  # each VM installs the asset its launch template version names
     )
     cloud.start()
     try:

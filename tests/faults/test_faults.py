@@ -374,9 +374,9 @@ def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newes
     skew = ["/bin/sh", "-c", f"printf '%s' {shlex.quote(behind)} > /opt/spotcr/lib/sitecustomize.py"]
 
     def interrupt(instance_id: str, number: int) -> float:
-        # For the VMs launched from now on (the backup): the agent as installed, then its clock set behind
-        ssm_agent, install, *rest = cloud.boot_commands
-        monkeypatch.setattr(cloud, "boot_commands", [ssm_agent, install, skew, *rest])
+        # For the VMs launched from now on (the backup): the agent as its boot installed it, then its clock set behind
+        boot, *rest = cloud.boot_commands
+        monkeypatch.setattr(cloud, "boot_commands", [boot, skew, *rest])
         return warn(instance_id, number)
 
     rehearsal._interrupt = interrupt  # type: ignore[method-assign]

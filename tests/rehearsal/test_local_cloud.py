@@ -1,16 +1,20 @@
 """The local cloud on its own: VMs boot in their own namespaces, SSM runs documents there, events route."""
 
+import base64
 import json
+import os
 import re
 import sys
 import time
 from pathlib import Path
 
+import boto3
 import pytest
 from botocore.exceptions import ClientError
+from spotcr_functions.config import ENV
 
 from rehearsal import ssm_agent
-from rehearsal.cloud import PREFIX, LocalCloud
+from rehearsal.cloud import PREFIX, REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
 
@@ -287,3 +291,48 @@ def test_a_stopped_cloud_leaves_no_thread_that_acts_later(tmp_path):
     # Then the termination never happens, and stop waited for its thread rather than leave it to a later cloud
     assert acted == []
     assert not [t for t in local._threads if t.is_alive()]
+
+
+def test_an_upgrade_is_a_new_launch_template_version_naming_a_new_asset_and_the_old_asset_is_refused(tmp_path):
+    # Given a stack deployed with its agent asset
+    local = LocalCloud(run_dir=tmp_path, timeline=Timeline(echo=None), with_workflow=False, with_agent_asset=True)
+    local.start()
+    try:
+        ec2 = local.client("ec2")
+        template_id = local.settings_env[ENV["launch_template_id"]]
+        first = local.agent_asset_url
+
+        # When the stack is upgraded, as `cdk deploy` of a changed agent does
+        version = local.upgrade_stack("deployment 2")
+
+        # Then a new version names the new asset, $Default stays version 1, and the functions and outputs name it
+        versions = ec2.describe_launch_template_versions(LaunchTemplateId=template_id)["LaunchTemplateVersions"]
+        user_data = {
+            v["VersionNumber"]: base64.b64decode(v["LaunchTemplateData"]["UserData"]).decode() for v in versions
+        }
+        assert version == "2" and local.agent_asset_url != first
+        assert f'AGENT_ASSET_URL="{first}"' in user_data[1]
+        assert f'AGENT_ASSET_URL="{local.agent_asset_url}"' in user_data[2]
+        assert [v["VersionNumber"] for v in versions if v["DefaultVersion"]] == [1]
+        assert os.environ[ENV["launch_template_version"]] == "2"
+        function = local.client("lambda").get_function_configuration(FunctionName=f"{PREFIX}-tag-change")
+        assert function["Environment"]["Variables"][ENV["launch_template_version"]] == "2"
+        stack = local.client("cloudformation").describe_stacks(StackName=PREFIX)["Stacks"][0]
+        assert {o["OutputKey"]: o["OutputValue"] for o in stack["Outputs"]}["LaunchTemplateVersion"] == "2"
+        # And the job role may read the new asset only: CDK's grant is per asset
+        job_vm = local.instance_env("i-0123456789abcdef0")
+        s3 = boto3.client(
+            "s3",
+            region_name=REGION,
+            endpoint_url=local.endpoint,
+            aws_access_key_id=job_vm["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=job_vm["AWS_SECRET_ACCESS_KEY"],
+        )
+        bucket, _, new_key = local.agent_asset_url.removeprefix("s3://").partition("/")
+        assert s3.get_object(Bucket=bucket, Key=new_key)["Body"].read()
+        with pytest.raises(ClientError) as refused:
+            s3.get_object(Bucket=bucket, Key=first.rpartition("/")[2])
+        assert refused.value.response["Error"]["Code"] == "AccessDenied"
+        assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
+    finally:
+        local.stop()
