@@ -44,11 +44,16 @@ tracked-deps:
 	@bash tests/tracked/install-deps.sh
 
 # What job VMs (and the rehearsal's VMs) install instead of compiling: CRIU with its libraries, the agent's
-# Python packages, and the locked Debian packages a VM installs instead of apt; built once into .build/ for this
+# Python packages, the locked Debian packages a VM installs instead of apt, and amazon-efs-utils; built once into .build/ for this
 # machine's architecture (arm64: run it on an arm64 machine).
 artifacts: $(VENV)/.installed
 	@PYTHON=$(PY) bash vm-bootstrap/build-artifact.sh
 	@bash vm-bootstrap/fetch-debian-packages.sh
+	@bash vm-bootstrap/fetch-efs-utils.sh
+
+# Local runs mount no EFS: their asset carries the stand-in of mount.efs (no GitHub needed); synth and deploy fetch
+# the real one, and fail if they cannot.
+test test-gpu demo bench: export SPOTCR_EFS_UTILS := stand-in
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(PYTHON_DIRS)

@@ -16,7 +16,15 @@ BUILD_DIR = REPO_ROOT / ".build"  # vm-bootstrap/build-artifact.sh (make artifac
 _STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
 # Build-time files: a VM installs the prebuilt artifact instead.
 _BUILD_ONLY = shutil.ignore_patterns(
-    "install-criu.sh", "build-artifact.sh", "fetch-debian-packages.sh", "*.lock", "*.patch", "__pycache__", "*.pyc"
+    "install-criu.sh",
+    "build-artifact.sh",
+    "fetch-debian-packages.sh",
+    "fetch-efs-utils.sh",
+    "mount-efs-stand-in",
+    "*.lock",
+    "*.patch",
+    "__pycache__",
+    "*.pyc",
 )
 
 
@@ -35,7 +43,8 @@ class ArtifactMissing(FileNotFoundError):
 def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir: Path = BUILD_DIR) -> Path:
     """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, spotcr_contracts/, and the
     prebuilt parts for `architecture`: criu/ (CRIU's tarball and sha256), python/ (the agent's packages) and debs/
-    (the Debian packages a VM installs instead of using apt, with the lock they match)."""
+    (the Debian packages a VM installs instead of using apt, with the lock they match) and amazon-efs-utils/ (the EFS
+    mount helper, or in a test build its stand-in: its SOURCE says which)."""
     criu = sorted(build_dir.glob(f"spotcr-criu-*-{architecture}.tar.gz"))
     python = build_dir / f"agent-python-{architecture}"
     debs = build_dir / f"debian-packages-{architecture}"
@@ -49,6 +58,12 @@ def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir
             f"no Debian packages for {architecture} VMs in {build_dir}: run `make artifacts` "
             f"on a Debian 12 {architecture} machine (vm-bootstrap/fetch-debian-packages.sh)"
         )
+    efs_utils = build_dir / "amazon-efs-utils"
+    if not (efs_utils / "SOURCE").is_file():
+        raise ArtifactMissing(
+            f"no amazon-efs-utils in {build_dir}: run `make artifacts` (vm-bootstrap/fetch-efs-utils.sh; "
+            "SPOTCR_EFS_UTILS=stand-in for a test build that cannot reach GitHub)"
+        )
     shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_BUILD_ONLY, dirs_exist_ok=True)
     shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)
     (destination / "criu").mkdir(exist_ok=True)
@@ -56,4 +71,5 @@ def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir
         shutil.copy2(path, destination / "criu" / path.name)
     shutil.copytree(python, destination / "python", dirs_exist_ok=True)
     shutil.copytree(debs, destination / "debs", dirs_exist_ok=True)
+    shutil.copytree(efs_utils, destination / "amazon-efs-utils", dirs_exist_ok=True)
     return destination

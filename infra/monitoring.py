@@ -8,31 +8,18 @@ from aws_cdk import aws_cloudwatch_actions as actions
 from aws_cdk import aws_stepfunctions as sfn
 from constructs import Construct
 from spotcr_contracts.tags import SPOT_NOTICE_S
-from spotcr_functions.agent_events import FINAL_DUMPS_AT_RISK, PREDICTED_FINAL_DUMP_SECONDS
+from spotcr_functions.observability import Metric
 
 from infra.control_plane import METRICS_NAMESPACE, SERVICE_NAME, Functions, Registry
 from infra.settings import Settings
 
-# EMF metrics the functions publish (Powertools adds the `service` dimension).
-RECOVERIES_SUCCEEDED = "RecoveriesSucceeded"
-RECOVERIES_FAILED = "RecoveriesFailed"
-RECOVERY_SECONDS = "RecoverySeconds"
-LOST_WORK_SECONDS = "LostWorkSeconds"
-INTERRUPTION_TO_DUMP_SECONDS = "InterruptionToDumpCommandSeconds"
-CHECKPOINT_SECONDS = "CheckpointSeconds"
-FINAL_DUMP_SECONDS = "FinalDumpSeconds"
-FINAL_DUMP_BYTES = "FinalDumpBytes"
-RESTORE_SECONDS = "RestoreSeconds"
-# Not emitted yet: asked of the control plane (scheduler: jobs past their interval; agent events: CheckpointFailed).
-CHECKPOINTS_FAILED = "CheckpointsFailed"
-CHECKPOINTS_OVERDUE = "CheckpointsOverdue"
 PERIOD = Duration.minutes(5)
 
 
-def spotcr_metric(name: str, statistic: str = "Sum") -> cloudwatch.Metric:
+def spotcr_metric(name: Metric, statistic: str = "Sum") -> cloudwatch.Metric:
     return cloudwatch.Metric(
         namespace=METRICS_NAMESPACE,
-        metric_name=name,
+        metric_name=name.value,
         dimensions_map={"service": SERVICE_NAME},
         statistic=statistic,
         period=PERIOD,
@@ -71,7 +58,7 @@ class Monitoring(Construct):
 
         alarm(
             "RecoveryFailed",
-            spotcr_metric(RECOVERIES_FAILED),
+            spotcr_metric(Metric.RECOVERIES_FAILED),
             "A job could not be restored on a backup VM: it is stopped and waits for you (see spotcr:error).",
         )
         alarm(
@@ -81,13 +68,13 @@ class Monitoring(Construct):
         )
         alarm(
             "FinalDumpAtRisk",
-            spotcr_metric(FINAL_DUMPS_AT_RISK),
+            spotcr_metric(Metric.FINAL_DUMPS_AT_RISK),
             "A job's final dump is predicted not to fit the two-minute notice even at the shortest checkpoint "
             "interval: an interruption may lose its work since the last checkpoint (see final_dump_risk).",
         )
         alarm(
             "CheckpointsOverdue",
-            spotcr_metric(CHECKPOINTS_OVERDUE),
+            spotcr_metric(Metric.CHECKPOINTS_OVERDUE),
             "A running job missed its periodic checkpoint: more work than its interval is at risk.",
         )
         for name, function in functions.functions.items():
@@ -106,23 +93,26 @@ class Monitoring(Construct):
         self.dashboard.add_widgets(
             cloudwatch.GraphWidget(
                 title="Recoveries",
-                left=[spotcr_metric(RECOVERIES_SUCCEEDED), spotcr_metric(RECOVERIES_FAILED)],
+                left=[spotcr_metric(Metric.RECOVERIES_SUCCEEDED), spotcr_metric(Metric.RECOVERIES_FAILED)],
                 width=8,
             ),
             cloudwatch.GraphWidget(
                 title="Recovery and lost work (seconds)",
                 left=[
-                    spotcr_metric(RECOVERY_SECONDS, "Average"),
-                    spotcr_metric(RESTORE_SECONDS, "Average"),
-                    spotcr_metric(LOST_WORK_SECONDS, "Average"),
-                    spotcr_metric(INTERRUPTION_TO_DUMP_SECONDS, "Average"),
+                    spotcr_metric(Metric.RECOVERY_SECONDS, "Average"),
+                    spotcr_metric(Metric.RESTORE_SECONDS, "Average"),
+                    spotcr_metric(Metric.LOST_WORK_SECONDS, "Average"),
+                    spotcr_metric(Metric.INTERRUPTION_TO_DUMP_SECONDS, "Average"),
                 ],
                 width=8,
             ),
             cloudwatch.GraphWidget(
                 title="Dumps: seconds (periodic and final) and final dump bytes",
-                left=[spotcr_metric(CHECKPOINT_SECONDS, "Average"), spotcr_metric(FINAL_DUMP_SECONDS, "Average")],
-                right=[spotcr_metric(FINAL_DUMP_BYTES)],
+                left=[
+                    spotcr_metric(Metric.CHECKPOINT_SECONDS, "Average"),
+                    spotcr_metric(Metric.FINAL_DUMP_SECONDS, "Average"),
+                ],
+                right=[spotcr_metric(Metric.FINAL_DUMP_BYTES)],
                 width=8,
             ),
         )
@@ -130,10 +120,10 @@ class Monitoring(Construct):
             cloudwatch.GraphWidget(
                 title="Deadline: predicted final dump (seconds, worst) and jobs whose final dump cannot fit",
                 left=[
-                    spotcr_metric(PREDICTED_FINAL_DUMP_SECONDS, "Maximum"),
-                    spotcr_metric(FINAL_DUMP_SECONDS, "Maximum"),
+                    spotcr_metric(Metric.PREDICTED_FINAL_DUMP_SECONDS, "Maximum"),
+                    spotcr_metric(Metric.FINAL_DUMP_SECONDS, "Maximum"),
                 ],
-                right=[spotcr_metric(FINAL_DUMPS_AT_RISK)],
+                right=[spotcr_metric(Metric.FINAL_DUMPS_AT_RISK)],
                 left_annotations=[
                     cloudwatch.HorizontalAnnotation(value=SPOT_NOTICE_S, label="the notice"),
                 ],
@@ -144,8 +134,8 @@ class Monitoring(Construct):
             cloudwatch.GraphWidget(
                 title="Failures",
                 left=[
-                    spotcr_metric(CHECKPOINTS_FAILED),
-                    spotcr_metric(CHECKPOINTS_OVERDUE),
+                    spotcr_metric(Metric.CHECKPOINTS_FAILED),
+                    spotcr_metric(Metric.CHECKPOINTS_OVERDUE),
                     state_machine.metric_failed(period=PERIOD, statistic="Sum"),
                 ],
                 width=12,

@@ -8,7 +8,7 @@
 #   __SPOTCR_AGENT_ASSET_URL__   s3://bucket/key.zip of the agent asset. The zip's root holds: spotcr_agent/,
 #                                spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
 #                                criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages),
-#                                amazon-efs-utils/ (mount.efs, vendored), debs/ (the Debian 12 packages below, with
+#                                amazon-efs-utils/ (mount.efs, at efs-utils.lock), debs/ (the Debian 12 packages, with
 #                                packages.lock: for, name, version, sha256).
 #   __SPOTCR_BUCKET__            bucket of the job's checkpoints (s3 storage)
 #   __SPOTCR_EVENT_BUS__         EventBridge bus name for the agent's events

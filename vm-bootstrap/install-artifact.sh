@@ -31,25 +31,29 @@ rm -rf "$PREFIX/criu"
 mv "$PREFIX/criu.new" "$PREFIX/criu"
 install -m 0755 "$ASSET/bin/spotcr-agent" "$PREFIX/bin/spotcr-agent"
 
-# amazon-efs-utils 1.36.0 (MIT, vendored unchanged in amazon-efs-utils/: see its SOURCE): mount.efs and its watchdog,
-# which EFS through the job's own access point with IAM and TLS needs (efs_isolation; stunnel4 comes from Debian at
-# boot). Plain Python 3, no build. An image that has its own mount.efs keeps it.
+# amazon-efs-utils (MIT; make artifacts fetches the release efs-utils.lock pins: its SOURCE says which): mount.efs
+# and its watchdog, which EFS through the job's own access point with IAM and TLS needs (efs_isolation; stunnel4 comes
+# from Debian at boot). Plain Python 3, no build. An image that has its own mount.efs keeps it. In an asset built for
+# tests (SPOTCR_EFS_UTILS=stand-in) they are spotcr's stand-in, which refuses to mount, saying why.
 efs="$ASSET/amazon-efs-utils"
-[[ -f "$efs/mount.efs" ]] || fail "the agent asset has no amazon-efs-utils/mount.efs"
+[[ -f "$efs/mount.efs" && -f "$efs/SOURCE" ]] || fail "the agent asset has no amazon-efs-utils/mount.efs"
 mkdir -p "$PREFIX/efs-utils"
 install -m 0755 "$efs/mount.efs" "$efs/amazon-efs-mount-watchdog" "$PREFIX/efs-utils/"
+install -m 0644 "$efs/SOURCE" "$PREFIX/efs-utils/"
 python3 "$PREFIX/efs-utils/mount.efs" --version >/dev/null || fail "the packaged mount.efs does not run"
 
 if [[ "$SYSTEM" == "--system" ]]; then
   ln -sfn "$PREFIX/criu/bin/criu" /usr/local/sbin/criu
   if [[ ! -e /sbin/mount.efs ]]; then
-    install -D -m 0644 "$efs/efs-utils.conf" /etc/amazon/efs/efs-utils.conf
-    install -D -m 0444 "$efs/efs-utils.crt" /etc/amazon/efs/efs-utils.crt
-    install -D -m 0644 "$efs/amazon-efs-mount-watchdog.service" /etc/systemd/system/amazon-efs-mount-watchdog.service
+    if [[ -f "$efs/efs-utils.conf" ]]; then  # the stand-in has no configuration, certificate or unit
+      install -D -m 0644 "$efs/efs-utils.conf" /etc/amazon/efs/efs-utils.conf
+      install -D -m 0444 "$efs/efs-utils.crt" /etc/amazon/efs/efs-utils.crt
+      install -D -m 0644 "$efs/amazon-efs-mount-watchdog.service" /etc/systemd/system/amazon-efs-mount-watchdog.service
+    fi
     mkdir -p /var/log/amazon/efs
     ln -sfn "$PREFIX/efs-utils/mount.efs" /sbin/mount.efs
     ln -sfn "$PREFIX/efs-utils/amazon-efs-mount-watchdog" /usr/bin/amazon-efs-mount-watchdog
     if command -v systemctl >/dev/null && [[ -d /run/systemd/system ]]; then systemctl daemon-reload; fi
   fi
 fi
-echo "install-artifact: CRIU $(cat "$PREFIX/criu/VERSION") in $PREFIX/criu, amazon-efs-utils in $PREFIX/efs-utils"
+echo "install-artifact: CRIU $(cat "$PREFIX/criu/VERSION") in $PREFIX/criu, $(head -1 "$efs/SOURCE") in $PREFIX/efs-utils"

@@ -44,7 +44,9 @@ def register(subparsers: Any) -> None:
     job.add_argument(
         "--interruption-rate",
         metavar="RATE",
-        help=f"interruptions per hour (e.g. 0.01), or a Spot Instance Advisor band: {', '.join(model.BANDS)}",
+        # argparse formats help with %: the bands' own % must be doubled
+        help="interruptions per hour (e.g. 0.01), or a Spot Instance Advisor band: "
+        + ", ".join(model.BANDS).replace("%", "%%"),
     )
     job.add_argument("--storage", choices=(*STORAGES, "all"), default="all", help="storage to plan for (all)")
     job.add_argument("--instance-type", default="", help="the job's instance type; selects probe results")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from spotcr_contracts.tags import RUN_ID_PATTERN
+from spotcr_contracts.tags import JOB_ID_PATTERN, RUN_ID_PATTERN
 
 AGENT_BIN = "/opt/spotcr/bin/spotcr-agent"
 # <the committing VM's time in unix ms>-g<generation>[-s<sequence>]-<kind>: the generation and the sequence are the
@@ -109,7 +109,7 @@ class Command:
         }
 
 
-_JOB = Parameter("JobId", "The job's name (spotcr:job).", r"^[a-z0-9][a-z0-9-]{0,62}$")
+_JOB = Parameter("JobId", "The job's name (spotcr:job).", JOB_ID_PATTERN)
 # The run the command is for (the job record's run_id): the agent refuses a command for another run of the same name.
 _RUN = Parameter(
     "RunId", "The job's run (spotcr:run); the agent refuses another run's command.", f"^$|{RUN_ID_PATTERN}", ""

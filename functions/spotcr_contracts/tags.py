@@ -44,6 +44,8 @@ LAUNCH_TEMPLATE = "aws:ec2launchtemplate:id"
 # write the key only while creating one; the users' policy must not allow writing it).
 STACK = "spotcr:stack"
 RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
+# A job's name (spotcr:job), its id everywhere: safe as an S3 prefix, an STS session tag value and a store name.
+JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
@@ -62,8 +64,7 @@ MAX_FALLBACK_TYPES = 8
 MAX_RESULT_FILES = 16
 MAX_TAG_VALUE = 256
 
-_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-JOB_NAME = _JOB_NAME  # a job name: safe as an S3 prefix and an STS session tag value
+JOB_NAME = re.compile(JOB_ID_PATTERN)
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$")
 _S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/([A-Za-z0-9!_.*'()/-]{1,900})$")
 _WORKDIR = re.compile(r"^/[A-Za-z0-9._/-]{0,200}$")
@@ -164,7 +165,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     if JOB not in tags:
         raise InvalidJobTags(JOB, "missing")
     job_id = tags[JOB]
-    if not _JOB_NAME.match(job_id):
+    if not JOB_NAME.fullmatch(job_id):
         raise InvalidJobTags(JOB, "must be 1-63 of a-z, 0-9 and '-', starting with a letter or digit")
     storage = tags.get(STORAGE, DEFAULT_STORAGE)
     if storage not in STORAGES:

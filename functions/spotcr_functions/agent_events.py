@@ -12,14 +12,12 @@ from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions import efs_access, jobs, rendezvous
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
-from spotcr_functions.observability import SERVICE
+from spotcr_functions.observability import SERVICE, Metric
 from spotcr_functions.registry import WAIT_KEYS
 
 logger = Logger(service=SERVICE, child=True)
 
 # Metrics the dashboard shows (infra/monitoring.py names the same).
-PREDICTED_FINAL_DUMP_SECONDS = "PredictedFinalDumpSeconds"
-FINAL_DUMPS_AT_RISK = "FinalDumpsAtRisk"
 
 
 def on_agent_event(deps: Deps, event: events.AgentEvent) -> dict[str, Any]:
@@ -172,10 +170,10 @@ def _checkpoint_noted(deps: Deps, record: JobRecord, event: Any) -> dict[str, An
 
 def _checkpoint_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     committed = _record_checkpoint(deps, record, event.checkpoint_id, event.instance_id)
-    deps.metric("CheckpointSeconds", "Seconds", event.seconds)
+    deps.metric(Metric.CHECKPOINT_SECONDS, "Seconds", event.seconds)
     if event.kind == "final":
-        deps.metric("FinalDumpSeconds", "Seconds", event.seconds)
-        deps.metric("FinalDumpBytes", "Bytes", event.bytes_uploaded)
+        deps.metric(Metric.FINAL_DUMP_SECONDS, "Seconds", event.seconds)
+        deps.metric(Metric.FINAL_DUMP_BYTES, "Bytes", event.bytes_uploaded)
         output = {"checkpoint_id": event.checkpoint_id, "instance_id": event.instance_id}
         rendezvous.arrive(deps, record.job_id, "final-dump", record.generation, output)
     else:
@@ -200,7 +198,7 @@ def _apply_plan(deps: Deps, record: JobRecord, event: events.CheckpointCompleted
         values["next_checkpoint_at"] = due
     if event.deadline_risk:
         values["final_dump_risk"] = event.deadline_risk
-    deps.metric(PREDICTED_FINAL_DUMP_SECONDS, "Seconds", event.predicted_final_seconds)
+    deps.metric(Metric.PREDICTED_FINAL_DUMP_SECONDS, "Seconds", event.predicted_final_seconds)
     condition = "#generation = :g AND #instance = :i AND #status IN (:running, :checkpointing)"
     updated = deps.registry.update(
         record.job_id,
@@ -226,12 +224,13 @@ def _final_dump_at_risk(deps: Deps, record: JobRecord, event: Any) -> dict[str, 
         budget_seconds=event.budget_seconds,
         reason=event.reason,
     )
-    deps.metric(FINAL_DUMPS_AT_RISK, "Count", 1)
+    deps.metric(Metric.FINAL_DUMPS_AT_RISK, "Count", 1)
     return {"action": "final-dump-at-risk", "reason": event.reason}
 
 
 def _checkpoint_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     logger.warning("checkpoint failed", job_id=record.job_id, kind=event.kind, reason=event.reason)
+    deps.metric(Metric.CHECKPOINTS_FAILED, "Count", 1)
     if event.kind == "final":
         output = {"instance_id": event.instance_id, "job_stopped": event.job_stopped}
         cause = event.reason + ("; the agent stopped the job there" if event.job_stopped else "")

@@ -29,7 +29,7 @@ from spotcr_contracts import commands, events
 from spotcr_functions import agent_events, exits, jobs
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
-from spotcr_functions.observability import SERVICE
+from spotcr_functions.observability import SERVICE, Metric
 from spotcr_functions.registry import DUMP_SEQUENCE
 
 logger = Logger(service=SERVICE, child=True)
@@ -40,6 +40,10 @@ def run_scheduler(deps: Deps) -> dict[str, Any]:
     ordered = []
     asked = []
     for record in deps.registry.due_jobs(now):
+        if record.status == Status.CHECKPOINTING:
+            # Due again while the dump ordered an interval ago never reported: more than an interval of work at risk
+            logger.warning("periodic checkpoint overdue", job_id=record.job_id, generation=record.generation)
+            deps.metric(Metric.CHECKPOINTS_OVERDUE, "Count", 1)
         if exits.ask_again(deps, record):
             asked.append(record.job_id)
         if _order_periodic(deps, record, expected_due=record.next_checkpoint_at):

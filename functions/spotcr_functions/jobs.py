@@ -125,7 +125,7 @@ def _confirm_backup(deps: Deps, instance_id: str, instance_tags: Mapping[str, st
     """A backup the recovery launched is the job's and the workflow owns it; an instance a user tagged restore is
     refused, or its agent would wait for a restore forever."""
     job_id = instance_tags.get(tags.JOB, "")
-    record = deps.registry.get(job_id) if tags.JOB_NAME.match(job_id) else None
+    record = deps.registry.get(job_id) if tags.JOB_NAME.fullmatch(job_id) else None
     if record is not None and instance_tags.get(tags.RUN) == record.run_id:
         if instance_id in (record.backup_instance_id, record.instance_id, record.recovering_from):
             return {"registered": False, "reason": "backup launched by spotcr"}

@@ -15,7 +15,7 @@ from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
-from spotcr_functions.observability import SERVICE
+from spotcr_functions.observability import SERVICE, Metric
 from spotcr_functions.registry import RESTORE_KEYS, WAIT_KEYS, StaleGeneration, restore_key
 
 logger = Logger(service=SERVICE, child=True)
@@ -143,7 +143,7 @@ def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at
         condition_values={":g": record.generation},
     )
     latency = (deps.now() - parse_time(warned_at)).total_seconds()
-    deps.metric("InterruptionToDumpCommandSeconds", "Seconds", max(latency, 0.0))
+    deps.metric(Metric.INTERRUPTION_TO_DUMP_SECONDS, "Seconds", max(latency, 0.0))
     return True
 
 
@@ -497,7 +497,7 @@ def _take_restore_result(deps: Deps, record: JobRecord, attempt: str, invocation
             "pid": int(result.get("pid") or 0),
             "skipped": str(result.get("skipped") or ""),
         }
-        deps.metric("RestoreSeconds", "Seconds", float(result.get("seconds") or 0.0))
+        deps.metric(Metric.RESTORE_SECONDS, "Seconds", float(result.get("seconds") or 0.0))
         rendezvous.arrive(deps, record.job_id, key, record.generation, output)
         return "restored"
     if status == commands.COMMAND_SUCCEEDED:
@@ -630,12 +630,12 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     now = deps.now()
     if record.interrupted_at:
         warned = parse_time(record.interrupted_at)
-        deps.metric("RecoverySeconds", "Seconds", (now - warned).total_seconds())
+        deps.metric(Metric.RECOVERY_SECONDS, "Seconds", (now - warned).total_seconds())
         checkpoint_id = str(restored.get("checkpoint_id") or "")
         if checkpoint_id.endswith("-periodic"):
             taken = checkpoint_time(checkpoint_id)
-            deps.metric("LostWorkSeconds", "Seconds", max((warned - taken).total_seconds(), 0.0))
-    deps.metric("RecoveriesSucceeded", "Count", 1)
+            deps.metric(Metric.LOST_WORK_SECONDS, "Seconds", max((warned - taken).total_seconds(), 0.0))
+    deps.metric(Metric.RECOVERIES_SUCCEEDED, "Count", 1)
     logger.info("job recovered", job_id=job_id, generation=generation, instance_id=record.backup_instance_id)
     if restored and not restored.get("checkpoint_id"):
         why = restored.get("skipped") or "no committed checkpoint"
@@ -675,7 +675,7 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
         _tidy_failed(deps, record)
     if record and record.backup_instance_id:
         deps.cloud.terminate_instance(record.backup_instance_id)
-    deps.metric("RecoveriesFailed", "Count", 1)
+    deps.metric(Metric.RECOVERIES_FAILED, "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
     return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
 

@@ -90,7 +90,7 @@ def caller_instance(user_arn: str | None, job_role_name: str) -> Caller:
 def check_job_name(job_id: str | None) -> str:
     if not job_id:
         raise Refused(400, "missing query parameter job: the job whose store credentials are wanted")
-    if not tags.JOB_NAME.match(job_id):
+    if not tags.JOB_NAME.fullmatch(job_id):
         raise Refused(400, f"job {job_id[:80]!r} is not a job name (1-63 of a-z, 0-9 and '-')")
     return job_id
 

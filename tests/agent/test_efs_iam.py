@@ -1,8 +1,8 @@
 """EFS with efs_isolation: the agent mounts its job's own access point with IAM and keeps the mount's profile fresh.
 
-mount.efs is a stand-in on PATH (the real one, vendored, is installed by install-artifact.sh: test_vm_install); the
-mount command is recorded, not run. The credential refresh is driven by a stop event that counts its waits: no
-sleeping.
+mount.efs is a recorder on PATH (the asset's, fetched at artifact build, is installed by install-artifact.sh:
+test_vm_install); the mount command is recorded, not run. The credential refresh is driven by a stop event that
+counts its waits: no sleeping.
 """
 
 from __future__ import annotations

@@ -175,16 +175,121 @@ def test_the_artifact_installs_without_a_compiler_and_passes_criu_check(bundle, 
 
 
 def test_the_artifact_installs_the_efs_mount_helper_that_efs_isolation_needs(bundle, tmp_path):
-    # Given the bundle installed as on a VM
+    # Given the bundle installed as on a VM (make test builds it with SPOTCR_EFS_UTILS=stand-in: no GitHub here)
     prefix = _install(bundle, tmp_path / "opt-spotcr")
-    # Then amazon-efs-utils' mount.efs and its watchdog (vendored, as vm-bootstrap/amazon-efs-utils/SOURCE says) run
-    # on the VM's python3 with nothing else installed
+    # Then mount.efs and its watchdog run on the VM's python3 with nothing else installed, and say what they are
+    source = (bundle / "amazon-efs-utils" / "SOURCE").read_text()
     for tool in ("mount.efs", "amazon-efs-mount-watchdog"):
         ran = subprocess.run(
             [str(prefix / "efs-utils" / tool), "--version"], capture_output=True, text=True, check=False
         )
         assert ran.returncode == 0 and ran.stdout.strip().endswith("Version: 1.36.0"), ran.stdout + ran.stderr
-    assert "tag v1.36.0" in (bundle / "amazon-efs-utils" / "SOURCE").read_text()
+    if source.startswith("stand-in"):
+        # The stand-in refuses to mount, saying why
+        refused = subprocess.run(
+            [str(prefix / "efs-utils" / "mount.efs"), "fs-12345678:/", str(tmp_path / "mnt"), "-o", "tls,iam"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert refused.returncode == 32
+        assert "the EFS mount helper was not fetched at artifact build" in refused.stderr
+    else:
+        assert source.startswith("amazon-efs-utils 1.36.0 from https://github.com/aws/efs-utils/")
+
+
+def _fetch_efs_utils(tmp_path: Path, lock: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """fetch-efs-utils.sh run from a copy of vm-bootstrap/ whose lock is `lock`, into tmp_path/out."""
+    scripts = tmp_path / "vm-bootstrap"
+    scripts.mkdir(exist_ok=True)
+    for name in ("fetch-efs-utils.sh", "mount-efs-stand-in"):
+        shutil.copy2(VM / name, scripts / name)
+    (scripts / "efs-utils.lock").write_text(lock)
+    return subprocess.run(
+        ["bash", str(scripts / "fetch-efs-utils.sh"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "SPOTCR_EFS_UTILS": "", **env},
+    )
+
+
+def _release(tmp_path: Path) -> Path:
+    """A tarball laid out as upstream's release is (efs-utils-<version>/src, dist, LICENSE)."""
+    root = tmp_path / "efs-utils-1.36.0"
+    for path, text in {
+        "src/mount_efs/__init__.py": 'import sys\nprint(sys.argv[0], "Version: 1.36.0")\n',
+        "src/watchdog/__init__.py": "",
+        "dist/efs-utils.conf": "",
+        "dist/efs-utils.crt": "",
+        "dist/amazon-efs-mount-watchdog.service": "",
+        "LICENSE": "MIT",
+    }.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    with tarfile.open(tmp_path / "release.tar.gz", "w:gz") as archive:
+        archive.add(root, arcname=root.name)
+    return tmp_path / "release.tar.gz"
+
+
+def test_the_efs_mount_helper_is_the_pinned_release_or_the_build_fails(tmp_path):
+    # Given the release tarball the lock names
+    release = _release(tmp_path)
+    digest = hashlib.sha256(release.read_bytes()).hexdigest()
+
+    # When the lock pins its sha256, Then it is installed as build-deb.sh lays it out
+    fetched = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} {digest}\n")
+    assert fetched.returncode == 0, fetched.stderr
+    out = tmp_path / "out" / "amazon-efs-utils"
+    assert {p.name for p in out.iterdir()} == {
+        "mount.efs",
+        "amazon-efs-mount-watchdog",
+        "efs-utils.conf",
+        "efs-utils.crt",
+        "amazon-efs-mount-watchdog.service",
+        "LICENSE",
+        "SOURCE",
+    }
+    assert (out / "SOURCE").read_text().startswith(f"amazon-efs-utils 1.36.0 from file://{release}, sha256 {digest}")
+
+    # When the tarball is not the pinned one, Then the build fails
+    mismatch = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} {'0' * 64}\n")
+    assert mismatch.returncode == 1 and "sha256 mismatch" in mismatch.stderr
+
+    # When the lock pins no sha256, Then the build fails naming the pin to make (never skipping the check)
+    unpinned = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} -\n")
+    assert unpinned.returncode == 1 and "pins no sha256" in unpinned.stderr
+    assert "SPOTCR_LOCK_EFS_UTILS=1" in unpinned.stderr
+
+    # When the lock mode pins it, Then the lock holds the release's sha256 and the build succeeds
+    locked = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} -\n", SPOTCR_LOCK_EFS_UTILS="1")
+    assert locked.returncode == 0, locked.stderr
+    assert (tmp_path / "vm-bootstrap" / "efs-utils.lock").read_text() == f"1.36.0 file://{release} {digest}\n"
+
+
+def test_a_deploy_build_never_ships_the_stand_in(tmp_path):
+    # Given a test build's stand-in in the build dir
+    standin = _fetch_efs_utils(tmp_path, "1.36.0 file:///nonexistent.tar.gz -\n", SPOTCR_EFS_UTILS="stand-in")
+    assert standin.returncode == 0, standin.stderr
+    assert (tmp_path / "out" / "amazon-efs-utils" / "SOURCE").read_text().startswith("stand-in")
+    # When an artifact build without the flag cannot fetch the release
+    digest = "0" * 64
+    failed = _fetch_efs_utils(tmp_path, f"1.36.0 file://{tmp_path}/missing.tar.gz {digest}\n")
+    # Then it fails saying so, and the stand-in is gone (a later synth finds no EFS helper rather than the stand-in)
+    assert failed.returncode == 1 and "cannot download amazon-efs-utils 1.36.0" in failed.stderr
+    assert not (tmp_path / "out" / "amazon-efs-utils").exists()
+    with pytest.raises(ArtifactMissing, match="amazon-efs-utils"):
+        stage_agent_bundle(tmp_path / "bundle", ARCH, _build_dir_without_efs_utils(tmp_path))
+
+
+def _build_dir_without_efs_utils(tmp_path: Path) -> Path:
+    """The real build dir's other parts, linked, without amazon-efs-utils."""
+    build = tmp_path / "build"
+    build.mkdir()
+    for path in BUILD_DIR.iterdir():
+        if path.name != "amazon-efs-utils":
+            (build / path.name).symlink_to(path)
+    return build
 
 
 def test_a_tampered_artifact_is_refused(bundle, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,8 +10,11 @@ import boto3
 import pytest
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
+from spotcr_functions import checkpoints
 from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
+from spotcr_functions.observability import Metric
 
 from tests.workflow.harness import (
     EVENTS,
@@ -196,6 +200,29 @@ def test_scheduler_orders_due_periodic_checkpoints_once(plane: ControlPlane) -> 
     finish_checkpoint(events.CheckpointCompleted("due-1", due, 0, now_iso(), checkpoint_id=checkpoint))
     job = plane.job("due-1")
     assert (job.status, job.checkpoint_id) == (Status.RUNNING, checkpoint)
+
+
+def test_the_scheduler_counts_a_periodic_checkpoint_that_never_reported_as_overdue(plane: ControlPlane) -> None:
+    # Given two due jobs: one whose periodic dump, ordered an interval ago, never reported, and one that is RUNNING
+    plane.start_job("stuck-1", **{tag_names.INTERVAL: "60"})
+    plane.start_job("fine-1", **{tag_names.INTERVAL: "60"})
+    table = boto3.resource("dynamodb").Table("spotcr-jobs")
+    for job_id, status in (("stuck-1", Status.CHECKPOINTING), ("fine-1", Status.RUNNING)):
+        table.update_item(
+            Key={"job_id": job_id},
+            UpdateExpression="SET next_checkpoint_at = :past, #s = :status",
+            ExpressionAttributeNames={"#s": "status"},
+            ExpressionAttributeValues={":past": 1, ":status": status.value},
+        )
+    emitted: list[tuple[str, float]] = []
+    deps = dataclasses.replace(_edge.deps(), metric=lambda name, unit, value: emitted.append((name, value)))
+
+    # When the scheduler runs
+    ran = checkpoints.run_scheduler(deps)
+
+    # Then both get a new order, and the stuck one, only, counts as overdue (the CheckpointsOverdue alarm)
+    assert sorted(ran["ordered"]) == ["fine-1", "stuck-1"]
+    assert emitted == [(Metric.CHECKPOINTS_OVERDUE, 1)]
 
 
 def test_the_agents_deadline_plan_brings_the_next_periodic_checkpoint_forward(plane: ControlPlane) -> None:

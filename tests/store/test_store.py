@@ -18,7 +18,7 @@ from spotcr_agent.store import (
     StoreUnavailable,
     UnsupportedManifest,
 )
-from spotcr_contracts import commands
+from spotcr_contracts import commands, tags
 
 from .support import JOB, MiB, checkpoint_id, meta, random_bytes, tree_bytes
 
@@ -456,3 +456,19 @@ def test_chunks_that_do_not_compress_are_stored_fast_and_the_rest_still_compress
     # Then it comes back byte for byte, the random part cost about its size and the text next to nothing
     assert tree_bytes(tmp_path / "restore/images") == tree_bytes(images)
     assert 3 * MiB < result.bytes_uploaded < 3 * MiB + 500 * 1024  # 200 KiB of random pagemap besides
+
+
+@pytest.mark.parametrize("job_id", ["Job-1", "job.1", "job_1", "-job", "j" * 64, "job\n", ""])
+def test_the_store_refuses_a_job_id_the_spotcr_job_tag_refuses(job_id, tmp_path):
+    # Given a job id that the spotcr:job tag refuses
+    with pytest.raises(tags.InvalidJobTags):
+        tags.parse_job_tags({tags.JOB: job_id, tags.COMMAND: "true"})
+    # Then the store refuses it too: one rule for the job id (tags.JOB_ID_PATTERN)
+    with pytest.raises(ValueError, match="does not match"):
+        CheckpointStore.for_directory(tmp_path, job_id)
+
+
+def test_the_store_accepts_every_job_id_the_spotcr_job_tag_accepts(tmp_path):
+    for job_id in ("a", "job-1", "j" * 63):
+        assert tags.parse_job_tags({tags.JOB: job_id, tags.COMMAND: "true"}).job_id == job_id
+        assert CheckpointStore.for_directory(tmp_path, job_id).job_id == job_id

@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
-from spotcr_contracts.tags import RUN_ID_PATTERN
+from spotcr_contracts.tags import JOB_ID_PATTERN, RUN_ID_PATTERN
 
 from .errors import CorruptCheckpoint, UnsupportedManifest
 
@@ -22,13 +22,13 @@ KINDS = ("periodic", "final")
 
 _CHECKPOINT_ID = re.compile(CHECKPOINT_ID_PATTERN)
 _RUN_ID = re.compile(RUN_ID_PATTERN)
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_JOB_ID = re.compile(JOB_ID_PATTERN)
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_job_id(job_id: str) -> str:
     if not _JOB_ID.fullmatch(job_id):
-        raise ValueError(f"job id {job_id!r} is not a safe store name (letters, digits, '.', '_', '-')")
+        raise ValueError(f"job id {job_id!r} does not match {JOB_ID_PATTERN} (the spotcr:job tag's rule)")
     return job_id
 
 
