@@ -380,6 +380,20 @@ class LocalVM:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(timeout=5)
         self.imds.stop()
+        self._release_state()
+
+    def _release_state(self) -> None:
+        """An ended VM's own file system goes with it: its files stay on the host's disk for a post-mortem, its tmpfs
+        is unmounted, so a run of many VMs holds no mount per ended VM (each new VM's namespace would copy them)."""
+        state = self.dir("state")
+        if not os.path.ismount(state):
+            return
+        kept = self.root / "state.kept"
+        kept.mkdir(exist_ok=True)
+        subprocess.run(["cp", "-a", f"{state}/.", str(kept)], check=False)  # cp copies FIFOs and sockets as such
+        subprocess.run(["umount", "--lazy", str(state)], check=False)
+        subprocess.run(["cp", "-a", f"{kept}/.", str(state)], check=False)
+        shutil.rmtree(kept, ignore_errors=True)
 
     def remove(self) -> None:
         if os.path.ismount(self.dir("state")):
