@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import boto3
@@ -124,10 +125,11 @@ def test_an_ebs_jobs_volume_is_tagged_with_the_stack_that_created_it(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The stack's roles attach, move and delete only volumes carrying its spotcr:stack (infra/grants.py)
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["stack_name"], "spotcr-test")
+    stack_name = os.environ[OPTIONAL_TEXT_ENV["stack_name"]]  # the synthesized stack's, as it deploys its functions
+    assert stack_name
     plane.start_job("ebs-2", **{tag_names.STORAGE: "ebs"})
     [volume] = plane.ec2.describe_volumes(VolumeIds=[str(plane.job("ebs-2").volume_id)])["Volumes"]
-    assert {t["Key"]: t["Value"] for t in volume["Tags"]}[tag_names.STACK] == "spotcr-test"
+    assert {t["Key"]: t["Value"] for t in volume["Tags"]}[tag_names.STACK] == stack_name
 
 
 def test_malformed_and_foreign_events_are_ignored(plane: ControlPlane) -> None:

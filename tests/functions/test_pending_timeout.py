@@ -30,18 +30,19 @@ SCHEDULED = json.loads((EVENTS / "scheduled-event.json").read_text())
 
 def _register(plane: ControlPlane, job_id: str, *, from_template: bool = False) -> str:
     job_tags = [{"Key": tag_names.JOB, "Value": job_id}, {"Key": tag_names.COMMAND, "Value": "/opt/job/run"}]
-    if from_template:
-        # As `spotcr submit` launches: from the stack's launch template, which EC2 tags aws:ec2launchtemplate:id
-        launched = plane.ec2.run_instances(
-            LaunchTemplate={"LaunchTemplateId": plane.launch_template_id},
-            MinCount=1,
-            MaxCount=1,
-            SubnetId=plane.subnets[f"{REGION}a"],
-            TagSpecifications=[{"ResourceType": "instance", "Tags": job_tags}],
-        )
-        instance_id = str(launched["Instances"][0]["InstanceId"])
-    else:
-        instance_id = plane.launch_job_instance({t["Key"]: t["Value"] for t in job_tags})
+    # As `spotcr submit` launches: from the stack's launch template, which EC2 tags aws:ec2launchtemplate:id; or the
+    # user's own instance, started some other way and tagged
+    launch = {"LaunchTemplate": {"LaunchTemplateId": plane.launch_template_id}} if from_template else {}
+    launched = plane.ec2.run_instances(
+        **launch,
+        ImageId=plane.image_id,
+        InstanceType="m5.large",
+        MinCount=1,
+        MaxCount=1,
+        SubnetId=plane.subnets[f"{REGION}a"],
+        TagSpecifications=[{"ResourceType": "instance", "Tags": job_tags}],
+    )
+    instance_id = str(launched["Instances"][0]["InstanceId"])
     route(ec2_event("state-change-running", instance_id))
     return instance_id
 
