@@ -53,7 +53,7 @@ from werkzeug.exceptions import Forbidden
 
 from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
 from rehearsal import account as local_account
-from rehearsal import asset
+from rehearsal import asset, fleet
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
@@ -244,6 +244,7 @@ class LocalCloud:
         moto_logger.propagate = False
         self._install_hooks()
         self._account_patches.enter_context(local_account.serve(self.account))
+        self._account_patches.enter_context(fleet.launch_template_tags())
         self._create_stack()
         # From here on every call but the deployer's is evaluated against the synthesized stack's IAM.
         self.enforcer = self._enforcer()
@@ -391,8 +392,13 @@ class LocalCloud:
             "status_document": document_names["status"],
         }
         self.settings_env = {ENV[key]: value for key, value in settings.items()}
-        self.settings_env[OPTIONAL_TEXT_ENV["store_role_arn"]] = f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}"
-        self.settings_env[OPTIONAL_TEXT_ENV["job_role_name"]] = names["job_role"]
+        optional = {
+            "store_role_arn": f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
+            "job_role_name": names["job_role"],
+            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
+            "stack_name": principals.function_setting(principals.template(STACK_CONTEXT), "SPOTCR_STACK_NAME"),
+        }
+        self.settings_env.update({OPTIONAL_TEXT_ENV[key]: value for key, value in optional.items()})
         # The stack's EFS as deployed with efs=true: efs jobs get an access point each (the VMs mount a shared dir).
         self.file_system_id = self.client("efs").create_file_system(CreationToken=PREFIX, Encrypted=True)[
             "FileSystemId"
@@ -519,7 +525,7 @@ class LocalCloud:
         outputs = {output["OutputKey"]: output["OutputValue"] for output in stack.get("Outputs", [])}
         outputs["LaunchTemplateVersion"] = version
         cloudformation.update_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
-        if old:
+        if old and self._job_policies is not None:
             self._job_policies = _asset_granted(self._job_policies, old, self.agent_asset_url)
         return version
 

@@ -292,6 +292,16 @@ def agent_asset(job: Role) -> tuple[str, str]:
     raise UnresolvedIntrinsic(f"the job role {job.arn} may read no agent asset")
 
 
+def function_setting(synthesized: Mapping[str, Any], variable: str) -> str:
+    """The value the stack gives its functions for the environment variable `variable` (a literal in the template)."""
+    for resource in synthesized["Resources"].values():
+        if resource["Type"] == "AWS::Lambda::Function":
+            value = resource["Properties"].get("Environment", {}).get("Variables", {}).get(variable)
+            if isinstance(value, str):
+                return value
+    raise UnresolvedIntrinsic(f"no function of the stack has {variable} as a literal")
+
+
 def state_machine_name(synthesized: Mapping[str, Any]) -> str:
     """The name the stack gives its state machine: the function roles' grants name its ARN by it."""
     (name,) = [

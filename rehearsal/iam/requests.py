@@ -12,7 +12,7 @@ as they are before the call, read from the local AWS (`State`). An operation tha
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from rehearsal.iam.policy import ContextValue, Request
@@ -179,6 +179,31 @@ def _ec2_run_instances(call: Call, state: State) -> list[Request]:
     profile = params.get("IamInstanceProfile") or launch.get("IamInstanceProfile")
     for role_arn in state.instance_profile_roles(profile) if profile else ():
         requests.append(Request("iam:PassRole", role_arn, {"iam:PassedToService": "ec2.amazonaws.com"}))
+    return requests
+
+
+def _ec2_create_fleet(call: Call, state: State) -> list[Request]:
+    """An instant EC2 Fleet: ec2:CreateFleet on the fleet and its launch template, and each override's launch
+    authorized as the caller's RunInstances (EC2 Fleet's IAM prerequisites), its tags with ec2:CreateAction =
+    CreateFleet. Every override is checked: EC2, not the caller, picks the one it launches."""
+    params = call.params
+    spot = (params.get("TargetCapacitySpecification") or {}).get("DefaultTargetCapacityType") == "spot"
+    requests = [Request("ec2:CreateFleet", _created(call, "fleet"), {})]
+    for config in params.get("LaunchTemplateConfigs", []):
+        spec = config["LaunchTemplateSpecification"]
+        template_id, _ = state.launch_template(
+            spec.get("LaunchTemplateId", ""), spec.get("LaunchTemplateName", ""), str(spec.get("Version", "$Default"))
+        )
+        requests.append(Request("ec2:CreateFleet", ec2_arn(call, template_id), {}))
+        for override in config.get("Overrides") or [{}]:
+            launch: dict[str, Any] = {
+                "LaunchTemplate": spec,
+                "TagSpecifications": params.get("TagSpecifications", []),
+                **{key: override[key] for key in ("InstanceType", "SubnetId", "ImageId") if key in override},
+            }
+            if spot:
+                launch["InstanceMarketOptions"] = {"MarketType": "spot"}
+            requests += _ec2_run_instances(replace(call, params=launch), state)
     return requests
 
 
@@ -446,6 +471,7 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
     ("servicequotas", "GetServiceQuota"): _service_quota,
     ("lambda", "GetAccountSettings"): _unscoped("lambda"),
     ("ec2", "RunInstances"): _ec2_run_instances,
+    ("ec2", "CreateFleet"): _ec2_create_fleet,
     ("ec2", "TerminateInstances"): _ec2_on_instances,
     ("ec2", "StopInstances"): _ec2_on_instances,
     ("ec2", "CancelSpotInstanceRequests"): _ec2_cancel_spot,

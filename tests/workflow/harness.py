@@ -24,7 +24,7 @@ from moto.awslambda_simple.models import LambdaSimpleBackend
 from moto.core.botocore_stubber import BotocoreStubber
 from moto.core.responses import ActionResult, EmptyResult
 from moto.ec2.exceptions import EC2ClientError
-from moto.ec2.models.fleets import Fleet
+from moto.ec2.models.fleets import Fleet, FleetsBackend
 from moto.ec2.models.instances import InstanceBackend
 from moto.ec2.responses.fleets import Fleets
 from moto.events.models import EventPattern
@@ -38,6 +38,7 @@ from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
+from rehearsal import fleet
 from rehearsal.iam import enforce, principals
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -548,6 +549,10 @@ class ControlPlane:
         # The stack's subnets: the two job subnets, not every subnet of the VPC (see test_placement).
         self.vpc_id = vpc_id
         monkeypatch.setenv(OPTIONAL_TEXT_ENV["subnet_ids"], ",".join(self.subnets.values()))
+        # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
+        stack_name = principals.function_setting(principals.template(STACK_CONTEXT), OPTIONAL_TEXT_ENV["stack_name"])
+        monkeypatch.setenv(OPTIONAL_TEXT_ENV["stack_name"], stack_name)
+        monkeypatch.setattr(FleetsBackend, "create_fleet", fleet.tagging(FleetsBackend.create_fleet))
         timing: dict[str, int] = {
             "final_dump_wait_s": final_dump_wait_s,
             "restore_wait_s": restore_wait_s,
