@@ -16,6 +16,7 @@ from aws_cdk import aws_iam as iam
 from spotcr_contracts import tags
 from spotcr_functions import catalog, store_access
 
+from infra import ebs_key
 from infra.nag import acknowledge_wildcard_resource
 
 
@@ -222,11 +223,9 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
 
 
 def _ebs_key(t: GrantTargets) -> list[Grant]:
-    """What the caller of RunInstances and CreateVolume needs on a customer managed EBS key (an account default key
-    included: Amazon EBS User Guide, "Requirements for Amazon EBS encryption", permissions for users), only as EC2
-    uses it for this account in this region. The AWS-managed aws/ebs key needs none of it."""
+    """What the caller of RunInstances and CreateVolume needs on a customer managed EBS key (infra/ebs_key.py)."""
     key = t.ebs_kms_key_arn or _arn(t, "kms", "key", "*")
-    through_ec2 = {"kms:ViaService": f"ec2.{t.stack.region}.amazonaws.com", "kms:CallerAccount": t.stack.account}
+    through_ec2 = ebs_key.through_ec2(t.stack.region, t.stack.account)
     reason = (
         None
         if t.ebs_kms_key_arn
@@ -235,24 +234,14 @@ def _ebs_key(t: GrantTargets) -> list[Grant]:
     )
     return [
         Grant(
-            iam.PolicyStatement(
-                actions=[
-                    "kms:Decrypt",
-                    "kms:DescribeKey",
-                    "kms:GenerateDataKeyWithoutPlaintext",
-                    "kms:ReEncryptFrom",
-                    "kms:ReEncryptTo",
-                ],
-                resources=[key],
-                conditions={"StringEquals": through_ec2},
-            ),
+            iam.PolicyStatement(actions=list(ebs_key.USE_ACTIONS), resources=[key], conditions=through_ec2),
             reason,
         ),
         Grant(
             iam.PolicyStatement(
-                actions=["kms:CreateGrant"],
+                actions=[ebs_key.GRANT_ACTION],
                 resources=[key],
-                conditions={"StringEquals": through_ec2, "Bool": {"kms:GrantIsForAWSResource": "true"}},
+                conditions={**through_ec2, **ebs_key.GRANT_FOR_AWS_RESOURCE},
             ),
             reason,
         ),

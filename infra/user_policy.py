@@ -2,7 +2,8 @@
 
 Every AWS call in cli/spotcr_cli has its action here (tests/localaws/test_user_policy.py scans for them), scoped
 to the stack's resources as named by its CloudFormation outputs. Where a resource must be `*` or a pattern, the
-statement says why. Print it for a deployed stack:
+statement says why. It also covers `spotcr preflight`'s read-only account checks (run before a deploy, by whoever
+deploys, who may hold more) and `spotcr selftest`. Print it for a deployed stack:
 
     python -m infra.user_policy --stack spotcr --region eu-west-1 --account 111122223333
 """
@@ -16,8 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spotcr_cli import preflight
 from spotcr_contracts import fis as fis_experiments
 from spotcr_contracts import tags
+
+from infra import ebs_key
 
 # The tags a user may write: the job's own (README's tag table) and the interruption marker. Never
 # spotcr:run, which only spotcr mints (registering), nor the control plane's other tags.
@@ -73,6 +77,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
     documents = [outputs[o] for o in ("StatusDocument", "ProbeDocument") if outputs.get(o)]
     experiment_templates = [outputs[o] for o in fis_experiments.OUTPUTS.values() if outputs.get(o)]
     fis = f"arn:aws:fis:{region}:{account}"
+    keys = f"arn:aws:kms:{region}:{account}:key/*"
     found: list[UserStatement] = [
         UserStatement(
             "ReadStackOutputs",
@@ -186,6 +191,75 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
             ("*",),
             why="GetCommandInvocation has no resource-level permissions.",
         ),
+        UserStatement(
+            "UseTheEbsKeyThroughEc2",
+            ebs_key.USE_ACTIONS,
+            (keys,),
+            ebs_key.through_ec2(region, account),
+            why="Under a customer managed EBS default key, EC2 uses the key as the user who launches (infra/ebs_key.py)"
+            "; which key is the account's setting. Only as EC2 in this region uses it for this account.",
+        ),
+        UserStatement(
+            "LetEc2GrantTheEbsKeyToTheVolume",
+            (ebs_key.GRANT_ACTION,),
+            (keys,),
+            {**ebs_key.through_ec2(region, account), **ebs_key.GRANT_FOR_AWS_RESOURCE},
+            why="As UseTheEbsKeyThroughEc2; the grant only for the AWS resource EC2 creates (the volume).",
+        ),
+        UserStatement(
+            "SelftestDeletesItsJobRecord",
+            ("dynamodb:DeleteItem",),
+            (f"arn:aws:dynamodb:{region}:{account}:table/{outputs['JobTable']}",),
+        ),
+        UserStatement(
+            "PreflightWhoAmI",
+            ("sts:GetCallerIdentity",),
+            ("*",),
+            why="GetCallerIdentity needs no permission and has no resource; named so the policy lists every call.",
+        ),
+        UserStatement(
+            "PreflightReadsTheRegionsServices",
+            ("ssm:GetParametersByPath",),
+            (f"arn:aws:ssm:{region}::parameter{preflight.GLOBAL_INFRASTRUCTURE}/*",),
+            why="AWS's public parameters naming the services each region offers.",
+        ),
+        UserStatement(
+            "PreflightReadsTheAccountsSettings",
+            (
+                "lambda:GetAccountSettings",
+                "ec2:DescribeInstanceTypes",
+                "ec2:DescribeRouteTables",
+                "ec2:DescribeSubnets",
+                "ec2:DescribeVpcEndpoints",
+                "ec2:GetEbsDefaultKmsKeyId",
+                "ec2:GetEbsEncryptionByDefault",
+            ),
+            ("*",),
+            why="Account settings and EC2's Describe actions have no resource-level permissions.",
+        ),
+        UserStatement(
+            "PreflightFindsTheSpotRole",
+            ("iam:GetRole",),
+            (
+                f"arn:aws:iam::{account}:role{preflight.SPOT_ROLE_PATH}{preflight.SPOT_ROLE}",
+                # A role that does not exist has no path yet: IAM then answers NoSuchEntity, which preflight explains.
+                f"arn:aws:iam::{account}:role/{preflight.SPOT_ROLE}",
+            ),
+        ),
+        UserStatement(
+            "PreflightReadsTheEbsDefaultKey",
+            ("kms:DescribeKey",),
+            (keys,),
+            why="Which key is the account's EBS default is known only as preflight reads it (GetEbsDefaultKmsKeyId).",
+        ),
+        UserStatement(
+            "PreflightReadsTheVcpuQuotas",
+            ("servicequotas:GetServiceQuota",),
+            tuple(
+                f"arn:aws:servicequotas:{region}:{account}:ec2/{code}"
+                for code in (preflight.SPOT_VCPU_QUOTA, preflight.ON_DEMAND_VCPU_QUOTA)
+            ),
+        ),
     ]
     if experiment_templates:
         found.append(
@@ -194,6 +268,13 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
                 ("fis:StartExperiment",),
                 (*(f"{fis}:experiment-template/{t}" for t in experiment_templates), f"{fis}:experiment/*"),
                 why="An experiment's id is made when it starts.",
+            )
+        )
+        found.append(
+            UserStatement(
+                "SelftestReadsTheInterruptTemplates",
+                ("fis:GetExperimentTemplate",),
+                tuple(f"{fis}:experiment-template/{t}" for t in experiment_templates),
             )
         )
         found.append(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
-from spotcr_cli.preflight import ON_DEMAND_VCPU_QUOTA, SPOT_ROLE, SPOT_VCPU_QUOTA
+from spotcr_cli.preflight import ON_DEMAND_VCPU_QUOTA, SPOT_ROLE, SPOT_ROLE_PATH, SPOT_VCPU_QUOTA
 
 DEFAULT_LAMBDA_CONCURRENCY = 1000
 ACCOUNT_SETTINGS_PATH = r"{0}/(?P<api_version>[^/]+)/account-settings/?$"
@@ -79,7 +79,5 @@ def create_spot_role(iam: Any) -> str:
         "Version": "2012-10-17",
         "Statement": [{"Effect": "Allow", "Principal": {"Service": "spot.amazonaws.com"}, "Action": "sts:AssumeRole"}],
     }
-    role = iam.create_role(
-        RoleName=SPOT_ROLE, Path="/aws-service-role/spot.amazonaws.com/", AssumeRolePolicyDocument=json.dumps(trust)
-    )
+    role = iam.create_role(RoleName=SPOT_ROLE, Path=SPOT_ROLE_PATH, AssumeRolePolicyDocument=json.dumps(trust))
     return str(role["Role"]["Arn"])

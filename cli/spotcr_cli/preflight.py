@@ -17,6 +17,7 @@ from spotcr_cli.aws import Cloud
 
 # The services the stack deploys or calls, by their ids under SSM's public global-infrastructure parameters
 # (https://docs.aws.amazon.com/systems-manager/latest/userguide/parameter-store-public-parameters-global-infrastructure.html).
+GLOBAL_INFRASTRUCTURE = "/aws/service/global-infrastructure"
 SERVICES = (
     "cloudformation", "cloudwatch", "dynamodb", "ec2", "events", "fis", "iam", "kms", "lambda", "logs", "s3",
     "sns", "sqs", "ssm", "stepfunctions", "sts",
@@ -33,6 +34,7 @@ STORE_CREDENTIALS_STORAGES = ("s3", "efs")  # job VMs of these storages call the
 UNRESERVED_MINIMUM = 100  # Lambda keeps this much of the account's concurrency unreserved
 RESERVED_CONCURRENCY = 0  # infra/settings.py's interruption_concurrency default (a test keeps them equal)
 SPOT_ROLE = "AWSServiceRoleForEC2Spot"
+SPOT_ROLE_PATH = "/aws-service-role/spot.amazonaws.com/"  # where AWS keeps the Spot service-linked role
 SPOT_VCPU_QUOTA = "L-34B43A08"  # All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests
 ON_DEMAND_VCPU_QUOTA = "L-1216C47A"  # Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances
 STANDARD_FAMILIES = frozenset("acdhimrtz")
@@ -78,7 +80,7 @@ def credentials(cloud: Cloud, target: Target) -> Check:
 
 
 def services(cloud: Cloud, target: Target) -> Check:
-    path = f"/aws/service/global-infrastructure/regions/{target.region}/services"
+    path = f"{GLOBAL_INFRASTRUCTURE}/regions/{target.region}/services"
     offered = set()
     for page in cloud.client("ssm").get_paginator("get_parameters_by_path").paginate(Path=path):
         offered |= {parameter["Name"].rsplit("/", 1)[-1] for parameter in page.get("Parameters", [])}

@@ -22,6 +22,7 @@ from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 
 from spotcr_cli import actions, jobs
 from spotcr_cli.aws import Cloud, CommandError
+from spotcr_cli.preflight import DEFAULT_INSTANCE_TYPES
 
 RESULT_FILE = "digest.txt"
 PACE_S = 0.25  # one step of the job
@@ -183,7 +184,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--job", help="the test job's name (default selftest-<random>)")
     parser.add_argument("--work-seconds", type=float, default=900.0, help="how long the job runs uninterrupted")
     parser.add_argument("--interval", type=int, default=60, help="seconds between periodic checkpoints")
-    parser.add_argument("--instance-type", help="instance type (default: the launch template's)")
+    parser.add_argument(
+        "--instance-type",
+        default=DEFAULT_INSTANCE_TYPES[0],
+        help="instance type (default %(default)s, the type preflight checks quotas for by default)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each phase may take")
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=cmd_selftest)

@@ -39,7 +39,12 @@ log = logging.getLogger("spotcr.iam")
 STEP_FUNCTIONS_ENGINE_KEY = "ak"
 _CREDENTIAL = re.compile(r"Credential=([^/,\s]+)/")
 # botocore's service names where IAM's prefix differs.
-_IAM_PREFIX = {"stepfunctions": "states", "efs": "elasticfilesystem", "awslambda": "lambda"}
+_IAM_PREFIX = {
+    "stepfunctions": "states",
+    "efs": "elasticfilesystem",
+    "awslambda": "lambda",
+    "service-quotas": "servicequotas",
+}
 
 _acting_as: contextvars.ContextVar[str | None] = contextvars.ContextVar("spotcr_iam_acting_as", default=None)
 
@@ -274,6 +279,26 @@ class MotoState:
 
     def file_system_arn(self, file_system_id: str) -> str:
         return f"arn:aws:elasticfilesystem:{self.region}:{self.account}:file-system/{file_system_id}"
+
+    def role_arn(self, role_name: str) -> str:
+        from moto.iam.models import iam_backends
+
+        for role in iam_backends[self.account]["global"].get_roles():
+            if role.name == role_name:
+                return str(role.arn)
+        return f"arn:aws:iam::{self.account}:role/{role_name}"  # no such role: no path to name it by
+
+    def kms_key_arn(self, key_id: str) -> str:
+        from moto.kms.models import kms_backends
+
+        backend = kms_backends[self.account][self.region]
+        alias = backend.get_alias_name(key_id)
+        if alias.startswith("alias/"):
+            found = [key.id for key in backend.keys.values() if alias in key.aliases]
+            if not found:  # no such alias: AWS answers NotFound; the alias is all there is to name
+                return f"arn:aws:kms:{self.region}:{self.account}:{alias}"
+            key_id = found[0]
+        return f"arn:aws:kms:{self.region}:{self.account}:key/{backend.get_key_id(key_id)}"
 
     def stack_arn(self, stack_name: str) -> str:
         if stack_name.startswith("arn:"):

@@ -9,6 +9,7 @@ instance profile's role; the role the store-credentials function assumes (SPOTCR
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -316,3 +317,34 @@ def cli_user(account: str, stack: str, region: str, outputs: Mapping[str, str]) 
     from infra.user_policy import cli_user_policy
 
     return Principal(f"arn:aws:iam::{account}:user/spotcr-user", (cli_user_policy(stack, region, account, outputs),))
+
+
+def without_grant(principal: Principal, action: str) -> Principal:
+    """The principal with one action taken out of every statement that names it: a grant removed on purpose.
+
+    Only an action named as such is removed (a pattern that covers it is not): ValueError if none names it, so a
+    test of a missing grant cannot pass without removing one.
+    """
+
+    def listed(value: Any) -> list[Any]:
+        return value if isinstance(value, list) else [value]
+
+    removed = False
+
+    def strip(policy: Mapping[str, Any]) -> dict[str, Any]:
+        nonlocal removed
+        statements = []
+        for statement in listed(policy["Statement"]):
+            if "Action" not in statement:
+                statements.append(statement)
+                continue
+            actions = [a for a in listed(statement["Action"]) if a != action]
+            removed |= len(actions) < len(listed(statement["Action"]))
+            if actions:
+                statements.append({**statement, "Action": actions})
+        return {**policy, "Statement": statements}
+
+    policies = tuple(strip(policy) for policy in principal.policies)
+    if not removed:
+        raise ValueError(f"no statement of {principal.arn}'s policies names {action}")
+    return dataclasses.replace(principal, policies=policies)

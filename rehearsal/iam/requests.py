@@ -37,6 +37,13 @@ class State(Protocol):
     def access_point_tags(self, access_point_id: str) -> Mapping[str, str]: ...
     def file_system_arn(self, file_system_id: str) -> str: ...
     def stack_arn(self, stack_name: str) -> str: ...
+    def role_arn(self, role_name: str) -> str:
+        """The role's ARN, its path included; `role/<name>` for a role that does not exist."""
+        ...
+
+    def kms_key_arn(self, key_id: str) -> str:
+        """The key a key id, key ARN, alias name or alias ARN names."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -391,6 +398,33 @@ def _fis_experiment(call: Call, state: State) -> list[Request]:
     ]
 
 
+def _fis_experiment_template(call: Call, state: State) -> list[Request]:
+    template = f"arn:aws:fis:{call.region}:{call.account}:experiment-template/{call.params['id']}"
+    return [Request(f"fis:{call.operation}", template, {})]
+
+
+def _ssm_parameters_by_path(call: Call, state: State) -> list[Request]:
+    """The path as a parameter ARN; AWS's public parameters (/aws/...) have no account in theirs."""
+    path = call.params["Path"]
+    owner = "" if path.startswith("/aws/") else call.account
+    return [Request("ssm:GetParametersByPath", f"arn:aws:ssm:{call.region}:{owner}:parameter{path}", {})]
+
+
+def _iam_role(call: Call, state: State) -> list[Request]:
+    return [Request(f"iam:{call.operation}", state.role_arn(call.params["RoleName"]), {})]
+
+
+def _kms_key(call: Call, state: State) -> list[Request]:
+    return [Request(f"kms:{call.operation}", state.kms_key_arn(call.params["KeyId"]), {})]
+
+
+def _service_quota(call: Call, state: State) -> list[Request]:
+    quota = (
+        f"arn:aws:servicequotas:{call.region}:{call.account}:{call.params['ServiceCode']}/{call.params['QuotaCode']}"
+    )
+    return [Request("servicequotas:GetServiceQuota", quota, {})]
+
+
 def _s3(call: Call, state: State) -> list[Request]:
     """S3 as moto names it (its IAM action and the bucket or object ARN); HeadBucket is authorized as ListBucket."""
     action = {"HeadBucket": "ListBucket", "HeadObject": "GetObject"}.get(call.operation, call.operation)
@@ -417,8 +451,12 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
             "DescribeLaunchTemplateVersions",
             "DescribeImages",
             "DescribeTags",
+            "DescribeRouteTables",
+            "DescribeVpcEndpoints",
         )
     },
+    ("ec2", "GetEbsEncryptionByDefault"): _unscoped("ec2"),
+    ("ec2", "GetEbsDefaultKmsKeyId"): _unscoped("ec2"),
     ("ec2", "CreateTags"): _ec2_create_tags,
     ("ec2", "DeleteTags"): _ec2_delete_tags,
     ("ec2", "DescribeSpotPriceHistory"): _ec2_describe,
@@ -426,6 +464,12 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
     ("cloudformation", "DescribeStacks"): _cloudformation_stack,
     ("fis", "StartExperiment"): _fis_start_experiment,
     ("fis", "GetExperiment"): _fis_experiment,
+    ("fis", "GetExperimentTemplate"): _fis_experiment_template,
+    ("ssm", "GetParametersByPath"): _ssm_parameters_by_path,
+    ("iam", "GetRole"): _iam_role,
+    ("kms", "DescribeKey"): _kms_key,
+    ("servicequotas", "GetServiceQuota"): _service_quota,
+    ("lambda", "GetAccountSettings"): _unscoped("lambda"),
     ("ec2", "RunInstances"): _ec2_run_instances,
     ("ec2", "CreateFleet"): _ec2_create_fleet,
     ("ec2", "TerminateInstances"): _ec2_on_instances,

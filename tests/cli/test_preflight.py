@@ -1,6 +1,11 @@
-"""`spotcr preflight` against in-process moto and the local account's settings: all pass, then each check broken."""
+"""`spotcr preflight` against in-process moto and the local account's settings: all pass, then each check broken.
+
+The command runs as the `spotcr` user, holding only infra/user_policy.py's policy (IAM enforced); the test builds
+and breaks the account with its own, trusted key.
+"""
 
 import io
+import os
 
 import boto3
 import pytest
@@ -11,8 +16,17 @@ from spotcr_cli.main import main
 from spotcr_cli.preflight import ON_DEMAND_VCPU_QUOTA, SPOT_VCPU_QUOTA, Target
 
 from rehearsal import account as local_account
+from rehearsal.iam import enforce, principals
 
 REGION = "us-east-1"
+ACCOUNT = "123456789012"  # moto's
+# A stack's outputs, as the user's policy is written for one; preflight itself reads none of it.
+OUTPUTS = {
+    "CheckpointBucket": "checkpoints",
+    "JobTable": "jobs",
+    "LaunchTemplateId": "lt-0123456789abcdef0",
+    "RecoveryStateMachineArn": f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:recovery",
+}
 
 
 @pytest.fixture
@@ -50,11 +64,35 @@ def world(monkeypatch):
                 SubnetIds=[subnets["private"][0]],
                 PrivateDnsEnabled=True,
             )
-        yield {"account": account, "ec2": ec2, "public": subnets["public"][0], "private": subnets["private"][0]}
+        enforcer = enforce.Enforcer(
+            keys={enforce.CLI_USER_KEY: principals.cli_user(ACCOUNT, "spotcr", REGION, OUTPUTS)},
+            trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"},  # mock_aws's
+            roles={},
+            state=enforce.MotoState(ACCOUNT, REGION),
+        )
+        with enforce.enforced(enforcer):
+            yield {
+                "account": account,
+                "ec2": ec2,
+                "public": subnets["public"][0],
+                "private": subnets["private"][0],
+                "enforcer": enforcer,
+            }
+
+
+def as_user():
+    """The `spotcr` command's calls, signed with its user's own key."""
+    return enforce.acting_as(enforce.CLI_USER_KEY)
+
+
+def spotcr(argv, out):
+    with as_user():
+        return main(argv, out=out)
 
 
 def run(**target):
-    results = preflight.run_checks(Cloud(region=REGION), Target(region=target.pop("region", REGION), **target))
+    with as_user():
+        results = preflight.run_checks(Cloud(region=REGION), Target(region=target.pop("region", REGION), **target))
     return {r.name: r for r in results}
 
 
@@ -67,7 +105,7 @@ def test_every_check_passes_on_a_ready_account_and_the_command_exits_0(world):
     # A private subnet with an S3 gateway endpoint and the SSM endpoints is ready for an ebs job
     assert failures(subnets=(world["private"],), storage="ebs") == {}
     out = io.StringIO()
-    assert main(["--region", REGION, "preflight", "--subnets", world["public"]], out=out) == 0
+    assert spotcr(["--region", REGION, "preflight", "--subnets", world["public"]], out=out) == 0
     lines = out.getvalue().splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["PASS"] * len(preflight.CHECKS)
     assert lines[-1] == f"{len(preflight.CHECKS)} passed, 0 failed"
@@ -80,7 +118,7 @@ def test_a_lambda_concurrency_quota_of_10_fails_naming_the_quota_and_any_reserva
     assert "higher 'Concurrent executions' quota" in check.fix
     assert "-c interruption_concurrency=0" in failures(reserved_concurrency=5)["lambda-concurrency"].fix
     out = io.StringIO()
-    assert main(["--region", REGION, "preflight"], out=out) == 1
+    assert spotcr(["--region", REGION, "preflight"], out=out) == 1
     assert "FAIL  lambda-concurrency: 10 of 10" in out.getvalue()
     # With no reservation, a quota of 100 is enough
     monkeypatch.setenv("MOTO_LAMBDA_CONCURRENCY_QUOTA", "100")
@@ -154,6 +192,22 @@ def test_a_refused_call_fails_its_check_naming_the_operation(world, monkeypatch)
     monkeypatch.setattr(preflight, "CHECKS", (refuse,))
     (check,) = preflight.run_checks(Cloud(region=REGION), Target(region=REGION))
     assert (check.ok, check.found) == (False, "AWS refused GetRole: AccessDenied: no")
+
+
+def test_a_user_whose_policy_lacks_a_grant_fails_that_check_naming_the_refused_call(world):
+    # Given the user's policy without lambda:GetAccountSettings
+    user = principals.cli_user(ACCOUNT, "spotcr", REGION, OUTPUTS)
+    world["enforcer"].add_key(enforce.CLI_USER_KEY, principals.without_grant(user, "lambda:GetAccountSettings"))
+    # When preflight runs, that check fails naming the call and the action IAM refused; the others pass
+    failed = failures()
+    assert set(failed) == {"lambda-concurrency"}
+    check = failed["lambda-concurrency"]
+    assert check.found.startswith("AWS refused GetAccountSettings: AccessDeniedException: User: ")
+    assert "not authorized to perform: lambda:GetAccountSettings" in check.found
+    assert check.fix.startswith("let this user call GetAccountSettings")
+    out = io.StringIO()
+    assert spotcr(["--region", REGION, "preflight"], out=out) == 1
+    assert "FAIL  lambda-concurrency: AWS refused GetAccountSettings" in out.getvalue()
 
 
 def test_the_reserved_concurrency_default_is_the_stacks():

@@ -46,6 +46,12 @@ class FakeState:
     def stack_arn(self, stack_name: str) -> str:
         return f"arn:aws:cloudformation:{REGION}:{ACCOUNT}:stack/{stack_name}/0a1b"
 
+    def role_arn(self, role_name: str) -> str:
+        return f"arn:aws:iam::{ACCOUNT}:role/aws-service-role/spot.amazonaws.com/{role_name}"
+
+    def kms_key_arn(self, key_id: str) -> str:
+        return f"arn:aws:kms:{REGION}:{ACCOUNT}:key/{'k-1' if key_id == 'alias/ebs' else key_id}"
+
 
 def call(service: str, operation: str, **params: Any) -> Call:
     return Call(service, operation, params, REGION, ACCOUNT)
@@ -150,6 +156,26 @@ def test_starting_a_tagged_experiment_asks_for_its_template_the_new_experiment_a
 def test_a_query_on_an_index_asks_for_the_index() -> None:
     [request] = requests_for(call("dynamodb", "Query", TableName="jobs", IndexName="by-status"), FakeState())
     assert request.resource == f"arn:aws:dynamodb:{REGION}:{ACCOUNT}:table/jobs/index/by-status"
+
+
+def test_preflights_reads_ask_for_the_public_parameters_path_the_role_the_key_and_each_quota() -> None:
+    path = "/aws/service/global-infrastructure/regions/eu-west-1/services"
+    [parameters] = requests_for(call("ssm", "GetParametersByPath", Path=path), FakeState())
+    assert parameters.resource == f"arn:aws:ssm:{REGION}::parameter{path}"  # AWS's own: no account
+    [own] = requests_for(call("ssm", "GetParametersByPath", Path="/spotcr/x"), FakeState())
+    assert own.resource == f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/spotcr/x"
+    [role] = requests_for(call("iam", "GetRole", RoleName="AWSServiceRoleForEC2Spot"), FakeState())
+    assert role.resource.endswith(":role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot")
+    [key] = requests_for(call("kms", "DescribeKey", KeyId="alias/ebs"), FakeState())
+    assert (key.action, key.resource) == ("kms:DescribeKey", f"arn:aws:kms:{REGION}:{ACCOUNT}:key/k-1")
+    [quota] = requests_for(
+        call("servicequotas", "GetServiceQuota", ServiceCode="ec2", QuotaCode="L-34B43A08"), FakeState()
+    )
+    assert quota.resource == f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:ec2/L-34B43A08"
+    [settings] = requests_for(call("lambda", "GetAccountSettings"), FakeState())
+    assert (settings.action, settings.resource) == ("lambda:GetAccountSettings", "*")
+    [template] = requests_for(call("fis", "GetExperimentTemplate", id="EXT1"), FakeState())
+    assert template.resource == f"arn:aws:fis:{REGION}:{ACCOUNT}:experiment-template/EXT1"
 
 
 def test_an_operation_without_an_entry_is_an_error_not_an_allow() -> None:

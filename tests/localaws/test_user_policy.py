@@ -23,7 +23,8 @@ from tests.infra.conftest import REPO_ROOT
 from tests.infra.test_least_privilege import IMPLIED, used_by
 
 CLI = REPO_ROOT / "cli" / "spotcr_cli"
-SERVICE_PREFIX = {"stepfunctions": "states", "efs": "elasticfilesystem"}  # boto3 client name -> IAM prefix
+# boto3 client name -> IAM prefix
+SERVICE_PREFIX = {"stepfunctions": "states", "efs": "elasticfilesystem", "service-quotas": "servicequotas"}
 SERVICE_PARAMETERS = {"ec2", "s3", "ssm", "fis", "efs"}  # a parameter so named holds that service's client
 ACTION_OF = {
     "s3:ListObjectsV2": "s3:ListBucket",
@@ -186,3 +187,42 @@ def test_the_command_prints_the_policy_of_a_deployed_stack() -> None:
         with redirect_stdout(out):
             assert main(["--stack", "spotcr", "--region", REGION, "--account", ACCOUNT]) == 0
     assert json.loads(out.getvalue()) == cli_user_policy("spotcr", REGION, ACCOUNT, OUTPUTS)
+
+
+def test_the_policy_lets_the_user_launch_under_a_customer_managed_ebs_key_only_as_ec2_uses_it() -> None:
+    key = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+    through_ec2: dict[str, ContextValue] = {
+        "kms:ViaService": f"ec2.{REGION}.amazonaws.com",
+        "kms:CallerAccount": ACCOUNT,
+    }
+    for action in ("kms:GenerateDataKeyWithoutPlaintext", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo"):
+        assert evaluate(_user(), Request(action, key, through_ec2)).allowed, action
+        assert not evaluate(_user(), Request(action, key, {"kms:CallerAccount": ACCOUNT})).allowed, action
+    elsewhere = {**through_ec2, "kms:ViaService": "ec2.us-east-1.amazonaws.com"}
+    assert not evaluate(_user(), Request("kms:Decrypt", key, elsewhere)).allowed
+    for_the_volume: dict[str, ContextValue] = {**through_ec2, "kms:GrantIsForAWSResource": True}
+    assert evaluate(_user(), Request("kms:CreateGrant", key, for_the_volume)).allowed
+    assert not evaluate(_user(), Request("kms:CreateGrant", key, through_ec2)).allowed
+    # preflight reads which key it is, directly
+    assert evaluate(_user(), Request("kms:DescribeKey", key, {})).allowed
+
+
+def test_the_policy_scopes_preflights_reads_to_the_public_parameters_the_spot_role_and_the_vcpu_quotas() -> None:
+    public = f"arn:aws:ssm:{REGION}::parameter/aws/service/global-infrastructure/regions/{REGION}/services"
+    assert evaluate(_user(), Request("ssm:GetParametersByPath", public, {})).allowed
+    secrets = f"arn:aws:ssm:{REGION}:{ACCOUNT}:parameter/team/db-password"
+    assert not evaluate(_user(), Request("ssm:GetParametersByPath", secrets, {})).allowed
+    spot_role = f"arn:aws:iam::{ACCOUNT}:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+    assert evaluate(_user(), Request("iam:GetRole", spot_role, {})).allowed
+    assert not evaluate(_user(), Request("iam:GetRole", f"arn:aws:iam::{ACCOUNT}:role/admin", {})).allowed
+    quota = f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:ec2/L-34B43A08"
+    assert evaluate(_user(), Request("servicequotas:GetServiceQuota", quota, {})).allowed
+    other = f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:lambda/L-B99A9384"
+    assert not evaluate(_user(), Request("servicequotas:GetServiceQuota", other, {})).allowed
+
+
+def test_the_policy_lets_selftest_read_only_the_stacks_fis_templates() -> None:
+    fis = f"arn:aws:fis:{REGION}:{ACCOUNT}:experiment-template"
+    template = OUTPUTS["InterruptExperimentTemplate"]
+    assert evaluate(_user(), Request("fis:GetExperimentTemplate", f"{fis}/{template}", {})).allowed
+    assert not evaluate(_user(), Request("fis:GetExperimentTemplate", f"{fis}/EXTother", {})).allowed
