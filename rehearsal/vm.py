@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from rehearsal import vm_init
 from rehearsal.imds import Imds
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ def _remove_stale_links() -> None:
             subprocess.run(["ip", "link", "delete", name], capture_output=True, check=False)
 
 
-_STATE_SOURCE = "spotcr-state-"  # + the PID, in hex, of the process that booted the VM (its state tmpfs's source)
+_STATE_SOURCE = vm_init.STATE_SOURCE  # + the PID, in hex, of the process that booted the VM
 
 
 def _remove_stale_state_mounts() -> None:

@@ -24,19 +24,27 @@ EMPTY_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 (mount points, not t
 GO_TIMEOUT_S = 30
 # The host's own mounts below these come and go (other tests' volumes, `ip netns` handles): no VM has them.
 HOST_ONLY = (*EMPTY_DIRS, "/run")
+STATE = "/var/lib/spotcr"
+STATE_SOURCE = "spotcr-state-"  # the source of each VM's own file system for STATE (rehearsal.vm), + a PID in hex
 
 
 def drop_host_mounts() -> None:
-    """Unmount (in the VM's namespace only) what the host has mounted below HOST_ONLY.
+    """Unmount (in the VM's namespace only) what the host has mounted below HOST_ONLY, and every VM's own file
+    system but at this VM's STATE.
 
     A job's mount namespace is dumped with every mount the VM has; a host mount that is gone when
-    the backup boots could not be found there at restore, and an EC2 instance never had it.
+    the backup boots could not be found there at restore, and an EC2 instance never had it. Another
+    VM's disk is never an EC2 instance's: seen at its host path, CRIU would restore a job's nested
+    mount namespace from the interrupted VM's files, still there while that VM runs.
     """
     points = []
     with open("/proc/self/mountinfo") as mountinfo:
         for line in mountinfo:
-            point = line.split()[4].replace("\\040", " ")
-            if any(point.startswith(f"{top}/") for top in HOST_ONLY):
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            source = fields[fields.index("-") + 2]
+            other_vm = source.startswith(STATE_SOURCE) and point != STATE and not point.startswith(f"{STATE}/")
+            if other_vm or any(point.startswith(f"{top}/") for top in HOST_ONLY):
                 points.append(point)
     for point in reversed(points):  # the last mounted first: children and stacked mounts before what they cover
         subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)

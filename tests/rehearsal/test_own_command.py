@@ -1,8 +1,14 @@
 """`make demo ARGS="--command '...' --result FILE"`: a user's own program through the whole rehearsal on bare VMs."""
 
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from rehearsal.__main__ import main, parse
+from rehearsal.vm import REPO
 
 # Not the sample job: a hash chain of 600 steps, 50 ms each, its result written to out.txt at the end.
 # Written without shell syntax, as the spotcr:command tag requires.
@@ -96,3 +102,23 @@ def test_a_command_that_fails_ends_with_2_and_its_stderr(tmp_path, capsys):
     assert code == 2, output.out + output.err
     assert "the job exited with 1" in output.err
     assert "no data set here" in output.err
+
+
+@pytest.mark.e2e
+@pytest.mark.criu
+@pytest.mark.timeout(300)
+def test_a_job_in_its_own_mount_namespace_restores_onto_the_backups_files(capsys):
+    # Given a job that makes its own mount namespace, rehearsed where `make demo` puts its runs: not under /tmp, so
+    # every VM's own file system is mounted where the other VMs could see it (a backup boots while its primary runs)
+    (REPO / "rehearsal-runs").mkdir(exist_ok=True)
+    runs = Path(tempfile.mkdtemp(prefix="own-mount-ns-", dir=REPO / "rehearsal-runs"))
+    try:
+        job = f"{REPO}/rehearsal/sample_job.py --mb 16 --steps 600 --pace 0.05 --result out.txt"
+        command = f"unshare --mount --mount-proc {sys.executable} {job}"
+        # When it is interrupted and restored
+        code, output = rehearse(runs, capsys, command)
+        # Then its writes after the restore land on the backup: the result is stored and equals the reference's
+        assert code == 0, output.out + output.err
+        assert "OK: the interrupted job's out.txt equals the uninterrupted run's, byte for byte" in output.out
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
