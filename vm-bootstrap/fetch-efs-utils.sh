@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Fetches amazon-efs-utils (mount.efs and its watchdog: efs_isolation mounts with them) at the version and sha256 of
-# efs-utils.lock and lays it out as upstream's build-deb.sh installs it, for the agent asset (make artifacts). Debian
+# Fetches amazon-efs-utils (mount.efs and its watchdog: efs_isolation mounts with them) at the version of
+# efs-utils.lock, checks each file it installs against the lock's sha256, and lays them out as upstream's build-deb.sh installs it, for the agent asset (make artifacts). Debian
 # 12 does not package it; version 1.x is plain Python 3 (TLS through Debian's stunnel4), so one copy serves all VMs.
 # Output under .build/ (or $1): amazon-efs-utils/ (mount.efs, amazon-efs-mount-watchdog, efs-utils.conf,
 # efs-utils.crt, amazon-efs-mount-watchdog.service, LICENSE, and SOURCE: what it is and where it came from).
-# SPOTCR_LOCK_EFS_UTILS=1 first pins the release's sha256 in the lock (then review and commit it).
+# SPOTCR_LOCK_EFS_UTILS=1 first pins the release's files in the lock (then review and commit it).
 # SPOTCR_EFS_UTILS=stand-in (make test, where GitHub cannot be reached): the asset carries this project's stand-in
 # of mount.efs's command line instead, which answers --version and refuses to mount. Never for a deploy.
 set -euo pipefail
@@ -17,7 +17,11 @@ log() { echo "fetch-efs-utils: $*" >&2; }
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 dir="$OUT/amazon-efs-utils"
-read -r version url sha256 < <(grep -v '^#' "$LOCK")
+read -r version url < <(grep -v '^#' "$LOCK" | head -1)
+pins=$(grep -v '^#' "$LOCK" | tail -n +2)
+# What build-deb.sh installs from the release: the two programs from src/, the configuration, certificate and unit.
+FILES=(src/mount_efs/__init__.py src/watchdog/__init__.py dist/efs-utils.conf dist/efs-utils.crt
+  dist/amazon-efs-mount-watchdog.service LICENSE)
 
 if [[ "${SPOTCR_EFS_UTILS:-}" == "stand-in" ]]; then
   rm -rf "$dir.new" && mkdir -p "$dir.new"
@@ -37,36 +41,42 @@ download() {
     || { log "cannot download amazon-efs-utils $version from $1: a deploy needs it (efs_isolation mounts with it)"; return 1; }
 }
 
+fetch_release() { # $1: the directory to unpack the release into
+  mkdir -p "$1"
+  download "$url" "$1.tar.gz"
+  tar -xzf "$1.tar.gz" -C "$1" --strip-components=1
+  rm -f "$1.tar.gz"
+}
+
 if [[ "${SPOTCR_LOCK_EFS_UTILS:-}" == "1" ]]; then
   tmp=$(mktemp -d)
-  download "$url" "$tmp/release.tar.gz"
-  sha256=$(sha256sum "$tmp/release.tar.gz" | cut -d' ' -f1)
+  fetch_release "$tmp/release"
+  pins=$(cd "$tmp/release" && sha256sum "${FILES[@]}")
   rm -rf "$tmp"
-  sed -i "s|^$version $url .*|$version $url $sha256|" "$LOCK"
-  log "pinned amazon-efs-utils $version at sha256 $sha256 in $LOCK"
+  { grep '^#' "$LOCK" || true; echo "$version $url"; echo "$pins"; } >"$LOCK.new" && mv "$LOCK.new" "$LOCK"
+  log "pinned the files of amazon-efs-utils $version in $LOCK"
 fi
-[[ "$sha256" =~ ^[0-9a-f]{64}$ ]] \
-  || { log "$LOCK pins no sha256 for amazon-efs-utils $version: run SPOTCR_LOCK_EFS_UTILS=1 make artifacts once on a machine that reaches GitHub, then review and commit the lock"; exit 1; }
+pinned_files=$(grep -E '^[0-9a-f]{64}  ' <<<"$pins" | cut -c67- || true)
+[[ "$pinned_files" == "$(printf '%s\n' "${FILES[@]}")" ]] \
+  || { log "$LOCK pins no sha256 for the ${#FILES[@]} files of amazon-efs-utils $version: run SPOTCR_LOCK_EFS_UTILS=1 make artifacts once on a machine that reaches GitHub, then review and commit the lock"; exit 1; }
 
-source_line="amazon-efs-utils $version from $url, sha256 $sha256"
+source_line="amazon-efs-utils $version from $url, files pinned $(sha256sum <<<"$pins" | cut -c1-16)"
 if [[ -f "$dir/SOURCE" && "$(head -1 "$dir/SOURCE")" == "$source_line" ]]; then
   log "amazon-efs-utils $version is up to date"
   exit 0
 fi
-rm -rf "$dir.new" && mkdir -p "$dir.new/release"
-download "$url" "$dir.new/release.tar.gz"
-echo "$sha256  $dir.new/release.tar.gz" | sha256sum -c --quiet \
-  || { log "sha256 mismatch for $url: not the amazon-efs-utils $version that $LOCK pins"; exit 1; }
-tar -xzf "$dir.new/release.tar.gz" -C "$dir.new/release" --strip-components=1
+rm -rf "$dir.new" && mkdir -p "$dir.new"
 release="$dir.new/release"
-# As build-deb.sh lays them out: the two programs from src/, the configuration, certificate and unit from dist/.
+fetch_release "$release"
+(cd "$release" && sha256sum -c --quiet --strict) <<<"$pins" \
+  || { log "sha256 mismatch in $url: not the amazon-efs-utils $version that $LOCK pins"; exit 1; }
 install -m 0755 "$release/src/mount_efs/__init__.py" "$dir.new/mount.efs"
 install -m 0755 "$release/src/watchdog/__init__.py" "$dir.new/amazon-efs-mount-watchdog"
 install -m 0644 "$release/dist/efs-utils.conf" "$release/dist/efs-utils.crt" \
   "$release/dist/amazon-efs-mount-watchdog.service" "$release/LICENSE" "$dir.new/"
 echo "$source_line" >"$dir.new/SOURCE"
-rm -rf "$release" "$dir.new/release.tar.gz"
+rm -rf "$release"
 python3 "$dir.new/mount.efs" --version | grep -q "Version: $version" \
   || { log "the fetched mount.efs does not say version $version"; exit 1; }
 rm -rf "$dir" && mv "$dir.new" "$dir"
-log "$dir (amazon-efs-utils $version, sha256 verified)"
+log "$dir (amazon-efs-utils $version, every file checked against its sha256)"

@@ -214,17 +214,20 @@ def _fetch_efs_utils(tmp_path: Path, lock: str, **env: str) -> subprocess.Comple
     )
 
 
+RELEASE_FILES = {
+    "src/mount_efs/__init__.py": 'import sys\nprint(sys.argv[0], "Version: 1.36.0")\n',
+    "src/watchdog/__init__.py": "",
+    "dist/efs-utils.conf": "",
+    "dist/efs-utils.crt": "",
+    "dist/amazon-efs-mount-watchdog.service": "",
+    "LICENSE": "MIT",
+}
+
+
 def _release(tmp_path: Path) -> Path:
     """A tarball laid out as upstream's release is (efs-utils-<version>/src, dist, LICENSE)."""
     root = tmp_path / "efs-utils-1.36.0"
-    for path, text in {
-        "src/mount_efs/__init__.py": 'import sys\nprint(sys.argv[0], "Version: 1.36.0")\n',
-        "src/watchdog/__init__.py": "",
-        "dist/efs-utils.conf": "",
-        "dist/efs-utils.crt": "",
-        "dist/amazon-efs-mount-watchdog.service": "",
-        "LICENSE": "MIT",
-    }.items():
+    for path, text in RELEASE_FILES.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
     with tarfile.open(tmp_path / "release.tar.gz", "w:gz") as archive:
@@ -232,13 +235,21 @@ def _release(tmp_path: Path) -> Path:
     return tmp_path / "release.tar.gz"
 
 
+def _lock(url: str, **digests: str) -> str:
+    """The lock: "version url", then each installed file's sha256 (the release's own unless given by its name)."""
+    pins = "".join(
+        f"{digests.get(Path(path).name, hashlib.sha256(text.encode()).hexdigest())}  {path}\n"
+        for path, text in RELEASE_FILES.items()
+    )
+    return f"1.36.0 {url}\n{pins}"
+
+
 def test_the_efs_mount_helper_is_the_pinned_release_or_the_build_fails(tmp_path):
     # Given the release tarball the lock names
     release = _release(tmp_path)
-    digest = hashlib.sha256(release.read_bytes()).hexdigest()
 
-    # When the lock pins its sha256, Then it is installed as build-deb.sh lays it out
-    fetched = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} {digest}\n")
+    # When the lock pins the sha256 of each file it installs, Then they are installed as build-deb.sh lays them out
+    fetched = _fetch_efs_utils(tmp_path, _lock(f"file://{release}"))
     assert fetched.returncode == 0, fetched.stderr
     out = tmp_path / "out" / "amazon-efs-utils"
     assert {p.name for p in out.iterdir()} == {
@@ -250,31 +261,39 @@ def test_the_efs_mount_helper_is_the_pinned_release_or_the_build_fails(tmp_path)
         "LICENSE",
         "SOURCE",
     }
-    assert (out / "SOURCE").read_text().startswith(f"amazon-efs-utils 1.36.0 from file://{release}, sha256 {digest}")
+    assert (out / "SOURCE").read_text().startswith(f"amazon-efs-utils 1.36.0 from file://{release}, files pinned")
 
-    # When the tarball is not the pinned one, Then the build fails
-    mismatch = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} {'0' * 64}\n")
+    # When a file of the release is not the pinned one, Then the build fails
+    mismatch = _fetch_efs_utils(tmp_path, _lock(f"file://{release}", **{"__init__.py": "0" * 64}))
     assert mismatch.returncode == 1 and "sha256 mismatch" in mismatch.stderr
 
-    # When the lock pins no sha256, Then the build fails naming the pin to make (never skipping the check)
-    unpinned = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} -\n")
+    # When the lock pins nothing, Then the build fails naming the pin to make (never skipping the check)
+    unpinned = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release}\n")
     assert unpinned.returncode == 1 and "pins no sha256" in unpinned.stderr
     assert "SPOTCR_LOCK_EFS_UTILS=1" in unpinned.stderr
 
-    # When the lock mode pins it, Then the lock holds the release's sha256 and the build succeeds
-    locked = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release} -\n", SPOTCR_LOCK_EFS_UTILS="1")
+    # When the lock mode pins them, Then the lock holds each file's sha256 and the build succeeds
+    locked = _fetch_efs_utils(tmp_path, f"1.36.0 file://{release}\n", SPOTCR_LOCK_EFS_UTILS="1")
     assert locked.returncode == 0, locked.stderr
-    assert (tmp_path / "vm-bootstrap" / "efs-utils.lock").read_text() == f"1.36.0 file://{release} {digest}\n"
+    assert (tmp_path / "vm-bootstrap" / "efs-utils.lock").read_text() == _lock(f"file://{release}")
+
+
+def test_the_lock_pins_the_files_the_vendored_copy_had(tmp_path):
+    # The committed lock's pins are those of the upstream files this repository carried before (unchanged, tag
+    # v1.36.0): read back from the lock, they name exactly the files the script installs.
+    lines = [line for line in (VM / "efs-utils.lock").read_text().splitlines() if not line.startswith("#")]
+    assert lines[0] == "1.36.0 https://github.com/aws/efs-utils/archive/refs/tags/v1.36.0.tar.gz"
+    assert [line.split("  ")[1] for line in lines[1:]] == list(RELEASE_FILES)
+    assert all(len(line.split("  ")[0]) == 64 for line in lines[1:])
 
 
 def test_a_deploy_build_never_ships_the_stand_in(tmp_path):
     # Given a test build's stand-in in the build dir
-    standin = _fetch_efs_utils(tmp_path, "1.36.0 file:///nonexistent.tar.gz -\n", SPOTCR_EFS_UTILS="stand-in")
+    standin = _fetch_efs_utils(tmp_path, "1.36.0 file:///nonexistent.tar.gz\n", SPOTCR_EFS_UTILS="stand-in")
     assert standin.returncode == 0, standin.stderr
     assert (tmp_path / "out" / "amazon-efs-utils" / "SOURCE").read_text().startswith("stand-in")
     # When an artifact build without the flag cannot fetch the release
-    digest = "0" * 64
-    failed = _fetch_efs_utils(tmp_path, f"1.36.0 file://{tmp_path}/missing.tar.gz {digest}\n")
+    failed = _fetch_efs_utils(tmp_path, _lock(f"file://{tmp_path}/missing.tar.gz"))
     # Then it fails saying so, and the stand-in is gone (a later synth finds no EFS helper rather than the stand-in)
     assert failed.returncode == 1 and "cannot download amazon-efs-utils 1.36.0" in failed.stderr
     assert not (tmp_path / "out" / "amazon-efs-utils").exists()
