@@ -25,19 +25,7 @@ from infra import ebs_key
 
 # The tags a user may write: the job's own (README's tag table) and the interruption marker. Never
 # spotcr:run, which only spotcr mints (registering), nor the control plane's other tags.
-USER_TAG_KEYS = (
-    tags.JOB,
-    tags.COMMAND,
-    tags.SPEC,
-    tags.STORAGE,
-    tags.INTERVAL,
-    tags.FALLBACK_TYPES,
-    tags.WORKDIR,
-    tags.TCP,
-    tags.RESTART_FROM_SCRATCH,
-    tags.DEADLINE_MARGIN,
-    tags.INTERRUPT,
-)
+USER_TAG_KEYS = (*tags.USER_TAGS, tags.INTERRUPT)
 JOB_TAGGED = {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}
 JOB_TAGGED_REQUEST = {"StringLike": {f"aws:RequestTag/{tags.JOB}": "?*"}}
 LAUNCHED = ("volume", "network-interface", "subnet", "security-group", "spot-instances-request")

@@ -43,6 +43,20 @@ LAUNCH_TEMPLATE = "aws:ec2launchtemplate:id"
 # On the volumes and snapshots spotcr creates: the stack whose roles may attach, move and delete them (its roles
 # write the key only while creating one; the users' policy must not allow writing it).
 STACK = "spotcr:stack"
+# The job's own tags, which its submitter writes (the README's tag table); every other spotcr tag is spotcr's.
+USER_TAGS = (
+    JOB,
+    COMMAND,
+    SPEC,
+    STORAGE,
+    INTERVAL,
+    FALLBACK_TYPES,
+    WORKDIR,
+    TCP,
+    RESULT,
+    RESTART_FROM_SCRATCH,
+    DEADLINE_MARGIN,
+)
 RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 # A job's name (spotcr:job), its id everywhere: safe as an S3 prefix, an STS session tag value and a store name.
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"

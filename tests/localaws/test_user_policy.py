@@ -16,6 +16,7 @@ from functools import cache
 
 import boto3
 from moto import mock_aws
+from spotcr_cli import actions
 
 from infra.user_policy import cli_user_policy, main
 from rehearsal.iam.policy import ContextValue, Principal, Request, evaluate
@@ -160,6 +161,32 @@ def test_the_policy_lets_a_user_submit_a_job_from_the_stacks_template_only() -> 
     assert not evaluate(_user(), Request("ec2:RunInstances", INSTANCE, other)).allowed
     untagged = {"ec2:LaunchTemplate": template}
     assert not evaluate(_user(), Request("ec2:RunInstances", INSTANCE, untagged)).allowed
+
+
+def test_the_policy_lets_a_user_launch_with_every_tag_spotcr_submit_writes() -> None:
+    # Given a job with every option `spotcr submit` takes, a declared result included
+    job = actions.job_tags(
+        "train-1",
+        command="python3 train.py",
+        spec=None,
+        storage="ebs",
+        interval_s=60,
+        fallback_types="m5.xlarge",
+        workdir="/var/lib/spotcr/work/train-1",
+        tcp="close",
+        restart_from_scratch=False,
+        result="model.bin",
+    )
+    template = f"arn:aws:ec2:{REGION}:{ACCOUNT}:launch-template/{OUTPUTS['LaunchTemplateId']}"
+    launch: dict[str, ContextValue] = {
+        "ec2:LaunchTemplate": template,
+        "ec2:CreateAction": "RunInstances",
+        "aws:TagKeys": tuple(job),
+        **{f"aws:RequestTag/{key}": value for key, value in job.items()},
+    }
+    # Then the user may launch it with those tags and write them on a job instance
+    assert evaluate(_user(), Request("ec2:RunInstances", INSTANCE, launch)).allowed
+    assert evaluate(_user(), Request("ec2:CreateTags", INSTANCE, launch)).allowed
 
 
 def test_the_policy_never_lets_a_user_write_the_run_id_spotcr_mints() -> None:
