@@ -148,19 +148,23 @@ def ebs_key(cloud: Cloud, target: Target) -> Check:
     by_default = ec2.get_ebs_encryption_by_default()["EbsEncryptionByDefault"]
     key = ec2.get_ebs_default_kms_key_id()["KmsKeyId"]
     found = f"encryption by default {'on' if by_default else 'off'}; default key {key}"
-    managed = (
-        key == AWS_MANAGED_EBS_KEY
-        or cloud.client("kms").describe_key(KeyId=key)["KeyMetadata"].get("KeyManager") == "AWS"
-    )
-    if not managed:
+    if key == AWS_MANAGED_EBS_KEY:
+        return passed("ebs-key", f"{found} (AWS managed)")
+    metadata = cloud.client("kms").describe_key(KeyId=key)["KeyMetadata"]
+    if metadata.get("KeyManager") == "AWS":
+        return passed("ebs-key", f"{found} (AWS managed)")
+    if metadata.get("KeyState") != "Enabled":
         return failed(
             "ebs-key",
-            f"{found}, a customer managed key: spotcr's encrypted volumes use it and its roles hold no "
-            "kms:CreateGrant, GenerateDataKeyWithoutPlaintext, Decrypt or DescribeKey on it",
-            "aws ec2 reset-ebs-default-kms-key-id (back to aws/ebs), or grant those actions to the stack's roles "
-            "under kms:ViaService ec2.<region>.amazonaws.com in the key's policy",
+            f"{found}, a customer managed key in state {metadata.get('KeyState')}: EC2 can create no volume with it",
+            "enable the key (aws kms enable-key), or aws ec2 reset-ebs-default-kms-key-id (back to aws/ebs)",
         )
-    return passed("ebs-key", f"{found} (AWS managed)")
+    # The stack's roles and the user policy hold its use through EC2 (kms:ViaService); the key's policy decides too.
+    return passed(
+        "ebs-key",
+        f"{found}, a customer managed key: spotcr's roles use it through EC2; its key policy must let the account's "
+        "IAM policies grant it (the default key policy does)",
+    )
 
 
 @dataclass(frozen=True)

@@ -158,12 +158,19 @@ def test_a_missing_spot_service_linked_role_fails_saying_how_to_create_it(world)
     assert check.fix.startswith("aws iam create-service-linked-role --aws-service-name spot.amazonaws.com")
 
 
-def test_a_customer_managed_default_ebs_key_fails_naming_the_grants(world):
-    key = boto3.client("kms", region_name=REGION).create_key()["KeyMetadata"]["Arn"]
+def test_a_customer_managed_default_ebs_key_passes_while_enabled_and_fails_once_disabled(world):
+    # The stack's roles and the user policy hold the key's use through EC2 (infra/ebs_key.py)
+    kms = boto3.client("kms", region_name=REGION)
+    created = kms.create_key()["KeyMetadata"]
+    key = created["Arn"]
     world["ec2"].modify_ebs_default_kms_key_id(KmsKeyId=key)
+    check = run()["ebs-key"]
+    assert check.ok and key in check.found and "key policy must let the account's IAM policies" in check.found
+    # A disabled key creates no volume: named, with the fix
+    kms.disable_key(KeyId=created["KeyId"])
     check = failures()["ebs-key"]
-    assert key in check.found and "kms:CreateGrant" in check.found
-    assert "reset-ebs-default-kms-key-id" in check.fix
+    assert key in check.found and "in state Disabled" in check.found
+    assert "enable-key" in check.fix
 
 
 def test_a_spot_vcpu_quota_below_a_primary_and_its_backup_fails(world):
