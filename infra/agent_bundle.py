@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ VM_BOOTSTRAP_DIR = REPO_ROOT / "vm-bootstrap"
 CONTRACTS_DIR = REPO_ROOT / "functions" / "spotcr_contracts"
 BOOTSTRAP_SCRIPT = VM_BOOTSTRAP_DIR / "bootstrap.sh"  # the job VMs' user data, once rendered
 PLACEHOLDER = re.compile(r"__SPOTCR_[A-Z0-9_]+__")
+EFS_UTILS_ENV = "SPOTCR_EFS_UTILS"  # "stand-in": a test build (make test, demo, bench) may stage spotcr's stand-in
 BUILD_DIR = REPO_ROOT / ".build"  # vm-bootstrap/build-artifact.sh (make artifacts) writes the prebuilt parts here
 _STAGE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "tests")
 # Build-time files: a VM installs the prebuilt artifact instead.
@@ -40,7 +42,9 @@ class ArtifactMissing(FileNotFoundError):
     pass
 
 
-def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir: Path = BUILD_DIR) -> Path:
+def stage_agent_bundle(
+    destination: Path, architecture: str = "amd64", build_dir: Path = BUILD_DIR, *, allow_stand_in: bool = False
+) -> Path:
     """The agent bundle as bootstrap.sh unpacks it: vm-bootstrap/'s files at the root, spotcr_contracts/, and the
     prebuilt parts for `architecture`: criu/ (CRIU's tarball and sha256), python/ (the agent's packages) and debs/
     (the Debian packages a VM installs instead of using apt, with the lock they match) and amazon-efs-utils/ (the EFS
@@ -63,6 +67,13 @@ def stage_agent_bundle(destination: Path, architecture: str = "amd64", build_dir
         raise ArtifactMissing(
             f"no amazon-efs-utils in {build_dir}: run `make artifacts` (vm-bootstrap/fetch-efs-utils.sh; "
             "SPOTCR_EFS_UTILS=stand-in for a test build that cannot reach GitHub)"
+        )
+    # make test, demo and bench set it (the rehearsal mounts no EFS): a plain `cdk deploy` must not ship it.
+    allow_stand_in = allow_stand_in or os.environ.get(EFS_UTILS_ENV) == "stand-in"
+    if (efs_utils / "SOURCE").read_text().startswith("stand-in") and not allow_stand_in:
+        raise ArtifactMissing(
+            f"{efs_utils} holds spotcr's stand-in of mount.efs (a test build's), which mounts nothing: run "
+            "`make artifacts` (or `make deploy`) to fetch amazon-efs-utils before a deploy"
         )
     shutil.copytree(VM_BOOTSTRAP_DIR, destination, ignore=_BUILD_ONLY, dirs_exist_ok=True)
     shutil.copytree(CONTRACTS_DIR, destination / "spotcr_contracts", ignore=_STAGE_IGNORE)

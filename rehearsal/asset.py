@@ -34,7 +34,7 @@ def publish(s3: Any, bucket: str, deployment: str = "", key: str = "") -> str:
     """Stage the bundle, zip it and upload it, as CDK's asset publishing does: under `key`, else under its content's
     hash (a changed asset gets a new key); `deployment` goes into its MARKER file. Returns its s3:// URL."""
     with tempfile.TemporaryDirectory(prefix="spotcr-rehearsal-asset-") as work:
-        staged = stage_agent_bundle(Path(work) / "bundle", "amd64")
+        staged = stage_agent_bundle(Path(work) / "bundle", "amd64", allow_stand_in=True)  # it mounts no EFS
         if deployment:
             (staged / MARKER).write_text(f"{deployment}\n")
         archive = Path(shutil.make_archive(str(Path(work) / "agent"), "zip", staged))

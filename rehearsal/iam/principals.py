@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from spotcr_functions import catalog
 from spotcr_functions.config import OPTIONAL_TEXT_ENV
@@ -61,10 +62,15 @@ def _template_text(context_json: str) -> str:
         return cached.read_text()
     import aws_cdk as cdk
 
+    from infra.agent_bundle import EFS_UTILS_ENV
     from infra.app import build_app
 
     context = {**json.loads((REPO / "cdk.json").read_text())["context"], **json.loads(context_json)}
-    with tempfile.TemporaryDirectory(prefix="spotcr-synth-") as outdir:
+    # The local AWS reads only the template's policies: a test build's EFS helper stand-in may be in its asset.
+    with (
+        tempfile.TemporaryDirectory(prefix="spotcr-synth-") as outdir,
+        mock.patch.dict(os.environ, {EFS_UTILS_ENV: "stand-in"}),
+    ):
         app, stack = build_app(cdk.App(context=context, outdir=outdir))
         text = json.dumps(app.synth().get_stack_by_name(stack.stack_name).template)
     _CACHE.mkdir(parents=True, exist_ok=True)

@@ -301,6 +301,21 @@ def test_a_deploy_build_never_ships_the_stand_in(tmp_path):
         stage_agent_bundle(tmp_path / "bundle", ARCH, _build_dir_without_efs_utils(tmp_path))
 
 
+def test_a_bundle_staged_outside_a_test_build_refuses_the_stand_in(tmp_path, monkeypatch):
+    # Given a build dir whose EFS helper is the stand-in a test build left (make test sets SPOTCR_EFS_UTILS)
+    standin = _fetch_efs_utils(tmp_path, "1.36.0 file:///nonexistent.tar.gz\n", SPOTCR_EFS_UTILS="stand-in")
+    assert standin.returncode == 0, standin.stderr
+    build = _build_dir_without_efs_utils(tmp_path)
+    (build / "amazon-efs-utils").symlink_to(tmp_path / "out" / "amazon-efs-utils")
+    # When a synth stages the agent without that flag (a plain `cdk deploy`), Then it refuses, naming the fix
+    monkeypatch.delenv("SPOTCR_EFS_UTILS", raising=False)
+    with pytest.raises(ArtifactMissing, match=r"stand-in of mount\.efs"):
+        stage_agent_bundle(tmp_path / "deploy", ARCH, build)
+    # And a test build still stages it
+    monkeypatch.setenv("SPOTCR_EFS_UTILS", "stand-in")
+    assert (stage_agent_bundle(tmp_path / "test", ARCH, build) / "amazon-efs-utils" / "SOURCE").is_file()
+
+
 def _build_dir_without_efs_utils(tmp_path: Path) -> Path:
     """The real build dir's other parts, linked, without amazon-efs-utils."""
     build = tmp_path / "build"
