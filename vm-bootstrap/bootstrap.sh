@@ -18,7 +18,7 @@
 #   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
 #   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
 #   __SPOTCR_STORE_CREDENTIALS_URL__  function URL (or, with private subnets, private API) vending the job's own store
-#                                credentials (jobs/<job>/ only)
+#                                credentials (its run of jobs/<job>/ only)
 # The instance role needs s3:GetObject on the asset (and on a job spec), the store's S3 actions, events:PutEvents,
 # what SSM Agent needs for Run Command, and ssm:DescribeInstanceInformation (the readiness check).
 # Sourcing this file (tests) defines its functions and runs nothing.

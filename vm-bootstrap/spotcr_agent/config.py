@@ -56,8 +56,8 @@ class AgentConfig:
     efs_isolation: bool = False  # efs: mount only the job's own access point, with IAM (mount.efs, vended credentials)
     fsx_dns: str = ""  # fsx: file system DNS name
     fsx_mount_name: str = ""  # fsx: Lustre mount name
-    # Where the agent gets S3 credentials for jobs/<job>/ only (signed with the instance role); empty: the AWS
-    # environment's own credentials (an agent run by hand, tests).
+    # Where the agent gets S3 credentials for its run of jobs/<job>/ only (signed with the instance role); empty:
+    # the AWS environment's own credentials (an agent run by hand, tests).
     store_credentials_url: str = ""
     final_dump: str = "stream"  # stream (store reads images as CRIU writes them) | dump-then-ship
     command: tuple[str, ...] = ()

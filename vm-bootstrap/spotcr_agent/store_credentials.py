@@ -1,10 +1,11 @@
-"""The agent's S3 credentials for its own job's prefix, fetched from the store-credentials function URL.
+"""The agent's S3 credentials for its own run's prefix, fetched from the store-credentials function URL.
 
 With private subnets the same function answers behind a private API Gateway API (an `execute-api` address, reached
 through the stack's VPC endpoint). The request is signed (SigV4, service `lambda` for a function URL, `execute-api`
-for the API) with the instance role's own credentials; the answer is a
-session of the store role limited to jobs/<job>/, valid for at most an hour (role chaining). botocore refreshes
-it before it expires (RefreshableCredentials): 15 minutes ahead when it can, 10 minutes ahead at the latest.
+for the API) with the instance role's own credentials; the answer is a session of the store role limited to its run,
+jobs/<job>/runs/<run>/ (and what the run must touch of its job), valid for at most an hour (role chaining).
+botocore refreshes it before it expires (RefreshableCredentials): 15 minutes ahead when it can, 10 minutes ahead
+at the latest.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def fetcher(
                 status, reason = 0, f"{type(error).__name__}: {error}"
             if status == 200:
                 metadata = _metadata(body, job_id)
-                log.info("store credentials for jobs/%s/ until %s", job_id, metadata["expiry_time"])
+                log.info("store credentials for a run of jobs/%s/ until %s", job_id, metadata["expiry_time"])
                 return metadata
             pause = RETRY_S[min(attempt, len(RETRY_S) - 1)]
             if status == ENDED_STATUS or waited + pause > wait_s:
