@@ -40,6 +40,10 @@ ON_DEMAND_VCPU_QUOTA = "L-1216C47A"  # Running On-Demand Standard (A, C, D, H, I
 STANDARD_FAMILIES = frozenset("acdhimrtz")
 DEFAULT_INSTANCE_TYPES = ("m5.large",)  # when the job's types are not given: a common 2-vCPU type
 SSM_ENDPOINTS = ("ssm", "ssmmessages", "ec2messages")
+# The interface endpoints with private DNS the stack makes with private_subnets (infra/network.py VPC_ENDPOINTS).
+PRIVATE_STACK_ENDPOINTS = (*SSM_ENDPOINTS, "events", "execute-api")
+PRIVATE_API = "private_subnets: store credentials come from the stack's private API through its endpoint"
+PRIVATE_ENDPOINTS = "private_subnets: the stack makes the S3 gateway and the SSM endpoints"
 AWS_MANAGED_EBS_KEY = "alias/aws/ebs"
 
 
@@ -52,6 +56,9 @@ class Target:
     instance_types: tuple[str, ...] = DEFAULT_INSTANCE_TYPES
     storage: str = "s3"
     reserved_concurrency: int = RESERVED_CONCURRENCY
+    # The stack's private_subnets setting: it then makes the VPC endpoints below and serves store credentials from a
+    # private API Gateway API instead of the function URL.
+    private_subnets: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ def services(cloud: Cloud, target: Target) -> Check:
 def function_url(cloud: Cloud, target: Target) -> Check:
     if target.storage not in STORE_CREDENTIALS_STORAGES:
         return passed("function-url", f"{target.storage} jobs do not call the store-credentials URL")
+    if target.private_subnets:
+        return passed("function-url", PRIVATE_API)
     if target.region in NO_FUNCTION_URLS:
         return failed(
             "function-url",
@@ -215,6 +224,8 @@ def _own_vpc(name: str, target: Target) -> Check | None:
 def route_s3(cloud: Cloud, target: Target) -> Check:
     if (own := _own_vpc("route-s3", target)) is not None:
         return own
+    if target.private_subnets:
+        return passed("route-s3", PRIVATE_ENDPOINTS)
     missing = []
     for subnet in _subnets(cloud, target):
         gateways = _endpoints(cloud, subnet.vpc_id, target.region, "s3")
@@ -238,6 +249,8 @@ def route_store_credentials(cloud: Cloud, target: Target) -> Check:
         return passed(name, f"{target.storage} jobs do not call the store-credentials URL")
     if (own := _own_vpc(name, target)) is not None:
         return own
+    if target.private_subnets:
+        return passed(name, PRIVATE_API)
     missing = [s for s in _subnets(cloud, target) if _internet(s) is None]
     if missing:
         return failed(
@@ -254,6 +267,8 @@ def route_store_credentials(cloud: Cloud, target: Target) -> Check:
 def route_ssm(cloud: Cloud, target: Target) -> Check:
     if (own := _own_vpc("route-ssm", target)) is not None:
         return own
+    if target.private_subnets:
+        return passed("route-ssm", PRIVATE_ENDPOINTS)
     missing = []
     for subnet in _subnets(cloud, target):
         if _internet(subnet) is not None:
@@ -274,6 +289,28 @@ def route_ssm(cloud: Cloud, target: Target) -> Check:
             + " in the VPC, or a NAT gateway",
         )
     return passed("route-ssm", f"{len(target.subnets)} subnet(s) reach SSM")
+
+
+def private_endpoints(cloud: Cloud, target: Target) -> Check:
+    """A VPC holds one interface endpoint with private DNS per service: the stack's own would collide."""
+    if not target.private_subnets or not target.subnets:
+        return passed("private-endpoints", "the stack makes no endpoint in a VPC of yours")
+    vpcs = sorted({subnet.vpc_id for subnet in _subnets(cloud, target)})
+    taken = [
+        f"{service} in {vpc}"
+        for vpc in vpcs
+        for service in PRIVATE_STACK_ENDPOINTS
+        if any(e.get("PrivateDnsEnabled") for e in _endpoints(cloud, vpc, target.region, service))
+    ]
+    if taken:
+        return failed(
+            "private-endpoints",
+            f"the VPC already has interface endpoints with private DNS for {', '.join(taken)}; with private_subnets "
+            "the stack makes its own, and a VPC takes one with private DNS per service",
+            "deploy private_subnets into a VPC without them, or leave private_subnets off (the existing endpoints "
+            "then serve SSM; store credentials need a route to the internet for the function URL)",
+        )
+    return passed("private-endpoints", f"no endpoint in {', '.join(vpcs)} collides with the stack's")
 
 
 def vcpu_quotas(cloud: Cloud, target: Target) -> Check:
@@ -313,6 +350,7 @@ CHECKS: tuple[Callable[[Cloud, Target], Check], ...] = (
     route_s3,
     route_store_credentials,
     route_ssm,
+    private_endpoints,
     vcpu_quotas,
 )
 
@@ -364,6 +402,11 @@ def register(commands: Any) -> None:
         default=RESERVED_CONCURRENCY,
         help="the stack's interruption_concurrency setting (default %(default)s)",
     )
+    parser.add_argument(
+        "--private-subnets",
+        action="store_true",
+        help="you will deploy with -c private_subnets=true (the stack makes the VPC endpoints and a private API)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=cmd_preflight)
 
@@ -381,6 +424,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         instance_types=_items(args.instance_types) or DEFAULT_INSTANCE_TYPES,
         storage=args.storage,
         reserved_concurrency=args.reserved_concurrency,
+        private_subnets=args.private_subnets,
     )
     results = run_checks(args.cloud, target)
     if args.json:

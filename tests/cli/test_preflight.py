@@ -142,6 +142,22 @@ def test_a_private_subnet_fails_the_function_url_route_for_s3_jobs_and_names_the
     assert "-c private_subnets=true" in failed["route-store-credentials"].fix
 
 
+def test_with_private_subnets_the_stack_serves_what_a_private_subnet_lacks_unless_its_endpoints_collide(world):
+    # Given the private subnet, whose VPC already has the SSM endpoints with private DNS
+    # When the deploy will use private_subnets, Then the function URL and the routes are the stack's to provide,
+    # but its own SSM endpoints would collide with those: named, with the fix
+    failed = failures(subnets=(world["private"],), storage="s3", private_subnets=True)
+    assert set(failed) == {"private-endpoints"}
+    assert all(f"{service} in vpc-" in failed["private-endpoints"].found for service in preflight.SSM_ENDPOINTS)
+    # And once the VPC has none of them, every check passes
+    ec2 = world["ec2"]
+    ec2.delete_vpc_endpoints(VpcEndpointIds=[e["VpcEndpointId"] for e in ec2.describe_vpc_endpoints()["VpcEndpoints"]])
+    assert failures(subnets=(world["private"],), storage="s3", private_subnets=True) == {}
+    out = io.StringIO()
+    argv = ["--region", REGION, "preflight", "--subnets", world["private"], "--private-subnets"]
+    assert spotcr(argv, out=out) == 0, out.getvalue()
+
+
 def test_a_subnet_without_ssm_endpoints_or_internet_fails_naming_the_missing_endpoints(world):
     ec2 = world["ec2"]
     ssm = ec2.describe_vpc_endpoints(Filters=[{"Name": "service-name", "Values": [f"com.amazonaws.{REGION}.ssm"]}])
