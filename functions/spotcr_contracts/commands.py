@@ -7,11 +7,9 @@ infra/ builds the documents from here, functions/ sends them, the rehearsal runs
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from spotcr_contracts.tags import JOB_ID_PATTERN, RUN_ID_PATTERN
 
@@ -189,24 +187,6 @@ COMMAND_FAILED = (
     "DeliveryTimedOut",
     "ExecutionTimedOut",
 )
-
-
-def command_result(stdout: str) -> dict[str, Any] | None:
-    """The agent's result: the last JSON object line a command printed (every agent command prints exactly one,
-    its logs go to stderr). None when there is none.
-
-    A restore prints {"ok", "job_id", "run_id", "generation", "attempt"} and, when ok, the restore's outcome
-    (checkpoint_id, seconds, pid, skipped), else "error". Read from GetCommandInvocation, this line is what that
-    instance's SSM Agent reported: no other VM can write it."""
-    for raw in reversed(stdout.strip().splitlines()):
-        line = raw.strip()
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                return None
-            return value if isinstance(value, dict) else None
-    return None
 
 
 # Sent by the user's `spotcr probe`, never by a function: its document is a construct of its own (infra/probe.py),

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from spotcr_contracts.fields import from_fields
+
 SOURCE = "spotcr.agent"
 VERSION = 1
 
@@ -165,10 +167,6 @@ EVENT_TYPES: dict[str, type[AgentEvent]] = {
 }
 
 
-# Field annotations are strings here (postponed evaluation); these are the ones events use.
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str, "bool": bool}
-
-
 def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
     """Build the typed event from an EventBridge detail-type and detail."""
     cls = EVENT_TYPES.get(detail_type)
@@ -177,15 +175,4 @@ def parse_detail(detail_type: str, detail: Mapping[str, Any]) -> AgentEvent:
     version = detail.get("version")
     if version != VERSION:
         raise InvalidEvent(f"{detail_type}: version {version!r} is not {VERSION}")
-    values: dict[str, Any] = {}
-    for spec in dataclasses.fields(cls):
-        if spec.name not in detail:
-            if spec.default is dataclasses.MISSING:
-                raise InvalidEvent(f"{detail_type}: missing field {spec.name!r}")
-            continue
-        value = detail[spec.name]
-        wanted = _FIELD_TYPES[str(spec.type)]
-        if (isinstance(value, bool) and wanted is not bool) or not isinstance(value, wanted):
-            raise InvalidEvent(f"{detail_type}: field {spec.name!r} has type {type(value).__name__}")
-        values[spec.name] = float(value) if isinstance(value, int) and str(spec.type) == "float" else value
-    return cls(**values)
+    return from_fields(cls, detail, detail_type, InvalidEvent)

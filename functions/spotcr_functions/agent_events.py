@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aws_lambda_powertools import Logger
-from spotcr_contracts import commands, events, tags
+from spotcr_contracts import commands, events, results, tags
 from spotcr_contracts.commands import checkpoint_order
 
 from spotcr_functions import efs_access, jobs, rendezvous
@@ -16,6 +17,7 @@ from spotcr_functions.observability import SERVICE, Metric
 from spotcr_functions.registry import WAIT_KEYS
 
 logger = Logger(service=SERVICE, child=True)
+T = TypeVar("T")
 
 # Metrics the dashboard shows (infra/monitoring.py names the same).
 
@@ -470,3 +472,13 @@ _HANDLERS: dict[type[events.AgentEvent], Any] = {
     events.RestoreFailed: _restore_failed,
     events.JobExited: _job_exited,
 }
+
+
+def command_result(invocation: dict[str, Any], parse: Callable[[str], T]) -> T | None:
+    """The agent's result line in what SSM reports of a command (GetCommandInvocation), or None (logged) when it
+    printed none of that type."""
+    try:
+        return parse(str(invocation.get("StandardOutputContent") or ""))
+    except results.InvalidResult as error:
+        logger.info("the command's result is not the agent's", problem=str(error), status=invocation.get("Status"))
+        return None

@@ -19,12 +19,11 @@ When SSM's answer cannot come:
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
-from spotcr_contracts import commands, events
+from spotcr_contracts import commands, events, results
 
 from spotcr_functions import agent_events, exits, jobs
 from spotcr_functions.deps import Deps
@@ -158,41 +157,33 @@ def reported_dump(
     status = str(invocation.get("Status") or "")
     if not status or status in commands.COMMAND_RUNNING:
         return None
-    answer = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
-    generation, kind = answer.get("generation"), answer.get("kind")
-    named = (
-        answer.get("job_id") == record.job_id
-        and (answer.get("run_id") or "") == record.run_id
-        and kind in ("periodic", "final")
-    )
-    if not named or not isinstance(generation, int):
+    answer = agent_events.command_result(invocation, results.parse_checkpoint)
+    if not isinstance(answer, results.CheckpointResult) or (answer.job_id, answer.run_id) != (
+        record.job_id,
+        record.run_id,
+    ):
         return _unanswered_final(record, command_id, instance_id, invocation, read_at)
-    at = (record.job_id, instance_id, generation, read_at)
-    checkpoint_id = str(answer.get("checkpoint_id") or "")
-    if status == commands.COMMAND_SUCCEEDED and answer.get("ok") is True:
-        if not re.fullmatch(commands.CHECKPOINT_ID_PATTERN, checkpoint_id):
-            return None
+    at = (record.job_id, instance_id, answer.generation, read_at)
+    if status == commands.COMMAND_SUCCEEDED and answer.ok:
         return events.CheckpointCompleted(
             *at,
             run_id=record.run_id,
-            checkpoint_id=checkpoint_id,
-            kind=str(kind),
-            seconds=_number(answer.get("seconds")),
-            frozen_seconds=_number(answer.get("frozen_seconds")),
-            bytes_total=int(_number(answer.get("bytes_total"))),
-            bytes_uploaded=int(_number(answer.get("bytes_uploaded"))),
-            memory_tracking=str(answer.get("memory_tracking") or "")[:1000],
-            predicted_final_seconds=_number(answer.get("predicted_final_seconds")),
-            next_interval_s=int(_number(answer.get("next_interval_s"))),
-            deadline_risk=str(answer.get("deadline_risk") or "")[:1000],
+            checkpoint_id=answer.checkpoint_id,
+            kind=answer.kind,
+            seconds=answer.seconds,
+            frozen_seconds=answer.frozen_seconds,
+            bytes_total=answer.bytes_total,
+            bytes_uploaded=answer.bytes_uploaded,
+            memory_tracking=answer.memory_tracking[:1000],
+            predicted_final_seconds=answer.predicted_final_seconds,
+            next_interval_s=answer.next_interval_s,
+            deadline_risk=answer.deadline_risk[:1000],
         )
-    exit_code = answer.get("exit_code")
-    if isinstance(exit_code, int) and exit_code != events.UNKNOWN_EXIT_CODE:
+    if answer.exit_code is not None and answer.exit_code != events.UNKNOWN_EXIT_CODE:
         return None  # the job ended there: the agent's JobExited asks the status command, whose result ends it
-    reason = str(answer.get("error") or f"the checkpoint command ended {status} on {instance_id}")[:1000]
-    return events.CheckpointFailed(
-        *at, run_id=record.run_id, kind=str(kind), reason=reason, job_stopped=answer.get("job_stopped") is True
-    )
+    reason = (answer.error or f"the checkpoint command ended {status} on {instance_id}")[:1000]
+    stopped = answer.job_stopped
+    return events.CheckpointFailed(*at, run_id=record.run_id, kind=answer.kind, reason=reason, job_stopped=stopped)
 
 
 def _unanswered_final(
@@ -214,7 +205,3 @@ def _unanswered_final(
     return events.CheckpointFailed(
         record.job_id, instance_id, generation, read_at, run_id=record.run_id, kind="final", reason=reason
     )
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0

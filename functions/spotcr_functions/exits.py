@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from aws_lambda_powertools import Logger
-from spotcr_contracts import commands, events
+from spotcr_contracts import commands, events, results
 
 from spotcr_functions import agent_events, jobs
 from spotcr_functions.deps import Deps
@@ -54,29 +54,24 @@ def reported_exit(
     job still runs, another job or run, or its result is still being committed: asked again later)."""
     if invocation.get("Status") != commands.COMMAND_SUCCEEDED:
         return None
-    answer = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
-    code, generation = answer.get("exit_code"), answer.get("generation")
-    settled = bool(answer.get("result") or answer.get("result_error"))
+    answer = agent_events.command_result(invocation, results.parse_status)
     if (
-        answer.get("ok") is not True
-        or answer.get("job_id") != record.job_id
-        or (answer.get("run_id") or "") != record.run_id
-        or answer.get("job_status") != "exited"
-        or not isinstance(code, int)
-        or not isinstance(generation, int)
-        or not settled
+        not isinstance(answer, results.StatusResult)
+        or (answer.job_id, answer.run_id) != (record.job_id, record.run_id)
+        or answer.exit_code is None
+        or not answer.settled_exit()
     ):
         return None
     return events.JobExited(
         job_id=record.job_id,
         run_id=record.run_id,
         instance_id=instance_id,
-        generation=generation,
+        generation=answer.generation,
         at=read_at,
-        exit_code=code,
-        result=str(answer.get("result") or ""),
-        result_error=str(answer.get("result_error") or ""),
-        result_missing=str(answer.get("result_missing") or ""),
+        exit_code=answer.exit_code,
+        result=answer.result,
+        result_error=answer.result_error,
+        result_missing=answer.result_missing,
     )
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
-from spotcr_contracts import commands, tags
+from spotcr_contracts import commands, results, tags
 
-from spotcr_functions import checkpoints, efs_access, jobs, rendezvous
+from spotcr_functions import agent_events, checkpoints, efs_access, jobs, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
@@ -471,14 +471,20 @@ def _attempt_of(record: JobRecord, command_id: str, instance_id: str, invocation
         if isinstance(ordered, dict) and ordered.get("command_id") == command_id:
             same = ordered.get("instance_id") == instance_id and ordered.get("generation") == record.generation
             return attempt if same else None
-    result = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
-    named = (result.get("run_id") or "", result.get("generation"), result.get("job_id"))
-    if (
-        named == (record.run_id, record.generation, record.job_id)
-        and result.get("attempt") in commands.RESTORE_ATTEMPTS
-    ):
-        return str(result["attempt"])
+    result = agent_events.command_result(invocation, results.parse_restore)
+    if isinstance(result, results.RestoreResult) and result.attempt and _answers(result, record, result.attempt):
+        return result.attempt
     return None
+
+
+def _answers(result: results.RestoreResult, record: JobRecord, attempt: str) -> bool:
+    """Whether the restore's result names this job's run, generation and that attempt."""
+    return (result.job_id, result.run_id, result.generation, result.attempt) == (
+        record.job_id,
+        record.run_id,
+        record.generation,
+        attempt,
+    )
 
 
 def _take_restore_result(deps: Deps, record: JobRecord, attempt: str, invocation: dict[str, Any]) -> str:
@@ -487,23 +493,22 @@ def _take_restore_result(deps: Deps, record: JobRecord, attempt: str, invocation
     if status in commands.COMMAND_RUNNING:
         return "running"
     key = restore_key(attempt)
-    result = commands.command_result(str(invocation.get("StandardOutputContent") or "")) or {}
-    named = (result.get("job_id"), result.get("run_id") or "", result.get("generation"), result.get("attempt") or "")
-    mine = named == (record.job_id, record.run_id, record.generation, attempt)
-    if status == commands.COMMAND_SUCCEEDED and result.get("ok") is True and mine:
+    result = agent_events.command_result(invocation, results.parse_restore)
+    mine = isinstance(result, results.RestoreResult) and _answers(result, record, attempt)
+    if status == commands.COMMAND_SUCCEEDED and isinstance(result, results.RestoreResult) and result.ok and mine:
         output = {
-            "checkpoint_id": str(result.get("checkpoint_id") or ""),
+            "checkpoint_id": result.checkpoint_id,
             "instance_id": record.backup_instance_id,
-            "pid": int(result.get("pid") or 0),
-            "skipped": str(result.get("skipped") or ""),
+            "pid": result.pid,
+            "skipped": result.skipped,
         }
-        deps.metric(Metric.RESTORE_SECONDS, "Seconds", float(result.get("seconds") or 0.0))
+        deps.metric(Metric.RESTORE_SECONDS, "Seconds", result.seconds)
         rendezvous.arrive(deps, record.job_id, key, record.generation, output)
         return "restored"
     if status == commands.COMMAND_SUCCEEDED:
         cause = "the restore command succeeded but printed no result for this job's run, generation and attempt"
-    elif result.get("error"):
-        cause = str(result["error"])[:1000]
+    elif result is not None and result.error:
+        cause = result.error[:1000]
     else:
         stderr = str(invocation.get("StandardErrorContent") or "").strip()
         cause = f"the restore command ended {status} on {record.backup_instance_id}" + (

@@ -129,35 +129,3 @@ def test_config_round_trips_and_refuses_unknown_fields(tmp_path):
         AgentConfig.from_json({**config.to_json(), "colour": "red"})
     with pytest.raises(ConfigError, match="generation: must be int"):
         AgentConfig.from_json({**config.to_json(), "generation": "1"})
-
-
-@pytest.mark.parametrize("fails", [False, True])
-def test_restore_prints_the_result_the_control_plane_reads_from_ssm(configured, capsys, monkeypatch, fails):
-    # Given a restore that succeeds or fails on this VM
-    from spotcr_agent.agent import Agent
-    from spotcr_agent.restore import RestoreOutcome
-    from spotcr_contracts.commands import command_result
-
-    def restore(self, generation, checkpoint_id=None, attempt="", sequence=None):
-        if fails:
-            raise RuntimeError("checkpoint 1795293235815-g7-final is corrupt")
-        return RestoreOutcome(checkpoint_id=checkpoint_id, generation=generation, seconds=1.5, pid=4242)
-
-    monkeypatch.setattr(Agent, "restore", restore)
-    config, environ = configured
-    run_id = config.run_id
-    argv = ["restore", "--job", "job-1", "--generation", "7", "--checkpoint", "1795293235815-g7-final"]
-
-    # When SSM runs the restore command
-    code, line = run([*argv, "--run", run_id, "--attempt", "previous"], environ, capsys)
-
-    # Then it exits 0 only when restored, and its one line names the job, run, generation and attempt it answers
-    # (SSM's GetCommandInvocation reports this line; spotcr_contracts.commands.command_result reads it)
-    assert code == (1 if fails else 0)
-    assert command_result(json.dumps(line) + "\n") == line
-    named = (line["job_id"], line["run_id"], line["generation"], line["attempt"])
-    assert named == ("job-1", run_id, 7, "previous")
-    if fails:
-        assert line["ok"] is False and "is corrupt" in line["error"]
-    else:
-        assert line["ok"] is True and (line["checkpoint_id"], line["pid"]) == ("1795293235815-g7-final", 4242)

@@ -96,7 +96,7 @@ def test_a_failed_final_dump_stops_the_whole_job_and_says_so(tmp_path, publisher
         assert _alive(tree) == []
         [failed] = publisher.of("CheckpointFailed")
         assert (failed.kind, failed.generation, failed.job_stopped) == ("final", 2, True)
-        assert agent.status()["job_status"] == "stopped"
+        assert agent.status().job_status == "stopped"
     finally:
         for pid in _alive(tree):
             subprocess.run(["kill", "-9", str(pid)], check=False)
@@ -120,7 +120,7 @@ def test_a_job_stopped_after_a_failed_final_dump_never_runs_again_on_that_vm(tmp
 
     # Then it never ran again, its end is not reported as an exit (it continues on the backup), and each failed
     # final dump says the job is stopped
-    assert agent.status()["job_status"] == "stopped" and not agent.status()["job_alive"]
+    assert agent.status().job_status == "stopped" and not agent.status().job_alive
     assert publisher.of("JobStarted")[1:] == [] and publisher.of("JobExited") == []
     assert [e.job_stopped for e in publisher.of("CheckpointFailed") if e.kind == "final"] == [True, True]
 
@@ -140,7 +140,7 @@ def test_a_job_that_exited_just_before_its_failed_final_dump_keeps_its_exit(tmp_
 
     # Then its end is reported as it is, not as a stop
     assert [e.exit_code for e in publisher.of("JobExited")] == [3]
-    assert agent.status()["job_status"] == "exited"
+    assert agent.status().job_status == "exited"
 
 
 def _stopped() -> threading.Event:

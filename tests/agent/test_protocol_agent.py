@@ -75,7 +75,7 @@ def test_a_missing_program_ends_the_job_with_the_reason_and_the_daemon_lives(tmp
     # Then the daemon does not crash; the control plane is told why (it marks the PENDING job FAILED)
     [failed] = publisher.of("BootstrapFailed")
     assert failed.step == "start-job" and "/opt/nowhere/run-sim" in failed.reason
-    assert agent.status()["job_status"] == "exited"
+    assert agent.status().job_status == "exited"
     # And a later dump order reports the end again instead of a failed dump
     with pytest.raises(CheckpointError):
         agent.checkpoint("periodic", 1)
@@ -248,7 +248,7 @@ def test_restarting_from_scratch_can_be_turned_off(tmp_path, publisher):
         agent.restore(1)
     [failed] = publisher.of("RestoreFailed")
     assert "no committed checkpoint" in failed.reason
-    assert agent.status()["job_status"] == "none"
+    assert agent.status().job_status == "none"
 
 
 def test_a_store_outage_is_not_taken_for_no_checkpoint(tmp_path, publisher):

@@ -87,7 +87,7 @@ def test_a_job_that_ends_without_its_declared_result_is_reported_and_nothing_is_
         result.read_manifest(DirectoryBackend(tmp_path / "store"), "job-1", exited.run_id)
     # And the status the control plane ends the job from says the same
     status = agent.status()
-    assert (status["result"], status["result_missing"]) == ("", "model.bin")
+    assert (status.result, status.result_missing) == ("", "model.bin")
 
 
 def test_a_job_that_leaves_its_declared_result_is_stored(tmp_path, publisher):

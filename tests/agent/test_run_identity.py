@@ -49,7 +49,7 @@ def test_a_refused_instance_never_starts_the_job(tmp_path, publisher):
     daemon.run(agent, _tags(refused), _stopped(), 0.05)
 
     # Then the job never started here, and the agent said only that it is up (with no run)
-    assert agent.status()["job_status"] == "none"
+    assert agent.status().job_status == "none"
     assert [e.DETAIL_TYPE for e in publisher.events] == ["AgentReady", "AgentReady"]
     assert {e.run_id for e in publisher.events} == {""}
 
@@ -62,7 +62,7 @@ def test_the_registered_instance_starts_the_job_with_its_run_and_refuses_another
         # Then the job started, and every event carries the run
         [started] = publisher.of("JobStarted")
         assert started.run_id == NEW_RUN
-        assert (agent.status()["job_status"], agent.status()["run_id"]) == ("running", NEW_RUN)
+        assert (agent.status().job_status, agent.status().run_id) == ("running", NEW_RUN)
         # And a command for another run of the same name is refused before it touches the job
         with pytest.raises(WrongJob, match=f"not run {OLD_RUN}"):
             agent.check_job("job-1", OLD_RUN)

@@ -128,7 +128,7 @@ def main(op, *args):
             time.sleep(0.05)
         return {"exit_code": None}
     if op == "status":
-        return agent.status()
+        return json.loads(agent.status().to_line())
     if op == "checkpoint-ids":
         return {"ids": agent.store().checkpoint_ids()}
     if op == "two-triggers":

@@ -31,7 +31,7 @@ from moto.events.models import EventPattern
 from moto.ssm.models import Command as MotoCommand
 from moto.ssm.models import ssm_backends
 from moto.stepfunctions.responses import StepFunctionResponse
-from spotcr_contracts import commands, events
+from spotcr_contracts import commands, events, results
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
@@ -214,14 +214,14 @@ def command_ended(instance_id: str, command_id: str, document_name: str, status:
     return event
 
 
-def _answer(invocation: dict[str, Any], status: str, code: int, line: Mapping[str, Any]) -> None:
+def _answer(invocation: dict[str, Any], status: str, code: int, line: str) -> None:
     """The agent's command ends on its instance: SSM's status, its exit code, and its one result line on stdout."""
     invocation.update(
         {
             "Status": status,
             "StatusDetails": status,
             "ResponseCode": code,
-            "StandardOutputContent": json.dumps(line) + "\n",
+            "StandardOutputContent": line + "\n",
             "StandardErrorContent": "",
         }
     )
@@ -236,18 +236,21 @@ def end_restore_command(answer: events.RestoreCompleted | events.RestoreFailed) 
     sent = [c for c in restores if answer.instance_id in c.instance_ids]
     command = sent[-1]
     parameters = {k: v[0] for k, v in command.parameters.items()}
-    line: dict[str, Any] = {
-        "job_id": parameters["JobId"],
-        "run_id": answer.run_id or parameters.get("RunId", ""),
-        "generation": answer.generation,
-        "attempt": answer.attempt or parameters.get("Attempt", ""),
-    }
+    result = results.RestoreResult(
+        ok=isinstance(answer, events.RestoreCompleted),
+        job_id=parameters["JobId"],
+        run_id=answer.run_id or parameters.get("RunId", ""),
+        generation=answer.generation,
+        attempt=answer.attempt or parameters.get("Attempt", ""),
+    )
     if isinstance(answer, events.RestoreCompleted):
-        line = {"ok": True, **line, "checkpoint_id": answer.checkpoint_id, "seconds": answer.seconds, "pid": answer.pid}
-        line["skipped"] = answer.skipped
+        restored = dataclasses.replace(
+            result, checkpoint_id=answer.checkpoint_id, seconds=answer.seconds, pid=answer.pid, skipped=answer.skipped
+        )
+        line = restored.to_line()
         status, code = "Success", 0
     else:
-        line = {"ok": False, **line, "error": f"{answer.checkpoint_id or 'newest'}: {answer.reason}"}
+        line = dataclasses.replace(result, error=f"{answer.checkpoint_id or 'newest'}: {answer.reason}").to_line()
         status, code = "Failed", 1
     for invocation in command.invocations:
         if invocation["InstanceId"] == answer.instance_id:
@@ -275,12 +278,13 @@ def end_checkpoint_command(
     of_kind = [(c, i) for c, i in pending if c.parameters.get("Kind", [""])[0] == report.kind]
     command, invocation = (of_kind or pending)[-1]
     parameters = {k: v[0] for k, v in command.parameters.items()}
-    line: dict[str, Any] = {  # the order it answers, as the real agent names it (a dump's own generation aside)
-        "job_id": parameters["JobId"],
-        "run_id": report.run_id or parameters.get("RunId", ""),
-        "generation": int(parameters["Generation"]),
-        "kind": report.kind,
-    }
+    result = results.CheckpointResult(  # the order it answers, as the real agent names it
+        ok=isinstance(report, events.CheckpointCompleted),
+        job_id=parameters["JobId"],
+        run_id=report.run_id or parameters.get("RunId", ""),
+        generation=int(parameters["Generation"]),
+        kind=report.kind,
+    )
     if isinstance(report, events.CheckpointCompleted):
         figures = {
             name: getattr(report, name)
@@ -296,10 +300,10 @@ def end_checkpoint_command(
                 "deadline_risk",
             )
         }
-        line = {"ok": True, **figures, **line}
+        line = dataclasses.replace(result, **figures, dump_generation=report.generation).to_line()
         status, code = "Success", 0
     else:
-        line = {"ok": False, **line, "error": report.reason, "job_stopped": report.job_stopped}
+        line = dataclasses.replace(result, error=report.reason, job_stopped=report.job_stopped).to_line()
         status, code = "Failed", 1
     _answer(invocation, status, code, line)
     return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
@@ -343,19 +347,23 @@ def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, An
     statuses = [c for c in backend._commands if str(c.document_name).endswith("-status")]
     # The real agent reports its exit only once the result is stored or given up (Agent.watch_job): one is always set.
     result_error = exited.result_error or ("" if exited.result else "the test stored no result")
-    line = {
-        "ok": True,
-        "job_id": exited.job_id,
-        "run_id": exited.run_id,
-        "instance_id": exited.instance_id,
-        "generation": exited.generation,
-        "job_status": "exited",
-        "job_alive": False,
-        "exit_code": exited.exit_code,
-        "result": exited.result,
-        "result_error": result_error,
-        "result_missing": exited.result_missing,
-    }
+    line = results.StatusResult(
+        job_id=exited.job_id,
+        run_id=exited.run_id,
+        instance_id=exited.instance_id,
+        storage="efs",
+        mode="run",
+        generation=exited.generation,
+        job_status="exited",
+        job_pid=0,
+        job_alive=False,
+        exit_code=exited.exit_code,
+        result=exited.result,
+        result_error=result_error,
+        result_missing=exited.result_missing,
+        last_checkpoint=None,
+        final_dumps={},
+    ).to_line()
     ended = []
     for command in statuses:
         for invocation in command.invocations:

@@ -11,14 +11,13 @@ aws.ssm, which no VM can put) arrives, or when the wait times out (recovery.chec
 from __future__ import annotations
 
 import dataclasses
-import json
 from datetime import UTC, datetime
 from typing import Any
 
 import boto3
 import pytest
 from moto.ssm.models import ssm_backends
-from spotcr_contracts import events
+from spotcr_contracts import events, results
 from spotcr_functions import catalog, recovery
 from spotcr_functions.config import OPTIONAL_ENV
 from spotcr_functions.models import Status
@@ -251,14 +250,14 @@ def test_the_rehearsals_status_change_event_is_shaped_as_awss_sample() -> None:
 # (exits.on_status_command); the agent's JobExited only asks (agent_events._job_exited).
 
 
-def _answer_status(instance_id: str, line: dict[str, Any]) -> list[dict[str, Any]]:
+def _answer_status(instance_id: str, line: str) -> list[dict[str, Any]]:
     """That instance's agent answers the status commands sent to it with this line; SSM's events, not delivered."""
     backend = ssm_backends[ACCOUNT][REGION]
     ended = []
     for command in [c for c in backend._commands if str(c.document_name).endswith("-status")]:
         for invocation in command.invocations:
             if invocation["InstanceId"] == instance_id and not invocation.get("StandardOutputContent"):
-                invocation.update({"Status": "Success", "ResponseCode": 0, "StandardOutputContent": json.dumps(line)})
+                invocation.update({"Status": "Success", "ResponseCode": 0, "StandardOutputContent": line})
                 ended.append(command_ended(instance_id, command.command_id, str(command.document_name), "Success"))
     return ended
 
@@ -274,8 +273,10 @@ def test_a_forged_job_exited_moves_nothing(plane: ControlPlane) -> None:
         forged = events.JobExited("victim-1", claimed, 0, now_iso(), run_id=run_id, exit_code=0, result="s3://b/x")
         route(agent_event(forged))
     # and the job's own instance answers the status command that the claim sent: its job still runs
-    running = {"ok": True, "job_id": "victim-1", "run_id": run_id, "generation": 0, "job_status": "running"}
-    asked = _answer_status(instance_id, {**running, "exit_code": None, "result": "", "result_error": ""})
+    running = results.StatusResult(
+        "victim-1", run_id, instance_id, "efs", "run", 0, "running", 4242, True, None, "", "", "", None, {}
+    ).to_line()
+    asked = _answer_status(instance_id, running)
     assert len(asked) == 1 and not _answer_status(other, running)
     for event in asked:
         route(event)

@@ -27,6 +27,7 @@ from spotcr_contracts.events import (
     RestoreCompleted,
     RestoreFailed,
 )
+from spotcr_contracts.results import StatusResult
 
 from . import agentlog, aliases, deadline, result, storage
 from .carry import Layout
@@ -375,33 +376,30 @@ class Agent:
                 raise RuntimeError("the job still runs here: take a final dump before releasing its storage")
             return storage.release(self.config)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusResult:
         with self.state.locked() as state:
             alive = state.job_status == "running" and job_alive(state.job_pid, state.job_start_time)
-            status = {
-                "job_id": self.config.job_id,
-                "run_id": state.run_id or self.config.run_id,
-                "instance_id": self.config.instance_id,
-                "storage": self.config.storage,
-                "mode": self.config.mode,
-                "generation": max(state.generation, self.config.generation),
-                "job_status": state.job_status,
-                "job_pid": state.job_pid,
-                "job_alive": alive,
-                "exit_code": state.exit_code,
-                # Where the exit's result was committed, or why it could not be: the control plane ends the job
-                # from this answer (read from SSM), never from JobExited alone.
-                "result": state.result,
-                "result_error": state.result_error,
-                "result_missing": state.result_missing,
-                "last_checkpoint": state.last_checkpoint,
-                "final_dumps": {k: v.status for k, v in state.final_dumps.items()},
-            }
+            status = StatusResult(
+                job_id=self.config.job_id,
+                run_id=state.run_id or self.config.run_id,
+                instance_id=self.config.instance_id,
+                storage=self.config.storage,
+                mode=self.config.mode,
+                generation=max(state.generation, self.config.generation),
+                job_status=state.job_status,
+                job_pid=state.job_pid,
+                job_alive=alive,
+                exit_code=state.exit_code,
+                result=state.result,
+                result_error=state.result_error,
+                result_missing=state.result_missing,
+                last_checkpoint=state.last_checkpoint,
+                final_dumps={k: v.status for k, v in state.final_dumps.items()},
+            )
         try:
-            status["criu_logs"] = kept_criu_logs(self.store())
+            return dataclasses.replace(status, criu_logs=kept_criu_logs(self.store()))
         except Exception as error:
-            status["criu_logs_error"] = f"the job's storage cannot be read: {error}"
-        return status
+            return dataclasses.replace(status, criu_logs_error=f"the job's storage cannot be read: {error}")
 
     def start_job(self, run_id: str = "") -> int | None:
         """Start the job unless this VM already started it (a job never runs twice); returns its PID.

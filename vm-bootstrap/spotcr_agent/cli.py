@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, RESTORE_ATTEMPTS
+from spotcr_contracts.results import CheckpointResult, CommandFailed, RestoreResult, StatusResult
 from spotcr_contracts.tags import RUN_ID_PATTERN, InvalidJobTags
 
 from . import agentlog
@@ -139,7 +140,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _print(result: Mapping[str, Any]) -> None:
-    sys.stdout.write(json.dumps(result, separators=(",", ":"), default=str) + "\n")
+    _write(json.dumps(result, separators=(",", ":"), default=str))
+
+
+def _say(result: CheckpointResult | RestoreResult | StatusResult | CommandFailed) -> None:
+    """Print a command's one result line (spotcr_contracts.results), which the control plane reads from SSM."""
+    _write(result.to_line())
+
+
+def _write(line: str) -> None:
+    sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
 
@@ -165,13 +175,13 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
         )
         return _run(agent, args)
     except StaleGeneration as error:
-        _print({"ok": False, "error": str(error), "stale": True})
+        _say(CommandFailed(str(error), stale=True))
         return STALE
     except (UsageError, agent_config.ConfigError, WrongJob, InvalidJobSpec, InvalidJobTags, ProbeError) as error:
-        _print({"ok": False, "error": str(error)})
+        _say(CommandFailed(str(error)))
         return BAD_INPUT
     except Exception as error:
-        _print({"ok": False, "error": str(error)})
+        _say(CommandFailed(str(error)))
         return FAILED
 
 
@@ -192,7 +202,7 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
     if args.command == "release":
         _print({"ok": True, "released": agent.release(args.generation)})
     else:
-        _print({"ok": True, **agent.status()})
+        _say(agent.status())
     return OK
 
 
@@ -200,37 +210,62 @@ def _checkpoint(agent: Agent, args: argparse.Namespace) -> int:
     """One result line (what the control plane reads from SSM's GetCommandInvocation: the only source it takes a
     committed checkpoint from) naming the job, run, generation and kind of the order it answers. Exit 0 only when
     committed. A failure says whether the job is stopped for good on this VM (a failed final dump) or has ended."""
-    answers = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "kind": args.kind}
+    order = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "kind": args.kind}
     try:
         outcome = agent.checkpoint(args.kind, args.generation, args.sequence)
     except Exception as error:
         state = agent.state.read()
-        failure = {**answers, "error": str(error)[:4000], "job_stopped": state.job_status == "stopped"}
-        if state.job_status == "exited":
-            failure["exit_code"] = state.exit_code
-        if isinstance(error, StaleGeneration):
-            _print({"ok": False, **failure, "stale": True})
-            return STALE
-        _print({"ok": False, **failure})
-        return FAILED
-    # The dump's own generation (a final dump taken on this VM's own notice may be reported to a later order).
-    _print({"ok": True, **outcome.to_json(), **answers, "dump_generation": outcome.generation})
+        stale = isinstance(error, StaleGeneration)
+        failed = CheckpointResult(
+            ok=False,
+            **order,
+            error=str(error)[:4000],
+            job_stopped=state.job_status == "stopped",
+            exit_code=state.exit_code if state.job_status == "exited" else None,
+            stale=stale,
+        )
+        _say(failed)
+        return STALE if stale else FAILED
+    committed = CheckpointResult(
+        ok=True,
+        **order,
+        checkpoint_id=outcome.checkpoint_id,
+        dump_generation=outcome.generation,
+        already_taken=outcome.already_taken,
+        seconds=outcome.seconds,
+        frozen_seconds=outcome.frozen_seconds,
+        bytes_total=outcome.bytes_total,
+        bytes_uploaded=outcome.bytes_uploaded,
+        gpu_memory_bytes=outcome.gpu_memory_bytes,
+        memory_tracking=outcome.memory_tracking,
+        scratch=outcome.scratch,
+        predicted_final_seconds=outcome.predicted_final_seconds,
+        next_interval_s=outcome.next_interval_s,
+        deadline_risk=outcome.deadline_risk,
+    )
+    _say(committed)
     return OK
 
 
 def _restore(agent: Agent, args: argparse.Namespace) -> int:
     """Blocks until the restore is done or failed; its one result line (what the control plane reads from SSM's
     GetCommandInvocation) names the job, run, generation and attempt it answers. Exit 0 only when restored."""
-    answers = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "attempt": args.attempt}
+    order = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "attempt": args.attempt}
     try:
         outcome = agent.restore(args.generation, args.checkpoint, args.attempt, args.sequence)
-    except StaleGeneration as error:
-        _print({"ok": False, **answers, "error": str(error), "stale": True})
-        return STALE
     except Exception as error:
-        _print({"ok": False, **answers, "error": str(error)})
-        return FAILED
-    _print({"ok": True, **answers, **outcome.to_json()})
+        stale = isinstance(error, StaleGeneration)
+        _say(RestoreResult(ok=False, **order, error=str(error), stale=stale))
+        return STALE if stale else FAILED
+    restored = RestoreResult(
+        ok=True,
+        **order,
+        checkpoint_id=outcome.checkpoint_id,
+        seconds=outcome.seconds,
+        pid=outcome.pid,
+        skipped=outcome.skipped,
+    )
+    _say(restored)
     return OK
 
 

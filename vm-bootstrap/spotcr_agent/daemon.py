@@ -77,12 +77,12 @@ def _check_interruption(agent: Agent, metadata: Metadata) -> bool:
         return False
     log.warning("spot interruption notice: %s; taking the final dump", action.strip())
     status = agent.status()
-    if status["job_status"] == "none" and agent.config.mode == "restore":
+    if status.job_status == "none" and agent.config.mode == "restore":
         # A backup warned while it restores: the final dump is taken as soon as the restored job runs.
         log.info("the job is not restored yet; the final dump waits for it")
         return False
-    if status["job_status"] != "running":
-        log.info("no job runs here (%s); nothing to dump", status["job_status"])
+    if status.job_status != "running":
+        log.info("no job runs here (%s); nothing to dump", status.job_status)
         return True
     try:
         agent.checkpoint("final", agent.served_generation())
