@@ -249,7 +249,12 @@ def result_path_problem(name: str) -> str | None:
 
 def parse_result_files(value: str, tag: str = RESULT) -> tuple[str, ...]:
     """The result files a job declares, comma-separated; each must be a path relative to its work dir."""
-    names = tuple(part.strip() for part in value.split(","))
+    return check_result_files(tuple(part.strip() for part in value.split(",")), tag)
+
+
+def check_result_files(names: tuple[str, ...], tag: str = RESULT) -> tuple[str, ...]:
+    """The result files a job declares (its tag, or its spec's list): at most MAX_RESULT_FILES paths, each relative
+    to its work dir; raises InvalidJobTags naming `tag`."""
     if len(names) > MAX_RESULT_FILES:
         raise InvalidJobTags(tag, f"at most {MAX_RESULT_FILES} files")
     for name in names:

@@ -178,6 +178,7 @@ def test_an_ebs_volume_that_never_appears_is_named(tmp_path):
         ("[1]", "must be a JSON object"),
         ('{"command": ["x"], "result": "model.bin"}', "result: must be a list"),
         ('{"command": ["x"], "result": ["../model.bin"]}', "result: '../model.bin' must be a path relative"),
+        (json.dumps({"command": ["x"], "result": [f"out/{i}.bin" for i in range(17)]}), "result: at most 16 files"),
     ],
 )
 def test_job_specs_are_validated_strictly(spec, message):

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spotcr_contracts.tags import result_path_problem, workdir_problem
+from spotcr_contracts.tags import InvalidJobTags, check_result_files, workdir_problem
 
 CONTROL_DIR = ".spotcr"  # inside the job's work dir, so it travels with every checkpoint
 # Descriptors opened outside the job's mount namespace cannot be dumped with it: reopen stdio inside.
@@ -87,10 +87,10 @@ def parse_job_spec(text: str | bytes) -> JobDefinition:
 def _result_files(value: object) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
         raise InvalidJobSpec("result: must be a list of paths relative to the work dir")
-    for name in value:
-        if problem := result_path_problem(name):
-            raise InvalidJobSpec(f"result: {problem}")
-    return tuple(value)
+    try:
+        return check_result_files(tuple(value), "result")
+    except InvalidJobTags as error:
+        raise InvalidJobSpec(str(error)) from error
 
 
 @dataclass(frozen=True)
