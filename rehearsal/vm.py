@@ -27,7 +27,6 @@ import fcntl
 import ipaddress
 import itertools
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -36,6 +35,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+
+from spotcr_agent.mounts import unescape
 
 from rehearsal import vm_init
 from rehearsal.imds import Imds
@@ -111,9 +112,7 @@ def _remove_stale_state_mounts() -> None:
         except ValueError:
             continue
         if dead:
-            # /proc/self/mounts writes a space, tab, newline or backslash in a path as a 3-digit octal escape
-            path = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), target)
-            subprocess.run(["umount", "--lazy", path], capture_output=True, check=False)
+            subprocess.run(["umount", "--lazy", unescape(target)], capture_output=True, check=False)
 
 
 class VmNetwork:

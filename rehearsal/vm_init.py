@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from spotcr_agent.mounts import unescape
+
 AGENT = "/opt/spotcr/bin/spotcr-agent"
 DEFAULT_BOOT = [[AGENT, "bootstrap"], [AGENT, "daemon"]]
 # What a fresh instance has empty: nothing there may come from the host or from another VM.
@@ -41,7 +43,7 @@ def drop_host_mounts() -> None:
     with open("/proc/self/mountinfo") as mountinfo:
         for line in mountinfo:
             fields = line.split()
-            point = fields[4].replace("\\040", " ")
+            point = unescape(fields[4])
             source = fields[fields.index("-") + 2]
             other_vm = source.startswith(STATE_SOURCE) and point != STATE and not point.startswith(f"{STATE}/")
             if other_vm or any(point.startswith(f"{top}/") for top in HOST_ONLY):

@@ -37,3 +37,11 @@ def test_a_disk_the_job_mounted_itself_is_not_a_view_of_the_vm_and_proc_is_carri
     proc = next(m for m in nested if m.point == "/proc")
     assert mounts._vm_view(disk, "", vm) is None
     assert proc.fstype in mounts.CARRIED_FSTYPES
+
+
+def test_mount_points_are_read_with_every_octal_escape_the_kernel_writes():
+    # Given a mount point with a space, a tab, a newline and a backslash, as /proc/<pid>/mountinfo writes it
+    line = r"36 35 98:0 / /mnt/a\040b\011c\012d\134e rw,noatime master:1 - ext4 /dev/root rw"
+    # Then every one of them reads back (the rehearsal's VMs read their mount tables with the same function)
+    assert mounts.mount_points(line) == [("/mnt/a b\tc\nd\\e", "ext4")]
+    assert mounts.unescape(r"/srv/not\12an\x escape") == r"/srv/not\12an\x escape"

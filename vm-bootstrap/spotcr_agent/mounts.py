@@ -49,7 +49,7 @@ def mounts(mountinfo: str) -> list[Mount]:
         if " - " not in line or len(fields) < 5:
             continue
         fstype = line.split(" - ", 1)[1].split()[0]
-        found.append(Mount(fields[2], _unescape(fields[3]), _unescape(fields[4]), fstype))
+        found.append(Mount(fields[2], unescape(fields[3]), unescape(fields[4]), fstype))
     return found
 
 
@@ -132,8 +132,9 @@ def vm_path(pid: int) -> Callable[[str], str]:
     return translate
 
 
-def _unescape(field: str) -> str:
-    # mountinfo writes space, tab, newline and backslash in paths as octal escapes.
+def unescape(field: str) -> str:
+    """A path as /proc/<pid>/mountinfo and /proc/<pid>/mounts write it: space, tab, newline and backslash as
+    3-digit octal escapes."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
@@ -145,7 +146,7 @@ def mount_points(mountinfo: str) -> list[tuple[str, str]]:
         if " - " not in line or len(fields) < 5:
             continue
         fstype = line.split(" - ", 1)[1].split()[0]
-        points.append((_unescape(fields[4]), fstype))
+        points.append((unescape(fields[4]), fstype))
     return points
 
 
