@@ -133,6 +133,7 @@ def _ec2_describe(t: GrantTargets) -> list[Grant]:
                     "ec2:DescribeSubnets",
                     "ec2:DescribeVolumes",
                     "ec2:DescribeSnapshots",
+                    "ec2:DescribeImages",  # the recovery's plan checks that the job's image still exists
                 ],
                 resources=["*"],
             ),
@@ -202,13 +203,6 @@ def _ec2_launch(t: GrantTargets) -> list[Grant]:
             ),
             "Tags can only be written while launching (ec2:CreateAction = RunInstances or CreateFleet) on "
             "resources whose ids do not exist before the call.",
-        ),
-        Grant(
-            iam.PolicyStatement(
-                actions=["ec2:DescribeImages"],
-                resources=["*"],
-            ),
-            "DescribeImages supports no resource-level permissions: a backup checks that its job's image exists.",
         ),
         Grant(
             iam.PolicyStatement(

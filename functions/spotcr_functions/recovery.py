@@ -215,6 +215,8 @@ def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         if zone
     ]
     candidates.append({"instance_type": record.instance_type, "subnet_id": home[0], "az": home[1], "spot": False})
+    image = _backup_image(deps, record)  # once per recovery (one DescribeImages): every candidate launches from it
+    candidates = [{**candidate, **image} for candidate in candidates]
     return {"storage": record.storage, "candidates": candidates, "candidate_count": len(candidates)}
 
 
@@ -237,7 +239,9 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
     settings = deps.settings
     # The version is explicit: $Default stays version 1, whose user data may name an agent asset since replaced.
     template = (settings.launch_template_id, settings.launch_template_version)
-    image_id = _backup_image(deps, record)
+    image_id = candidate.get("image_id", record.image_id)  # a plan made before plans named it: the job's own
+    if candidate.get("image_warning"):
+        _warn_image(deps, record, candidate["image_warning"])
     token = client_token(execution_name(record), str(index))
     try:
         if candidate["spot"]:
@@ -299,15 +303,20 @@ def _launch_spot(
     raise CapacityUnavailable(f"{', '.join(codes) or 'no instance'}: {len(overrides)} spot candidates")
 
 
-def _backup_image(deps: Deps, record: JobRecord) -> str:
-    """The AMI the job's instance runs, which its checkpoints need; "" (the template's, resolved at deploy) when
-    none is recorded or it is gone, and then the record and log say why."""
+def _backup_image(deps: Deps, record: JobRecord) -> dict[str, str]:
+    """The AMI the job's instance runs, which its checkpoints need: {"image_id"}, "" (the template's, resolved at
+    deploy) when none is recorded or it is gone, and then {"image_warning"} says why."""
     if not record.image_id or deps.cloud.image_exists(record.image_id):
-        return record.image_id
+        return {"image_id": record.image_id}
     warning = (
         f"image {record.image_id} of the job's instance is gone (deregistered): the backup launches from the "
         "launch template's image, whose agent may refuse a checkpoint taken on another image"
     )
+    return {"image_id": "", "image_warning": warning}
+
+
+def _warn_image(deps: Deps, record: JobRecord, warning: str) -> None:
+    """The record says why its backup launches from the template's image."""
     logger.warning("job's image gone; backup launches from the template's", job_id=record.job_id, warning=warning)
     deps.registry.update(
         record.job_id,
@@ -315,7 +324,6 @@ def _backup_image(deps: Deps, record: JobRecord) -> str:
         condition="#generation = :g",
         condition_values={":g": record.generation},
     )
-    return ""
 
 
 def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # noqa: PLR0911 (one step per state)

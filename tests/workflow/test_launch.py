@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from spotcr_contracts import tags as tag_names
+from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 
@@ -138,3 +139,28 @@ def test_a_backup_whose_jobs_image_is_gone_launches_from_the_templates_and_says_
     # Then the backup launches from the template's image, and the record says why
     assert backup["ImageId"] == newer
     assert f"image {plane.image_id} of the job's instance is gone" in str(plane.job("ami-2").image_warning)
+
+
+def test_the_jobs_image_is_looked_up_once_per_recovery_not_once_per_candidate(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job whose spot candidates all find no capacity, so that its on-demand candidate launches
+    primary = plane.start_job("ami-3")
+    refuse_launches(monkeypatch, lambda _t, _s, m: NO_CAPACITY if m == "spot" else None)
+    looked_up: list[str] = []
+    image_exists = Cloud.image_exists
+
+    def counted(self: Cloud, image_id: str) -> bool:
+        looked_up.append(image_id)
+        return image_exists(self, image_id)
+
+    monkeypatch.setattr(Cloud, "image_exists", counted)
+
+    # When the job is interrupted
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _backup(plane, "ami-3")
+
+    # Then its second candidate launched from the job's image, which was looked up once (one DescribeImages)
+    assert backup.get("InstanceLifecycle", "on-demand") == "on-demand"
+    assert backup["ImageId"] == plane.image_id
+    assert looked_up == [plane.image_id]
