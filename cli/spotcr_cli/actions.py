@@ -13,6 +13,7 @@ from typing import Any
 
 from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
+from spotcr_contracts.layout import is_result_key, job_prefix
 from spotcr_functions.cloud import client_token
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 from spotcr_functions.registry import WAIT_KEYS
@@ -209,10 +210,8 @@ def delete_job_checkpoints(cloud: Cloud, record: JobRecord, say: Say) -> dict[st
     if record.status in ACTIVE or record.status == Status.RECOVERING:
         raise CommandError(f"job {record.job_id} is {record.status}: cancel it before deleting its checkpoints")
     if record.storage == "s3":
-        from spotcr_agent.result import is_result_key
-
         s3, bucket = cloud.client("s3"), cloud.stack.bucket
-        prefix = jobs.jobs_prefix(record.job_id)
+        prefix = job_prefix(record.job_id)
         keys = [o["Key"] for o in jobs._objects(s3, bucket, prefix) if not is_result_key(record.job_id, o["Key"])]
         for start in range(0, len(keys), 1000):
             s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]]})

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, checkpoint_order
+from spotcr_contracts.layout import AGENT_LOGS, CRIU_LOGS, job_prefix, run_prefix
 from spotcr_functions.models import JobRecord
 
 from spotcr_cli.aws import Cloud, CommandError
@@ -18,10 +19,6 @@ _GENERATION = re.compile(r"-g([0-9]+)-")
 _TERMINATED_AT = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) GMT\)")
 RUNNING_STATES = ("pending", "running", "stopping", "stopped")
 PRICE_SOURCE = "EC2 spot price history (DescribeSpotPriceHistory, Linux/UNIX) and the AWS Price List API"
-
-
-def jobs_prefix(job_id: str) -> str:
-    return f"jobs/{job_id}/"
 
 
 def get_record(cloud: Cloud, job_id: str) -> JobRecord:
@@ -93,7 +90,6 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
         return [_from_id(c) for c in ids]
     from spotcr_agent.store.errors import StoreError
     from spotcr_agent.store.manifest import Manifest
-    from spotcr_agent.store.store import run_prefix
 
     s3, bucket, prefix = cloud.client("s3"), cloud.stack.bucket, run_prefix(record.job_id, record.run_id)
     manifests: list[tuple[Manifest, int]] = []
@@ -337,7 +333,7 @@ def criu_logs(cloud: Cloud, record: JobRecord) -> list[dict[str, Any]]:
 
     s3, bucket = cloud.client("s3"), cloud.stack.bucket
     logs = []
-    for obj in _objects(s3, bucket, jobs_prefix(record.job_id) + "criu-logs/"):
+    for obj in _objects(s3, bucket, job_prefix(record.job_id) + f"{CRIU_LOGS}/"):
         text = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read().decode(errors="replace")
         logs.append({"key": obj["Key"], "size_bytes": int(obj["Size"]), "error": explain(text), "text": text})
     return sorted(logs, key=lambda log: log["key"])
@@ -349,7 +345,7 @@ def agent_logs(cloud: Cloud, record: JobRecord) -> list[dict[str, Any]]:
         return []
     s3, bucket = cloud.client("s3"), cloud.stack.bucket
     logs = []
-    for obj in _objects(s3, bucket, jobs_prefix(record.job_id) + "agent-logs/"):
+    for obj in _objects(s3, bucket, job_prefix(record.job_id) + f"{AGENT_LOGS}/"):
         text = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read().decode(errors="replace")
         logs.append({"key": obj["Key"], "size_bytes": int(obj["Size"]), "text": text})
     return sorted(logs, key=lambda log: log["key"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotcr_contracts import fis as fis_experiments
+from spotcr_contracts.layout import job_prefix
 from spotcr_contracts.tags import STORAGES
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 
@@ -169,12 +170,12 @@ def cleanup(cloud: Cloud, job_id: str, say: Callable[[str], None]) -> dict[str, 
     if record is not None:
         deleted["checkpoints"] = actions.delete_job_checkpoints(cloud, jobs.get_record(cloud, job_id), say)
     s3, bucket = cloud.client("s3"), cloud.stack.bucket
-    keys = [o["Key"] for o in jobs._objects(s3, bucket, jobs.jobs_prefix(job_id))]
+    keys = [o["Key"] for o in jobs._objects(s3, bucket, job_prefix(job_id))]
     for start in range(0, len(keys), 1000):
         s3.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[start : start + 1000]]})
     deleted["result_objects"] = len(keys)
     cloud.client("dynamodb").delete_item(TableName=cloud.stack.job_table, Key={"job_id": {"S": job_id}})
-    say(f"deleted {len(keys)} more objects under s3://{bucket}/{jobs.jobs_prefix(job_id)} and job {job_id}'s record")
+    say(f"deleted {len(keys)} more objects under s3://{bucket}/{job_prefix(job_id)} and job {job_id}'s record")
     return deleted
 
 

@@ -28,12 +28,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from spotcr_contracts import tags
+from spotcr_contracts import layout, tags
+from spotcr_contracts.layout import job_prefix, run_prefix
 
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ENDED, INSTANCE_ID_PATTERN, JobRecord, Status
 
-JOBS_PREFIX = "jobs/"
 SESSION_SECONDS = 3600  # role chaining (an instance role session assuming the store role) caps sessions at 1 hour
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 LIST_ACTION = "s3:ListBucket"
@@ -50,8 +50,8 @@ ANY_RUN = "r-" + "?" * 16
 # What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs), and what `spotcr-agent
 # probe` writes on a job VM as a scratch run of its own (io/ and a pipeline's checkpoints); result/ is not here.
 PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps", "io")
-# The job's kept logs (the agent's checkpoint.CRIU_LOGS and AGENT_LOGS), which every run of the name writes.
-JOB_LOGS = ("criu-logs", "agent-logs")
+# The job's kept logs, which every run of the name writes.
+JOB_LOGS = (layout.CRIU_LOGS, layout.AGENT_LOGS)
 # The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.
 SESSION_TAG = "SpotcrJob"
 
@@ -115,15 +115,6 @@ def authorize(record: JobRecord | None, job_id: str, instance_id: str) -> JobRec
     if instance_id not in instances_of(record):
         raise Refused(403, f"instance {instance_id} is not running job {job_id}")
     return record
-
-
-def job_prefix(job_id: str) -> str:
-    return f"{JOBS_PREFIX}{job_id}/"
-
-
-def run_prefix(job_id: str, run_id: str) -> str:
-    """One run's objects (the agent's store.run_prefix names the same)."""
-    return f"{job_prefix(job_id)}runs/{run_id}/"
 
 
 def file_system_arn(access_point_arn: str, file_system_id: str) -> str:

@@ -11,6 +11,7 @@ from spotcr_agent.checkpoint import CheckpointError
 from spotcr_agent.runner import process_start_time
 from spotcr_agent.store.backends import DirectoryBackend, ObjectNotFound, S3Backend
 from spotcr_agent.store.errors import StoreUnavailable
+from spotcr_contracts import layout
 
 from .conftest import FakePublisher, make_agent, make_config, wait_for
 
@@ -149,7 +150,7 @@ def test_a_commit_cut_short_is_cleared_by_the_next_one_and_a_damaged_file_is_ref
     location = result.commit_result(backend, "job-1", workdir, 0, 1, clock=lambda: 2.0)
 
     # Then only its own files and manifest are left, and each file reads back as committed
-    prefix = result.result_prefix("job-1")
+    prefix = layout.result_prefix("job-1")
     assert sorted(obj.key for obj in backend.scan(prefix)) == [
         f"{prefix}0000000002000-g1/a.txt",
         f"{prefix}0000000002000-g1/sub/b.bin",
@@ -192,4 +193,4 @@ def test_each_run_of_a_job_name_keeps_its_own_result(tmp_path):
     assert second.endswith("jobs/job-1/runs/r-00000000000000e2/result/manifest.json")
     assert result.fetch_result_file(backend, "job-1", "out.txt", "r-00000000000000e1") == b"first run"
     assert result.fetch_result_file(backend, "job-1", "out.txt", "r-00000000000000e2") == b"second run"
-    assert all(result.is_result_key("job-1", o.key) for o in backend.scan("jobs/job-1/"))
+    assert all(layout.is_result_key("job-1", o.key) for o in backend.scan("jobs/job-1/"))

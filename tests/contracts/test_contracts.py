@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from spotcr_contracts import commands, events, tags
+from spotcr_contracts import commands, events, layout, tags
 
 
 def _job(**extra: str) -> dict[str, str]:
@@ -164,3 +164,25 @@ def test_every_agent_event_round_trips(cls: type[events.AgentEvent]) -> None:
 def test_malformed_agent_events_are_refused(detail: dict[str, object]) -> None:
     with pytest.raises(events.InvalidEvent):
         events.parse_detail("JobStarted", detail)
+
+
+def test_the_store_layout_keeps_each_runs_result_apart_from_its_checkpoints_and_logs() -> None:
+    run = "r-0123456789abcdef"
+    assert layout.run_prefix("job-1", run) == f"jobs/job-1/runs/{run}/"
+    assert layout.run_prefix("job-1") == layout.job_prefix("job-1") == "jobs/job-1/"  # a store used without runs
+    assert layout.result_prefix("job-1", run) == f"jobs/job-1/runs/{run}/result/"
+    results = (f"jobs/job-1/runs/{run}/result/manifest.json", "jobs/job-1/result/manifest.json")
+    others = (
+        f"jobs/job-1/runs/{run}/checkpoints/x.json",
+        f"jobs/job-1/{layout.CRIU_LOGS}/1-dump-x.log",
+        "jobs/job-10/result/manifest.json",
+        f"jobs/job-1/runs/{run}/chunks/result",
+    )
+    assert [layout.is_result_key("job-1", key) for key in (*results, *others)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]

@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 import pytest
-from spotcr_agent.store.store import run_prefix
 from spotcr_contracts import events as agent_events
+from spotcr_contracts.layout import result_prefix, run_prefix
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
 from spotcr_functions.models import ENDED
@@ -500,8 +500,8 @@ def test_a_runs_store_session_reaches_nothing_of_an_earlier_runs_result(referenc
     _run(earlier)
     [ended] = earlier.events("JobExited")
     s3, bucket = cloud.client("s3"), cloud.names["checkpoint_bucket"]
-    result_prefix = f"{run_prefix(ended.job_id, ended.run_id)}result/"
-    kept = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=result_prefix).get("Contents", [])]
+    kept_prefix = result_prefix(ended.job_id, ended.run_id)
+    kept = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=kept_prefix).get("Contents", [])]
     assert kept, earlier.lines
 
     # When a new run of the name gets its store sessions (each session policy is recorded as the store role is

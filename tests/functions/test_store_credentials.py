@@ -277,12 +277,3 @@ def test_through_the_private_api_other_callers_and_requests_are_refused(
     registered_job(plane)
     assert answer(api_request(job, user_arn))[0] == status
     assert vending == []
-
-
-def test_the_session_names_the_paths_the_agent_writes() -> None:
-    # The agent's side of the same layout (a VM package the functions do not ship): checked here from both sides
-    from spotcr_agent import checkpoint
-    from spotcr_agent.store.store import run_prefix
-
-    assert store_access.JOB_LOGS == (checkpoint.CRIU_LOGS, checkpoint.AGENT_LOGS)
-    assert store_access.run_prefix("render-42", "r-0123456789abcdef") == run_prefix("render-42", "r-0123456789abcdef")

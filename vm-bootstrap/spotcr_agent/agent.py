@@ -27,12 +27,12 @@ from spotcr_contracts.events import (
     RestoreCompleted,
     RestoreFailed,
 )
+from spotcr_contracts.layout import AGENT_LOGS
 from spotcr_contracts.results import StatusResult
 
 from . import agentlog, aliases, deadline, result, storage
 from .carry import Layout
 from .checkpoint import (
-    AGENT_LOGS,
     Checkpointer,
     CheckpointError,
     CheckpointOutcome,

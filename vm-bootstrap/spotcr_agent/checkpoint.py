@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from spotcr_contracts.commands import checkpoint_id
+from spotcr_contracts.layout import CRIU_LOGS, job_prefix
 from spotcr_contracts.tags import DEFAULT_TCP
 
 from . import aliases, carry, gpu, mounts, tracking
@@ -49,8 +50,6 @@ from .store import Backend, CheckpointMeta, CommitResult, Manifest
 log = logging.getLogger(__name__)
 
 KINDS = ("periodic", "final")
-CRIU_LOGS = "criu-logs"  # jobs/<job>/criu-logs/<ms>-<action>-<checkpoint>.log in the job's storage
-AGENT_LOGS = "agent-logs"  # jobs/<job>/agent-logs/<ms>-<action>-<checkpoint>.log: the agent's own lines then
 KEEP_CRIU_LOGS = 20
 FINAL_MODES = ("stream", "dump-then-ship")
 WAIT_POLL_S = 0.2
@@ -138,7 +137,7 @@ def keep_criu_log(
 ) -> str:
     """Keep CRIU's log of a failed dump or restore (or, kind AGENT_LOGS, the agent's own lines of it) in the job's
     storage, where it outlives the VM; its location. The newest KEEP_CRIU_LOGS of each kind are kept."""
-    prefix = f"jobs/{store.job_id}/{kind}/"
+    prefix = f"{job_prefix(store.job_id)}{kind}/"
     key = f"{prefix}{int(clock() * 1000):013d}-{action}-{checkpoint or 'none'}.log"
     store.backend.put(key, text.encode())
     store.backend.flush()
@@ -152,7 +151,7 @@ def kept_criu_logs(store: Store, newest: int = 5) -> list[dict[str, str]]:
     """The newest kept CRIU logs, each with where it is and the first real error line in it."""
     from .criu import explain
 
-    keys = sorted((obj.key for obj in store.backend.scan(f"jobs/{store.job_id}/{CRIU_LOGS}/")), reverse=True)
+    keys = sorted((obj.key for obj in store.backend.scan(f"{job_prefix(store.job_id)}{CRIU_LOGS}/")), reverse=True)
     logs = []
     for key in keys[:newest]:
         text = store.backend.get(key).decode(errors="replace")

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from spotcr_contracts.layout import result_prefix
+
 from .checkpoint import workdir_files
 from .store.backends import Backend
-from .store.store import run_prefix
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -27,17 +28,6 @@ MANIFEST = "manifest.json"
 
 class ResultError(RuntimeError):
     """A committed result cannot be read back whole; the message names the file and why."""
-
-
-def result_prefix(job_id: str, run_id: str = "") -> str:
-    """Where one run's result lives: next to that run's checkpoints."""
-    return run_prefix(job_id, run_id) + "result/"
-
-
-def is_result_key(job_id: str, key: str) -> bool:
-    """Whether a store key belongs to a stored result of the job (any run's, or one stored before runs had ids)."""
-    parts = key.removeprefix(f"jobs/{job_id}/").split("/")
-    return parts[0] == "result" or (len(parts) > 3 and parts[0] == "runs" and parts[2] == "result")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from typing import Any
 
 import zstandard
 from spotcr_contracts.commands import checkpoint_order
+from spotcr_contracts.layout import job_prefix, run_prefix
 
 from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import PAGE, Chunker, Chunking
@@ -106,14 +107,9 @@ class PruneResult:
     bytes_freed: int
 
 
-def run_prefix(job_id: str, run_id: str = "") -> str:
-    """Where one run of a job keeps its checkpoints, chunks and markers (a store used without runs: the job's)."""
-    return f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
-
-
 def other_runs(backend: Backend, job_id: str, run_id: str) -> list[str]:
     """The runs of this job name, other than `run_id`, that keep anything in this store."""
-    prefix = f"jobs/{job_id}/runs/"
+    prefix = f"{job_prefix(job_id)}runs/"
     found = {obj.key.removeprefix(prefix).split("/", 1)[0] for obj in backend.scan(prefix)}
     runs = []
     for candidate in sorted(found - {run_id}):
@@ -163,7 +159,7 @@ class CheckpointStore:
         """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment, and uses
         `session` (a boto3 session, e.g. the job's vended store credentials) when given."""
         backend = S3Backend(
-            bucket, max_connections=workers + 4, region=region or None, session=session, scope=f"jobs/{job_id}/"
+            bucket, max_connections=workers + 4, region=region or None, session=session, scope=job_prefix(job_id)
         )
         return cls(
             backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking, run_id=run_id
