@@ -97,7 +97,7 @@ class RestoreResult:
     run_id: str
     generation: int
     attempt: str  # the workflow's attempt (commands.RESTORE_ATTEMPTS); empty: a restore run by hand
-    checkpoint_id: str = ""
+    checkpoint_id: str = ""  # the one restored; empty: started from the beginning (see `skipped`)
     seconds: float = 0.0
     pid: int = 0
     skipped: str = ""  # why newer checkpoints were not restored (corrupt, incompatible); empty if none were
@@ -110,7 +110,8 @@ class RestoreResult:
     def problem(self) -> str | None:
         if self.attempt not in ("", *RESTORE_ATTEMPTS):
             return f"field 'attempt' is {self.attempt[:32]!r}, not one of {', '.join(RESTORE_ATTEMPTS)} or empty"
-        if self.ok and not re.fullmatch(CHECKPOINT_ID_PATTERN, self.checkpoint_id):
+        # Empty: nothing was restorable and the job started from the beginning (spotcr:restart-from-scratch).
+        if self.checkpoint_id and not re.fullmatch(CHECKPOINT_ID_PATTERN, self.checkpoint_id):
             return f"field 'checkpoint_id' {self.checkpoint_id[:64]!r} does not match {CHECKPOINT_ID_PATTERN}"
         return None
 

@@ -182,7 +182,9 @@ def test_an_earlier_recoverys_final_dump_is_not_carried_into_the_next(plane: Con
     _commit(plane, "twice-1", primary, 1, "final", at_ms=1_795_000_060_000)
     route(agent_event(events.AgentReady("twice-1", backup, 1, now_iso(), mode="restore")))
     plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
-    finish_restore(events.RestoreCompleted("twice-1", backup, 1, now_iso(), checkpoint_id="x", seconds=1.0))
+    finish_restore(
+        events.RestoreCompleted("twice-1", backup, 1, now_iso(), checkpoint_id="1795000060000-g1-final", seconds=1.0)
+    )
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
 
     # When the backup is interrupted in turn
