@@ -14,7 +14,7 @@ from typing import Any
 from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
 from spotcr_contracts.layout import is_result_key, job_prefix
-from spotcr_functions.cloud import client_token
+from spotcr_contracts.names import client_token, execution_name, execution_prefix
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 from spotcr_functions.registry import WAIT_KEYS
 
@@ -195,7 +195,7 @@ def _stop_recoveries(cloud: Cloud, job_id: str, say: Say) -> list[str]:
     sfn = cloud.client("stepfunctions")
     stopped = []
     paginator = sfn.get_paginator("list_executions")
-    prefix = f"{job_id[:56]}-g"  # spotcr_functions.recovery.execution_name
+    prefix = execution_prefix(job_id)
     for page in paginator.paginate(stateMachineArn=cloud.stack.state_machine_arn, statusFilter="RUNNING"):
         for execution in page.get("executions", []):
             if execution["name"].startswith(prefix):
@@ -248,7 +248,7 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
     the restore starts its walk from, then the workflow launches a backup, retires the current instance and restores.
     """
     from spotcr_functions import config
-    from spotcr_functions.recovery import execution_name, recovery_input
+    from spotcr_functions.recovery import recovery_input
 
     record = jobs.get_record(cloud, job_id)
     if record.status not in (*ACTIVE, Status.FAILED, Status.CANCELLED):
@@ -292,7 +292,7 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
     # The stack's own waits are the functions' settings; their defaults are what a deployed stack uses.
     timing = _Timing(**{f.name: int(getattr(config.Settings, f.name)) for f in fields(_Timing)})
     payload = recovery_input(fenced, record.instance_id, f"user-restore:{checkpoint_id}", False, timing)
-    name = execution_name(fenced)
+    name = execution_name(fenced.job_id, fenced.generation, fenced.recovering_from, fenced.interrupted_at)
     cloud.client("stepfunctions").start_execution(
         stateMachineArn=cloud.stack.state_machine_arn, name=name, input=json.dumps(payload, sort_keys=True)
     )

@@ -3,7 +3,6 @@ are lazy."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,11 +50,6 @@ class Instance:
     spot_request_id: str = ""
     launched_at: str = ""  # ISO time of the last start: a stopped instance started again gets a new one
     image_id: str = ""
-
-
-def client_token(*parts: str | None) -> str:
-    """An EC2 ClientToken for these parts: the same parts give the same token, and EC2 allows 64 characters."""
-    return hashlib.sha256("|".join(part or "" for part in parts).encode()).hexdigest()[:48]
 
 
 def _iso(value: Any) -> str:

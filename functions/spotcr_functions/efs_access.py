@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from aws_lambda_powertools import Logger
 from spotcr_contracts import tags
+from spotcr_contracts.names import client_token
 
-from spotcr_functions.cloud import client_token
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ENDED, JobRecord
 from spotcr_functions.observability import SERVICE

@@ -17,9 +17,9 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 from spotcr_contracts import tags
+from spotcr_contracts.names import client_token
 
 from spotcr_functions import efs_access
-from spotcr_functions.cloud import client_token
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE

@@ -8,10 +8,11 @@ from typing import Any
 
 from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
-from spotcr_contracts import commands, results, tags
+from spotcr_contracts import commands, names, results, tags
+from spotcr_contracts.names import client_token
 
 from spotcr_functions import agent_events, checkpoints, efs_access, jobs, rendezvous
-from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, client_token, error_code
+from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, error_code
 from spotcr_functions.deps import Deps, parse_time
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
@@ -40,10 +41,8 @@ class PrimaryStillRunning(Exception):
 
 
 def execution_name(record: JobRecord) -> str:
-    """One name per interruption, stable for its duplicates. Step Functions keeps a name 90 days, and a job name
-    registered again after it finished restarts at generation 0, so the interruption itself is in the name."""
-    digest = client_token(record.job_id, str(record.generation), record.recovering_from, record.interrupted_at)
-    return f"{record.job_id[:56]}-g{record.generation}-{digest[:8]}"  # Step Functions allows 80 characters
+    """The recovery execution of the record's interruption (names.execution_name)."""
+    return names.execution_name(record.job_id, record.generation, record.recovering_from, record.interrupted_at)
 
 
 def on_interruption_warning(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spotcr_functions.cloud import client_token
+from spotcr_contracts.names import client_token, execution_prefix
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.recovery import execution_name
 
@@ -33,6 +33,9 @@ def test_execution_names_fit_step_functions_and_differ_per_interruption() -> Non
     assert len(execution_name(first)) <= 80
     assert execution_name(first) == execution_name(first)
     assert execution_name(first) != execution_name(same_name_run_again)
+    # and `spotcr cancel` finds every recovery of the job by its prefix, never another job's
+    assert execution_name(first).startswith(execution_prefix(LONGEST_JOB))
+    assert not execution_name(_recovering("job-10", 1, "i-1", "t")).startswith(execution_prefix("job-1"))
 
 
 def test_client_tokens_fit_ec2_and_are_stable() -> None:
