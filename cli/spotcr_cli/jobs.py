@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator, Mapping
@@ -9,13 +10,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, checkpoint_order
+from spotcr_contracts import results
+from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, checkpoint_generation, checkpoint_order
 from spotcr_contracts.layout import AGENT_LOGS, CRIU_LOGS, job_prefix, run_prefix
 from spotcr_functions.models import JobRecord
 
 from spotcr_cli.aws import Cloud, CommandError
 
-_GENERATION = re.compile(r"-g([0-9]+)-")
 _TERMINATED_AT = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) GMT\)")
 RUNNING_STATES = ("pending", "running", "stopping", "stopped")
 PRICE_SOURCE = "EC2 spot price history (DescribeSpotPriceHistory, Linux/UNIX) and the AWS Price List API"
@@ -123,11 +124,10 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
 
 def _from_id(checkpoint_id: str) -> Checkpoint:
     valid = is_checkpoint_id(checkpoint_id)
-    generation = _GENERATION.search(checkpoint_id) if valid else None
     return Checkpoint(
         checkpoint_id=checkpoint_id,
         kind=checkpoint_id.rsplit("-", 1)[-1] if valid else "?",
-        generation=int(generation[1]) if generation else -1,
+        generation=checkpoint_generation(checkpoint_id) if valid else -1,
         created_at=checkpoint_time(checkpoint_id),
         size=None,
         stored=None,
@@ -378,10 +378,10 @@ def agent_view(cloud: Cloud, record: JobRecord, wait_s: float = 60.0) -> dict[st
         if time.monotonic() > deadline:
             return {"error": f"the agent on {record.instance_id} did not answer within {wait_s:.0f} s"}
     try:
-        view = json.loads(invocation.get("StandardOutputContent") or "")
-    except json.JSONDecodeError:
-        return {"error": f"{invocation['Status']}: {invocation.get('StandardErrorContent', '')[-400:]}"}
-    return dict(view) if isinstance(view, dict) else {"error": "the agent's answer is not a JSON object"}
+        view = results.parse_status(invocation.get("StandardOutputContent") or "")
+    except results.InvalidResult as error:
+        return {"error": f"{invocation['Status']}: {error}: {invocation.get('StandardErrorContent', '')[-400:]}"}
+    return {"error": view.error} if isinstance(view, results.CommandFailed) else dataclasses.asdict(view)
 
 
 def instance_errors(cloud: Cloud, job_id: str) -> list[dict[str, str]]:
