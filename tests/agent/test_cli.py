@@ -131,6 +131,7 @@ def test_config_round_trips_and_refuses_unknown_fields(tmp_path):
         AgentConfig.from_json({**config.to_json(), "generation": "1"})
 
 
+@pytest.mark.claim("Facts come from authenticated sources")
 @pytest.mark.parametrize("fails", [False, True])
 def test_restore_prints_the_result_the_control_plane_reads_from_ssm(configured, capsys, monkeypatch, fails):
     # Given a restore that succeeds or fails on this VM
