@@ -92,13 +92,17 @@ CLAIMS: dict[str, str] = {
         " from the bus. A forged RestoreCompleted or JobExited moves nothing; a lost status-change event still ends"
         " with the restore taken and the backup kept; a restore still running at the timeout is waited for; an"
         " undeliverable command fails the attempt; a lost exit confirmation is asked again by the scheduler; an"
-        " instance gone before it answers gets the job's normal recovery from its newest checkpoint."
+        " instance gone before it answers gets the job's normal recovery from its newest checkpoint. A real exit ends"
+        " the job once even when SSM's status-change event comes twice, and the rehearsal's event is shaped as AWS's"
+        " sample. End to end, a forged JobExited on the bus while the job runs makes the control plane ask the"
+        " instance, and the job runs on to the uninterrupted result."
     ),
     "Attempts and order": (
         "A duplicated restore failure never completes the next attempt, and a resent event is handled once. Which"
         " checkpoint is newest never depends on VM clocks (a backup 120 s behind, a clock that jumps backwards), and"
         " a final dump that outlives its wait is never recorded. End to end, the backup's agent runs with its wall"
-        " clock 120 s behind (`time.time` shifted by a `sitecustomize` in that VM's own `/opt/spotcr`)."
+        " clock 120 s behind (`time.time` shifted by a `sitecustomize` in that VM's own `/opt/spotcr`; libfaketime,"
+        " used before, hung the agent's handshake with CRIU's post-dump script in about 1 run in 5)."
     ),
 }
 
