@@ -83,3 +83,8 @@ def test_every_relative_link_in_the_readme_and_docs_resolves_to_a_file_and_headi
             elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
                 broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
     assert broken == []
+
+
+def test_the_readme_stays_a_front_door_of_at_most_250_lines() -> None:
+    # What the README outgrows goes to a docs/ page it links (docs/design.md, docs/deploying.md, ...)
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
