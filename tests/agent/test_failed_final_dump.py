@@ -25,6 +25,8 @@ from spotcr_agent.store import CheckpointStore, StoreUnavailable
 
 from .conftest import FakeMetadata, make_agent, make_config, wait_for
 
+pytestmark = pytest.mark.claim("At most one live copy")
+
 # PID 1 (the wrapper), the job, and a child of the job: the whole tree must go.
 TREE_JOB = (sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)")
 DUMP_FAILURES = (CheckpointError, StoreUnavailable, scratch_room.ScratchTooSmall)

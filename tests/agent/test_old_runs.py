@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from spotcr_agent.store import CheckpointStore
 
 from tests.store.support import meta
 
 from .conftest import FakePublisher, kill_tree, make_agent, make_config
+
+pytestmark = pytest.mark.claim("Old runs are pruned, never under a commit")
 
 EARLIER = "r-00000000000000e1"
 

@@ -194,6 +194,7 @@ def _restorer(tmp_path, store, clock):
     )
 
 
+@pytest.mark.claim("Restore walks back past damaged checkpoints")
 def test_restore_walks_back_through_every_checkpoint_through_a_store_brownout(tmp_path):
     # Given four committed checkpoints, the three newest damaged or missing, and a 12 s store brownout
     clock = [0.0]
@@ -418,6 +419,7 @@ class _CriuWithoutTheMount:
         raise CriuError("restore", "mnt: No mapping for 125:(null) mountpoint", log.strip(), log)
 
 
+@pytest.mark.claim("A mount the backup lacks ends in a start from scratch, not FAILED")
 def test_a_mount_no_backup_has_ends_the_walk_in_a_start_from_scratch(tmp_path):
     # Given two intact checkpoints of a job whose VM had a mount the backups lack (the user's boot script made it)
     clock = [0.0]

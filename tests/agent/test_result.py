@@ -176,6 +176,7 @@ def test_an_ebs_jobs_result_goes_to_the_checkpoint_bucket_which_outlives_its_vol
     assert storage.result_backend(make_config(tmp_path, storage="ebs"), job_storage) is job_storage
 
 
+@pytest.mark.claim("One identity per run")
 def test_each_run_of_a_job_name_keeps_its_own_result(tmp_path):
     # Given a run of job-1 whose result is stored
     backend = DirectoryBackend(tmp_path / "store")

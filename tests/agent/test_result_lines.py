@@ -63,6 +63,7 @@ def _given_the_vectors_outcome(monkeypatch, config, line: dict) -> None:
             state.final_dumps = {k: FinalDump(v, 1) for k, v in line["final_dumps"].items()}
 
 
+@pytest.mark.claim("Facts come from authenticated sources")
 @pytest.mark.parametrize("vector", VECTORS, ids=lambda p: p.stem)
 def test_the_agent_prints_each_result_as_its_vector(vector, tmp_path, monkeypatch, capsys):
     # Given the vector, and an agent on its instance whose operation ends as the vector says

@@ -11,6 +11,8 @@ from spotcr_contracts import tags
 
 from .conftest import FakeMetadata, kill_tree, make_config
 
+pytestmark = pytest.mark.claim("One identity per run")
+
 OLD_RUN = "r-00000000000000b0"
 NEW_RUN = "r-00000000000000b1"
 SLEEPER = (sys.executable, "-c", "import time; time.sleep(60)")

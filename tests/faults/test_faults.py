@@ -22,7 +22,13 @@ from rehearsal.scenario import committed_result
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
 from tests.infra.test_store_isolation import allows
 
-pytestmark = [pytest.mark.faults, pytest.mark.criu, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.faults,
+    pytest.mark.criu,
+    pytest.mark.timeout(300),
+    pytest.mark.claim("At most one live copy"),
+    pytest.mark.claim("Nothing left allocated"),
+]
 
 
 def _run(rehearsal: FaultRehearsal) -> Any:
@@ -82,6 +88,7 @@ def test_store_outage_during_the_final_dump_stops_the_primary_and_restores_the_p
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("A store outage fails a dump, not the job")
 def test_store_outage_during_a_periodic_dump_fails_that_dump_only(reference, cloud, tmp_path):
     # Given a store outage from the first periodic checkpoint until the next periodic dump has failed
     rehearsal = FaultRehearsal(options(reference, tmp_path, checkpoints_before_interruption=2), cloud)
@@ -96,6 +103,7 @@ def test_store_outage_during_a_periodic_dump_fails_that_dump_only(reference, clo
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("Never a partial checkpoint")
 def test_the_agent_killed_mid_upload_loses_only_that_checkpoint(reference, cloud, tmp_path):
     # Given the agent's periodic-dump process killed while it uploads a chunk of the second periodic checkpoint
     rehearsal = FaultRehearsal(options(reference, tmp_path, checkpoints_before_interruption=2), cloud)
@@ -125,6 +133,7 @@ def _vanish(rehearsal: FaultRehearsal, instance_id: str) -> float:
     return rehearsal.timeline.now()
 
 
+@pytest.mark.claim("Restore walks back past damaged checkpoints")
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(reference, cloud, tmp_path):
     # Given two periodic checkpoints, the newest with a corrupt manifest, and a primary that vanishes with no warning
     rehearsal = FaultRehearsal(options(reference, tmp_path, checkpoints_before_interruption=2), cloud)
@@ -153,6 +162,8 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(reference, cl
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("Duplicated and reordered events recover once")
+@pytest.mark.claim("Facts come from authenticated sources")
 def test_duplicated_and_reordered_warnings_start_one_recovery(reference, cloud, tmp_path):
     # Given a warning delivered three times, with a rebalance recommendation and a stale "running" after it
     from spotcr_functions import catalog
@@ -196,6 +207,7 @@ def test_duplicated_and_reordered_warnings_start_one_recovery(reference, cloud, 
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("Backups are first-class")
 def test_a_backup_interrupted_while_it_restores_hands_the_job_to_another(reference, cloud, tmp_path):
     # Given the first backup warned the moment its restore command starts
     rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
@@ -219,6 +231,7 @@ def test_a_backup_interrupted_while_it_restores_hands_the_job_to_another(referen
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("Backups are first-class")
 def test_a_backup_interrupted_right_after_its_restore_hands_the_job_on(reference, cloud, tmp_path):
     # Given a second interruption the moment the first backup has restored the job (before any periodic dump there)
     rehearsal = FaultRehearsal(options(reference, tmp_path, interruptions=2), cloud)
@@ -254,6 +267,7 @@ def _until_ended(rehearsal: FaultRehearsal, bound_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.claim("Exactly one end")
 def test_a_job_that_exits_before_the_warning_is_not_recovered(reference, cloud, tmp_path):
     # Given a job that exits (code 3) on its primary, and then the warning
     rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
@@ -274,6 +288,7 @@ def test_a_job_that_exits_before_the_warning_is_not_recovered(reference, cloud, 
     assert rehearsal.end["backups"] == [], rehearsal.end
 
 
+@pytest.mark.claim("Exactly one end")
 def test_a_job_that_exits_during_its_final_dump_ends_once(reference, cloud, tmp_path):
     # Given a job told to exit at the moment of the warning: it exits before the freeze, or on the backup
     rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
@@ -290,6 +305,7 @@ def test_a_job_that_exits_during_its_final_dump_ends_once(reference, cloud, tmp_
     _ends_failed(rehearsal)
 
 
+@pytest.mark.claim("Exactly one end")
 def test_a_job_that_exits_right_after_its_restore_ends_on_the_backup(reference, cloud, tmp_path):
     # Given a job that exits (code 3) as soon as the backup has restored it
     rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE), cloud)
@@ -300,6 +316,7 @@ def test_a_job_that_exits_right_after_its_restore_ends_on_the_backup(reference, 
     assert rehearsal.events("JobExited")[-1].instance_id in rehearsal.end["backups"]
 
 
+@pytest.mark.claim("One identity per run")
 def test_a_second_instance_with_a_running_jobs_name_never_starts_it(reference, cloud, tmp_path):
     # Given a job running, and a second instance submitted with the same job name
     rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
@@ -321,6 +338,8 @@ def test_a_second_instance_with_a_running_jobs_name_never_starts_it(reference, c
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("One identity per run")
+@pytest.mark.claim("Old runs are pruned, never under a commit")
 def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference, cloud, tmp_path):
     # Given a job that ran to its end, with periodic checkpoints, under a name
     earlier = FaultRehearsal(options(b"", tmp_path / "earlier", steps=1000, interruptions=0), cloud)
@@ -355,6 +374,7 @@ def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference,
     assert left() == ["result"], rehearsal.lines
 
 
+@pytest.mark.claim("Attempts and order")
 def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newest(
     reference, cloud, tmp_path, monkeypatch
 ):
@@ -394,6 +414,7 @@ def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newes
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("Never a partial checkpoint")
 def test_the_agent_killed_during_its_final_upload_restores_the_periodic_with_one_live_copy(reference, cloud, tmp_path):
     # Given every agent process of the primary (daemon and commands) killed at the final dump's first chunk upload
     rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
@@ -445,6 +466,7 @@ def _ask_status(rehearsal: FaultRehearsal, instance_id: str, bound_s: float) -> 
         time.sleep(0.5)
 
 
+@pytest.mark.claim("A status command after the end answers at once")
 def test_a_status_command_after_the_end_answers_at_once(reference, cloud, tmp_path):
     # Given a job that ran to its end, its instance still up (the user's), and the control plane asking its agent
     # again once the job has ended (as the scheduler's exits.ask_again may, in the tick that ends it)
@@ -469,6 +491,7 @@ def test_a_status_command_after_the_end_answers_at_once(reference, cloud, tmp_pa
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("A mount the backup lacks ends in a start from scratch, not FAILED")
 def test_a_mount_the_backup_lacks_ends_in_a_start_from_scratch_with_the_right_result(reference, cloud, tmp_path):
     # Given a primary whose own boot made a mount (a tmpfs on /srv) that backups, booted by spotcr alone, lack
     rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
@@ -494,6 +517,7 @@ def test_a_mount_the_backup_lacks_ends_in_a_start_from_scratch_with_the_right_re
     _assert_invariants(rehearsal, outcome)
 
 
+@pytest.mark.claim("A run's store session reaches nothing of an earlier run's result")
 def test_a_runs_store_session_reaches_nothing_of_an_earlier_runs_result(reference, cloud, tmp_path, monkeypatch):
     # Given a job that ran to its end under a name, its result stored under its run
     earlier = FaultRehearsal(options(b"", tmp_path / "earlier", steps=500, interruptions=0), cloud)

@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from spotcr_contracts import events
 from spotcr_functions import checkpoints, exits, recovery
 from spotcr_functions.models import JobRecord, Status
 
+pytestmark = pytest.mark.claim("Facts come from authenticated sources")
 VECTORS = Path(__file__).parents[1] / "events" / "results"
 INSTANCE = "i-0123456789abcdef0"
 AT = "2026-11-26T10:00:00.000Z"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
@@ -20,6 +21,8 @@ from tests.workflow.harness import (
     now_iso,
     route,
 )
+
+pytestmark = [pytest.mark.claim("Only spotcr's own word moves a job"), pytest.mark.claim("One identity per run")]
 
 
 def test_a_second_instance_with_a_running_jobs_name_never_gets_the_run_and_moves_nothing(plane: ControlPlane) -> None:

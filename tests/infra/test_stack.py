@@ -663,13 +663,13 @@ def test_ebs_kms_key_arn_narrows_the_key_grants_to_that_key() -> None:
         Settings.from_mapping({"ebs_kms_key_arn": "alias/aws/ebs"})
 
 
-def test_every_job_vm_reads_every_spec_as_the_readme_says(default_synth: Synth) -> None:
-    # IAM has no key tying an instance profile's S3 read to the instance's job (README, "What the isolation does
-    # not cover"): the grant stays the whole specs/ prefix, and the README must keep saying so
+def test_every_job_vm_reads_every_spec_as_the_docs_say(default_synth: Synth) -> None:
+    # IAM has no key tying an instance profile's S3 read to the instance's job (docs/deploying.md, "What the
+    # isolation does not cover"): the grant stays the whole specs/ prefix, and the docs must keep saying so
     by_role = statements_by_role(default_synth)
     job_role = logical_id(default_synth, child(default_synth, "VmLaunch", "JobRole"))
     [spec_read] = [s for s in statements_with(by_role[job_role], "s3:GetObject") if "/specs/*" in _flat(s["Resource"])]
     assert "Condition" not in spec_read
-    readme = " ".join((REPO_ROOT / "README.md").read_text().split())
-    assert "a job VM can still read every job's spec under `specs/`" in readme
-    assert "IAM cannot narrow the read to the VM's own job" in readme
+    docs = " ".join((REPO_ROOT / "docs" / "deploying.md").read_text().split())
+    assert "a job VM can still read every job's spec under `specs/`" in docs
+    assert "IAM cannot narrow the read to the VM's own job" in docs

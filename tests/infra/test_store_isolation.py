@@ -19,6 +19,8 @@ from spotcr_functions import store_access
 
 from tests.infra.conftest import Synth
 
+pytestmark = pytest.mark.claim("A run's store session reaches nothing of an earlier run's result")
+
 BUCKET = "spotcr-checkpoints"
 BUCKET_ARN = f"arn:aws:s3:::{BUCKET}"
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")

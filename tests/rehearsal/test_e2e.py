@@ -4,6 +4,11 @@ import pytest
 
 from rehearsal.scenario import Options, Rehearsal
 
+pytestmark = [
+    pytest.mark.claim("The result equals an uninterrupted run's"),
+    pytest.mark.claim("Nothing left allocated"),
+]
+
 
 @pytest.mark.e2e
 @pytest.mark.criu

@@ -7,6 +7,8 @@ from moto.ssm.models import ssm_backends
 
 from rehearsal import leaks
 
+pytestmark = pytest.mark.claim("Nothing left allocated")
+
 REGION = "us-east-1"
 
 

@@ -12,6 +12,8 @@ from spotcr_agent.store import CheckpointStore, CorruptCheckpoint
 
 from .support import MiB, checkpoint_id, commit_during_delete, images, meta, random_bytes
 
+pytestmark = pytest.mark.claim("Garbage collection never loses a committed checkpoint")
+
 
 def test_prune_never_deletes_a_chunk_a_concurrent_commit_relies_on(
     make_store: Callable[..., CheckpointStore], tmp_path: Path

@@ -10,9 +10,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from spotcr_agent.store import CheckpointStore, S3Backend
 
 from .support import JOB, MiB, checkpoint_id, meta, random_bytes
+
+pytestmark = pytest.mark.claim("Never a partial checkpoint")
 
 REPO = Path(__file__).resolve().parents[2]
 

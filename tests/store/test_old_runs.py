@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from spotcr_agent.store import CheckpointStore
 from spotcr_agent.store.store import other_runs
 
 from .support import MiB, checkpoint_id, commit_during_delete, images, meta, random_bytes
+
+pytestmark = pytest.mark.claim("Old runs are pruned, never under a commit")
 
 EARLIER, LATER = "r-00000000000000e1", "r-00000000000000e2"
 

@@ -157,6 +157,7 @@ def test_commit_streams_files_while_they_are_written(store: CheckpointStore, tmp
     assert tree_bytes(tmp_path / "restore") == {"images/pages-1.img": b"".join(blocks), "images/core-1.img": b"late"}
 
 
+@pytest.mark.claim("Restore walks back past damaged checkpoints")
 @pytest.mark.parametrize("damage", ["bit-flip", "truncate", "delete"])
 def test_damaged_chunk_is_named_by_corrupt_checkpoint(store: CheckpointStore, tmp_path: Path, damage: str) -> None:
     # Given a committed checkpoint
@@ -399,6 +400,7 @@ def test_a_commit_says_how_much_changed_since_its_parent_even_when_it_sends_ever
     assert second.read_seconds > 0 and second.hash_seconds > 0 and second.upload_seconds > 0
 
 
+@pytest.mark.claim("One identity per run")
 def test_each_run_of_a_job_name_has_its_own_checkpoints(tmp_path: Path) -> None:
     # Given a run of the job that committed a checkpoint
     images = tmp_path / "img"

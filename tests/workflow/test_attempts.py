@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from spotcr_contracts import events
 from spotcr_functions.models import Status
 
@@ -19,6 +20,8 @@ from tests.workflow.harness import (
     now_iso,
     route,
 )
+
+pytestmark = pytest.mark.claim("Attempts and order")
 
 
 def _commit(plane: ControlPlane, job_id: str, instance_id: str, at_ms: int) -> str:

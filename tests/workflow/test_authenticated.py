@@ -45,6 +45,8 @@ from tests.workflow.harness import (
     route,
 )
 
+pytestmark = pytest.mark.claim("Facts come from authenticated sources")
+
 
 def _restoring(plane: ControlPlane, job_id: str) -> tuple[str, str, str]:
     """A job interrupted with a periodic checkpoint, its backup ready and its restore ordered."""

@@ -134,6 +134,7 @@ def test_a_stopped_or_hibernated_primary_is_terminated_and_its_spot_request_canc
     assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
 
 
+@pytest.mark.claim("At most one live copy")
 def test_retiring_a_primary_that_still_runs_the_job_waits_for_it_to_be_gone(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:

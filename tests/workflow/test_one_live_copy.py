@@ -27,6 +27,8 @@ from tests.workflow.harness import (
     route,
 )
 
+pytestmark = pytest.mark.claim("At most one live copy")
+
 
 def _interrupted_with_a_periodic_checkpoint(plane: ControlPlane, job_id: str) -> tuple[str, str]:
     primary = plane.start_job(job_id)

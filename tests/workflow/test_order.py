@@ -21,6 +21,8 @@ from tests.workflow.harness import (
     route,
 )
 
+pytestmark = pytest.mark.claim("Attempts and order")
+
 T = 1_795_000_000_000  # the primary's clock, in unix milliseconds
 
 

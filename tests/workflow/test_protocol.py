@@ -31,6 +31,8 @@ from tests.workflow.harness import (
 )
 from tests.workflow.test_recovery import _commit
 
+pytestmark = pytest.mark.claim("Exactly one end")
+
 
 def _before_next_read(monkeypatch: pytest.MonkeyPatch, interleaved: Callable[[], Any]) -> None:
     """Run `interleaved` right after the next registry read returns: the handler then holds a stale record."""
@@ -254,6 +256,7 @@ def test_a_lambda_error_cause_is_read_without_its_stack_trace() -> None:
     assert recovery.readable_cause("RestoreFailed on the backup") == "RestoreFailed on the backup"
 
 
+@pytest.mark.claim("Backups are first-class")
 @pytest.mark.parametrize("event", ["spot-interruption-warning", "state-change-terminated"])
 def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane, event: str) -> None:
     # Given a recovery whose backup was ordered to restore the newest checkpoint

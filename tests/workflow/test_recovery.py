@@ -135,6 +135,7 @@ def _recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | 
     return backup
 
 
+@pytest.mark.claim("Duplicated and reordered events recover once")
 @pytest.mark.parametrize("copies", [2, 5, 20])
 def test_duplicated_and_reordered_events_recover_once(plane: ControlPlane, copies: int) -> None:
     # Given a running job

@@ -7,7 +7,7 @@ import pytest
 
 from .workloads import REFUSED, WORKLOADS
 
-pytestmark = [pytest.mark.workload, pytest.mark.criu]
+pytestmark = [pytest.mark.workload, pytest.mark.criu, pytest.mark.claim("The result equals an uninterrupted run's")]
 
 STEPS_BETWEEN_DUMPS = 5
 
