@@ -3,7 +3,6 @@ import os
 import shutil
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -78,16 +77,6 @@ def make_agent(config, publisher, store=None):
         config.mount_point.mkdir(parents=True, exist_ok=True)
         store = CheckpointStore.for_directory(config.mount_point, config.job_id)
     return Agent(config=config, publisher=publisher, job_env=base_job_env(os.environ), store_factory=lambda _: store)
-
-
-def wait_for(predicate, timeout=30.0, interval=0.05, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def kill_tree(pid):

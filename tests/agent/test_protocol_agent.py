@@ -20,7 +20,9 @@ from spotcr_agent.state import FinalDump
 from spotcr_agent.store import CheckpointNotFound, CommitResult, CorruptCheckpoint, StoreUnavailable
 from spotcr_contracts.commands import checkpoint_id, checkpoint_order
 
-from .conftest import FakeMetadata, make_agent, make_config, wait_for
+from tests.support import wait_for
+
+from .conftest import FakeMetadata, make_agent, make_config
 
 HOST = HostInfo(criu_version="4.1.1", kernel="6.1", arch="x86_64", cpu_flags=("sse2",))
 

@@ -13,7 +13,9 @@ from botocore.stub import Stubber
 from spotcr_agent import readiness, scratch
 from spotcr_agent.bootstrap import bootstrap
 
-from .conftest import FakePublisher, compute_command, kill_tree, wait_for
+from tests.support import wait_for
+
+from .conftest import FakePublisher, compute_command, kill_tree
 from .test_bootstrap import _args, _metadata
 from .vm_agent import JobVM
 

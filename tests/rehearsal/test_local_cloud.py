@@ -5,7 +5,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import boto3
@@ -17,19 +16,10 @@ from rehearsal import ssm_agent
 from rehearsal.cloud import PREFIX, REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
+from tests.support import wait_for
 
 FAKE_AGENT = Path(__file__).with_name("fake_agent.py")
 EVENTS = Path(__file__).parents[1] / "events" / "ssm"
-
-
-def wait_for(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 @pytest.fixture
