@@ -1,3 +1,4 @@
+import argparse
 import contextlib
 import os
 import shutil
@@ -34,6 +35,36 @@ class FakeMetadata:
 
     def get(self, path):
         return self.values.get(path.rstrip("/"))
+
+
+def imds_with_tags(tags):
+    """IMDS of a job VM whose instance carries these tags."""
+    values = {
+        "meta-data/instance-id": "i-0abc",
+        "meta-data/placement/availability-zone": "eu-west-1b",
+        "meta-data/placement/region": "eu-west-1",
+        "meta-data/tags/instance": "\n".join(tags),
+    }
+    values.update({f"meta-data/tags/instance/{k}": v for k, v in tags.items()})
+    return FakeMetadata(values)
+
+
+def bootstrap_args(**overrides):
+    """The flags `spotcr-agent bootstrap` gets from the user data, with these overrides."""
+    values = {
+        "bucket": "spotcr-checkpoints",
+        "event_bus": "spotcr",
+        "ebs_volume_id": "",
+        "efs_id": "",
+        "efs_isolation": "",
+        "fsx_dns": "",
+        "fsx_mount_name": "",
+        "store_credentials_url": "",
+        "scratch_dir": "",
+        "report_failure": "",
+    }
+    values.update(overrides)
+    return argparse.Namespace(**values)
 
 
 @pytest.fixture
