@@ -19,10 +19,8 @@ from spotcr_functions.config import OPTIONAL_TEXT_ENV, Settings
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import Status
 
-from tests.functions.test_store_credentials import BUCKET, answer, instance_session, request, vending
+from tests.functions.support import BUCKET, answer, instance_session, request
 from tests.workflow.harness import REGION, ControlPlane, agent_event, ec2_event, finish_exit, now_iso, route
-
-__all__ = ["vending"]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from spotcr_functions.cloud import Cloud
 from spotcr_functions.gpus import Gpus, matching_fallbacks
 
 from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, refuse_launches, route
-from tests.workflow.test_recovery import NO_CAPACITY
+from tests.workflow.support import NO_CAPACITY
 
 A10G = Gpus("NVIDIA", "A10G", 1)
 TYPES = {"g5.xlarge": A10G, "g5.2xlarge": A10G, "g5.12xlarge": Gpus("NVIDIA", "A10G", 4), "m5.large": None}

@@ -2,7 +2,7 @@
 
 An AST scan of cli/spotcr_cli finds each boto3 call: on clients bound to a name (`ec2 = cloud.client("ec2")`,
 `boto3.client("s3")`, a parameter named after its service), called directly (`cloud.client("ec2").x(...)`), through
-paginators, and through the control plane's Registry (whose DynamoDB calls tests/infra/test_least_privilege finds).
+paginators, and through the control plane's Registry (whose DynamoDB calls tests/infra/support.py finds).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from spotcr_cli import actions
 from infra.user_policy import cli_user_policy, main
 from rehearsal.iam.policy import ContextValue, Principal, Request, evaluate
 from tests.infra.conftest import REPO_ROOT
-from tests.infra.test_least_privilege import IMPLIED, used_by
+from tests.infra.support import IMPLIED, used_by
 
 CLI = REPO_ROOT / "cli" / "spotcr_cli"
 # boto3 client name -> IAM prefix

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import boto3
@@ -17,19 +16,10 @@ from rehearsal import ssm_agent
 from rehearsal.cloud import PREFIX, REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
+from tests.support import wait_for
 
 FAKE_AGENT = Path(__file__).with_name("fake_agent.py")
 EVENTS = Path(__file__).parents[1] / "events" / "ssm"
-
-
-def wait_for(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 @pytest.fixture
@@ -202,8 +192,8 @@ def test_each_job_vm_signs_as_its_own_instance_profile_session(cloud):
     sessions = {i: f"arn:aws:sts::{cloud.enforcer.state.account}:assumed-role/{role}/{i}" for i in (first, second)}
 
     # Then each registered as the job role's session named by its own instance id, with a key of its own
-    for instance_id in (first, second):
-        wait_for(lambda i=instance_id: (sessions[i], "ssm:UpdateInstanceInformation") in cloud.enforcer.evaluated)
+    registered = [(session, "ssm:UpdateInstanceInformation") for session in sessions.values()]
+    wait_for(lambda: all(call in cloud.enforcer.evaluated for call in registered), "each VM's registration")
     assert first_vm.env["AWS_ACCESS_KEY_ID"] != second_vm.env["AWS_ACCESS_KEY_ID"]
 
     # And a call it is not granted is refused naming its session, with the instance AWS puts in its context

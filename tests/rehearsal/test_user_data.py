@@ -7,7 +7,6 @@ asset, install-artifact.sh --system, `spotcr-agent bootstrap` with its SSM readi
 
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from infra.vm_launch import BOOTSTRAP_SCRIPT, render_user_data
 from rehearsal import asset, ssm_agent
 from rehearsal.cloud import REGION, LocalCloud
 from rehearsal.timeline import Timeline
+from tests.support import wait_for
 
 SHIMS = {
     # Records what would change the system outside the VM's private paths, and answers as a fresh VM would.
@@ -47,10 +47,7 @@ def _launch_registered(cloud):
         ImageId=cloud.image_id, MinCount=1, MaxCount=1, TagSpecifications=spec
     )
     instance_id = reservation["Instances"][0]["InstanceId"]
-    deadline = time.monotonic() + 30
-    while not cloud.managed_instances.online(instance_id):
-        assert time.monotonic() < deadline, "the VM's SSM agent stand-in never registered"
-        time.sleep(0.1)
+    wait_for(lambda: cloud.managed_instances.online(instance_id), "the VM's SSM agent stand-in to register")
     return cloud.vms[instance_id]
 
 

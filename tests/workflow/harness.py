@@ -40,6 +40,7 @@ from spotcr_functions.models import JobRecord
 
 from rehearsal import fleet
 from rehearsal.iam import enforce, principals
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "tests" / "events"
@@ -651,13 +652,7 @@ class ControlPlane:
         return [i for r in reservations["Reservations"] for i in r["Instances"]]
 
     def wait_until(self, predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+        return wait_for(predicate, what, timeout)
 
     def wait_for_execution(self, timeout: float = 30.0) -> dict[str, Any]:
         def finished() -> dict[str, Any] | None:

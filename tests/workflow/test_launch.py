@@ -12,8 +12,8 @@ from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 
 from tests.workflow.harness import ControlPlane, ec2_event, refuse_launches, route
+from tests.workflow.support import NO_CAPACITY
 
-NO_CAPACITY = "InsufficientInstanceCapacity"
 NEW_USER_DATA = b"#!/bin/sh\n# the agent asset of the upgraded stack\n"
 
 
