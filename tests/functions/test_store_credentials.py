@@ -17,7 +17,7 @@ import pytest
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import store_access
 from spotcr_functions.cloud import Cloud
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import ACCOUNT, EVENTS, REGION, ControlPlane, ec2_event, invoke_function, route
@@ -32,8 +32,8 @@ BUCKET = "spotcr-checkpoints"
 @pytest.fixture
 def vending(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The stack's settings for store-credentials; returns the AssumeRole requests the function makes."""
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["store_role_arn"], STORE_ROLE_ARN)
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["job_role_name"], JOB_ROLE)
+    monkeypatch.setenv(ENV["store_role_arn"], STORE_ROLE_ARN)
+    monkeypatch.setenv(ENV["job_role_name"], JOB_ROLE)
     calls: list[dict[str, Any]] = []
     original = Cloud.assume_store_role
 
