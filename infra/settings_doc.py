@@ -31,6 +31,17 @@ resources. A missing or bad value fails the function with a message naming the v
 |---|---|---|---|
 """
 
+VM = """
+## Job VM boot
+
+What the stack puts in each job VM's user data (`vm-bootstrap/bootstrap.sh`'s placeholders), and the boot passes on
+to `spotcr-agent bootstrap`, which writes it into the agent's `/etc/spotcr/agent.json`
+(`spotcr_contracts/settings.py`, `VmSettings`). An empty value means "not used".
+
+| placeholder | agent option | meaning |
+|---|---|---|
+"""
+
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
@@ -46,6 +57,11 @@ def render() -> str:
     lines += [
         f"| `{name}` | {kind} | {_cell(default)} | {_cell(meaning)} |\n"
         for name, kind, default, meaning in function_settings.reference()
+    ]
+    lines.append(VM)
+    lines += [
+        f"| `{name}` | {f'`{flag}`' if flag else 'none'} | {_cell(meaning)} |\n"
+        for name, flag, meaning in function_settings.vm_reference()
     ]
     return "".join(lines)
 

@@ -47,11 +47,12 @@ from typing import Any
 import boto3
 from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
+from spotcr_contracts.settings import VmSettings
 from spotcr_functions import catalog, registry_schema
 from spotcr_functions.config import ENV, Settings
 from werkzeug.exceptions import Forbidden
 
-from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
+from infra.agent_bundle import BOOTSTRAP_SCRIPT, render_user_data
 from rehearsal import account as local_account
 from rehearsal import asset, fleet
 from rehearsal import ssm as local_ssm
@@ -537,12 +538,13 @@ class LocalCloud:
         rehearsal's boot passes itself is left empty), or bootstrap.sh as is when the stack has no asset."""
         script = BOOTSTRAP_SCRIPT.read_text()
         if asset_url:
-            values = dict.fromkeys(PLACEHOLDER.findall(script), "")
-            values["__SPOTCR_AGENT_ASSET_URL__"] = asset_url
-            values["__SPOTCR_BUCKET__"] = self.names["checkpoint_bucket"]
-            values["__SPOTCR_EVENT_BUS__"] = self.names["event_bus_name"]
-            values["__SPOTCR_STORE_CREDENTIALS_URL__"] = self.store_credentials_url
-            script = render_user_data(script, values)
+            values = VmSettings(
+                agent_asset_url=asset_url,
+                bucket=self.names["checkpoint_bucket"],
+                event_bus=self.names["event_bus_name"],
+                store_credentials_url=self.store_credentials_url,
+            )
+            script = render_user_data(script, values.placeholders())
         return base64.b64encode(script.encode()).decode()
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:

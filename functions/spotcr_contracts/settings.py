@@ -134,3 +134,51 @@ def reference() -> list[tuple[str, str, str, str]]:
         rows.append((env_name(f.name), kind, default, f.metadata["description"]))
     return rows
 
+
+@dataclass(frozen=True)
+class VmSettings:
+    """What each job VM's boot is given: infra/ renders every field into vm-bootstrap/bootstrap.sh's placeholder
+    `__SPOTCR_<FIELD>__` (see `placeholder`), and the boot passes each but the asset to `spotcr-agent bootstrap` as
+    `--<field>` (see `AGENT_FLAGS`). An empty value means "not used"."""
+
+    agent_asset_url: str = setting("s3://bucket/key.zip of the agent asset the boot installs the agent from.", "")
+    bucket: str = setting("The bucket of the job's checkpoints (s3 storage).", "")
+    event_bus: str = setting("The EventBridge bus the agent publishes its events on.", "")
+    efs_id: str = setting("The stack's EFS file system id (efs storage).", "")
+    efs_isolation: bool = setting(
+        "true: mount only the job's own EFS access point, with IAM (mount.efs from the agent asset).", False
+    )
+    fsx_dns: str = setting("The FSx for Lustre file system's DNS name (fsx storage).", "")
+    fsx_mount_name: str = setting("The FSx for Lustre mount name (fsx storage).", "")
+    store_credentials_url: str = setting(
+        "The function URL (with private subnets, private API) vending the job's own store credentials.", ""
+    )
+
+    def placeholders(self) -> dict[str, str]:
+        """Every field as bootstrap.sh's placeholder and the value put in its place."""
+        return {placeholder(f.name): _render(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def placeholder(field: str) -> str:
+    return f"__SPOTCR_{field.upper()}__"
+
+
+# The agent's `bootstrap` options the boot passes; the asset is the boot's own.
+AGENT_FLAGS = {
+    f.name: "--" + f.name.replace("_", "-") for f in dataclasses.fields(VmSettings) if f.name != "agent_asset_url"
+}
+
+
+def agent_options() -> list[tuple[str, bool, str]]:
+    """(option, whether it takes true or false, description) of each setting `spotcr-agent bootstrap` is passed."""
+    kinds = typing.get_type_hints(VmSettings)
+    fields = {f.name: f for f in dataclasses.fields(VmSettings)}
+    return [(flag, kinds[name] is bool, fields[name].metadata["description"]) for name, flag in AGENT_FLAGS.items()]
+
+
+def vm_reference() -> list[tuple[str, str, str]]:
+    """(placeholder, agent option, description) of each VM setting: docs/settings.md's table."""
+    return [
+        (placeholder(f.name), AGENT_FLAGS.get(f.name, ""), f.metadata["description"])
+        for f in dataclasses.fields(VmSettings)
+    ]

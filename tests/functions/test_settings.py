@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from spotcr_contracts import settings as settings_module
-from spotcr_contracts.settings import ENV, FunctionSettings, InvalidSettings
+from spotcr_contracts.settings import AGENT_FLAGS, ENV, FunctionSettings, InvalidSettings, VmSettings
 
 FUNCTIONS_DIR = Path(__file__).resolve().parents[2] / "functions"
 REQUIRED = {f.name: f"{f.name}-value" for f in dataclasses.fields(FunctionSettings) if f.default is dataclasses.MISSING}
@@ -121,3 +121,10 @@ def test_the_scan_finds_an_environment_read() -> None:
     code = 'import os\nos.environ.get("X")\nfrom os import getenv\ngetenv("Y")\nNAME = "SPOTCR_Z"\n'
     assert len(_environment_reads(ast.parse(code))) == 3
 
+
+def test_each_vm_setting_is_a_placeholder_and_all_but_the_asset_an_agent_option() -> None:
+    placeholders = VmSettings(bucket="checkpoints", efs_isolation=True).placeholders()
+    assert placeholders["__SPOTCR_BUCKET__"] == "checkpoints" and placeholders["__SPOTCR_EFS_ISOLATION__"] == "true"
+    assert placeholders["__SPOTCR_FSX_DNS__"] == ""
+    assert AGENT_FLAGS["store_credentials_url"] == "--store-credentials-url" and "agent_asset_url" not in AGENT_FLAGS
+    assert len(AGENT_FLAGS) == len(placeholders) - 1
