@@ -1,8 +1,13 @@
-"""The functions' settings, named once: what infra/ puts in each Lambda function's environment and the functions read.
+"""Deployment settings that cross into running code, each named once with its type, default and description.
 
-A field's environment variable is SPOTCR_ and its name in capitals, a trailing `_s` spelled `_SECONDS`
-(final_dump_wait_s: SPOTCR_FINAL_DUMP_WAIT_SECONDS). infra/ and the local AWS stand-ins (rehearsal, workflow tests)
-render one `FunctionSettings` with `to_env`; a handler parses it back with `from_env` at its edge.
+FunctionSettings: what infra/ puts in each Lambda function's environment and the functions read. A field's variable
+is SPOTCR_ and its name in capitals, a trailing `_s` spelled `_SECONDS` (final_dump_wait_s:
+SPOTCR_FINAL_DUMP_WAIT_SECONDS). infra/ and the local AWS stand-ins (rehearsal, workflow tests) render one with
+`to_env`; a handler parses it back with `from_env` at its edge.
+
+VmSettings: what a job VM's user data is given and passes on to the agent (see the class).
+
+docs/settings.md lists both, with infra's deploy options (`python -m infra.settings_doc`).
 """
 
 from __future__ import annotations
@@ -114,7 +119,9 @@ def _parse(field: dataclasses.Field[Any], kind: Any, raw: str) -> Any:
         if not raw.isascii() or not raw.isdigit() or int(raw) < minimum:
             raise InvalidSettings(f"{name} must be a whole number of at least {minimum}, got {raw[:32]!r}")
         return int(raw)
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
+    if kind == tuple[str, ...]:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    raise TypeError(f"{name}: no parser for {kind}")
 
 
 def _render(value: object) -> str:
