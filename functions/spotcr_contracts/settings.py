@@ -161,6 +161,12 @@ class VmSettings:
         "The function URL (with private subnets, private API) vending the job's own store credentials.", ""
     )
 
+    @classmethod
+    def from_agent_options(cls, options: Mapping[str, Any]) -> VmSettings:
+        """The settings `spotcr-agent bootstrap` was passed, by field name (its parsed options, as strings)."""
+        kinds = typing.get_type_hints(cls)
+        return cls(**{name: options[name] == "true" if kinds[name] is bool else options[name] for name in AGENT_FLAGS})
+
     def placeholders(self) -> dict[str, str]:
         """Every field as bootstrap.sh's placeholder and the value put in its place."""
         return {placeholder(f.name): _render(getattr(self, f.name)) for f in dataclasses.fields(self)}
