@@ -56,14 +56,14 @@ class FunctionSettings:
     release_document: str = setting("The SSM document that orders the job's storage released (EBS hand-over).")
     status_document: str = setting("The SSM document that asks an agent for its status.")
     final_dump_wait_s: int = setting(
-        "How long recovery waits for the final dump: the 2-minute notice, less the time to order it.", 110
+        "How long recovery waits for the final dump before it uses the newest committed checkpoint.", 110
     )
     backup_ready_wait_s: int = setting("How long recovery waits for a backup VM's agent to be ready.", 900)
     restore_wait_s: int = setting("How long recovery waits for a restore to finish.", 900)
     poll_s: int = setting("How often the recovery workflow polls while it waits.", 5)
-    ebs_volume_gib: int = setting("The size of an ebs job's volume.", 100)
+    ebs_volume_gib: int = setting("The size of the encrypted volume created for each ebs job.", 100)
     ebs_handover_s: int = setting(
-        "From the warning, how long an EBS hand-over may take (a first snapshot of a large volume: tens of minutes).",
+        "From the warning, how long an EBS volume may take to reach the backup (snapshot included) before failing.",
         3600,
     )
     subnet_ids: tuple[str, ...] = setting(
