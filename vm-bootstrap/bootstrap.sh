@@ -4,9 +4,9 @@
 # (IMDSv2, instance metadata tags enabled), prepares its storage, waits until SSM reaches the instance, and
 # starts the agent. Each step prints its duration on the console.
 #
-# Placeholders that infra/ substitutes before this becomes user data: __SPOTCR_<FIELD>__ for each field of
+# The quoted placeholders below are substituted by infra/ before this becomes user data: one for each field of
 # spotcr_contracts.settings.VmSettings, which says what each means (docs/settings.md lists them; an empty value means
-# "not used"). The agent asset (__SPOTCR_AGENT_ASSET_URL__) is a zip whose root holds: spotcr_agent/,
+# "not used"). The agent asset (AGENT_ASSET_URL) is a zip whose root holds: spotcr_agent/,
 # spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
 # criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages), amazon-efs-utils/ (mount.efs,
 # at efs-utils.lock), debs/ (the Debian 12 packages, with packages.lock: for, name, version, sha256).
