@@ -39,7 +39,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,11 +47,12 @@ from typing import Any
 import boto3
 from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
+from spotcr_contracts.settings import VmSettings
 from spotcr_functions import catalog, registry_schema
-from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV, Settings
 from werkzeug.exceptions import Forbidden
 
-from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
+from infra.agent_bundle import BOOTSTRAP_SCRIPT, render_user_data
 from rehearsal import account as local_account
 from rehearsal import asset, fleet
 from rehearsal import ssm as local_ssm
@@ -377,34 +378,31 @@ class LocalCloud:
                 RoleName=name, AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
             )
         state_machine_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{names['state_machine']}"
-        settings = {
-            "jobs_table": names["jobs_table"],
-            "idempotency_table": names["idempotency_table"],
-            "recovery_state_machine_arn": state_machine_arn,
-            "event_bus_name": names["event_bus_name"],
-            "failure_topic_arn": topic_arn,
-            "checkpoint_bucket": names["checkpoint_bucket"],
-            "launch_template_id": template_id,
-            "launch_template_version": "1",
-            "checkpoint_document": document_names["checkpoint"],
-            "restore_document": document_names["restore"],
-            "release_document": document_names["release"],
-            "status_document": document_names["status"],
-        }
-        self.settings_env = {ENV[key]: value for key, value in settings.items()}
-        optional = {
-            "store_role_arn": f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
-            "job_role_name": names["job_role"],
-            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
-            "stack_name": principals.function_setting(principals.template(STACK_CONTEXT), "SPOTCR_STACK_NAME"),
-        }
-        self.settings_env.update({OPTIONAL_TEXT_ENV[key]: value for key, value in optional.items()})
         # The stack's EFS as deployed with efs=true: efs jobs get an access point each (the VMs mount a shared dir).
         self.file_system_id = self.client("efs").create_file_system(CreationToken=PREFIX, Encrypted=True)[
             "FileSystemId"
         ]
-        self.settings_env[OPTIONAL_TEXT_ENV["file_system_id"]] = self.file_system_id
-        self.settings_env.update({OPTIONAL_ENV[key]: str(value) for key, value in self.workflow_waits.items()})
+        settings = Settings(
+            jobs_table=names["jobs_table"],
+            idempotency_table=names["idempotency_table"],
+            recovery_state_machine_arn=state_machine_arn,
+            event_bus_name=names["event_bus_name"],
+            failure_topic_arn=topic_arn,
+            checkpoint_bucket=names["checkpoint_bucket"],
+            launch_template_id=template_id,
+            launch_template_version="1",
+            checkpoint_document=document_names["checkpoint"],
+            restore_document=document_names["restore"],
+            release_document=document_names["release"],
+            status_document=document_names["status"],
+            store_role_arn=f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
+            job_role_name=names["job_role"],
+            file_system_id=self.file_system_id,
+            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
+            stack_name=principals.function_setting(principals.template(STACK_CONTEXT), ENV["stack_name"]),
+        )
+        waits: dict[str, Any] = dict(self.workflow_waits)  # Settings' numbers by field name
+        self.settings_env = replace(settings, **waits).to_env()
         self._set_env(self.settings_env)
         lambda_client = self.client("lambda")
         function_arns: dict[str, str] = {}
@@ -540,12 +538,13 @@ class LocalCloud:
         rehearsal's boot passes itself is left empty), or bootstrap.sh as is when the stack has no asset."""
         script = BOOTSTRAP_SCRIPT.read_text()
         if asset_url:
-            values = dict.fromkeys(PLACEHOLDER.findall(script), "")
-            values["__SPOTCR_AGENT_ASSET_URL__"] = asset_url
-            values["__SPOTCR_BUCKET__"] = self.names["checkpoint_bucket"]
-            values["__SPOTCR_EVENT_BUS__"] = self.names["event_bus_name"]
-            values["__SPOTCR_STORE_CREDENTIALS_URL__"] = self.store_credentials_url
-            script = render_user_data(script, values)
+            values = VmSettings(
+                agent_asset_url=asset_url,
+                bucket=self.names["checkpoint_bucket"],
+                event_bus=self.names["event_bus_name"],
+                store_credentials_url=self.store_credentials_url,
+            )
+            script = render_user_data(script, values.placeholders())
         return base64.b64encode(script.encode()).decode()
 
     def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:

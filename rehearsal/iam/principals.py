@@ -23,7 +23,7 @@ from typing import Any
 from unittest import mock
 
 from spotcr_functions import catalog
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 
 from rehearsal.iam.policy import Principal
 
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 # What the template is built from: a change to any of these synthesizes again.
 _SOURCES = ("infra", "functions", "statemachines", "vm-bootstrap", "cdk.json")
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spotcr"
-STORE_ROLE_ENV = OPTIONAL_TEXT_ENV["store_role_arn"]
+STORE_ROLE_ENV = ENV["store_role_arn"]
 _LOGICAL_ID = re.compile(r"^(?P<stem>.+)[0-9A-F]{8}$")
 
 

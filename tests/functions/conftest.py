@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 from spotcr_functions.cloud import Cloud
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 
 from tests.functions.support import JOB_ROLE, STORE_ROLE_ARN
 from tests.workflow.conftest import aws_env, plane
@@ -16,8 +16,8 @@ __all__ = ["aws_env", "plane"]
 @pytest.fixture
 def vending(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """The stack's settings for store-credentials; returns the AssumeRole requests the function makes."""
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["store_role_arn"], STORE_ROLE_ARN)
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["job_role_name"], JOB_ROLE)
+    monkeypatch.setenv(ENV["store_role_arn"], STORE_ROLE_ARN)
+    monkeypatch.setenv(ENV["job_role_name"], JOB_ROLE)
     calls: list[dict[str, Any]] = []
     original = Cloud.assume_store_role
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from spotcr_contracts.settings import VmSettings
 
 from infra.vm_launch import BOOTSTRAP_SCRIPT, render_user_data
 from rehearsal import asset, ssm_agent
@@ -25,18 +26,6 @@ SHIMS = {
     "curl": 'for a in "$@"; do case "$a" in https:*amazon-ssm-agent.deb) echo "curl $a" >> "$SHIM_LOG";'
     ' while [ "$1" != -o ]; do shift; done; echo deb > "$2"; exit 0;; esac; done; exec /usr/bin/curl "$@"',
 }
-
-
-PLACEHOLDERS = [
-    "__SPOTCR_AGENT_ASSET_URL__",
-    "__SPOTCR_BUCKET__",
-    "__SPOTCR_EVENT_BUS__",
-    "__SPOTCR_EFS_ID__",
-    "__SPOTCR_EFS_ISOLATION__",
-    "__SPOTCR_FSX_DNS__",
-    "__SPOTCR_FSX_MOUNT_NAME__",
-    "__SPOTCR_STORE_CREDENTIALS_URL__",
-]
 
 
 def _launch_registered(cloud):
@@ -79,16 +68,12 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
     user_data.write_text(
         render_user_data(
             BOOTSTRAP_SCRIPT.read_text(),
-            {
-                "__SPOTCR_AGENT_ASSET_URL__": url,
-                "__SPOTCR_BUCKET__": cloud.names["checkpoint_bucket"],
-                "__SPOTCR_EVENT_BUS__": cloud.names["event_bus_name"],
-                "__SPOTCR_EFS_ID__": "",
-                "__SPOTCR_EFS_ISOLATION__": "",
-                "__SPOTCR_FSX_DNS__": "",
-                "__SPOTCR_FSX_MOUNT_NAME__": "",
-                "__SPOTCR_STORE_CREDENTIALS_URL__": cloud.store_credentials_url,
-            },
+            VmSettings(
+                agent_asset_url=url,
+                bucket=cloud.names["checkpoint_bucket"],
+                event_bus=cloud.names["event_bus_name"],
+                store_credentials_url=cloud.store_credentials_url,
+            ).placeholders(),
         )
     )
     shims = private / "shims"
@@ -141,8 +126,7 @@ def test_a_failing_step_is_named_and_fails_the_user_data(cloud):
     vm = _launch_registered(cloud)
     private = vm.dir("state") / "user-data-test"
     private.mkdir(parents=True)
-    values = {name: "" for name in PLACEHOLDERS}
-    values["__SPOTCR_AGENT_ASSET_URL__"] = "s3://no-such-bucket/agent.zip"
+    values = VmSettings(agent_asset_url="s3://no-such-bucket/agent.zip").placeholders()
     (private / "user-data.sh").write_text(render_user_data(BOOTSTRAP_SCRIPT.read_text(), values))
     (private / "shims").mkdir()
     for name, body in SHIMS.items():

@@ -34,7 +34,7 @@ from moto.stepfunctions.responses import StepFunctionResponse
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import catalog, registry_schema
-from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV, Settings
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
@@ -531,37 +531,32 @@ class ControlPlane:
         self.state_machine_arn = self.sfn.create_state_machine(
             name="spotcr-recovery", definition=definition, roleArn=f"arn:aws:iam::{ACCOUNT}:role/spotcr-recovery"
         )["stateMachineArn"]
-        settings = {
-            "jobs_table": "spotcr-jobs",
-            "idempotency_table": "spotcr-idempotency",
-            "recovery_state_machine_arn": self.state_machine_arn,
-            "event_bus_name": "spotcr-agent",
-            "failure_topic_arn": self.topic_arn,
-            "checkpoint_bucket": "spotcr-checkpoints",
-            "launch_template_id": self.launch_template_id,
-            "launch_template_version": "1",
-            "checkpoint_document": self.documents["checkpoint"],
-            "restore_document": self.documents["restore"],
-            "release_document": self.documents["release"],
-            "status_document": self.documents["status"],
-        }
-        for key, name in ENV.items():
-            monkeypatch.setenv(name, settings[key])
         # The stack's subnets: the two job subnets, not every subnet of the VPC (see test_placement).
         self.vpc_id = vpc_id
-        monkeypatch.setenv(OPTIONAL_TEXT_ENV["subnet_ids"], ",".join(self.subnets.values()))
-        # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
-        stack_name = principals.function_setting(principals.template(STACK_CONTEXT), OPTIONAL_TEXT_ENV["stack_name"])
-        monkeypatch.setenv(OPTIONAL_TEXT_ENV["stack_name"], stack_name)
+        settings = Settings(
+            jobs_table="spotcr-jobs",
+            idempotency_table="spotcr-idempotency",
+            recovery_state_machine_arn=self.state_machine_arn,
+            event_bus_name="spotcr-agent",
+            failure_topic_arn=self.topic_arn,
+            checkpoint_bucket="spotcr-checkpoints",
+            launch_template_id=self.launch_template_id,
+            launch_template_version="1",
+            checkpoint_document=self.documents["checkpoint"],
+            restore_document=self.documents["restore"],
+            release_document=self.documents["release"],
+            status_document=self.documents["status"],
+            final_dump_wait_s=final_dump_wait_s,
+            restore_wait_s=restore_wait_s,
+            poll_s=1,
+            backup_ready_wait_s=30,
+            subnet_ids=tuple(self.subnets.values()),
+            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
+            stack_name=principals.function_setting(principals.template(STACK_CONTEXT), ENV["stack_name"]),
+        )
+        for name, value in settings.to_env().items():
+            monkeypatch.setenv(name, value)
         monkeypatch.setattr(FleetsBackend, "create_fleet", fleet.tagging(FleetsBackend.create_fleet))
-        timing: dict[str, int] = {
-            "final_dump_wait_s": final_dump_wait_s,
-            "restore_wait_s": restore_wait_s,
-            "poll_s": 1,
-            "backup_ready_wait_s": 30,
-        }
-        for key, seconds in timing.items():
-            monkeypatch.setenv(OPTIONAL_ENV[key], str(seconds))
         self.enforcer = self._enforcer()
 
     def _enforcer(self) -> enforce.Enforcer:

@@ -16,7 +16,7 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import recovery
 from spotcr_functions.cloud import Cloud, Instance
-from spotcr_functions.config import OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import InterruptionWarning, RecoveryEnded, Status
 
@@ -85,7 +85,7 @@ def test_a_stopped_or_hibernated_primary_is_terminated_and_its_spot_request_canc
     # Given a job on a persistent spot instance (interruption behaviour stop or hibernate) that will stop before
     # its final dump (hibernation may give no notice), launched from the stack's launch template: spotcr may
     # terminate only instances EC2 tagged with that template (RequestSpotInstances takes no template).
-    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
     spot = {"SpotInstanceType": "persistent", "InstanceInterruptionBehavior": action}
     primary = plane.ec2.run_instances(
         LaunchTemplate={"LaunchTemplateId": plane.launch_template_id},
@@ -350,7 +350,7 @@ def test_a_cross_az_move_deletes_the_replaced_volume_and_its_snapshot(
 def test_a_completed_jobs_volume_goes_with_its_instance_unless_kept(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch, keep: bool
 ) -> None:
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["keep_finished_volumes"], "true" if keep else "false")
+    monkeypatch.setenv(ENV["keep_finished_volumes"], "true" if keep else "false")
     _edge._deps.cache_clear()
     primary = plane.start_job("fin-1", **{tag_names.STORAGE: "ebs"})
     volume = str(plane.job("fin-1").volume_id)

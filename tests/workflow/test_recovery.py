@@ -10,7 +10,7 @@ import pytest
 from moto.ec2.models.elastic_block_store import EBSBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
-from spotcr_functions.config import OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import (
@@ -160,14 +160,14 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     assert [a["InstanceId"] for a in volume["Attachments"]] == [backup]
     # And the volume the move made carries the stack's own tag, which its roles need to attach, move and delete it
     stack_tag = {t["Key"]: t["Value"] for t in volume["Tags"]}[tag_names.STACK]
-    assert stack_tag == os.environ[OPTIONAL_TEXT_ENV["stack_name"]]
+    assert stack_tag == os.environ[ENV["stack_name"]]
 
 
 def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given an EBS job whose backup lands in another AZ, and a snapshot that never completes
-    monkeypatch.setenv(OPTIONAL_ENV["ebs_handover_s"], "2")
+    monkeypatch.setenv(ENV["ebs_handover_s"], "2")
     primary = plane.start_job("fem-9", **{tag_names.STORAGE: "ebs"})
     periodic = commit(plane, "fem-9", primary, 0, "periodic")
     _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
@@ -337,8 +337,8 @@ def test_a_restore_that_never_answers_is_not_followed_by_a_second_one(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given short waits, and a job with two periodic checkpoints
-    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
-    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(ENV["restore_wait_s"], "1")
     primary = plane.start_job("quiet-1")
     older = commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
     newest = commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
