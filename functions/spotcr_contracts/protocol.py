@@ -29,28 +29,28 @@ Who may record
    instance that runs the job while it is active, or while it recovers the interrupted instance (its final
    dump) until the restore is ordered (`Registry.close_generation`). After that its dumps are late and MUST NOT
    be recorded. The checkpoint it replaces becomes the fallback for a failed restore.
-7. Only facts from authenticated sources move the job: a checkpoint, a restore and an exit are taken from SSM's
-   report of a command on that instance, never from an event a job VM can put on the bus.
+7. Only facts from authenticated sources MUST move the job: a checkpoint, a restore and an exit are taken from
+   SSM's report of a command on that instance, never from an event a job VM can put on the bus.
 
 One live copy
 8. A checkpoint MUST NOT be restored until the interrupted instance's copy of the job is known gone: it is
    terminated, stopped, or its final dump at this generation ended the job there (`job_gone_from`) and it was
    not started again since the warning (`restarted`).
-9. Exactly one backup MUST be recorded per generation; a backup launched for a generation that moved on SHOULD
-   be terminated at once.
+9. A backup MUST be recorded only while its generation recovers (`Registry.record_backup`); a backup launched
+   for a generation that moved on SHOULD be terminated at once.
 
 Exactly one end
 10. A job MUST end (COMPLETED, FAILED or CANCELLED) by one write conditional on the record as read: the first
     such write wins, and a record that ended MUST NOT be written again by any end (`exit_ends_job` is None).
     Only a new registration of the same name replaces an ended record.
-11. An exit ends the job only when it comes from the instance the job runs on at its generation, from the backup
+11. An exit MUST end the job only when it comes from the instance the job runs on at its generation, from the backup
     right after its restore, or from the interrupted primary just before its final dump (`exit_ends_job`).
 12. A recovery that gives up MUST fail only the generation it recovers; a job that ended meanwhile keeps its end.
 
 Run `python -m spotcr_contracts.protocol` to print this text as the page docs/design/protocol.md.
-
-Standard library only: this package is shipped to job VMs beside the agent.
 """
+
+# Standard library only: this package is shipped to job VMs beside the agent.
 
 from __future__ import annotations
 

@@ -307,10 +307,12 @@ class Registry:
         """Why this generation's backup launched from the template's image."""
         return self._write(job_id, {"image_warning": warning}, condition=_at(generation))
 
-    def record_handover(self, job_id: str, generation: int, *, snapshot_id: str = "", volume_id: str = "") -> None:
+    def record_handover(
+        self, job_id: str, generation: int, *, snapshot_id: str = "", volume_id: str = ""
+    ) -> JobRecord | None:
         """A step of the EBS hand-over to another AZ: the snapshot taken, then the volume made from it."""
         values = {"handover_snapshot_id": snapshot_id} if snapshot_id else {"handover_volume_id": volume_id}
-        self._write(job_id, values, condition=_at(generation))
+        return self._write(job_id, values, condition=_at(generation))
 
     def close_generation(self, job_id: str, generation: int, at: str) -> JobRecord | None:
         """The recovery orders a restore: from now on the interrupted instance's checkpoints of this generation are
