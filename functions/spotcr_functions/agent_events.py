@@ -268,12 +268,10 @@ def ask_exit(deps: Deps, record: JobRecord, instance_id: str) -> str:
 
 
 def end_from_exit(deps: Deps, record: JobRecord, event: events.JobExited) -> dict[str, Any]:
-    """Exactly one end: the first write that finds the job still running on the exit's instance ends it. `event` is
-    the exit as SSM's status command reported it on that instance (exits.on_status_command), never the bus's.
-
-    The write is conditional on the record as read; when anything moved in between (a periodic dump claimed,
-    a checkpoint recorded, a restore finished) it is retried against the fresh record, never dropped. A record
-    already COMPLETED or FAILED is never written again, so duplicates and late copies change nothing.
+    """Exactly one end (spotcr_contracts.protocol, rules 10 and 11). `event` is the exit as SSM's status command
+    reported it on that instance (exits.on_status_command), never the bus's. When anything moved between the read
+    and the end (a periodic dump claimed, a checkpoint recorded, a restore finished) the end is retried against the
+    fresh record, never dropped.
     """
     # An exit without the files the job declared (spotcr:result) is no success, whatever its code.
     status = Status.COMPLETED if event.exit_code == 0 and not event.result_missing else Status.FAILED
@@ -355,10 +353,9 @@ def _stop_recovery(deps: Deps, record: JobRecord, ran_on: str, reason: str) -> N
 
 
 def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:
-    """Newest committed checkpoint wins; the one it replaces becomes the fallback for a failed restore.
-
-    The write is conditional on the record as read (generation, checkpoint, and who may record), so a bump, a
-    Finish or a closed generation in between is seen: re-read and decided again."""
+    """Who may record and the order (spotcr_contracts.protocol, rules 4 and 6), decided on the record as read and
+    checked again by the write (Registry.record_checkpoint): a bump, a Finish or a closed generation in between is
+    seen, re-read and decided again."""
     for _ in range(3):
         if not may_record(record, instance_id) or not is_newer(record, checkpoint_id):
             return False

@@ -525,11 +525,8 @@ def _retire_primary(deps: Deps, record: JobRecord) -> None:
     persistent spot request cancelled, so a stopped or hibernated primary that EC2 starts again later cannot resume
     the job (hibernation resumes its processes from RAM before any agent could fence them).
 
-    Invariant (at most one live copy): a checkpoint is restored only once the old copy is known dead. The restore
-    waits (PrimaryStillRunning, retried by the workflow) until EC2 says the primary is gone, unless nothing of the
-    job can run there: it is stopped or terminated, or at this generation its final dump committed (CRIU ends the
-    job's processes) or failed with the agent's confirmed kill (the agent fences a stopped job off that VM), and
-    the instance was not started again since the warning."""
+    One live copy (spotcr_contracts.protocol, rule 8): the restore waits (PrimaryStillRunning, retried by the
+    workflow) until EC2 says the primary is gone, unless nothing of the job can run there."""
     instance_id = record.recovering_from
     if not instance_id or instance_id == record.backup_instance_id:
         return
