@@ -14,8 +14,8 @@ from typing import Any
 from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
 from spotcr_functions.cloud import client_token
-from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
-from spotcr_functions.registry import WAIT_KEYS
+from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
+from spotcr_functions.registry import Registry
 
 from spotcr_cli import jobs
 from spotcr_cli.aws import Cloud, CommandError
@@ -109,22 +109,6 @@ def submit(
     }
 
 
-def _update(
-    cloud: Cloud, job_id: str, set_values: Mapping[str, Any], remove: tuple[str, ...], seen: JobRecord
-) -> JobRecord | None:
-    """One conditional write against the record as read (generation and state), as the control plane writes."""
-    from spotcr_functions.registry import Registry
-
-    registry = Registry(cloud.stack.job_table, session=_Session(cloud))
-    return registry.update(
-        job_id,
-        set_values,
-        remove=remove,
-        condition="#generation = :g AND #status = :s",
-        condition_values={":g": seen.generation, ":s": seen.status.value},
-    )
-
-
 class _Session:
     """What Registry asks of a boto3 session: a DynamoDB resource at the command's endpoint."""
 
@@ -141,17 +125,13 @@ def cancel(cloud: Cloud, job_id: str, *, delete_checkpoints: bool, say: Say) -> 
     """CANCELLED first (so nothing orders a dump or starts a recovery), then stop its workflow and its VMs."""
     record = jobs.get_record(cloud, job_id)
     was = record.status
+    registry = Registry(cloud.stack.job_table, session=_Session(cloud))
     for _ in range(5):
         if record.status in ENDED:
             say(f"job {job_id} is {record.status} already")
             break
-        cancelled = _update(
-            cloud,
-            job_id,
-            {"status": Status.CANCELLED.value, "reason": "cancelled by the user (spotcr cancel)", "updated_at": _now()},
-            ("next_checkpoint_at",),
-            record,
-        )
+        why = {"reason": "cancelled by the user (spotcr cancel)", "updated_at": _now()}
+        cancelled = registry.end(record, Status.CANCELLED, why)
         if cancelled is not None:
             say(f"job {job_id} cancelled (was {record.status}, generation {record.generation})")
             record = cancelled
@@ -263,31 +243,9 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
             f"checkpoint {checkpoint_id} is not committed for job {job_id} (spotcr checkpoints {job_id})"
         )
     older = [c for c in ids if checkpoint_order(c) < checkpoint_order(checkpoint_id)]
-    at = _now()
-    waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
-    fenced = _update(
-        cloud,
-        job_id,
-        {
-            "generation": record.generation + 1,
-            "status": Status.RECOVERING.value,
-            "recovering_from": record.instance_id,
-            "interrupted_at": at,
-            "updated_at": at,
-            "checkpoint_id": checkpoint_id,
-            **({"previous_checkpoint_id": older[-1]} if older else {}),
-        },
-        (
-            "next_checkpoint_at",
-            "backup_instance_id",
-            "backup_az",
-            "handover_snapshot_id",
-            "handover_volume_id",
-            *waits,
-            *(() if older else ("previous_checkpoint_id",)),
-        ),
-        record,
-    )
+    # The same fencing write as an interruption's (the control plane's transition), naming the chosen checkpoint.
+    registry = Registry(cloud.stack.job_table, session=_Session(cloud))
+    fenced = registry.fence_for_restore(record, checkpoint_id, older[-1] if older else None, _now())
     if fenced is None:
         raise CommandError(f"job {job_id} changed while the restore was ordered; look at spotcr status {job_id}")
     # The stack's own waits are the functions' settings; their defaults are what a deployed stack uses.

@@ -16,8 +16,8 @@ from spotcr_cli import actions
 from spotcr_cli.aws import Cloud, CommandError
 from spotcr_cli.main import main
 from spotcr_contracts import events
+from spotcr_contracts.protocol import exit_ends_job
 from spotcr_functions import registry_schema
-from spotcr_functions.agent_events import exit_ends_job
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.registry import Registry
 

@@ -127,7 +127,7 @@ def test_the_scan_finds_calls_made_every_way_the_command_makes_them() -> None:
     assert "ec2:RunInstances" in calls  # ec2 = cloud.client("ec2"); ec2.run_instances
     assert "ec2:TerminateInstances" in calls  # cloud.client("ec2").terminate_instances
     assert "dynamodb:Scan" in calls  # a paginator
-    assert "dynamodb:UpdateItem" in calls  # through Registry.update
+    assert "dynamodb:UpdateItem" in calls  # through the registry's transitions
     assert "ssm:SendCommand" in calls  # a parameter named ssm (spotcr probe --instance)
     assert "pricing:GetProducts" in calls  # boto3.client("pricing", ...)
     assert "iam:PassRole" in calls  # implied by RunInstances
