@@ -8,7 +8,8 @@ real ASL). The rehearsal adds, in-process and only here:
 - SSM Run Command: the document's agent command runs inside the target local VM, once that VM's
   SSM agent stand-in registered (rehearsal/ssm.py: SendCommand refuses others with InvalidInstanceId);
 - Lambda function URLs: the store-credentials URL (AuthType AWS_IAM) has a stand-in on the VMs' network that
-  knows the caller by its VM address (rehearsal/store_credentials.py) and calls the real handler;
+  checks the SigV4 signature and the caller's and the function's policies (rehearsal/store_credentials.py) and
+  calls the real handler;
 - EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
   instance state-change events are emitted as AWS emits them;
 - FIS: StartExperiment of an `aws:ec2:send-spot-instance-interruptions` template does what FIS does to its
@@ -29,6 +30,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -202,14 +204,6 @@ class LocalCloud:
         self.network = VmNetwork.create()
         self._vm_listener = _listen_for_vms(self.network.gateway, port)
         self.vm_endpoint = f"http://{self.network.gateway}:{port}"
-        self._store_credentials = local_store_credentials.serve(
-            self.network.gateway,
-            account=ACCOUNT,
-            role_name=self.names["job_role"],
-            instance_at=self._instance_at,
-            handler=self._vend_store_credentials,
-        )
-        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
         reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
         urllib.request.urlopen(reset).close()  # noqa: S310 (http to the server just started)
@@ -249,6 +243,15 @@ class LocalCloud:
         # From here on every call but the deployer's is evaluated against the synthesized stack's IAM.
         self.enforcer = self._enforcer()
         self._iam.enter_context(enforce.enforced(self.enforcer))
+        self._store_credentials = local_store_credentials.serve(
+            self.network.gateway,
+            account=ACCOUNT,
+            region=REGION,
+            store=principals.store_credentials_address(self._local(), principals.template(STACK_CONTEXT)),
+            enforcer=self.enforcer,
+            handler=self._vend_store_credentials,
+        )
+        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
 
@@ -333,8 +336,9 @@ class LocalCloud:
         session = f"arn:aws:sts::{ACCOUNT}:assumed-role/{self.names['job_role']}/{instance_id}"
         instance_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"
         principal = Principal(session, self._job_policies)
-        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn})
-        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "instance-profile"}
+        secret = secrets.token_hex(20)  # its own: what AWS checks a signature with (the function URL stand-in)
+        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn}, secret)
+        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
 
     def _create_stack(self) -> None:
         """The resources `cdk deploy` creates, built from the same definitions infra/ uses."""
@@ -443,9 +447,8 @@ class LocalCloud:
                     Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
                 )
 
-    def _enforcer(self) -> enforce.Enforcer:
-        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
-        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
+    def _local(self) -> principals.Local:
+        """Where the stack's resources are in this cloud."""
         names = self.names
         env = self.settings_env
         local_names = {
@@ -461,8 +464,12 @@ class LocalCloud:
             "WorkflowRecovery": names["state_machine"],
             **{f"VmLaunchDocument{c}": env[ENV[f"{c}_document"]] for c in COMMANDS},
         }
-        local = principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
-        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
+        return principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
+
+    def _enforcer(self) -> enforce.Enforcer:
+        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
+        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
+        roles = principals.stack_roles(self._local(), principals.template(STACK_CONTEXT))
         keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
         keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
         # Each job VM signs as its own session of the job role (instance_env).
@@ -914,12 +921,6 @@ class LocalCloud:
             with self._lock:
                 self.store_credentials_granted[instance_id] = self.store_credentials_granted.get(instance_id, 0) + 1
         return response
-
-    def _instance_at(self, address: str) -> str | None:
-        """The running local VM with this address on the bridge (each VM has its own)."""
-        with self._lock:
-            running = (vm for vm in self.vms.values() if vm.address == address and not vm.terminated)
-            return next((vm.instance_id for vm in running), None)
 
     def _terminated(self, backend: Any, instance_id: str) -> None:
         vm = self.vms.get(instance_id)
