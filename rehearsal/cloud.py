@@ -59,7 +59,8 @@ from rehearsal import asset, fleet
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
-from rehearsal.iam.policy import Principal
+from rehearsal.iam import requests as iam_requests
+from rehearsal.iam.policy import Principal, Request
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -156,6 +157,7 @@ class LocalCloud:
             "launch_template": f"{PREFIX}-job-vm",
             "job_role": f"{PREFIX}-job",
             "store_role": f"{PREFIX}-job-store",
+            "fis_role": f"{PREFIX}-fis",  # the stack's FaultInjectionRole: FIS acts as it in experiments
         }
         self.settings_env: dict[str, str] = {}
         self._functions: dict[str, catalog.Function] = {}
@@ -461,6 +463,7 @@ class LocalCloud:
             "VmLaunchJobLaunchTemplate": env[ENV["launch_template_id"]],
             "VmLaunchJobRole": names["job_role"],
             "StoreAccessStoreRole": names["store_role"],
+            "FaultInjectionRole": names["fis_role"],
             "WorkflowRecovery": names["state_machine"],
             **{f"VmLaunchDocument{c}": env[ENV[f"{c}_document"]] for c in COMMANDS},
         }
@@ -504,7 +507,8 @@ class LocalCloud:
         outputs["EfsFileSystemId"] = self.file_system_id
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
-                clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
+                clientToken=str(uuid.uuid4()),
+                **fis_templates.template(kind, f"arn:aws:iam::{ACCOUNT}:role/{self.names['fis_role']}"),
             )
             outputs[output] = created["experimentTemplate"]["id"]
         self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
@@ -655,7 +659,11 @@ class LocalCloud:
                         continue
                     duration = fis_templates.duration_s(action.get("parameters", {}).get("durationBeforeInterruption"))
                     for target_name in action.get("targets", {}).values():
-                        for instance_id in _spot_targets(ec2, experiment.targets.get(target_name, {})):
+                        targets = _spot_targets(ec2, experiment.targets.get(target_name, {}))
+                        if not cloud._fis_may_interrupt(experiment, targets):
+                            experiment.status = "failed"  # as FIS fails an experiment its role may not run
+                            return started
+                        for instance_id in targets:
                             cloud.spawn(cloud._fis_interrupt, instance_id, duration, name=f"fis-{instance_id}")
                 return started
 
@@ -671,6 +679,24 @@ class LocalCloud:
             thread.join(max(0.0, deadline - time.monotonic()))
         if late := [t.name for t in threads if t.is_alive()]:
             logging.getLogger(__name__).warning("local cloud stopped with threads still running: %s", late)
+
+    def _fis_may_interrupt(self, experiment: Any, instance_ids: list[str]) -> bool:
+        """FIS acts as the experiment's role: it finds the targets (DescribeInstances), then interrupts each."""
+        assert self.enforcer is not None, "experiments start only while the cloud runs"
+        role = self.enforcer.roles.get(experiment.role_arn)
+        if role is None:
+            self.timeline.say(f"! FIS: the experiment's role {experiment.role_arn} is no role of the stack")
+            return False
+        interrupt = iam_requests.Call(
+            "ec2", "SendSpotInstanceInterruptions", {"InstanceIds": instance_ids}, REGION, ACCOUNT
+        )
+        requests = [Request("ec2:DescribeInstances", "*")]
+        if instance_ids:
+            requests += iam_requests.requests_for(interrupt, enforce.MotoState(ACCOUNT, REGION))
+        decision = self.enforcer.authorize_as(role, ACCOUNT, requests)
+        if not decision.allowed:
+            self.timeline.say(f"! FIS experiment {experiment.id} failed: {decision.reason}")
+        return decision.allowed
 
     def _fis_interrupt(self, instance_id: str, duration_s: float) -> None:
         """What FIS's send-spot-instance-interruptions does to one instance, with its two minutes as fis_notice_s."""

@@ -160,7 +160,17 @@ class Enforcer:
         principal = self.principal(key, account)
         if principal is None:
             return None, Decision(False, f"the access key {key!r} is no spotcr principal's")
-        extra = {"aws:PrincipalAccount": account, **self.contexts.get(key, {})}
+        return principal, self.authorize_as(principal, account, requests, self.contexts.get(key, {}))
+
+    def authorize_as(
+        self,
+        principal: Principal,
+        account: str,
+        requests: Sequence[Request],
+        context: Mapping[str, ContextValue] | None = None,
+    ) -> Decision:
+        """What an AWS service does as a principal it holds no key of here (FIS as its experiment's role)."""
+        extra = {"aws:PrincipalAccount": account, **(context or {})}
         full = tuple(Request(r.action, r.resource, {**extra, **r.context}, r.resource_policy) for r in requests)
         try:
             decision = evaluate_all(principal, full)
@@ -170,7 +180,7 @@ class Enforcer:
             self.evaluated.extend((principal.arn, r.action) for r in full)
             if not decision.allowed:
                 self.denials.append(Denial(principal.arn, full, decision.reason))
-        return principal, decision
+        return decision
 
     def principal(self, key: str, account: str) -> Principal | None:
         if key in self.keys:

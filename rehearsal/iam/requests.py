@@ -473,6 +473,7 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
     ("ec2", "RunInstances"): _ec2_run_instances,
     ("ec2", "CreateFleet"): _ec2_create_fleet,
     ("ec2", "TerminateInstances"): _ec2_on_instances,
+    ("ec2", "SendSpotInstanceInterruptions"): _ec2_on_instances,  # FIS's aws:ec2:send-spot-instance-interruptions
     ("ec2", "StopInstances"): _ec2_on_instances,
     ("ec2", "CancelSpotInstanceRequests"): _ec2_cancel_spot,
     ("ec2", "CreateVolume"): _ec2_create_volume,
