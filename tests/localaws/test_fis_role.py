@@ -46,6 +46,8 @@ def fis_role(cloud: LocalCloud) -> str:
 
 def test_fis_interrupts_as_the_stacks_fault_injection_role_and_fails_without_its_grant(cloud: LocalCloud) -> None:
     # Given a running spot instance carrying the interrupt marker
+    enforcer = cloud.enforcer
+    assert enforcer is not None
     vm = marked_spot_vm(cloud)
     # When the stack's interrupt experiment starts
     experiment = interrupt(cloud)
@@ -53,15 +55,15 @@ def test_fis_interrupts_as_the_stacks_fault_injection_role_and_fails_without_its
     role = fis_role(cloud)
     assert experiment["roleArn"] == role and experiment["state"]["status"] != "failed"
     wait_for(lambda: vm.imds.instance_action)
-    assert (role, "ec2:SendSpotInstanceInterruptions") in cloud.enforcer.evaluated
-    assert cloud.enforcer.denials == []
+    assert (role, "ec2:SendSpotInstanceInterruptions") in enforcer.evaluated
+    assert enforcer.denials == []
 
     # Given the role without ec2:SendSpotInstanceInterruptions, and another marked spot instance
-    removed = principals.without_grant(cloud.enforcer.roles[role], "ec2:SendSpotInstanceInterruptions")
-    cloud.enforcer.roles = {**cloud.enforcer.roles, role: removed}
+    removed = principals.without_grant(enforcer.roles[role], "ec2:SendSpotInstanceInterruptions")
+    enforcer.roles = {**enforcer.roles, role: removed}
     other = marked_spot_vm(cloud)
     # Then the experiment fails as FIS fails it, naming the refused action, and that instance gets no notice
     assert interrupt(cloud)["state"]["status"] == "failed"
-    (denial,) = cloud.enforcer.denials
+    (denial,) = enforcer.denials
     assert denial.principal == role and "ec2:SendSpotInstanceInterruptions" in denial.reason
     assert not other.imds.instance_action
