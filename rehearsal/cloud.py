@@ -488,6 +488,7 @@ class LocalCloud:
             trusted={"testing": "the rehearsal"},
             roles={role.arn: role.principal() for role in roles.all()},
             state=enforce.MotoState(ACCOUNT, REGION),
+            resource_policies=principals.resource_policies(self._local(), principals.template(STACK_CONTEXT)),
         )
 
     def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:

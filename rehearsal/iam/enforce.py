@@ -135,6 +135,9 @@ class Enforcer:
     contexts: dict[str, Mapping[str, ContextValue]] = field(default_factory=dict)
     # access key id -> its secret, for what verifies a SigV4 signature itself (the function URL stand-in)
     secrets: dict[str, str] = field(default_factory=dict)
+    # resource ARN -> its own policy (principals.resource_policies): evaluated with the caller's where a call
+    # crosses it; an object's is its bucket's
+    resource_policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     denials: list[Denial] = field(default_factory=list)
     evaluated: list[tuple[str, str]] = field(default_factory=list)  # (principal ARN, service:operation)
     _session_tags: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
@@ -214,11 +217,13 @@ class Enforcer:
             return Decision(False, f"the access key {key!r} is no spotcr principal's: {name} refused")
         common: dict[str, ContextValue] = {"aws:PrincipalArn": principal.arn, "aws:PrincipalAccount": call.account}
         common["aws:RequestedRegion"] = call.region
+        # Production clients reach AWS over TLS (botocore's default); the local AWS is plain http on loopback.
+        common["aws:SecureTransport"] = True
         common.update(self.contexts.get(key, {}))
         requests: tuple[Request, ...] = ()
         try:
             requests = tuple(
-                Request(r.action, r.resource, {**common, **r.context}, r.resource_policy)
+                Request(r.action, r.resource, {**common, **r.context}, r.resource_policy or self._guarding(r.resource))
                 for r in iam_requests.requests_for(call, self.state)
             )
             # An operation that asks nothing (sts:GetCallerIdentity) needs no permission.
@@ -238,6 +243,10 @@ class Enforcer:
         if not decision.allowed:
             log.warning("IAM denied %s: %s (%s)", principal.arn, name, decision.reason)
         return decision
+
+    def _guarding(self, resource: str) -> Mapping[str, Any] | None:
+        """The policy of the resource, or of the bucket an object is in."""
+        return self.resource_policies.get(resource) or self.resource_policies.get(resource.split("/", 1)[0])
 
     def denied_message(self, principal_arn: str, decision: Decision, call: iam_requests.Call) -> str:
         with self._lock:  # this call's denial: another thread's may have come after it

@@ -153,6 +153,7 @@ class Resolver:
             "AWS::SQS::Queue": f"arn:aws:sqs:{region}:{account}:{name}",
             "AWS::KMS::Key": f"arn:aws:kms:{region}:{account}:key/{name}",
             "AWS::Events::EventBus": f"arn:aws:events:{region}:{account}:event-bus/{name}",
+            "AWS::Events::Rule": f"arn:aws:events:{region}:{account}:rule/{name}",
             "AWS::IAM::Role": f"arn:aws:iam::{account}:role/{name}",
             "AWS::IAM::InstanceProfile": f"arn:aws:iam::{account}:instance-profile/{name}",
             "AWS::Lambda::Function": f"arn:aws:lambda:{region}:{account}:function:{name}",
@@ -438,3 +439,21 @@ def _private_api(resources: Mapping[str, Any], resolve: Resolver, api_id: str) -
     policy = json.loads(json.dumps(resolve(properties["Policy"])).replace('"execute-api:/', f'"{api_arn}'))
     requests = iam_requests.api_invoke(f"{api_arn}{stage}/GET/", str(resolve(endpoint)), policy)
     return StoreCredentialsAddress("execute-api", tuple(requests))
+
+
+def resource_policies(local: Local, synthesized: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The stack's resource policies by the ARN of the resource they guard: its buckets' policies and its Lambda
+    functions' permissions, resolved in `local` (a call on an object is guarded by its bucket's policy)."""
+    resources = dict(synthesized["Resources"])
+    resolve = Resolver(resources, local)
+    found: dict[str, Mapping[str, Any]] = {}
+    for logical_id, resource in resources.items():
+        properties = resource.get("Properties", {})
+        if resource["Type"] == "AWS::S3::BucketPolicy":
+            found[f"arn:aws:s3:::{resolve(properties['Bucket'])}"] = resolve(properties["PolicyDocument"])
+        elif resource["Type"] == "AWS::Lambda::Function":
+            function_arn = resolve.arn(logical_id)
+            policy = _function_policy(resources, resolve, function_arn)
+            if policy is not None:
+                found[function_arn] = policy
+    return found

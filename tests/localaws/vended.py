@@ -37,6 +37,7 @@ class Enforced:
             trusted={"testing": "the test, building the world"},
             roles={self.roles.store.arn: self.roles.store.principal()},
             state=enforce.MotoState(ACCOUNT, REGION),
+            resource_policies=principals.resource_policies(local, principals.template()),
         )
 
     def job_vm(self, instance_id: str) -> str:

@@ -1,4 +1,5 @@
-"""On S3 the store signs with its vended session: the store role's grants and the run's session policy bound it."""
+"""On S3 the store signs with its vended session: the store role's grants, the run's session policy and the bucket's
+policy (all from the synthesized template) bound it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def test_a_session_vended_for_another_job_cannot_write_this_jobs_checkpoints(s3_
     with pytest.raises(StoreUnavailable, match="AccessDenied"):
         store.commit(images(tmp_path / "a", 1), meta(1))
     assert "(implicit deny)" in s3_iam.enforcer.denials[-1].reason
+
+
+def test_the_bucket_policy_refuses_a_store_session_over_plain_http(s3_iam: Enforced, tmp_path: Path) -> None:
+    # Given a store whose session the identity policies allow, but whose requests would travel without TLS
+    session = s3_iam.store_session(JOB, RUN)
+    s3_iam.enforcer.contexts[session.get_credentials().access_key] = {"aws:SecureTransport": False}
+    store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=session, run_id=RUN)
+    # Then the checkpoint bucket's own policy denies it, whatever the identity policies allow
+    with pytest.raises(StoreUnavailable, match="AccessDenied"):
+        store.commit(images(tmp_path / "a", 1), meta(1))
+    assert "explicit deny" in s3_iam.enforcer.denials[-1].reason
+    assert "resource policy" in s3_iam.enforcer.denials[-1].reason
