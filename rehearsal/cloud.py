@@ -8,7 +8,8 @@ real ASL). The rehearsal adds, in-process and only here:
 - SSM Run Command: the document's agent command runs inside the target local VM, once that VM's
   SSM agent stand-in registered (rehearsal/ssm.py: SendCommand refuses others with InvalidInstanceId);
 - Lambda function URLs: the store-credentials URL (AuthType AWS_IAM) has a stand-in on the VMs' network that
-  knows the caller by its VM address (rehearsal/store_credentials.py) and calls the real handler;
+  checks the SigV4 signature and the caller's and the function's policies (rehearsal/store_credentials.py) and
+  calls the real handler;
 - EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
   instance state-change events are emitted as AWS emits them;
 - FIS: StartExperiment of an `aws:ec2:send-spot-instance-interruptions` template does what FIS does to its
@@ -29,6 +30,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -58,7 +60,8 @@ from rehearsal import asset, fleet
 from rehearsal import ssm as local_ssm
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
-from rehearsal.iam.policy import Principal
+from rehearsal.iam import requests as iam_requests
+from rehearsal.iam.policy import Principal, Request
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
@@ -155,6 +158,7 @@ class LocalCloud:
             "launch_template": f"{PREFIX}-job-vm",
             "job_role": f"{PREFIX}-job",
             "store_role": f"{PREFIX}-job-store",
+            "fis_role": f"{PREFIX}-fis",  # the stack's FaultInjectionRole: FIS acts as it in experiments
         }
         self.settings_env: dict[str, str] = {}
         self._functions: dict[str, catalog.Function] = {}
@@ -203,14 +207,6 @@ class LocalCloud:
         self.network = VmNetwork.create()
         self._vm_listener = _listen_for_vms(self.network.gateway, port)
         self.vm_endpoint = f"http://{self.network.gateway}:{port}"
-        self._store_credentials = local_store_credentials.serve(
-            self.network.gateway,
-            account=ACCOUNT,
-            role_name=self.names["job_role"],
-            instance_at=self._instance_at,
-            handler=self._vend_store_credentials,
-        )
-        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
         reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
         urllib.request.urlopen(reset).close()  # noqa: S310 (http to the server just started)
@@ -250,6 +246,15 @@ class LocalCloud:
         # From here on every call but the deployer's is evaluated against the synthesized stack's IAM.
         self.enforcer = self._enforcer()
         self._iam.enter_context(enforce.enforced(self.enforcer))
+        self._store_credentials = local_store_credentials.serve(
+            self.network.gateway,
+            account=ACCOUNT,
+            region=REGION,
+            store=principals.store_credentials_address(self._local(), principals.template(STACK_CONTEXT)),
+            enforcer=self.enforcer,
+            handler=self._vend_store_credentials,
+        )
+        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
 
@@ -334,8 +339,9 @@ class LocalCloud:
         session = f"arn:aws:sts::{ACCOUNT}:assumed-role/{self.names['job_role']}/{instance_id}"
         instance_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"
         principal = Principal(session, self._job_policies)
-        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn})
-        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "instance-profile"}
+        secret = secrets.token_hex(20)  # its own: what AWS checks a signature with (the function URL stand-in)
+        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn}, secret)
+        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
 
     def _create_stack(self) -> None:
         """The resources `cdk deploy` creates, built from the same definitions infra/ uses."""
@@ -441,9 +447,8 @@ class LocalCloud:
                     Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
                 )
 
-    def _enforcer(self) -> enforce.Enforcer:
-        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
-        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
+    def _local(self) -> principals.Local:
+        """Where the stack's resources are in this cloud."""
         names = self.names
         env = self.settings_env
         local_names = {
@@ -456,11 +461,16 @@ class LocalCloud:
             "VmLaunchJobLaunchTemplate": env[ENV["launch_template_id"]],
             "VmLaunchJobRole": names["job_role"],
             "StoreAccessStoreRole": names["store_role"],
+            "FaultInjectionRole": names["fis_role"],
             "WorkflowRecovery": names["state_machine"],
             **{f"VmLaunchDocument{c}": env[ENV[f"{c}_document"]] for c in COMMANDS},
         }
-        local = principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
-        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
+        return principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
+
+    def _enforcer(self) -> enforce.Enforcer:
+        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
+        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
+        roles = principals.stack_roles(self._local(), principals.template(STACK_CONTEXT))
         keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
         keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
         # Each job VM signs as its own session of the job role (instance_env).
@@ -476,6 +486,7 @@ class LocalCloud:
             trusted={"testing": "the rehearsal"},
             roles={role.arn: role.principal() for role in roles.all()},
             state=enforce.MotoState(ACCOUNT, REGION),
+            resource_policies=principals.resource_policies(self._local(), principals.template(STACK_CONTEXT)),
         )
 
     def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:
@@ -495,7 +506,8 @@ class LocalCloud:
         outputs["EfsFileSystemId"] = self.file_system_id
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
-                clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
+                clientToken=str(uuid.uuid4()),
+                **fis_templates.template(kind, f"arn:aws:iam::{ACCOUNT}:role/{self.names['fis_role']}"),
             )
             outputs[output] = created["experimentTemplate"]["id"]
         self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
@@ -647,7 +659,11 @@ class LocalCloud:
                         continue
                     duration = fis_templates.duration_s(action.get("parameters", {}).get("durationBeforeInterruption"))
                     for target_name in action.get("targets", {}).values():
-                        for instance_id in _spot_targets(ec2, experiment.targets.get(target_name, {})):
+                        targets = _spot_targets(ec2, experiment.targets.get(target_name, {}))
+                        if not cloud._fis_may_interrupt(experiment, targets):
+                            experiment.status = "failed"  # as FIS fails an experiment its role may not run
+                            return started
+                        for instance_id in targets:
                             cloud.spawn(cloud._fis_interrupt, instance_id, duration, name=f"fis-{instance_id}")
                 return started
 
@@ -663,6 +679,24 @@ class LocalCloud:
             thread.join(max(0.0, deadline - time.monotonic()))
         if late := [t.name for t in threads if t.is_alive()]:
             logging.getLogger(__name__).warning("local cloud stopped with threads still running: %s", late)
+
+    def _fis_may_interrupt(self, experiment: Any, instance_ids: list[str]) -> bool:
+        """FIS acts as the experiment's role: it finds the targets (DescribeInstances), then interrupts each."""
+        assert self.enforcer is not None, "experiments start only while the cloud runs"
+        role = self.enforcer.roles.get(experiment.role_arn)
+        if role is None:
+            self.timeline.say(f"! FIS: the experiment's role {experiment.role_arn} is no role of the stack")
+            return False
+        interrupt = iam_requests.Call(
+            "ec2", "SendSpotInstanceInterruptions", {"InstanceIds": instance_ids}, REGION, ACCOUNT
+        )
+        requests = [Request("ec2:DescribeInstances", "*")]
+        if instance_ids:
+            requests += iam_requests.requests_for(interrupt, enforce.MotoState(ACCOUNT, REGION))
+        decision = self.enforcer.authorize_as(role, ACCOUNT, requests)
+        if not decision.allowed:
+            self.timeline.say(f"! FIS experiment {experiment.id} failed: {decision.reason}")
+        return decision.allowed
 
     def _fis_interrupt(self, instance_id: str, duration_s: float) -> None:
         """What FIS's send-spot-instance-interruptions does to one instance, with its two minutes as fis_notice_s."""
@@ -913,12 +947,6 @@ class LocalCloud:
             with self._lock:
                 self.store_credentials_granted[instance_id] = self.store_credentials_granted.get(instance_id, 0) + 1
         return response
-
-    def _instance_at(self, address: str) -> str | None:
-        """The running local VM with this address on the bridge (each VM has its own)."""
-        with self._lock:
-            running = (vm for vm in self.vms.values() if vm.address == address and not vm.terminated)
-            return next((vm.instance_id for vm in running), None)
 
     def _terminated(self, backend: Any, instance_id: str) -> None:
         vm = self.vms.get(instance_id)

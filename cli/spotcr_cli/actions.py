@@ -69,7 +69,8 @@ def submit(
     on_demand: bool,
     say: Say,
 ) -> dict[str, Any]:
-    """Launch an instance from the stack's launch template with the job's tags, or tag a running one.
+    """Launch an instance from the stack's launch template with the job's tags, or tag a running one launched from
+    that template (the stack's grants command and terminate only those).
 
     The template names no instance type (EC2 would launch an m1.small): a launch needs one."""
     ec2 = cloud.client("ec2")
@@ -79,6 +80,13 @@ def submit(
         instance = found[0]["Instances"][0] if found else None
         if instance is None or instance.get("State", {}).get("Name") not in ("pending", "running"):
             raise CommandError(f"instance {instance_id} is not running")
+        launched_from = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}.get(tags.LAUNCH_TEMPLATE)
+        if launched_from != cloud.stack.launch_template_id:
+            raise CommandError(
+                f"instance {instance_id} was not launched from the stack's launch template "
+                f"{cloud.stack.launch_template_id} ({tags.LAUNCH_TEMPLATE} is {launched_from or 'absent'}): spotcr "
+                "may neither command nor terminate it; submit without --instance to launch one from the template"
+            )
         ec2.create_tags(Resources=[instance_id], Tags=tag_list)
         say(f"tagged {instance_id}: its bootstrap registers job {job[tags.JOB]}")
         return {"job_id": job[tags.JOB], "instance_id": instance_id, "tags": dict(job)}

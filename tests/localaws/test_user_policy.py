@@ -196,9 +196,27 @@ def test_the_policy_never_lets_a_user_write_the_run_id_spotcr_mints() -> None:
     assert not evaluate(_user(), Request("ec2:CreateTags", INSTANCE, forged)).allowed
 
 
-def test_the_policy_stops_only_instances_that_carry_a_job() -> None:
-    assert evaluate(_user(), Request("ec2:TerminateInstances", INSTANCE, {"aws:ResourceTag/spotcr:job": "j"})).allowed
-    assert not evaluate(_user(), Request("ec2:TerminateInstances", INSTANCE, {})).allowed
+def test_the_policy_stops_and_commands_only_job_instances_launched_from_the_stacks_template() -> None:
+    # Given a job instance from the stack's template, and one a user tagged spotcr:job but launched otherwise
+    template = OUTPUTS["LaunchTemplateId"]
+    ours = {"aws:ResourceTag/spotcr:job": "j", "aws:ResourceTag/aws:ec2launchtemplate:id": template}
+    foreign = {"aws:ResourceTag/spotcr:job": "j", "aws:ResourceTag/aws:ec2launchtemplate:id": "lt-0ffffffffffffffff"}
+    # Then the user may terminate and command only the stack's (spotcr:job alone is user-writable)
+    for action, prefix in (("ec2:TerminateInstances", "aws:ResourceTag"), ("ssm:SendCommand", "ssm:resourceTag")):
+        context = {key.replace("aws:ResourceTag", prefix, 1): value for key, value in ours.items()}
+        assert evaluate(_user(), Request(action, INSTANCE, context)).allowed, action
+        for without in (foreign, {"aws:ResourceTag/spotcr:job": "j"}, {}):
+            context = {key.replace("aws:ResourceTag", prefix, 1): value for key, value in without.items()}
+            assert not evaluate(_user(), Request(action, INSTANCE, context)).allowed, (action, without)
+
+
+def test_the_policy_names_resources_in_the_regions_partition() -> None:
+    # Given a stack in a China region (its state machine's ARN, an output, is in that partition already)
+    machine = f"arn:aws-cn:states:cn-north-1:{ACCOUNT}:stateMachine:spotcr-recovery"
+    policy = cli_user_policy("spotcr", "cn-north-1", ACCOUNT, {**OUTPUTS, "RecoveryStateMachineArn": machine})
+    # Then every resource it names is an arn:aws-cn: ARN
+    resources = [r for s in policy["Statement"] for r in s["Resource"] if r != "*"]
+    assert resources and all(r.startswith("arn:aws-cn:") for r in resources), resources
 
 
 def test_the_command_prints_the_policy_of_a_deployed_stack() -> None:
