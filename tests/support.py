@@ -10,7 +10,7 @@ T = TypeVar("T")
 
 
 def wait_for(
-    predicate: Callable[[], T], what: str = "the condition", timeout: float = 30.0, interval: float = 0.05
+    predicate: Callable[[], T | None], what: str = "the condition", timeout: float = 30.0, interval: float = 0.05
 ) -> T:
     """Poll until `predicate` returns something true and return that; after `timeout` seconds, fail naming `what`."""
     deadline = time.monotonic() + timeout
