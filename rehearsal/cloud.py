@@ -47,7 +47,7 @@ from unittest import mock
 import boto3
 from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
-from spotcr_functions import catalog, registry_schema
+from spotcr_functions import catalog
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from werkzeug.exceptions import Forbidden
 
@@ -57,16 +57,15 @@ from rehearsal import asset
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
 from rehearsal.iam.policy import Principal
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, stepfunctions, wrap
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, stack, stepfunctions, wrap
 from rehearsal.localaws import iam as local_iam
 from rehearsal.localaws import ssm as local_ssm
 from rehearsal.localaws.iam import STACK_CONTEXT
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
-from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
+from rehearsal.vm import LocalVM, VmError, VmNetwork, prepare_host
 
 PREFIX = "spotcr-rehearsal"
-ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
 SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
 ASSET_BUCKET = f"cdk-hnb659fds-assets-{ACCOUNT}-{REGION}"  # CDK's bootstrap bucket: `cdk deploy` publishes assets there
@@ -293,20 +292,12 @@ class LocalCloud:
         names = self.names
         s3 = self.client("s3")
         s3.create_bucket(Bucket=names["checkpoint_bucket"])
-        dynamodb = self.client("dynamodb")
-        dynamodb.create_table(**registry_schema.create_table_arguments(names["jobs_table"]))
-        dynamodb.create_table(**registry_schema.create_idempotency_table_arguments(names["idempotency_table"]))
+        stack.create_registry(self.client("dynamodb"), names["jobs_table"], names["idempotency_table"])
         self.client("events").create_event_bus(Name=names["event_bus_name"])
         topic_arn = self.client("sns").create_topic(Name=names["topic"])["TopicArn"]
-        ssm = self.client("ssm")
-        document_names = {}
-        for command in (*COMMANDS.values(), PROBE):  # PROBE: the stack's probe document, for `spotcr probe`
-            name = f"{PREFIX}-{command.name}"
-            ssm.create_document(
-                Name=name, Content=json.dumps(command.document()), DocumentType="Command", DocumentFormat="JSON"
-            )
-            self._documents[name] = command
-            document_names[command.name] = name
+        documented = (*COMMANDS.values(), PROBE)  # PROBE: the stack's probe document, for `spotcr probe`
+        document_names = stack.create_documents(self.client("ssm"), f"{PREFIX}-", documented)
+        self._documents = {document_names[command.name]: command for command in documented}
         ec2 = self.client("ec2")
         image_id = ec2.register_image(Name=f"{PREFIX}-job-vm", Architecture="x86_64")["ImageId"]
         template_id = ec2.create_launch_template(
@@ -329,20 +320,13 @@ class LocalCloud:
                 RoleName=name, AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
             )
         state_machine_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{names['state_machine']}"
-        settings = {
-            "jobs_table": names["jobs_table"],
-            "idempotency_table": names["idempotency_table"],
-            "recovery_state_machine_arn": state_machine_arn,
-            "event_bus_name": names["event_bus_name"],
-            "failure_topic_arn": topic_arn,
-            "checkpoint_bucket": names["checkpoint_bucket"],
-            "launch_template_id": template_id,
-            "launch_template_version": "1",
-            "checkpoint_document": document_names["checkpoint"],
-            "restore_document": document_names["restore"],
-            "release_document": document_names["release"],
-            "status_document": document_names["status"],
-        }
+        settings = stack.function_settings(
+            prefix=f"{PREFIX}-",
+            state_machine_arn=state_machine_arn,
+            topic_arn=topic_arn,
+            launch_template_id=template_id,
+            documents=document_names,
+        )
         self.settings_env = {ENV[key]: value for key, value in settings.items()}
         optional = {
             "store_role_arn": f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
@@ -373,7 +357,11 @@ class LocalCloud:
             )["FunctionArn"]
             function_arns[function.name] = arn
         if self.with_workflow:
-            self._create_state_machine(role_arn, function_arns)
+            self.client("stepfunctions").create_state_machine(
+                name=names["state_machine"],
+                definition=stack.recovery_definition(function_arns, document_names, topic_arn),
+                roleArn=role_arn,
+            )
         self._create_stack_outputs(role_arn, template_id, state_machine_arn)
         events = self.client("events")
         for function in catalog.FUNCTIONS:
@@ -487,28 +475,6 @@ class LocalCloud:
             values["__SPOTCR_STORE_CREDENTIALS_URL__"] = self.store_credentials_url
             script = render_user_data(script, values)
         return base64.b64encode(script.encode()).decode()
-
-    def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
-        definition = ASL_PATH.read_text()
-        substitutions: dict[str, str] = {}
-        for placeholder, value in catalog.WORKFLOW_SUBSTITUTIONS.items():
-            substitutions[placeholder] = self._substitution(value, function_arns)
-        for placeholder, value in substitutions.items():
-            definition = definition.replace("${" + placeholder + "}", value)
-        self.client("stepfunctions").create_state_machine(
-            name=self.names["state_machine"], definition=definition, roleArn=role_arn
-        )
-
-    def _substitution(self, value: str, function_arns: dict[str, str]) -> str:
-        """Resolve one catalog substitution: `function:<name>`, `document:<command>` or `topic:failure`."""
-        kind, _, name = value.partition(":")
-        if kind == "function":
-            return function_arns[name]
-        if kind == "document":
-            return self.settings_env[ENV[f"{name}_document"]]
-        if kind == "topic" and name == "failure":
-            return self.settings_env[ENV["failure_topic_arn"]]
-        raise KeyError(f"workflow substitution {value!r}: unknown kind {kind!r}")
 
     def _install_hooks(self) -> None:
         from moto.events.models import EventsBackend, Rule

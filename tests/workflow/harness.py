@@ -26,18 +26,18 @@ from moto.ssm.models import Command as MotoCommand
 from moto.ssm.models import ssm_backends
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
-from spotcr_functions import catalog, registry_schema
+from spotcr_functions import catalog
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
 from rehearsal.iam import enforce, principals
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stepfunctions, wrap
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
 from rehearsal.localaws.iam import STACK_CONTEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "tests" / "events"
-ASL = ROOT / "statemachines" / "recovery.asl.json"
+ASL = stack.ASL_PATH
 FUNCTION_PREFIX = "spotcr-"
 MOTO_CONFIG: Any = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
 # The stack's roles as named in this account (the store-credentials tests sign as sessions of the job role).
@@ -338,16 +338,6 @@ def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return delivered
 
 
-def substitutions(resolve: Mapping[str, str]) -> dict[str, str]:
-    values = {}
-    for variable, kind in catalog.WORKFLOW_SUBSTITUTIONS.items():
-        if kind.startswith("function:"):
-            values[variable] = function_arn(kind.removeprefix("function:"))
-        else:
-            values[variable] = resolve[kind]
-    return values
-
-
 class ControlPlane:
     """The deployed control plane, in moto (the local AWS with no VMs). Use it as a context manager inside
     mock_aws(config=MOTO_CONFIG): inside, IAM is enforced; leaving stops what runs and undoes every patch."""
@@ -386,25 +376,14 @@ class ControlPlane:
         self.ssm = boto3.client("ssm", region_name=REGION)
         self.sfn = boto3.client("stepfunctions", region_name=REGION)
         self.sns = boto3.client("sns", region_name=REGION)
-        dynamodb = boto3.client("dynamodb", region_name=REGION)
-        dynamodb.create_table(**registry_schema.create_table_arguments("spotcr-jobs"))
-        dynamodb.create_table(**registry_schema.create_idempotency_table_arguments("spotcr-idempotency"))
+        stack.create_registry(boto3.client("dynamodb", region_name=REGION), "spotcr-jobs", "spotcr-idempotency")
         self.topic_arn = self.sns.create_topic(Name="spotcr-failures")["TopicArn"]
         # What the failure topic sends, as an operator's subscribed queue receives it.
         self.sqs = boto3.client("sqs", region_name=REGION)
         self.inbox = self.sqs.create_queue(QueueName="spotcr-failures-inbox")["QueueUrl"]
         inbox_arn = self.sqs.get_queue_attributes(QueueUrl=self.inbox, AttributeNames=["QueueArn"])["Attributes"]
         self.sns.subscribe(TopicArn=self.topic_arn, Protocol="sqs", Endpoint=inbox_arn["QueueArn"])
-        self.documents = {}
-        for name, command in commands.COMMANDS.items():
-            document_name = f"spotcr-{name}"
-            self.ssm.create_document(
-                Content=json.dumps(command.document()),
-                Name=document_name,
-                DocumentType="Command",
-                DocumentFormat="JSON",
-            )
-            self.documents[name] = document_name
+        self.documents = stack.create_documents(self.ssm, FUNCTION_PREFIX, commands.COMMANDS.values())
         vpc_id = self.ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
         self.subnets = {
             az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=az)["Subnet"][
@@ -420,30 +399,18 @@ class ControlPlane:
         self.file_system_id = boto3.client("efs", region_name=REGION).create_file_system(CreationToken="spotcr")[
             "FileSystemId"
         ]
-        resolve = {
-            "topic:failure": self.topic_arn,
-            **{f"document:{name}": document for name, document in self.documents.items()},
-        }
-        definition = ASL.read_text()
-        for variable, value in substitutions(resolve).items():
-            definition = definition.replace("${" + variable + "}", value)
+        function_arns = {function.name: FUNCTIONS.arn(function.name) for function in catalog.FUNCTIONS}
+        definition = stack.recovery_definition(function_arns, self.documents, self.topic_arn)
         self.state_machine_arn = self.sfn.create_state_machine(
             name="spotcr-recovery", definition=definition, roleArn=f"arn:aws:iam::{ACCOUNT}:role/spotcr-recovery"
         )["stateMachineArn"]
-        settings = {
-            "jobs_table": "spotcr-jobs",
-            "idempotency_table": "spotcr-idempotency",
-            "recovery_state_machine_arn": self.state_machine_arn,
-            "event_bus_name": "spotcr-agent",
-            "failure_topic_arn": self.topic_arn,
-            "checkpoint_bucket": "spotcr-checkpoints",
-            "launch_template_id": self.launch_template_id,
-            "launch_template_version": "1",
-            "checkpoint_document": self.documents["checkpoint"],
-            "restore_document": self.documents["restore"],
-            "release_document": self.documents["release"],
-            "status_document": self.documents["status"],
-        }
+        settings = stack.function_settings(
+            prefix=FUNCTION_PREFIX,
+            state_machine_arn=self.state_machine_arn,
+            topic_arn=self.topic_arn,
+            launch_template_id=self.launch_template_id,
+            documents=self.documents,
+        )
         environment = {name: settings[key] for key, name in ENV.items()}
         # The stack's subnets: the two job subnets, not every subnet of the VPC (see test_placement).
         self.vpc_id = vpc_id
