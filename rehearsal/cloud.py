@@ -49,7 +49,6 @@ from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
-from werkzeug.exceptions import Forbidden
 
 from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
 from rehearsal import account as local_account
@@ -57,7 +56,7 @@ from rehearsal import asset
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
 from rehearsal.iam.policy import Principal
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, stack, stepfunctions, wrap
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, fis, fleet, s3, stack, stepfunctions, tags_of, wrap
 from rehearsal.localaws import iam as local_iam
 from rehearsal.localaws import ssm as local_ssm
 from rehearsal.localaws.iam import STACK_CONTEXT
@@ -521,33 +520,8 @@ class LocalCloud:
         local_ssm.install(patches, self.managed_instances)
         local_ssm.to_instance_ids_only(patches)
         self._install_ec2_hooks()
-        self._install_fis_hooks()
-        self._install_s3_hooks()
-
-    def _install_fis_hooks(self) -> None:
-        from moto.fis.models import FISBackend
-
-        cloud = self
-
-        def start_experiment(original: Any) -> Any:
-            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
-                started = original(backend, *args, **kwargs)
-                experiment = backend.experiments[started["id"]]
-                from moto.ec2.models import ec2_backends
-
-                ec2 = ec2_backends[ACCOUNT][REGION]
-                for action in experiment.actions.values():
-                    if action.get("actionId") != fis_templates.ACTION_ID:
-                        continue
-                    duration = fis_templates.duration_s(action.get("parameters", {}).get("durationBeforeInterruption"))
-                    for target_name in action.get("targets", {}).values():
-                        for instance_id in _spot_targets(ec2, experiment.targets.get(target_name, {})):
-                            cloud.spawn(cloud._fis_interrupt, instance_id, duration, name=f"fis-{instance_id}")
-                return started
-
-            return hooked
-
-        wrap(self._patches, FISBackend, "start_experiment", start_experiment)
+        fis.interrupt_spot_instances(self._patches, self._start_fis_interrupt)
+        s3.inject_faults(self._patches, lambda: self.store_fault)
 
     def _join_threads(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -557,6 +531,9 @@ class LocalCloud:
             thread.join(max(0.0, deadline - time.monotonic()))
         if late := [t.name for t in threads if t.is_alive()]:
             logging.getLogger(__name__).warning("local cloud stopped with threads still running: %s", late)
+
+    def _start_fis_interrupt(self, instance_id: str, duration_s: float) -> None:
+        self.spawn(self._fis_interrupt, instance_id, duration_s, name=f"fis-{instance_id}")
 
     def _fis_interrupt(self, instance_id: str, duration_s: float) -> None:
         """What FIS's send-spot-instance-interruptions does to one instance, with its two minutes as fis_notice_s."""
@@ -577,29 +554,6 @@ class LocalCloud:
         self.emit_ec2(catalog.INTERRUPTION_WARNING, instance_id, {"instance-action": "terminate"})
         if not self._stop.wait(notice):
             self.client("ec2").terminate_instances(InstanceIds=[instance_id])
-
-    def _install_s3_hooks(self) -> None:
-        from moto.s3.models import S3Backend
-
-        cloud = self
-
-        def faulty(action: str) -> Callable[[Any], Any]:
-            def make(original: Any) -> Any:
-                def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
-                    named = [kwargs.get("bucket_name"), kwargs.get("key_name")]
-                    positional = [a for a in args if isinstance(a, str)]
-                    bucket = str(named[0] or (positional.pop(0) if positional else ""))
-                    key = str(named[1] or (positional[0] if positional and action.endswith("_object") else ""))
-                    if cloud.store_fault is not None:
-                        cloud.store_fault(action, bucket, key)
-                    return original(backend, *args, **kwargs)
-
-                return hooked
-
-            return make
-
-        for action in ("head_bucket", "put_object", "get_object", "head_object", "list_objects", "list_objects_v2"):
-            wrap(self._patches, S3Backend, action, faulty(action))
 
     def _install_ec2_hooks(self) -> None:
         from moto.ec2.models import EC2Backend
@@ -723,7 +677,7 @@ class LocalCloud:
 
     def _launch(self, backend: Any, instance: Any) -> None:
         instance_id = instance.id
-        tags = _tags_of(backend, instance_id)
+        tags = tags_of(backend, instance_id)
         role = "backup" if tags.get("spotcr:mode") == "restore" else "primary"
         generation = tags.get("spotcr:generation", "0")
         self.timeline.label(instance_id, f"{role} g{generation}\n{instance_id[:12]}")
@@ -734,7 +688,7 @@ class LocalCloud:
             instance_type=instance.instance_type,
             availability_zone=instance.placement.zone or f"{REGION}a",
             user_data=user_data,
-            tags=lambda: _tags_of(backend, instance_id),
+            tags=lambda: tags_of(backend, instance_id),
             root=self.run_dir / "vms",
             cloud_env=self.instance_env(instance_id),
             network=self.network,
@@ -870,11 +824,6 @@ class LocalCloud:
         )
 
 
-class StoreFault(Forbidden):
-    """A store failure injected by the fault suite: S3 refuses the request (HTTP 403, as when a bucket policy or
-    a KMS key stops the job's role). Unlike a 503 it is not retried, so the failure comes at a known point."""
-
-
 class _Redirect(io.TextIOBase):
     """A stdout that writes wherever `target` points, so loggers bound to it follow the redirection."""
 
@@ -925,28 +874,6 @@ def _listen_for_vms(address: str, port: int) -> Any:
     return server
 
 
-def _spot_targets(ec2: Any, target: dict[str, Any]) -> list[str]:
-    """The running spot instances an FIS target selects, by ARN or by tags and filters (selection mode ALL)."""
-    if target.get("resourceType") != "aws:ec2:spot-instance":
-        return []
-    arns = target.get("resourceArns") or []
-    wanted_tags = target.get("resourceTags") or {}
-    states = [v for f in target.get("filters") or [] if f.get("path") == "State.Name" for v in f.get("values", [])]
-    chosen = []
-    for reservation in ec2.reservations.values():
-        for instance in reservation.instances:
-            tags = _tags_of(ec2, instance.id)
-            if arns and not any(arn.endswith(f"/{instance.id}") for arn in arns):
-                continue
-            if any(tags.get(key) != value for key, value in wanted_tags.items()):
-                continue
-            if states and instance.state not in states:
-                continue
-            if getattr(instance, "lifecycle", None) == "spot":
-                chosen.append(instance.id)
-    return chosen
-
-
 def _stack_template(outputs: dict[str, str]) -> dict[str, Any]:
     """The rehearsal's CloudFormation stack: one resource, and the real stack's outputs for `spotcr --stack`."""
     return {
@@ -958,10 +885,6 @@ def _stack_template(outputs: dict[str, str]) -> dict[str, Any]:
         },
         "Outputs": {name: {"Value": value} for name, value in outputs.items()},
     }
-
-
-def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:
-    return {tag["key"]: tag["value"] for tag in backend.describe_tags(filters={"resource-id": [resource_id]})}
 
 
 def _placeholder_zip() -> bytes:

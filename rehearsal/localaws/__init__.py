@@ -26,3 +26,8 @@ def wrap(patches: contextlib.ExitStack, owner: Any, name: str, make: Callable[[A
     None), and an inherited one is removed again on closing, so later patches of the base class still apply."""
     original = getattr(owner, name, None)
     patches.enter_context(mock.patch.object(owner, name, make(original), create=original is None))
+
+
+def tags_of(ec2: Any, resource_id: str) -> dict[str, str]:
+    """An EC2 resource's tags, from moto's EC2 backend."""
+    return {tag["key"]: tag["value"] for tag in ec2.describe_tags(filters={"resource-id": [resource_id]})}
