@@ -1,7 +1,9 @@
 """Test-only: one moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
 
-moto's Step Functions engine runs the real ASL; its Lambda invocations land in `invoke_function`, EC2 events
-are routed to handlers by the catalog's own patterns, and the test plays the agent's events.
+The local AWS of rehearsal/localaws with no VMs: the same stack, Lambda, SSM, fleet, Step Functions and IAM as
+the rehearsal's LocalCloud. moto's Step Functions engine runs the real ASL; its Lambda invocations land in
+`invoke_function`, EC2 events are routed to handlers by the catalog's own patterns, and the test plays the agent's
+events (no VM runs one).
 """
 
 from __future__ import annotations
