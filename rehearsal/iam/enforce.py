@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 from botocore.credentials import Credentials
 from botocore.signers import RequestSigner
@@ -450,16 +451,7 @@ def enforced(enforcer: Enforcer) -> Iterator[Enforcer]:
             arn = principal.arn if principal else f"unidentified key {key}"
             raise Denied(protocol, service, enforcer.denied_message(arn, decision, call))
 
-        stack.enter_context(_patched(RequestSigner, "sign", sign))
-        stack.enter_context(_patched(ActionAuthenticatorMixin, "_authenticate_and_authorize_action", authorize))
+        stack.enter_context(mock.patch.object(RequestSigner, "sign", sign))
+        authenticate = "_authenticate_and_authorize_action"
+        stack.enter_context(mock.patch.object(ActionAuthenticatorMixin, authenticate, authorize))
         yield enforcer
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = owner.__dict__[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)

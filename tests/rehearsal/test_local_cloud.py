@@ -326,3 +326,14 @@ def test_an_upgrade_is_a_new_launch_template_version_naming_a_new_asset_and_the_
         assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
     finally:
         local.stop()
+
+
+def test_an_upgrade_names_its_launch_template_version_in_the_stack_outputs_and_the_clouds_copy(cloud):
+    # When the stack is upgraded (a new launch template version)
+    version = cloud.upgrade_stack("deployment 2")
+
+    # Then the stack's outputs, as `spotcr` reads them, name that version, and the cloud's own copy is not stale
+    stack = cloud.client("cloudformation").describe_stacks(StackName=PREFIX)["Stacks"][0]
+    outputs = {output["OutputKey"]: output["OutputValue"] for output in stack["Outputs"]}
+    assert outputs["LaunchTemplateVersion"] == version == "2"
+    assert cloud.stack_outputs == outputs

@@ -23,7 +23,7 @@ from spotcr_functions import catalog, recovery
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from rehearsal.cloud import command_ended_detail
+from rehearsal.localaws.ssm import command_ended_detail
 from tests.workflow.harness import (
     ACCOUNT,
     REGION,

@@ -31,7 +31,6 @@ from tests.workflow.harness import (
     finish_restore,
     load_event,
     now_iso,
-    refuse_launches,
     route,
 )
 
@@ -204,7 +203,7 @@ def test_backups_launch_only_in_the_stacks_subnets(plane: ControlPlane, monkeypa
     private_id = private["Subnet"]["SubnetId"]
     primary = plane.start_job("net-1")
     _commit(plane, "net-1", primary, 0, "periodic")
-    launches = refuse_launches(monkeypatch, lambda _t, _s, market: "InsufficientInstanceCapacity" * (market == "spot"))
+    launches = plane.refuse_launches(lambda _t, _s, market: "InsufficientInstanceCapacity" * (market == "spot"))
 
     # When no spot capacity is left anywhere
     route(ec2_event("spot-interruption-warning", primary))
@@ -227,9 +226,7 @@ def test_each_documented_candidate_error_moves_to_the_next_candidate(
     primary = plane.start_job("cap-1")
     _commit(plane, "cap-1", primary, 0, "periodic")
     zone_a = plane.subnets["us-east-1a"]
-    tried = refuse_launches(
-        monkeypatch, lambda _t, subnet, market: code if (subnet, market) == (zone_a, "spot") else None
-    )
+    tried = plane.refuse_launches(lambda _t, subnet, market: code if (subnet, market) == (zone_a, "spot") else None)
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "cap-1")
     assert [(subnet, market) for _, subnet, market in tried] == [
@@ -246,7 +243,7 @@ def test_an_error_no_candidate_can_avoid_fails_the_recovery_at_once(
 ) -> None:
     primary = plane.start_job("bad-1")
     _commit(plane, "bad-1", primary, 0, "periodic")
-    tried = refuse_launches(monkeypatch, lambda _t, _s, _m: code)
+    tried = plane.refuse_launches(lambda _t, _s, _m: code)
     route(ec2_event("spot-interruption-warning", primary))
     plane.wait_for_token("bad-1", "final-dump")
     _commit(plane, "bad-1", primary, 1, "final")
@@ -331,7 +328,7 @@ def test_a_cross_az_move_deletes_the_replaced_volume_and_its_snapshot(
     old_volume = str(plane.job("mv-1").volume_id)
     _commit(plane, "mv-1", primary, 0, "periodic")
     zone_a = plane.subnets["us-east-1a"]
-    refuse_launches(monkeypatch, lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
+    plane.refuse_launches(lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "mv-1")
     plane.wait_for_token("mv-1", "final-dump")
@@ -370,7 +367,7 @@ def test_a_failed_cross_az_recovery_keeps_the_jobs_volume_and_deletes_what_the_m
     original_volume = str(plane.job("mvf-1").volume_id)
     only = _commit(plane, "mvf-1", primary, 0, "periodic")
     zone_a = plane.subnets["us-east-1a"]
-    refuse_launches(monkeypatch, lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
+    plane.refuse_launches(lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
     route(ec2_event("state-change-terminated", primary))
     backup = _backup(plane, "mvf-1")
     route(agent_event(events.AgentReady("mvf-1", backup, 1, now_iso(), mode="restore")))

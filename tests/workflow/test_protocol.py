@@ -145,12 +145,10 @@ def test_a_vm_that_stopped_under_the_job_is_recovered_not_ended(plane: ControlPl
 
 
 @pytest.fixture
-def slow_final_dump_plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
+def slow_final_dump_plane(aws_env: None) -> Iterator[ControlPlane]:
     """Final-dump wait far longer than any test: a workflow that waits for it never gets to restore in time."""
-    with mock_aws(config=MOTO_CONFIG):
-        control_plane = ControlPlane(monkeypatch, final_dump_wait_s=600)
+    with mock_aws(config=MOTO_CONFIG), ControlPlane(final_dump_wait_s=600) as control_plane:
         yield control_plane
-        control_plane.close()
 
 
 def test_an_early_final_dump_is_kept_by_the_bump_and_restored_at_once(slow_final_dump_plane: ControlPlane) -> None:

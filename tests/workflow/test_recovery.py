@@ -21,15 +21,14 @@ from tests.workflow.harness import (
     finish_restore,
     now_iso,
     order_periodic,
-    refuse_launches,
     route,
 )
 from tests.workflow.support import NO_CAPACITY, commit, recover
 
 
-def _no_capacity_in(subnet_id: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+def _no_capacity_in(plane: ControlPlane, subnet_id: str) -> list[tuple[str, str, str]]:
     """No launch in this subnet: EC2 refuses it as AWS does when a zone has no capacity left."""
-    return refuse_launches(monkeypatch, lambda _type, subnet, _market: NO_CAPACITY if subnet == subnet_id else None)
+    return plane.refuse_launches(lambda _type, subnet, _market: NO_CAPACITY if subnet == subnet_id else None)
 
 
 # The final dump reaches the store at generation 1 when the SSM command ordered it, at 0 when the agent's own
@@ -116,7 +115,7 @@ def test_capacity_errors_on_every_spot_option_end_on_demand(
     # Given no spot capacity anywhere, for the job's type or its fallback
     primary = plane.start_job("cfd-3", **{tag_names.FALLBACK_TYPES: "m6i.large"})
     periodic = commit(plane, "cfd-3", primary, 0, "periodic")
-    tried = refuse_launches(monkeypatch, lambda _type, _subnet, market: NO_CAPACITY if market == "spot" else None)
+    tried = plane.refuse_launches(lambda _type, _subnet, market: NO_CAPACITY if market == "spot" else None)
 
     # When the warning comes
     route(ec2_event("spot-interruption-warning", primary))
@@ -138,7 +137,7 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     volume_id = plane.job("fem-1").volume_id
     assert volume_id
     periodic = commit(plane, "fem-1", primary, 0, "periodic")
-    _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
+    _no_capacity_in(plane, plane.subnets["us-east-1a"])
 
     # When the job is interrupted and recovered on a backup in AZ b
     route(ec2_event("spot-interruption-warning", primary))
@@ -170,7 +169,7 @@ def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
     monkeypatch.setenv(ENV["ebs_handover_s"], "2")
     primary = plane.start_job("fem-9", **{tag_names.STORAGE: "ebs"})
     periodic = commit(plane, "fem-9", primary, 0, "periodic")
-    _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
+    _no_capacity_in(plane, plane.subnets["us-east-1a"])
     original_snapshot = EBSBackend.create_snapshot
 
     def create_snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rehearsal.scenario import Rehearsal
+from tests.rehearsal.support import e2e_rehearsal
+
+
+@pytest.fixture
+def rehearse(tmp_path: Path) -> Callable[..., tuple[Rehearsal, list[str]]]:
+    """The e2e tests' rehearsal (tests/rehearsal/support.py) with the options a test changes, in its tmp_path."""
+
+    def make(**changes: Any) -> tuple[Rehearsal, list[str]]:
+        return e2e_rehearsal(tmp_path, **changes)
+
+    return make
