@@ -42,7 +42,7 @@ def _environment() -> dict[str, str]:
     import boto3
     from spotcr_contracts import commands
     from spotcr_functions import registry_schema
-    from spotcr_functions.config import ENV
+    from spotcr_functions.config import Settings
 
     dynamodb = boto3.client("dynamodb", region_name=REGION)
     dynamodb.create_table(**registry_schema.create_table_arguments("spotcr-jobs"))
@@ -55,21 +55,20 @@ def _environment() -> dict[str, str]:
         definition=json.dumps({"StartAt": "Done", "States": {"Done": {"Type": "Succeed"}}}),
         roleArn="arn:aws:iam::123456789012:role/spotcr-recovery",
     )["stateMachineArn"]
-    values = {
-        "jobs_table": "spotcr-jobs",
-        "idempotency_table": "spotcr-idempotency",
-        "recovery_state_machine_arn": state_machine,
-        "event_bus_name": "spotcr-agent",
-        "failure_topic_arn": f"arn:aws:sns:{REGION}:123456789012:spotcr-failures",
-        "checkpoint_bucket": "spotcr-checkpoints",
-        "launch_template_id": "lt-0123456789abcdef0",
-        "launch_template_version": "1",
-        "checkpoint_document": "spotcr-checkpoint",
-        "restore_document": "spotcr-restore",
-        "release_document": "spotcr-release",
-        "status_document": "spotcr-status",
-    }
-    return {ENV[key]: value for key, value in values.items()}
+    return Settings(
+        jobs_table="spotcr-jobs",
+        idempotency_table="spotcr-idempotency",
+        recovery_state_machine_arn=state_machine,
+        event_bus_name="spotcr-agent",
+        failure_topic_arn=f"arn:aws:sns:{REGION}:123456789012:spotcr-failures",
+        checkpoint_bucket="spotcr-checkpoints",
+        launch_template_id="lt-0123456789abcdef0",
+        launch_template_version="1",
+        checkpoint_document="spotcr-checkpoint",
+        restore_document="spotcr-restore",
+        release_document="spotcr-release",
+        status_document="spotcr-status",
+    ).to_env()
 
 
 def _event(detail_type: str, detail: dict[str, Any], instance_id: str) -> dict[str, Any]:

@@ -32,9 +32,12 @@ _BUILD_ONLY = shutil.ignore_patterns(
 
 def render_user_data(script: str, values: Mapping[str, str]) -> str:
     """Put deployment values into the bootstrap's `__SPOTCR_*__` placeholders; an unknown one is an error."""
-    unknown = sorted(set(PLACEHOLDER.findall(script)) - set(values))
+    used = set(PLACEHOLDER.findall(script))
+    unknown, unused = sorted(used - set(values)), sorted(set(values) - used)
     if unknown:
         raise ValueError(f"{BOOTSTRAP_SCRIPT.name} uses placeholders infra does not provide: {', '.join(unknown)}")
+    if unused:
+        raise ValueError(f"{BOOTSTRAP_SCRIPT.name} does not use the placeholders {', '.join(unused)}")
     return PLACEHOLDER.sub(lambda match: values[match.group(0)], script)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from aws_cdk import aws_sns_subscriptions as subscriptions
 from aws_cdk import aws_sqs as sqs
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
-from spotcr_functions import catalog, config, registry_schema
+from spotcr_contracts.settings import FunctionSettings
+from spotcr_functions import catalog, registry_schema
 
 from infra import grants
 from infra.nag import acknowledge
@@ -145,24 +146,20 @@ class Registry(Construct):
 
 @dataclass(frozen=True)
 class FunctionEnvironment:
-    """Values of the settings every function receives (names from spotcr_functions.config.ENV)."""
+    """The settings every function receives (spotcr_contracts.settings), and Powertools' own."""
 
-    values: Mapping[str, str]
+    settings: FunctionSettings
 
     def variables(self, function: catalog.Function) -> dict[str, str]:
-        names = {**config.ENV, **config.OPTIONAL_TEXT_ENV}
-        missing = set(names) - set(self.values)
-        if missing:
-            raise KeyError(f"no value for function setting(s): {', '.join(sorted(missing))}")
-        variables = {names[key]: value for key, value in self.values.items()}
-        variables["POWERTOOLS_SERVICE_NAME"] = SERVICE_NAME
-        variables["POWERTOOLS_METRICS_NAMESPACE"] = METRICS_NAMESPACE
+        settings = self.settings
         if function.function_url:
             # Its URL is in the launch template's user data, so its settings cannot name the template (a cycle).
-            variables[config.ENV["launch_template_id"]] = ""
-            variables[config.ENV["launch_template_version"]] = ""
-        variables.update(function.extra)
-        return variables
+            settings = replace(settings, launch_template_id="", launch_template_version="")
+        return {
+            **settings.to_env(),
+            "POWERTOOLS_SERVICE_NAME": SERVICE_NAME,
+            "POWERTOOLS_METRICS_NAMESPACE": METRICS_NAMESPACE,
+        }
 
 
 class Functions(Construct):

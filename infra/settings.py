@@ -1,6 +1,7 @@
 """Deployment settings: read once from CDK context (`-c key=value` or cdk.json), typed and checked here.
 
-Every option has a default that deploys a working, zero-idle-cost spotcr; the README lists them all.
+Every option has a default that deploys a working, zero-idle-cost spotcr; each field says what it means, and
+docs/settings.md lists them all (infra/settings_doc.py writes it from these fields).
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from aws_cdk import aws_logs as logs
 from constructs import Node
-from spotcr_functions.config import DEFAULT_PENDING_TIMEOUT_MINUTES
+from spotcr_contracts.settings import DEFAULT_PENDING_TIMEOUT_MINUTES
 
 # The public Powertools layer (pydantic and the X-Ray SDK included). By default its ARN is resolved at
 # deploy time from the public SSM parameter Powertools publishes for the pinned release;
@@ -60,44 +61,149 @@ class InvalidSetting(ValueError):
     """A context value spotcr cannot deploy with; the message names the option."""
 
 
+def _text(pattern: re.Pattern[str] | None = None) -> Callable[[str, Any], str]:
+    def parse(name: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise InvalidSetting(f"{name}: expected a non-empty string, got {value!r}")
+        if pattern is not None and not pattern.match(value):
+            raise InvalidSetting(f"{name}: {value!r} does not match {pattern.pattern}")
+        return value
+
+    return parse
+
+
+def _number(low: int, high: int) -> Callable[[str, Any], int]:
+    def parse(name: str, value: Any) -> int:
+        # `-c key=7` arrives as the string "7"
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidSetting(f"{name}: expected a whole number from {low} to {high}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in ("true", "false"):
+        return bool(value == "true")
+    raise InvalidSetting(f"{name}: expected true or false, got {value!r}")
+
+
+def _list(pattern: re.Pattern[str]) -> Callable[[str, Any], tuple[str, ...]]:
+    def parse(name: str, value: Any) -> tuple[str, ...]:
+        # `-c subnet_ids=a,b` or a JSON list, or a list in cdk.json
+        if isinstance(value, str):
+            value = json.loads(value) if value.startswith("[") else [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) and pattern.match(v) for v in value):
+            raise InvalidSetting(f"{name}: expected a list of values matching {pattern.pattern}, got {value!r}")
+        return tuple(value)
+
+    return parse
+
+
+def _optional_fsx(name: str, value: Any) -> str | None:
+    if value in (False, "false", "off", ""):
+        return None
+    return _text()(name, value)
+
+
+def option(parse: Callable[[str, Any], Any], description: str, default: Any = None) -> Any:
+    """A context option: how its value is parsed and checked, what it means, its default."""
+    return field(default=default, metadata={"parse": parse, "description": description})
+
+
 @dataclass(frozen=True)
 class Settings:
-    stack_name: str = "spotcr"
-    vpc_id: str | None = None
-    subnet_ids: tuple[str, ...] = ()
-    availability_zones: tuple[str, ...] = ()
-    max_azs: int = 2
-    # Job VMs' subnets have no route to the internet: the stack adds the VPC endpoints a job VM calls and serves
-    # store credentials from a private API (a function URL is reachable over the internet only).
-    private_subnets: bool = False
-    route_table_ids: tuple[str, ...] = ()  # with vpc_id and private_subnets: the subnets' route tables (S3 endpoint)
-    efs: bool = False
-    # With efs: each job mounts only its own EFS access point, with IAM (the file system refuses anything else),
-    # through mount.efs (the agent asset's amazon-efs-utils). false: every job VM mounts the whole file system.
-    efs_isolation: bool = True
-    fsx: str | None = None  # None (off), "SCRATCH_2" or "PERSISTENT_2"
-    fsx_storage_gib: int = 1200
-    vm_architecture: str = "amd64"
-    ami_id: str | None = None
-    gpu_image: bool = False  # AWS's Deep Learning Base GPU AMI (Ubuntu 24.04, NVIDIA driver r580+) for GPU jobs
-    root_volume_gib: int = 20
-    metadata_hop_limit: int = 1
-    noncurrent_version_days: int = 7
-    checkpoint_expiry_days: int = 0  # 0: never expire current checkpoint objects
-    access_log_days: int = 90
-    log_retention_days: int = 30
-    job_spec_buckets: tuple[str, ...] = ()
-    alarm_email: str | None = None
-    powertools_layer_version: int | None = None
-    keep_finished_volumes: bool = False  # a completed EBS job's volume is deleted with its instance unless true
-    # Reserved for the interruption function; 0 (default) reserves none. Lambda keeps 100 of the account's
-    # concurrency unreserved, so reserving N fails the deploy unless the account's quota is at least 100 + N.
-    interruption_concurrency: int = 0
-    # A job not started this long after registering fails (its VM's boot failed before the agent); 0: never.
-    pending_timeout_minutes: int = DEFAULT_PENDING_TIMEOUT_MINUTES
-    # The customer managed key EBS encrypts job volumes with (the account's default EBS key, if one is set);
-    # None: spotcr's roles may use any key of the account, only through EC2.
-    ebs_kms_key_arn: str | None = None
+    stack_name: str = option(_text(), "Stack name; prefix of documents, bus, launch template, state machine.", "spotcr")
+    vpc_id: str | None = option(
+        _text(_ID["vpc"]), "Use this VPC (no lookup); needs `subnet_ids` and `availability_zones`."
+    )
+    subnet_ids: tuple[str, ...] = option(
+        _list(_ID["subnet"]),
+        "With `vpc_id`: subnets for job VMs and EFS mount targets (comma list); VMs need a route to AWS APIs.",
+        (),
+    )
+    availability_zones: tuple[str, ...] = option(_list(_AZ), "With `vpc_id`: each subnet's AZ, in the same order.", ())
+    max_azs: int = option(
+        _number(1, 6), "AZs of the VPC spotcr creates (public subnets, no NAT gateway, so no idle cost).", 2
+    )
+    private_subnets: bool = option(
+        _flag,
+        "Job VMs' subnets have no route to the internet: the stack adds an S3 gateway endpoint and interface "
+        "endpoints (ssm, ssmmessages, ec2messages, events, execute-api; billed by the hour, 5 per AZ) and serves "
+        "store credentials from a private API (a function URL is reachable over the internet only).",
+        False,
+    )
+    route_table_ids: tuple[str, ...] = option(
+        _list(_ID["route_table"]),
+        "With `vpc_id` and `private_subnets`: each subnet's route table, in the same order (the S3 endpoint is "
+        "added to them).",
+        (),
+    )
+    efs: bool = option(_flag, "Create an encrypted EFS (elastic throughput), NFS open to job VMs only.", False)
+    efs_isolation: bool = option(
+        _flag,
+        "With `efs`: each job mounts only its own access point, with IAM, through mount.efs (the agent asset's "
+        "amazon-efs-utils); false: every job VM mounts the whole file system.",
+        True,
+    )
+    fsx: str | None = option(
+        _optional_fsx,
+        "`SCRATCH_2` or `PERSISTENT_2`: FSx for Lustre; needs `ami_id` of an image with the Lustre client.",
+    )
+    fsx_storage_gib: int = option(_number(1200, 1_000_000), "FSx size: 1200 or a multiple of 2400.", 1200)
+    vm_architecture: str = option(
+        _text(), "`amd64` or `arm64`: the job VMs' Debian 12 AMI, from its public SSM parameter at deploy.", "amd64"
+    )
+    ami_id: str | None = option(_text(_ID["ami"]), "Job VMs boot this AMI instead.")
+    gpu_image: bool = option(
+        _flag,
+        "Job VMs boot AWS's Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 24.04, x86-64; NVIDIA driver "
+        f"r580+), root volume at least {GPU_IMAGE_MIN_ROOT_GIB} GiB.",
+        False,
+    )
+    root_volume_gib: int = option(_number(8, 16_384), "Encrypted gp3 root volume of job VMs.", 20)
+    metadata_hop_limit: int = option(_number(1, 2), "IMDSv2 hop limit (1 or 2).", 1)
+    noncurrent_version_days: int = option(_number(1, 3650), "Keep replaced or deleted checkpoint objects this long.", 7)
+    checkpoint_expiry_days: int = option(
+        _number(0, 3650),
+        "Expire objects under `jobs/` (only safe for jobs shorter than this: checkpoints share chunks); 0: never.",
+        0,
+    )
+    access_log_days: int = option(_number(1, 3650), "Keep S3 access logs this long.", 90)
+    log_retention_days: int = option(
+        _number(1, 3653), "Function, workflow and flow log retention (a CloudWatch retention value).", 30
+    )
+    job_spec_buckets: tuple[str, ...] = option(
+        _list(_BUCKET), "Extra buckets job VMs may read `spotcr:spec` files from (besides `specs/`).", ()
+    )
+    alarm_email: str | None = option(_text(), "Subscribe this address to the failure topic.")
+    powertools_layer_version: int | None = option(
+        _number(1, 10_000),
+        "The Powertools layer version to use; none: the pinned release's, from its public SSM parameter at deploy.",
+    )
+    keep_finished_volumes: bool = option(
+        _flag, "Keep a completed EBS job's volume when its instance terminates (by default it is deleted).", False
+    )
+    interruption_concurrency: int = option(
+        _number(0, 1000),
+        "Concurrency reserved for the interruption function; 0: none. Lambda keeps 100 unreserved, so reserving N "
+        "fails the deploy unless the account's quota is at least 100 + N.",
+        0,
+    )
+    pending_timeout_minutes: int = option(
+        _number(0, 10_080),
+        "A job not started this long after registering (its VM's boot failed before the agent) fails; 0: never.",
+        DEFAULT_PENDING_TIMEOUT_MINUTES,
+    )
+    ebs_kms_key_arn: str | None = option(
+        _text(_KMS_KEY),
+        "The customer managed key EBS encrypts job volumes with; none: spotcr's roles may use any key of the "
+        "account, only through EC2.",
+    )
 
     @classmethod
     def from_context(cls, node: Node) -> Settings:
@@ -110,9 +216,8 @@ class Settings:
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
             raise InvalidSetting(f"unknown context option(s): {', '.join(sorted(unknown))}")
-        parsed: dict[str, Any] = {}
-        for name, value in values.items():
-            parsed[name] = _PARSERS[name](name, value)
+        options = {f.name: f for f in fields(cls)}
+        parsed = {name: options[name].metadata["parse"](name, value) for name, value in values.items()}
         settings = cls(**parsed)
         settings._check()
         return settings
@@ -175,81 +280,14 @@ class Settings:
             )
 
 
-def _text(pattern: re.Pattern[str] | None = None) -> Callable[[str, Any], str]:
-    def parse(name: str, value: Any) -> str:
-        if not isinstance(value, str) or not value:
-            raise InvalidSetting(f"{name}: expected a non-empty string, got {value!r}")
-        if pattern is not None and not pattern.match(value):
-            raise InvalidSetting(f"{name}: {value!r} does not match {pattern.pattern}")
-        return value
-
-    return parse
+def reference() -> list[tuple[str, str, str]]:
+    """(option, default, description) of each context option, in field order: docs/settings.md's table."""
+    return [(f.name, _shown(f.default), f.metadata["description"]) for f in fields(Settings)]
 
 
-def _number(low: int, high: int) -> Callable[[str, Any], int]:
-    def parse(name: str, value: Any) -> int:
-        # `-c key=7` arrives as the string "7"
-        if isinstance(value, str) and value.isdigit():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise InvalidSetting(f"{name}: expected a whole number from {low} to {high}, got {value!r}")
-        return value
-
-    return parse
-
-
-def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if value in ("true", "false"):
-        return bool(value == "true")
-    raise InvalidSetting(f"{name}: expected true or false, got {value!r}")
-
-
-def _list(pattern: re.Pattern[str]) -> Callable[[str, Any], tuple[str, ...]]:
-    def parse(name: str, value: Any) -> tuple[str, ...]:
-        # `-c subnet_ids=a,b` or a JSON list, or a list in cdk.json
-        if isinstance(value, str):
-            value = json.loads(value) if value.startswith("[") else [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) and pattern.match(v) for v in value):
-            raise InvalidSetting(f"{name}: expected a list of values matching {pattern.pattern}, got {value!r}")
-        return tuple(value)
-
-    return parse
-
-
-def _optional_fsx(name: str, value: Any) -> str | None:
-    if value in (False, "false", "off", ""):
-        return None
-    return _text()(name, value)
-
-
-_PARSERS: dict[str, Callable[[str, Any], Any]] = {
-    "stack_name": _text(),
-    "vpc_id": _text(_ID["vpc"]),
-    "subnet_ids": _list(_ID["subnet"]),
-    "availability_zones": _list(_AZ),
-    "max_azs": _number(1, 6),
-    "private_subnets": _flag,
-    "route_table_ids": _list(_ID["route_table"]),
-    "efs": _flag,
-    "efs_isolation": _flag,
-    "fsx": _optional_fsx,
-    "fsx_storage_gib": _number(1200, 1_000_000),
-    "vm_architecture": _text(),
-    "ami_id": _text(_ID["ami"]),
-    "gpu_image": _flag,
-    "root_volume_gib": _number(8, 16_384),
-    "metadata_hop_limit": _number(1, 2),
-    "noncurrent_version_days": _number(1, 3650),
-    "checkpoint_expiry_days": _number(0, 3650),
-    "access_log_days": _number(1, 3650),
-    "log_retention_days": _number(1, 3653),
-    "job_spec_buckets": _list(_BUCKET),
-    "alarm_email": _text(),
-    "powertools_layer_version": _number(1, 10_000),
-    "keep_finished_volumes": _flag,
-    "interruption_concurrency": _number(0, 1000),
-    "pending_timeout_minutes": _number(0, 10_080),
-    "ebs_kms_key_arn": _text(_KMS_KEY),
-}
+def _shown(default: object) -> str:
+    if default is None or default == ():
+        return "none"
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    return str(default)

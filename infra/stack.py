@@ -7,7 +7,8 @@ from pathlib import Path
 from aws_cdk import CfnOutput, Fn, Stack
 from constructs import Construct
 from spotcr_contracts import fis
-from spotcr_functions import catalog, config
+from spotcr_contracts.settings import FunctionSettings
+from spotcr_functions import catalog
 
 from infra import grants
 from infra.control_plane import FunctionEnvironment, Functions, Registry
@@ -73,32 +74,34 @@ class SpotcrStack(Stack):
             file_system_arn=storage.file_system.file_system_arn if storage.file_system else "",
             ebs_kms_key_arn=settings.ebs_kms_key_arn or "",
         )
-        values = {
-            "jobs_table": registry.jobs_table.table_name,
-            "idempotency_table": registry.idempotency_table.table_name,
-            "recovery_state_machine_arn": recovery_arn,
-            "event_bus_name": registry.agent_bus.event_bus_name,
-            "failure_topic_arn": registry.failure_topic.topic_arn,
-            "checkpoint_bucket": storage.bucket.bucket_name,
-            "launch_template_id": targets.launch_template_id,
-            "launch_template_version": vm.launch_template.latest_version_number,
-            "subnet_ids": Fn.join(",", [subnet.subnet_id for subnet in network.subnets]),
-            "keep_finished_volumes": "true" if settings.keep_finished_volumes else "false",
-            "store_role_arn": store_access.role.role_arn,
-            "job_role_name": vm.job_role.role_name,
-            "file_system_id": storage.file_system.file_system_id if storage.file_system else "",
-            "pending_timeout_minutes": str(settings.pending_timeout_minutes),
-            "stack_name": settings.stack_name,
-            **{f"{name}_document": document for name, document in documents.items()},
-        }
+        job_subnets = [subnet.subnet_id for subnet in network.subnets]
+        function_settings = FunctionSettings(
+            jobs_table=registry.jobs_table.table_name,
+            idempotency_table=registry.idempotency_table.table_name,
+            recovery_state_machine_arn=recovery_arn,
+            event_bus_name=registry.agent_bus.event_bus_name,
+            failure_topic_arn=registry.failure_topic.topic_arn,
+            checkpoint_bucket=storage.bucket.bucket_name,
+            launch_template_id=targets.launch_template_id,
+            launch_template_version=vm.launch_template.latest_version_number,
+            checkpoint_document=documents["checkpoint"],
+            restore_document=documents["restore"],
+            release_document=documents["release"],
+            status_document=documents["status"],
+            subnet_ids=tuple(job_subnets),
+            keep_finished_volumes=settings.keep_finished_volumes,
+            store_role_arn=store_access.role.role_arn,
+            job_role_name=vm.job_role.role_name,
+            file_system_id=storage.file_system.file_system_id if storage.file_system else "",
+            pending_timeout_minutes=settings.pending_timeout_minutes,
+            stack_name=settings.stack_name,
+        )
         functions = Functions(
             self,
             "Functions",
             settings=settings,
             registry=registry,
-            environment=FunctionEnvironment(
-                {key: value for key, value in values.items() if key in config.ENV or key in config.OPTIONAL_TEXT_ENV}
-            ),
+            environment=FunctionEnvironment(function_settings),
             grant_targets=targets,
         )
         store_url = store_access.serve(
@@ -115,7 +118,7 @@ class SpotcrStack(Stack):
                 "launch-template": targets.launch_template_id,
                 "bus": registry.agent_bus.event_bus_name,
                 "bucket": storage.bucket.bucket_name,
-                "subnets": values["subnet_ids"],
+                "subnets": Fn.join(",", job_subnets),
                 "security-group": network.job_security_group.security_group_id,
             }
             if kind in by_kind:
@@ -151,10 +154,10 @@ class SpotcrStack(Stack):
             "JobTable": registry.jobs_table.table_name,
             "AgentEventBus": registry.agent_bus.event_bus_name,
             "LaunchTemplateId": targets.launch_template_id,
-            "LaunchTemplateVersion": values["launch_template_version"],
+            "LaunchTemplateVersion": function_settings.launch_template_version,
             "RecoveryStateMachineArn": workflow.state_machine.state_machine_arn,
             "JobInstanceProfile": vm.instance_profile.instance_profile_name,
-            "JobSubnets": values["subnet_ids"],
+            "JobSubnets": Fn.join(",", job_subnets),
             "JobSecurityGroup": network.job_security_group.security_group_id,
             "FailureTopicArn": registry.failure_topic.topic_arn,
             "DeadLetterQueueUrl": registry.dead_letters.queue_url,

@@ -33,6 +33,15 @@ REQUIRED_OUTPUTS = ("CheckpointBucket", "JobTable", "LaunchTemplateId", "Recover
 PROBE_PREFIX = "jobs/spotcr-probe-"  # spotcr_agent.probe.PROBE_JOB_PREFIX under jobs/: `spotcr probe --s3` here
 
 
+def partition(region: str) -> str:
+    """The AWS partition a region is in: what its ARNs start with (arn:<partition>:...)."""
+    if region.startswith("cn-"):
+        return "aws-cn"
+    if region.startswith("us-gov-"):
+        return "aws-us-gov"
+    return "aws"
+
+
 @dataclass(frozen=True)
 class UserStatement:
     sid: str
@@ -58,25 +67,29 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
     missing = [o for o in REQUIRED_OUTPUTS if not outputs.get(o)]
     if missing:
         raise ValueError(f"stack {stack} has no output {', '.join(missing)}: is it a spotcr stack, deployed?")
-    ec2 = f"arn:aws:ec2:{region}:{account}"
-    bucket = f"arn:aws:s3:::{outputs['CheckpointBucket']}"
+    arn = f"arn:{partition(region)}"
+    ec2 = f"{arn}:ec2:{region}:{account}"
+    bucket = f"{arn}:s3:::{outputs['CheckpointBucket']}"
     state_machine = outputs["RecoveryStateMachineArn"]
     template = f"{ec2}:launch-template/{outputs['LaunchTemplateId']}"
+    # Instances launched from the stack's template: EC2 tags them with it (tags.LAUNCH_TEMPLATE), no user can.
+    from_template = {"StringEquals": {f"aws:ResourceTag/{tags.LAUNCH_TEMPLATE}": outputs["LaunchTemplateId"]}}
+    from_template_ssm = {"StringEquals": {f"ssm:resourceTag/{tags.LAUNCH_TEMPLATE}": outputs["LaunchTemplateId"]}}
     documents = [outputs[o] for o in ("StatusDocument", "ProbeDocument") if outputs.get(o)]
     experiment_templates = [outputs[o] for o in fis_experiments.OUTPUTS.values() if outputs.get(o)]
-    fis = f"arn:aws:fis:{region}:{account}"
-    keys = f"arn:aws:kms:{region}:{account}:key/*"
+    fis = f"{arn}:fis:{region}:{account}"
+    keys = f"{arn}:kms:{region}:{account}:key/*"
     found: list[UserStatement] = [
         UserStatement(
             "ReadStackOutputs",
             ("cloudformation:DescribeStacks",),
-            (f"arn:aws:cloudformation:{region}:{account}:stack/{stack}/*",),
+            (f"{arn}:cloudformation:{region}:{account}:stack/{stack}/*",),
             why="A stack's ARN ends with the id CloudFormation gives it at creation.",
         ),
         UserStatement(
             "JobRecords",
             ("dynamodb:GetItem", "dynamodb:Scan", "dynamodb:UpdateItem"),
-            (f"arn:aws:dynamodb:{region}:{account}:table/{outputs['JobTable']}",),
+            (f"{arn}:dynamodb:{region}:{account}:table/{outputs['JobTable']}",),
         ),
         UserStatement("ListStore", ("s3:ListBucket",), (bucket,)),
         UserStatement(
@@ -114,7 +127,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
         UserStatement(
             "LaunchWithTheTemplatesResources",
             ("ec2:RunInstances",),
-            (*(f"{ec2}:{kind}/*" for kind in LAUNCHED), f"arn:aws:ec2:{region}::image/*"),
+            (*(f"{ec2}:{kind}/*" for kind in LAUNCHED), f"{arn}:ec2:{region}::image/*"),
             {"ArnEquals": {"ec2:LaunchTemplate": template}},
             why="RunInstances creates volumes, interfaces and a spot request with new ids, in the template's subnets "
             "and security group, from the AMI resolved at deploy; only through the stack's launch template.",
@@ -122,7 +135,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
         UserStatement(
             "PassTheJobRole",
             ("iam:PassRole",),
-            (f"arn:aws:iam::{account}:role/{stack}-*",),
+            (f"{arn}:iam::{account}:role/{stack}-*",),
             {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}},
             why="The job role's name is made by CloudFormation (<stack>-<id>-<suffix>) and is no stack output.",
         ),
@@ -144,8 +157,9 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
             "StopJobInstances",
             ("ec2:TerminateInstances",),
             (f"{ec2}:instance/*",),
-            JOB_TAGGED,
-            why="A job's instances are known at run time; only instances carrying spotcr:job.",
+            {"StringLike": JOB_TAGGED["StringLike"], **from_template},
+            why="A job's instances are known at run time; only those launched from the stack's template (EC2's "
+            "aws:ec2launchtemplate:id tag, which no user writes) carrying spotcr:job.",
         ),
         UserStatement(
             "DeleteJobVolumes",
@@ -165,13 +179,14 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
             "AskTheAgentOnAJobInstance",
             ("ssm:SendCommand",),
             (f"{ec2}:instance/*",),
-            {"StringLike": {f"ssm:resourceTag/{tags.JOB}": "?*"}},
-            why="A job's instance is known at run time; only instances carrying spotcr:job.",
+            {"StringLike": {f"ssm:resourceTag/{tags.JOB}": "?*"}, **from_template_ssm},
+            why="A job's instance is known at run time; only those launched from the stack's template (EC2's "
+            "aws:ec2launchtemplate:id tag, which no user writes) carrying spotcr:job.",
         ),
         UserStatement(
             "ThroughTheStacksDocuments",
             ("ssm:SendCommand",),
-            tuple(f"arn:aws:ssm:{region}:{account}:document/{d}" for d in documents),
+            tuple(f"{arn}:ssm:{region}:{account}:document/{d}" for d in documents),
         ),
         UserStatement(
             "ReadTheAgentsAnswer",
@@ -197,7 +212,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
         UserStatement(
             "SelftestDeletesItsJobRecord",
             ("dynamodb:DeleteItem",),
-            (f"arn:aws:dynamodb:{region}:{account}:table/{outputs['JobTable']}",),
+            (f"{arn}:dynamodb:{region}:{account}:table/{outputs['JobTable']}",),
         ),
         UserStatement(
             "PreflightWhoAmI",
@@ -208,7 +223,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
         UserStatement(
             "PreflightReadsTheRegionsServices",
             ("ssm:GetParametersByPath",),
-            (f"arn:aws:ssm:{region}::parameter{preflight.GLOBAL_INFRASTRUCTURE}/*",),
+            (f"{arn}:ssm:{region}::parameter{preflight.GLOBAL_INFRASTRUCTURE}/*",),
             why="AWS's public parameters naming the services each region offers.",
         ),
         UserStatement(
@@ -229,9 +244,9 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
             "PreflightFindsTheSpotRole",
             ("iam:GetRole",),
             (
-                f"arn:aws:iam::{account}:role{preflight.SPOT_ROLE_PATH}{preflight.SPOT_ROLE}",
+                f"{arn}:iam::{account}:role{preflight.SPOT_ROLE_PATH}{preflight.SPOT_ROLE}",
                 # A role that does not exist has no path yet: IAM then answers NoSuchEntity, which preflight explains.
-                f"arn:aws:iam::{account}:role/{preflight.SPOT_ROLE}",
+                f"{arn}:iam::{account}:role/{preflight.SPOT_ROLE}",
             ),
         ),
         UserStatement(
@@ -244,7 +259,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
             "PreflightReadsTheVcpuQuotas",
             ("servicequotas:GetServiceQuota",),
             tuple(
-                f"arn:aws:servicequotas:{region}:{account}:ec2/{code}"
+                f"{arn}:servicequotas:{region}:{account}:ec2/{code}"
                 for code in (preflight.SPOT_VCPU_QUOTA, preflight.ON_DEMAND_VCPU_QUOTA)
             ),
         ),
@@ -278,7 +293,7 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
             UserStatement(
                 "DeleteJobAccessPoints",
                 ("elasticfilesystem:DeleteAccessPoint",),
-                (f"arn:aws:elasticfilesystem:{region}:{account}:access-point/*",),
+                (f"{arn}:elasticfilesystem:{region}:{account}:access-point/*",),
                 JOB_TAGGED,
                 why="An efs job's access point is made for it at run time; only those carrying spotcr:job.",
             )

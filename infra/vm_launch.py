@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 import jsii
-from aws_cdk import Aws, Stack
+from aws_cdk import Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_events as events
 from aws_cdk import aws_iam as iam
@@ -14,6 +14,7 @@ from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 from spotcr_contracts import commands
+from spotcr_contracts.settings import VmSettings
 
 from infra import grants
 from infra.agent_bundle import BOOTSTRAP_SCRIPT, render_user_data, stage_agent_bundle
@@ -66,7 +67,6 @@ class VmLaunch(Construct):
         bootstrap_script: Path = BOOTSTRAP_SCRIPT,
     ) -> None:
         super().__init__(scope, construct_id)
-        stack = Stack.of(self)
 
         staged = stage_agent_bundle(Path(tempfile.mkdtemp(prefix="spotcr-agent-")), settings.vm_architecture)
         self.agent_asset = s3_assets.Asset(self, "AgentBundle", path=str(staged))
@@ -107,18 +107,16 @@ class VmLaunch(Construct):
                 update_method="NewVersion",
             )
 
-        placeholders = {
-            "__SPOTCR_AGENT_ASSET_URL__": self.agent_asset.s3_object_url,
-            "__SPOTCR_BUCKET__": storage.bucket.bucket_name,
-            "__SPOTCR_EVENT_BUS__": agent_bus.event_bus_name,
-            "__SPOTCR_REGION__": Aws.REGION,
-            "__SPOTCR_STACK__": stack.stack_name,
-            "__SPOTCR_EFS_ID__": storage.file_system.file_system_id if storage.file_system else "",
-            "__SPOTCR_EFS_ISOLATION__": "true" if settings.efs and settings.efs_isolation else "",
-            "__SPOTCR_FSX_DNS__": storage.lustre.dns_name if storage.lustre else "",
-            "__SPOTCR_FSX_MOUNT_NAME__": storage.lustre.mount_name if storage.lustre else "",
-            "__SPOTCR_STORE_CREDENTIALS_URL__": self.store_credentials_url.token(),
-        }
+        placeholders = VmSettings(
+            agent_asset_url=self.agent_asset.s3_object_url,
+            bucket=storage.bucket.bucket_name,
+            event_bus=agent_bus.event_bus_name,
+            efs_id=storage.file_system.file_system_id if storage.file_system else "",
+            efs_isolation=settings.efs and settings.efs_isolation,
+            fsx_dns=storage.lustre.dns_name if storage.lustre else "",
+            fsx_mount_name=storage.lustre.mount_name if storage.lustre else "",
+            store_credentials_url=self.store_credentials_url.token(),
+        ).placeholders()
         user_data = ec2.UserData.custom(render_user_data(bootstrap_script.read_text(), placeholders))
         self.launch_template = ec2.LaunchTemplate(
             self,

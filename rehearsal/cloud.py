@@ -6,9 +6,10 @@ real ASL). The rehearsal adds, in-process and only here:
 - EventBridge: rules built from the catalog deliver matching events to their Lambda targets, and
   the scheduled rule fires on a compressed interval;
 - SSM Run Command: the document's agent command runs inside the target local VM, once that VM's
-  SSM agent stand-in registered (rehearsal/ssm.py: SendCommand refuses others with InvalidInstanceId);
+  SSM agent stand-in registered (rehearsal/localaws/ssm.py: SendCommand refuses others with InvalidInstanceId);
 - Lambda function URLs: the store-credentials URL (AuthType AWS_IAM) has a stand-in on the VMs' network that
-  knows the caller by its VM address (rehearsal/store_credentials.py) and calls the real handler;
+  checks the SigV4 signature and the caller's and the function's policies (rehearsal/store_credentials.py) and
+  calls the real handler;
 - EC2: RunInstances boots local VMs, TerminateInstances ends them, volumes are loop devices, and
   instance state-change events are emitted as AWS emits them;
 - FIS: StartExperiment of an `aws:ec2:send-spot-instance-interruptions` template does what FIS does to its
@@ -17,6 +18,7 @@ real ASL). The rehearsal adds, in-process and only here:
   FIS's two minutes);
 - CloudFormation: a stack named like the rehearsal's resources whose outputs are the real stack's, so the
   `spotcr` command reads it with `--stack` as it reads a deployed one.
+What the workflow tests' control plane (tests/workflow/harness.py) does too is in rehearsal/localaws, shared.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
-import importlib
 import io
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -39,59 +41,38 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import boto3
 from spotcr_contracts import fis as fis_templates
 from spotcr_contracts.commands import COMMANDS, PROBE, Command
-from spotcr_functions import catalog, registry_schema
-from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
-from werkzeug.exceptions import Forbidden
+from spotcr_contracts.settings import VmSettings
+from spotcr_functions import catalog
+from spotcr_functions.config import ENV, Settings
 
-from infra.agent_bundle import BOOTSTRAP_SCRIPT, PLACEHOLDER, render_user_data
+from infra.agent_bundle import BOOTSTRAP_SCRIPT, render_user_data
 from rehearsal import account as local_account
-from rehearsal import asset, fleet
-from rehearsal import ssm as local_ssm
+from rehearsal import asset
 from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
-from rehearsal.iam.policy import Principal
+from rehearsal.iam import requests as iam_requests
+from rehearsal.iam.policy import Principal, Request
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, fis, fleet, s3, stack, stepfunctions, tags_of, wrap
+from rehearsal.localaws import iam as local_iam
+from rehearsal.localaws import ssm as local_ssm
+from rehearsal.localaws.iam import STACK_CONTEXT
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
-from rehearsal.vm import REPO, LocalVM, VmError, VmNetwork, prepare_host
+from rehearsal.vm import LocalVM, VmError, VmNetwork, prepare_host
 
-REGION = "us-east-1"
-ACCOUNT = "123456789012"
 PREFIX = "spotcr-rehearsal"
-ASL_PATH = REPO / "statemachines" / "recovery.asl.json"
 SSM_OUTPUT_LIMIT = 24_000  # SSM keeps the first 24,000 characters of a command's output
-# The stack as the rehearsal deploys it: with EFS (efs jobs get an access point each).
-STACK_CONTEXT = {"efs": "true"}
 EVENT_RETRIES = 2  # EventBridge's asynchronous Lambda invocation retries twice
 ASSET_BUCKET = f"cdk-hnb659fds-assets-{ACCOUNT}-{REGION}"  # CDK's bootstrap bucket: `cdk deploy` publishes assets there
-
-
-_INHERITED = object()  # marks a patched attribute the class only inherited
-
-
-@dataclass(frozen=True)
-class LambdaContext:
-    """The attributes of the Lambda context object that handlers and Powertools read."""
-
-    function_name: str
-    invoked_function_arn: str
-    memory_limit_in_mb: int
-    timeout_s: int
-    aws_request_id: str
-    started: float
-    function_version: str = "$LATEST"
-    log_group_name: str = "/aws/lambda/rehearsal"
-    log_stream_name: str = "rehearsal"
-
-    def get_remaining_time_in_millis(self) -> int:
-        return max(0, int((self.started + self.timeout_s - time.monotonic()) * 1000))
 
 
 class LocalCloud:
@@ -142,7 +123,8 @@ class LocalCloud:
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
         self.account = local_account.Account()  # what moto lacks of the account's settings (spotcr preflight)
-        self._account_patches = contextlib.ExitStack()
+        # Every patch of moto, of the environment and of moto's configuration: closing it undoes them all.
+        self._patches = contextlib.ExitStack()
         self.names = {
             "jobs_table": f"{PREFIX}-jobs",
             "idempotency_table": f"{PREFIX}-idempotency",
@@ -154,12 +136,12 @@ class LocalCloud:
             "launch_template": f"{PREFIX}-job-vm",
             "job_role": f"{PREFIX}-job",
             "store_role": f"{PREFIX}-job-store",
+            "fis_role": f"{PREFIX}-fis",  # the stack's FaultInjectionRole: FIS acts as it in experiments
         }
+        self.settings: Settings | None = None  # the functions' settings, as the stack sets them
         self.settings_env: dict[str, str] = {}
-        self._functions: dict[str, catalog.Function] = {}
+        self.functions = awslambda.Functions(f"{PREFIX}-")
         self._documents: dict[str, Command] = {}
-        self._patches: list[tuple[Any, str, Any]] = []
-        self._saved_env: dict[str, str | None] = {}
         self._delivery = ThreadPoolExecutor(max_workers=8, thread_name_prefix="eventbridge")
         self._commands = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ssm")
         self._stop = threading.Event()
@@ -168,12 +150,10 @@ class LocalCloud:
         self._lock = threading.Lock()
         self._saved_stdout: Any = None
         self._functions_log: Any = None
-        self._saved_config: dict[str, Any] = {}
         self.enforcer: enforce.Enforcer | None = None
         self._job_policies: tuple[Mapping[str, Any], ...] | None = None  # the job role's, as deployed now
         self.stack_outputs: dict[str, str] = {}  # the CloudFormation stack's outputs, as `spotcr` reads them
         self.agent_asset = ("", "")  # where the stack's agent asset is (bucket, key): the job role may read it there
-        self._iam = contextlib.ExitStack()
 
     def __enter__(self) -> LocalCloud:
         self.start()
@@ -193,27 +173,19 @@ class LocalCloud:
         # Powertools warns on every invocation that publishes no metric; the rehearsal's output is its progress lines.
         warnings.filterwarnings("ignore", message="No application metrics to publish")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._saved_config = {key: default_user_config.get(key) for key in ("stepfunctions", "lambda")}
-        default_user_config["stepfunctions"] = {"execute_state_machine": True}
-        default_user_config["lambda"] = {"use_docker": False}
-        self._set_env({"MOTO_EC2_LOAD_DEFAULT_AMIS": "false"})  # loading moto's public images takes seconds
+        moto_config = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
+        self._patches.enter_context(mock.patch.dict(default_user_config, moto_config))
+        self._patches.enter_context(mock.patch.dict(os.environ))  # what the cloud sets is unset by stop()
+        os.environ["MOTO_EC2_LOAD_DEFAULT_AMIS"] = "false"  # loading moto's public images takes seconds
         host, port = _moto_server().get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
         self.network = VmNetwork.create()
         self._vm_listener = _listen_for_vms(self.network.gateway, port)
         self.vm_endpoint = f"http://{self.network.gateway}:{port}"
-        self._store_credentials = local_store_credentials.serve(
-            self.network.gateway,
-            account=ACCOUNT,
-            role_name=self.names["job_role"],
-            instance_at=self._instance_at,
-            handler=self._vend_store_credentials,
-        )
-        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         # moto's backends live in the process: start from an empty account, as after a fresh deploy.
         reset = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")  # noqa: S310 (loopback http)
         urllib.request.urlopen(reset).close()  # noqa: S310 (http to the server just started)
-        self._set_env(
+        os.environ.update(
             {
                 "MOTO_PORT": str(port),  # moto's Step Functions calls Lambda at localhost:$MOTO_PORT
                 "AWS_ENDPOINT_URL": self.endpoint,
@@ -243,12 +215,20 @@ class LocalCloud:
         moto_logger.addHandler(cloud_log)
         moto_logger.propagate = False
         self._install_hooks()
-        self._account_patches.enter_context(local_account.serve(self.account))
-        self._account_patches.enter_context(fleet.launch_template_tags())
+        self._patches.enter_context(local_account.serve(self.account))
         self._create_stack()
         # From here on every call but the deployer's is evaluated against the synthesized stack's IAM.
         self.enforcer = self._enforcer()
-        self._iam.enter_context(enforce.enforced(self.enforcer))
+        self._patches.enter_context(enforce.enforced(self.enforcer))
+        self._store_credentials = local_store_credentials.serve(
+            self.network.gateway,
+            account=ACCOUNT,
+            region=REGION,
+            store=principals.store_credentials_address(self._local(), principals.template(STACK_CONTEXT)),
+            enforcer=self.enforcer,
+            handler=self._vend_store_credentials,
+        )
+        self.store_credentials_url = f"http://{self.network.gateway}:{self._store_credentials.server_address[1]}/"
         self._scheduler = threading.Thread(target=self._run_schedule, name="schedule", daemon=True)
         self._scheduler.start()
 
@@ -270,7 +250,6 @@ class LocalCloud:
         for vm in list(self.vms.values()):
             vm.terminate()
         self._join_threads(timeout_s=30)
-        self._iam.close()
         if self._store_credentials is not None:
             self._store_credentials.shutdown()
             self._store_credentials.server_close()
@@ -284,34 +263,13 @@ class LocalCloud:
         self._commands.shutdown(wait=False, cancel_futures=True)
         self._delivery.shutdown(wait=False, cancel_futures=True)
         self.volumes.release_all()
-        for owner, name, original in reversed(self._patches):
-            if original is _INHERITED:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._patches.clear()
-        self._account_patches.close()
+        self._patches.close()
         if self._saved_stdout is not None:
             # Loggers made meanwhile hold the redirecting stream: it writes to the real stdout again.
             _STDOUT.target = self._saved_stdout
             sys.stdout = self._saved_stdout
             self._saved_stdout = None
             self._functions_log.close()
-        if self._saved_config:
-            from moto.core.config import default_user_config
-
-            default_user_config.update(self._saved_config)  # type: ignore[typeddict-item]
-            self._saved_config = {}
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-    def _set_env(self, values: dict[str, str]) -> None:
-        for key, value in values.items():
-            self._saved_env.setdefault(key, os.environ.get(key))
-            os.environ[key] = value
 
     @property
     def vm_env(self) -> dict[str, str]:
@@ -333,28 +291,21 @@ class LocalCloud:
         session = f"arn:aws:sts::{ACCOUNT}:assumed-role/{self.names['job_role']}/{instance_id}"
         instance_arn = f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"
         principal = Principal(session, self._job_policies)
-        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn})
-        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "instance-profile"}
+        secret = secrets.token_hex(20)  # its own: what AWS checks a signature with (the function URL stand-in)
+        self.enforcer.add_key(key, principal, {"ec2:SourceInstanceARN": instance_arn}, secret)
+        return {**self.vm_env, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
 
     def _create_stack(self) -> None:
         """The resources `cdk deploy` creates, built from the same definitions infra/ uses."""
         names = self.names
         s3 = self.client("s3")
         s3.create_bucket(Bucket=names["checkpoint_bucket"])
-        dynamodb = self.client("dynamodb")
-        dynamodb.create_table(**registry_schema.create_table_arguments(names["jobs_table"]))
-        dynamodb.create_table(**registry_schema.create_idempotency_table_arguments(names["idempotency_table"]))
+        stack.create_registry(self.client("dynamodb"), names["jobs_table"], names["idempotency_table"])
         self.client("events").create_event_bus(Name=names["event_bus_name"])
         topic_arn = self.client("sns").create_topic(Name=names["topic"])["TopicArn"]
-        ssm = self.client("ssm")
-        document_names = {}
-        for command in (*COMMANDS.values(), PROBE):  # PROBE: the stack's probe document, for `spotcr probe`
-            name = f"{PREFIX}-{command.name}"
-            ssm.create_document(
-                Name=name, Content=json.dumps(command.document()), DocumentType="Command", DocumentFormat="JSON"
-            )
-            self._documents[name] = command
-            document_names[command.name] = name
+        documented = (*COMMANDS.values(), PROBE)  # PROBE: the stack's probe document, for `spotcr probe`
+        document_names = stack.create_documents(self.client("ssm"), f"{PREFIX}-", documented)
+        self._documents = {document_names[command.name]: command for command in documented}
         ec2 = self.client("ec2")
         image_id = ec2.register_image(Name=f"{PREFIX}-job-vm", Architecture="x86_64")["ImageId"]
         template_id = ec2.create_launch_template(
@@ -377,41 +328,38 @@ class LocalCloud:
                 RoleName=name, AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
             )
         state_machine_arn = f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:{names['state_machine']}"
-        settings = {
-            "jobs_table": names["jobs_table"],
-            "idempotency_table": names["idempotency_table"],
-            "recovery_state_machine_arn": state_machine_arn,
-            "event_bus_name": names["event_bus_name"],
-            "failure_topic_arn": topic_arn,
-            "checkpoint_bucket": names["checkpoint_bucket"],
-            "launch_template_id": template_id,
-            "launch_template_version": "1",
-            "checkpoint_document": document_names["checkpoint"],
-            "restore_document": document_names["restore"],
-            "release_document": document_names["release"],
-            "status_document": document_names["status"],
-        }
-        self.settings_env = {ENV[key]: value for key, value in settings.items()}
-        optional = {
-            "store_role_arn": f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
-            "job_role_name": names["job_role"],
-            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
-            "stack_name": principals.function_setting(principals.template(STACK_CONTEXT), "SPOTCR_STACK_NAME"),
-        }
-        self.settings_env.update({OPTIONAL_TEXT_ENV[key]: value for key, value in optional.items()})
         # The stack's EFS as deployed with efs=true: efs jobs get an access point each (the VMs mount a shared dir).
         self.file_system_id = self.client("efs").create_file_system(CreationToken=PREFIX, Encrypted=True)[
             "FileSystemId"
         ]
-        self.settings_env[OPTIONAL_TEXT_ENV["file_system_id"]] = self.file_system_id
-        self.settings_env.update({OPTIONAL_ENV[key]: str(value) for key, value in self.workflow_waits.items()})
-        self._set_env(self.settings_env)
+        settings = Settings(
+            jobs_table=names["jobs_table"],
+            idempotency_table=names["idempotency_table"],
+            recovery_state_machine_arn=state_machine_arn,
+            event_bus_name=names["event_bus_name"],
+            failure_topic_arn=topic_arn,
+            checkpoint_bucket=names["checkpoint_bucket"],
+            launch_template_id=template_id,
+            launch_template_version="1",
+            checkpoint_document=document_names["checkpoint"],
+            restore_document=document_names["restore"],
+            release_document=document_names["release"],
+            status_document=document_names["status"],
+            store_role_arn=f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
+            job_role_name=names["job_role"],
+            file_system_id=self.file_system_id,
+            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
+            stack_name=principals.function_setting(principals.template(STACK_CONTEXT), ENV["stack_name"]),
+        )
+        waits: dict[str, Any] = dict(self.workflow_waits)  # Settings' numbers by field name
+        self.settings = replace(settings, **waits)
+        self.settings_env = self.settings.to_env()
+        os.environ.update(self.settings_env)
         lambda_client = self.client("lambda")
         function_arns: dict[str, str] = {}
         for function in catalog.FUNCTIONS:
-            name = f"{PREFIX}-{function.name}"
             arn = lambda_client.create_function(
-                FunctionName=name,
+                FunctionName=self.functions.prefix + function.name,
                 Runtime="python3.12",
                 Role=role_arn,
                 Handler=function.handler,
@@ -420,10 +368,13 @@ class LocalCloud:
                 MemorySize=function.memory_mb,
                 Environment={"Variables": self.settings_env},
             )["FunctionArn"]
-            self._functions[name] = function
             function_arns[function.name] = arn
         if self.with_workflow:
-            self._create_state_machine(role_arn, function_arns)
+            self.client("stepfunctions").create_state_machine(
+                name=names["state_machine"],
+                definition=stack.recovery_definition(function_arns, document_names, topic_arn),
+                roleArn=role_arn,
+            )
         self._create_stack_outputs(role_arn, template_id, state_machine_arn)
         events = self.client("events")
         for function in catalog.FUNCTIONS:
@@ -443,42 +394,33 @@ class LocalCloud:
                     Targets=[{"Id": function.name, "Arn": function_arns[function.name]}],
                 )
 
+    def _local(self) -> principals.Local:
+        """Where the stack's resources are in this cloud."""
+        assert self.settings is not None, "the stack is created first"
+        return local_iam.local(
+            self.settings,
+            function_prefix=self.functions.prefix,
+            job_role=self.names["job_role"],
+            store_role=self.names["store_role"],
+            file_system_id=self.file_system_id,
+            fis_role=self.names["fis_role"],
+        )
+
     def _enforcer(self) -> enforce.Enforcer:
-        """IAM as the synthesized stack grants it, in this cloud: each function's role, the state machine's (its
-        engine's key), the job VMs' role, and the store role's sessions that store-credentials vends."""
-        names = self.names
-        env = self.settings_env
-        local_names = {
-            "RegistryJobs": names["jobs_table"],
-            "RegistryIdempotency": names["idempotency_table"],
-            "RegistryFailureTopic": env[ENV["failure_topic_arn"]],
-            "RegistryAgentBus": names["event_bus_name"],
-            "StorageCheckpoints": names["checkpoint_bucket"],
-            "StorageEfs": self.file_system_id,
-            "VmLaunchJobLaunchTemplate": env[ENV["launch_template_id"]],
-            "VmLaunchJobRole": names["job_role"],
-            "StoreAccessStoreRole": names["store_role"],
-            "WorkflowRecovery": names["state_machine"],
-            **{f"VmLaunchDocument{c}": env[ENV[f"{c}_document"]] for c in COMMANDS},
-        }
-        local = principals.Local(REGION, ACCOUNT, local_names, f"{PREFIX}-")
-        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
-        keys = {enforce.function_key(name): role.principal() for name, role in roles.functions.items()}
-        keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
+        """IAM as the synthesized stack grants it, in this cloud (rehearsal.localaws.iam), with its resource
+        policies, the job VMs' role and the `spotcr` user's."""
+        where = self._local()
+        roles = local_iam.stack_roles(where)
+        # The rehearsal itself: it deploys the stack as CloudFormation would, plays the user and AWS's services.
+        enforcer = local_iam.enforcer(roles, trusted={"testing": "the rehearsal"}, where=where)
+        enforcer.add_key(enforce.CLI_USER_KEY, principals.cli_user(ACCOUNT, PREFIX, REGION, self.stack_outputs))
         # Each job VM signs as its own session of the job role (instance_env).
         self._job_policies = roles.job.policies
-        keys[enforce.CLI_USER_KEY] = principals.cli_user(ACCOUNT, PREFIX, REGION, self.stack_outputs)
         self.agent_asset = principals.agent_asset(roles.job)
         if self.agent_asset_url:  # published here under its own hash: the grant names the asset deployed
             bucket, key = self.agent_asset
             self._job_policies = _asset_granted(self._job_policies, f"s3://{bucket}/{key}", self.agent_asset_url)
-        return enforce.Enforcer(
-            keys=keys,
-            # The rehearsal itself: it deploys the stack as CloudFormation would, plays the user and AWS's services.
-            trusted={"testing": "the rehearsal"},
-            roles={role.arn: role.principal() for role in roles.all()},
-            state=enforce.MotoState(ACCOUNT, REGION),
-        )
+        return enforcer
 
     def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:
         """The stack's FIS experiment templates, and a CloudFormation stack whose outputs name what `spotcr` reads."""
@@ -497,7 +439,8 @@ class LocalCloud:
         outputs["EfsFileSystemId"] = self.file_system_id
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
-                clientToken=str(uuid.uuid4()), **fis_templates.template(kind, role_arn)
+                clientToken=str(uuid.uuid4()),
+                **fis_templates.template(kind, f"arn:aws:iam::{ACCOUNT}:role/{self.names['fis_role']}"),
             )
             outputs[output] = created["experimentTemplate"]["id"]
         self.client("cloudformation").create_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
@@ -515,16 +458,23 @@ class LocalCloud:
         data = {**latest["LaunchTemplateVersions"][0]["LaunchTemplateData"], "UserData": user_data}
         created = ec2.create_launch_template_version(LaunchTemplateId=template_id, LaunchTemplateData=data)
         version = str(created["LaunchTemplateVersion"]["VersionNumber"])
-        self.settings_env[ENV["launch_template_version"]] = version
-        self._set_env(self.settings_env)  # the in-process handlers read their settings at each invocation's edge
+        assert self.settings is not None, "the stack is created first"
+        self.settings = replace(self.settings, launch_template_version=version)
+        self.settings_env = self.settings.to_env()
+        os.environ.update(self.settings_env)  # the in-process handlers read their settings at each invocation's edge
         lambda_client = self.client("lambda")
-        for name in self._functions:
-            lambda_client.update_function_configuration(FunctionName=name, Environment={"Variables": self.settings_env})
+        for function in catalog.FUNCTIONS:
+            lambda_client.update_function_configuration(
+                FunctionName=self.functions.prefix + function.name, Environment={"Variables": self.settings_env}
+            )
         cloudformation = self.client("cloudformation")
         stack = cloudformation.describe_stacks(StackName=PREFIX)["Stacks"][0]
         outputs = {output["OutputKey"]: output["OutputValue"] for output in stack.get("Outputs", [])}
         outputs["LaunchTemplateVersion"] = version
         cloudformation.update_stack(StackName=PREFIX, TemplateBody=json.dumps(_stack_template(outputs)))
+        self.stack_outputs = outputs
+        if self.enforcer is not None:  # the user's policy names what the stack's outputs name
+            self.enforcer.add_key(enforce.CLI_USER_KEY, principals.cli_user(ACCOUNT, PREFIX, REGION, outputs))
         if old and self._job_policies is not None:
             self._job_policies = _asset_granted(self._job_policies, old, self.agent_asset_url)
         return version
@@ -540,53 +490,24 @@ class LocalCloud:
         rehearsal's boot passes itself is left empty), or bootstrap.sh as is when the stack has no asset."""
         script = BOOTSTRAP_SCRIPT.read_text()
         if asset_url:
-            values = dict.fromkeys(PLACEHOLDER.findall(script), "")
-            values["__SPOTCR_AGENT_ASSET_URL__"] = asset_url
-            values["__SPOTCR_BUCKET__"] = self.names["checkpoint_bucket"]
-            values["__SPOTCR_EVENT_BUS__"] = self.names["event_bus_name"]
-            values["__SPOTCR_STORE_CREDENTIALS_URL__"] = self.store_credentials_url
-            script = render_user_data(script, values)
+            values = VmSettings(
+                agent_asset_url=asset_url,
+                bucket=self.names["checkpoint_bucket"],
+                event_bus=self.names["event_bus_name"],
+                store_credentials_url=self.store_credentials_url,
+            )
+            script = render_user_data(script, values.placeholders())
         return base64.b64encode(script.encode()).decode()
 
-    def _create_state_machine(self, role_arn: str, function_arns: dict[str, str]) -> None:
-        definition = ASL_PATH.read_text()
-        substitutions: dict[str, str] = {}
-        for placeholder, value in catalog.WORKFLOW_SUBSTITUTIONS.items():
-            substitutions[placeholder] = self._substitution(value, function_arns)
-        for placeholder, value in substitutions.items():
-            definition = definition.replace("${" + placeholder + "}", value)
-        self.client("stepfunctions").create_state_machine(
-            name=self.names["state_machine"], definition=definition, roleArn=role_arn
-        )
-
-    def _substitution(self, value: str, function_arns: dict[str, str]) -> str:
-        """Resolve one catalog substitution: `function:<name>`, `document:<command>` or `topic:failure`."""
-        kind, _, name = value.partition(":")
-        if kind == "function":
-            return function_arns[name]
-        if kind == "document":
-            return self.settings_env[ENV[f"{name}_document"]]
-        if kind == "topic" and name == "failure":
-            return self.settings_env[ENV["failure_topic_arn"]]
-        raise KeyError(f"workflow substitution {value!r}: unknown kind {kind!r}")
-
     def _install_hooks(self) -> None:
-        from moto.awslambda_simple.models import LambdaSimpleBackend
         from moto.events.models import EventsBackend, Rule
-        from moto.ssm.models import Command as MotoCommand
         from moto.ssm.models import SimpleSystemManagerBackend
 
         cloud = self
-        patch = self._patch
-        patch(
-            LambdaSimpleBackend,
-            "invoke",
-            lambda original: (
-                lambda backend, function_name, qualifier, body, headers, response_headers: cloud._invoke(
-                    function_name, body, response_headers
-                )
-            ),
-        )
+        patches = self._patches
+        self.functions.serve(patches)
+        stepfunctions.keep_failure_cause(patches)
+        fleet.launch_template_tags(patches)
 
         def send_to_targets(original: Any) -> Any:
             def hooked(rule: Any, event: dict[str, Any], transform_input: bool = True) -> None:
@@ -599,7 +520,7 @@ class LocalCloud:
 
             return hooked
 
-        patch(Rule, "send_to_targets", send_to_targets)
+        wrap(patches, Rule, "send_to_targets", send_to_targets)
 
         def put_events(original: Any) -> Any:
             def hooked(backend: Any, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -611,7 +532,7 @@ class LocalCloud:
 
             return hooked
 
-        patch(EventsBackend, "put_events", put_events)
+        wrap(patches, EventsBackend, "put_events", put_events)
 
         def send_command(original: Any) -> Any:
             def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
@@ -619,42 +540,12 @@ class LocalCloud:
 
             return hooked
 
-        patch(SimpleSystemManagerBackend, "send_command", send_command)
-        local_ssm.install(patch, self.managed_instances)
-        # moto 5.2 adds every instance to a command sent without Targets; SSM sends to the InstanceIds only.
-        patch(
-            MotoCommand,
-            "_get_instance_ids_from_targets",
-            lambda original: lambda command: original(command) if command.targets else [],
-        )
+        wrap(patches, SimpleSystemManagerBackend, "send_command", send_command)
+        local_ssm.install(patches, self.managed_instances)
+        local_ssm.to_instance_ids_only(patches)
         self._install_ec2_hooks()
-        self._install_fis_hooks()
-        self._install_s3_hooks()
-
-    def _install_fis_hooks(self) -> None:
-        from moto.fis.models import FISBackend
-
-        cloud = self
-
-        def start_experiment(original: Any) -> Any:
-            def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
-                started = original(backend, *args, **kwargs)
-                experiment = backend.experiments[started["id"]]
-                from moto.ec2.models import ec2_backends
-
-                ec2 = ec2_backends[ACCOUNT][REGION]
-                for action in experiment.actions.values():
-                    if action.get("actionId") != fis_templates.ACTION_ID:
-                        continue
-                    duration = fis_templates.duration_s(action.get("parameters", {}).get("durationBeforeInterruption"))
-                    for target_name in action.get("targets", {}).values():
-                        for instance_id in _spot_targets(ec2, experiment.targets.get(target_name, {})):
-                            cloud.spawn(cloud._fis_interrupt, instance_id, duration, name=f"fis-{instance_id}")
-                return started
-
-            return hooked
-
-        self._patch(FISBackend, "start_experiment", start_experiment)
+        fis.interrupt_spot_instances(self._patches, self._start_fis_interrupt, self._fis_may_interrupt)
+        s3.inject_faults(self._patches, lambda: self.store_fault)
 
     def _join_threads(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -664,6 +555,27 @@ class LocalCloud:
             thread.join(max(0.0, deadline - time.monotonic()))
         if late := [t.name for t in threads if t.is_alive()]:
             logging.getLogger(__name__).warning("local cloud stopped with threads still running: %s", late)
+
+    def _fis_may_interrupt(self, experiment: Any, instance_ids: list[str]) -> bool:
+        """FIS acts as the experiment's role: it finds the targets (DescribeInstances), then interrupts each."""
+        assert self.enforcer is not None, "experiments start only while the cloud runs"
+        role = self.enforcer.roles.get(experiment.role_arn)
+        if role is None:
+            self.timeline.say(f"! FIS: the experiment's role {experiment.role_arn} is no role of the stack")
+            return False
+        interrupt = iam_requests.Call(
+            "ec2", "SendSpotInstanceInterruptions", {"InstanceIds": instance_ids}, REGION, ACCOUNT
+        )
+        requests = [Request("ec2:DescribeInstances", "*")]
+        if instance_ids:
+            requests += iam_requests.requests_for(interrupt, enforce.MotoState(ACCOUNT, REGION))
+        decision = self.enforcer.authorize_as(role, ACCOUNT, requests)
+        if not decision.allowed:
+            self.timeline.say(f"! FIS experiment {experiment.id} failed: {decision.reason}")
+        return decision.allowed
+
+    def _start_fis_interrupt(self, instance_id: str, duration_s: float) -> None:
+        self.spawn(self._fis_interrupt, instance_id, duration_s, name=f"fis-{instance_id}")
 
     def _fis_interrupt(self, instance_id: str, duration_s: float) -> None:
         """What FIS's send-spot-instance-interruptions does to one instance, with its two minutes as fis_notice_s."""
@@ -685,40 +597,11 @@ class LocalCloud:
         if not self._stop.wait(notice):
             self.client("ec2").terminate_instances(InstanceIds=[instance_id])
 
-    def _install_s3_hooks(self) -> None:
-        from moto.s3.models import S3Backend
-
-        cloud = self
-
-        def faulty(action: str) -> Callable[[Any], Any]:
-            def make(original: Any) -> Any:
-                def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
-                    named = [kwargs.get("bucket_name"), kwargs.get("key_name")]
-                    positional = [a for a in args if isinstance(a, str)]
-                    bucket = str(named[0] or (positional.pop(0) if positional else ""))
-                    key = str(named[1] or (positional[0] if positional and action.endswith("_object") else ""))
-                    if cloud.store_fault is not None:
-                        cloud.store_fault(action, bucket, key)
-                    return original(backend, *args, **kwargs)
-
-                return hooked
-
-            return make
-
-        for action in ("head_bucket", "put_object", "get_object", "head_object", "list_objects", "list_objects_v2"):
-            self._patch(S3Backend, action, faulty(action))
-
-    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        original = getattr(owner, name, None)  # None: an action moto lacks, added here
-        # An inherited method is un-patched by deleting ours, so later patches of the base class still apply.
-        self._patches.append((owner, name, original if name in vars(owner) else _INHERITED))
-        setattr(owner, name, make(original))
-
     def _install_ec2_hooks(self) -> None:
         from moto.ec2.models import EC2Backend
 
         cloud = self
-        patch = self._patch
+        patches = self._patches
 
         def run_instances(original: Any) -> Any:
             def hooked(backend: Any, *args: Any, **kwargs: Any) -> Any:
@@ -729,7 +612,7 @@ class LocalCloud:
 
             return hooked
 
-        patch(EC2Backend, "run_instances", run_instances)
+        wrap(patches, EC2Backend, "run_instances", run_instances)
 
         def terminate_instances(original: Any) -> Any:
             def hooked(backend: Any, instance_ids: list[str]) -> Any:
@@ -741,7 +624,7 @@ class LocalCloud:
 
             return hooked
 
-        patch(EC2Backend, "terminate_instances", terminate_instances)
+        wrap(patches, EC2Backend, "terminate_instances", terminate_instances)
 
         def attach_volume(original: Any) -> Any:
             def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -757,7 +640,7 @@ class LocalCloud:
 
             return hooked
 
-        patch(EC2Backend, "attach_volume", attach_volume)
+        wrap(patches, EC2Backend, "attach_volume", attach_volume)
 
         def detach_volume(original: Any) -> Any:
             def hooked(backend: Any, volume_id: str, instance_id: str | None, *args: Any, **kwargs: Any) -> Any:
@@ -772,43 +655,11 @@ class LocalCloud:
 
             return hooked
 
-        patch(EC2Backend, "detach_volume", detach_volume)
-
-    def _invoke(self, function_name: str, body: Any, response_headers: dict[str, str]) -> bytes:
-        """Lambda Invoke: run the catalog handler in this process, as the Lambda runtime would."""
-        name = function_name.rsplit(":function:", maxsplit=1)[-1].split(":", maxsplit=1)[0]
-        payload = json.loads(body or "{}") if not isinstance(body, bytes) else json.loads(body.decode() or "{}")
-        try:
-            return json.dumps(self.call_handler(name, payload)).encode()
-        except Exception as error:
-            response_headers["x-amz-function-error"] = "Unhandled"
-            return json.dumps(
-                {
-                    "errorMessage": str(error),
-                    "errorType": type(error).__name__,
-                    "stackTrace": traceback.format_tb(error.__traceback__),
-                }
-            ).encode()
+        wrap(patches, EC2Backend, "detach_volume", detach_volume)
 
     def call_handler(self, name: str, payload: Any) -> Any:
-        function = self._functions.get(name)
-        if function is None:
-            raise KeyError(f"no local function {name!r}")
-        with enforce.acting_as(enforce.function_key(function.name)):
-            return self._call_handler(name, function, payload)
-
-    def _call_handler(self, name: str, function: catalog.Function, payload: Any) -> Any:
-        module_name, attribute = function.handler.rsplit(".", 1)
-        handler = getattr(importlib.import_module(module_name), attribute)
-        context = LambdaContext(
-            function_name=name,
-            invoked_function_arn=f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{name}",
-            memory_limit_in_mb=function.memory_mb,
-            timeout_s=function.timeout_s,
-            aws_request_id=str(uuid.uuid4()),
-            started=time.monotonic(),
-        )
-        return handler(payload, context)
+        """Run the stack's function `name` (as deployed: PREFIX-<catalog name>) in this process, as Lambda would."""
+        return self.functions.call(self.functions.catalog_name(name), payload)
 
     def _deliver(self, function_arn: str, event: dict[str, Any]) -> None:
         """EventBridge's asynchronous invocation of a rule's Lambda target, with its retries."""
@@ -868,7 +719,7 @@ class LocalCloud:
 
     def _launch(self, backend: Any, instance: Any) -> None:
         instance_id = instance.id
-        tags = _tags_of(backend, instance_id)
+        tags = tags_of(backend, instance_id)
         role = "backup" if tags.get("spotcr:mode") == "restore" else "primary"
         generation = tags.get("spotcr:generation", "0")
         self.timeline.label(instance_id, f"{role} g{generation}\n{instance_id[:12]}")
@@ -879,7 +730,7 @@ class LocalCloud:
             instance_type=instance.instance_type,
             availability_zone=instance.placement.zone or f"{REGION}a",
             user_data=user_data,
-            tags=lambda: _tags_of(backend, instance_id),
+            tags=lambda: tags_of(backend, instance_id),
             root=self.run_dir / "vms",
             cloud_env=self.instance_env(instance_id),
             network=self.network,
@@ -914,12 +765,6 @@ class LocalCloud:
             with self._lock:
                 self.store_credentials_granted[instance_id] = self.store_credentials_granted.get(instance_id, 0) + 1
         return response
-
-    def _instance_at(self, address: str) -> str | None:
-        """The running local VM with this address on the bridge (each VM has its own)."""
-        with self._lock:
-            running = (vm for vm in self.vms.values() if vm.address == address and not vm.terminated)
-            return next((vm.instance_id for vm in running), None)
 
     def _terminated(self, backend: Any, instance_id: str) -> None:
         vm = self.vms.get(instance_id)
@@ -1007,17 +852,12 @@ class LocalCloud:
                     "Source": "aws.ssm",
                     "DetailType": catalog.COMMAND_INVOCATION_STATUS_CHANGE,
                     "Detail": json.dumps(
-                        command_ended_detail(instance_id, command_id, document_name, status, requested)
+                        local_ssm.command_ended_detail(instance_id, command_id, document_name, status, requested)
                     ),
                     "Resources": [f"arn:aws:ec2:{REGION}:{ACCOUNT}:instance/{instance_id}"],
                 }
             ]
         )
-
-
-class StoreFault(Forbidden):
-    """A store failure injected by the fault suite: S3 refuses the request (HTTP 403, as when a bucket policy or
-    a KMS key stops the job's role). Unlike a 503 it is not retried, so the failure comes at a known point."""
 
 
 class _Redirect(io.TextIOBase):
@@ -1070,28 +910,6 @@ def _listen_for_vms(address: str, port: int) -> Any:
     return server
 
 
-def _spot_targets(ec2: Any, target: dict[str, Any]) -> list[str]:
-    """The running spot instances an FIS target selects, by ARN or by tags and filters (selection mode ALL)."""
-    if target.get("resourceType") != "aws:ec2:spot-instance":
-        return []
-    arns = target.get("resourceArns") or []
-    wanted_tags = target.get("resourceTags") or {}
-    states = [v for f in target.get("filters") or [] if f.get("path") == "State.Name" for v in f.get("values", [])]
-    chosen = []
-    for reservation in ec2.reservations.values():
-        for instance in reservation.instances:
-            tags = _tags_of(ec2, instance.id)
-            if arns and not any(arn.endswith(f"/{instance.id}") for arn in arns):
-                continue
-            if any(tags.get(key) != value for key, value in wanted_tags.items()):
-                continue
-            if states and instance.state not in states:
-                continue
-            if getattr(instance, "lifecycle", None) == "spot":
-                chosen.append(instance.id)
-    return chosen
-
-
 def _stack_template(outputs: dict[str, str]) -> dict[str, Any]:
     """The rehearsal's CloudFormation stack: one resource, and the real stack's outputs for `spotcr --stack`."""
     return {
@@ -1105,32 +923,12 @@ def _stack_template(outputs: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def _tags_of(backend: Any, resource_id: str) -> dict[str, str]:
-    return {tag["key"]: tag["value"] for tag in backend.describe_tags(filters={"resource-id": [resource_id]})}
-
-
 def _placeholder_zip() -> bytes:
     """Lambda wants a code package; the rehearsal runs the handlers from the checkout instead."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         archive.writestr("README.txt", "spotcr rehearsal: handlers run in-process from functions/\n")
     return buffer.getvalue()
-
-
-def command_ended_detail(
-    instance_id: str, command_id: str, document_name: str, status: str, requested: datetime
-) -> dict[str, str]:
-    """The detail of SSM's invocation status-change event (the keys and formats of AWS's sample)."""
-    return {
-        "command-id": command_id,
-        "document-name": document_name,
-        "instance-id": instance_id,
-        "requested-date-time": (requested if requested.tzinfo else requested.replace(tzinfo=UTC))
-        .astimezone(UTC)
-        .strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-        + "Z",
-        "status": status,
-    }
 
 
 def _now() -> str:

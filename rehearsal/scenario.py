@@ -24,6 +24,8 @@ from spotcr_agent.carry import REFUSED, ROLLBACK_JOURNAL
 from spotcr_agent.result import ResultError, fetch_result_file
 from spotcr_agent.store.backends import S3Backend
 from spotcr_agent.store.errors import StoreError
+from spotcr_cli import actions
+from spotcr_cli.aws import Cloud
 from spotcr_contracts import events as agent_events
 from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
@@ -32,7 +34,7 @@ from spotcr_functions.config import ENV
 from spotcr_functions.models import ENDED
 
 from rehearsal import asset, leaks
-from rehearsal.cloud import LocalCloud
+from rehearsal.cloud import PREFIX, REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO, LocalVM, VmError, bare_vm
 
@@ -377,6 +379,27 @@ def workflow_waits(options: Options) -> dict[str, int]:
     }
 
 
+def local_cloud(
+    options: Options,
+    run_dir: Path,
+    timeline: Timeline,
+    shared_storage: Path | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> LocalCloud:
+    """The local cloud, not started, for rehearsals with these options: the stack publishes the agent asset, and each
+    VM installs the one its launch template version names."""
+    return LocalCloud(
+        run_dir=run_dir,
+        timeline=timeline,
+        schedule_every_s=options.schedule_every_s,
+        shared_storage=shared_storage,
+        workflow_waits=workflow_waits(options),
+        on_event=on_event,
+        fis_notice_s=options.notice_s,
+        with_agent_asset=True,
+    )
+
+
 class Rehearsal:
     def __init__(
         self, options: Options, echo: Callable[[str], None] | None = None, cloud: LocalCloud | None = None
@@ -393,16 +416,7 @@ class Rehearsal:
             shared.mkdir(parents=True, exist_ok=True)
         self._own_cloud = cloud is None
         if cloud is None:
-            cloud = LocalCloud(
-                run_dir=self.run_dir,
-                timeline=self.timeline,
-                schedule_every_s=options.schedule_every_s,
-                shared_storage=shared,
-                workflow_waits=workflow_waits(options),
-                on_event=self.watcher,
-                fis_notice_s=options.notice_s,
-                with_agent_asset=True,
-            )
+            cloud = local_cloud(options, self.run_dir, self.timeline, shared_storage=shared, on_event=self.watcher)
         else:
             cloud.timeline, cloud.on_event = self.timeline, self.watcher
         self.cloud = cloud
@@ -633,46 +647,38 @@ class Rehearsal:
         return [asset.boot_command(bootstrap), [agent, "daemon"]]
 
     def _submit(self) -> str:
-        """Submit the job the way a user does (`spotcr submit`): launch an instance from the stack's launch template,
-        at the version the stack names, carrying the spotcr tags."""
+        """Submit the job as a user does: `spotcr submit`'s own code, signed as the `spotcr` user, launches an instance
+        from the stack's launch template, at the version the stack's outputs name, carrying the spotcr tags."""
         job_tags = self.job_tags()
         self.timeline.restart()
         self.timeline.say(f"submitting job {self.job_id}: {job_tags[tags.COMMAND]}")
-        ec2 = self.cloud.client("ec2")
-        settings = self.cloud.settings_env
-        version = settings[ENV["launch_template_version"]]
-        reservation = ec2.run_instances(
-            # From the stack's launch template, as `spotcr submit` launches (its grants terminate only those).
-            LaunchTemplate={"LaunchTemplateId": settings[ENV["launch_template_id"]], "Version": version},
-            InstanceType="c5.large",
-            MinCount=1,
-            MaxCount=1,
-            InstanceMarketOptions={"MarketType": "spot"},
-            MetadataOptions={"HttpTokens": "required", "InstanceMetadataTags": "enabled"},
-            TagSpecifications=[
-                {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in job_tags.items()]}
-            ],
-        )
-        return str(reservation["Instances"][0]["InstanceId"])
+        cloud = Cloud(self.cloud.endpoint, REGION, PREFIX)
+        with self.cloud.as_cli_user():
+            submitted = actions.submit(
+                cloud, job_tags, instance_id=None, instance_type="c5.large", on_demand=False, say=lambda _line: None
+            )
+        return str(submitted["instance_id"])
 
     def job_tags(self) -> dict[str, str]:
-        """The job's tags, checked as the workflow and the agent check them: RehearsalFailed names a bad one."""
+        """The job's tags as `spotcr submit` makes them: RehearsalFailed names a bad one."""
         options = self.options
-        job_tags = {
-            tags.JOB: self.job_id,
-            tags.STORAGE: options.storage,
-            tags.INTERVAL: str(options.interval_s),
-            tags.COMMAND: command_tag(options),
-            tags.FALLBACK_TYPES: "m5.large",
-            # The file compared is declared: a job that ends without it fails instead of storing a result.
-            tags.RESULT: options.result_file,
-        }
         check_result_path(options.result_file)
         try:
-            tags.parse_job_tags(job_tags)
+            return actions.job_tags(
+                self.job_id,
+                command=command_tag(options),
+                spec=None,
+                storage=options.storage,
+                interval_s=options.interval_s,
+                fallback_types="m5.large",
+                workdir=None,
+                tcp=None,
+                restart_from_scratch=None,
+                # The file compared is declared: a job that ends without it fails instead of storing a result.
+                result=options.result_file,
+            )
         except tags.InvalidJobTags as error:
             raise RehearsalFailed(f"the job cannot be submitted: {error}") from None
-        return job_tags
 
     def _await_periodic(self, instance_id: str, generation: int, number: int) -> None:
         wanted = self.options.checkpoints_before_interruption

@@ -4,21 +4,12 @@
 # (IMDSv2, instance metadata tags enabled), prepares its storage, waits until SSM reaches the instance, and
 # starts the agent. Each step prints its duration on the console.
 #
-# Placeholders that infra/ substitutes before this becomes user data (an empty value means "not used"):
-#   __SPOTCR_AGENT_ASSET_URL__   s3://bucket/key.zip of the agent asset. The zip's root holds: spotcr_agent/,
-#                                spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
-#                                criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages),
-#                                amazon-efs-utils/ (mount.efs, at efs-utils.lock), debs/ (the Debian 12 packages, with
-#                                packages.lock: for, name, version, sha256).
-#   __SPOTCR_BUCKET__            bucket of the job's checkpoints (s3 storage)
-#   __SPOTCR_EVENT_BUS__         EventBridge bus name for the agent's events
-#   __SPOTCR_EFS_ID__            EFS file system id (efs storage)
-#   __SPOTCR_EFS_ISOLATION__     "true": mount only the job's own EFS access point, with IAM (mount.efs: the asset's
-#                                amazon-efs-utils; stunnel4 from the asset's debs/)
-#   __SPOTCR_FSX_DNS__           FSx for Lustre DNS name (fsx storage)
-#   __SPOTCR_FSX_MOUNT_NAME__    FSx for Lustre mount name (fsx storage)
-#   __SPOTCR_STORE_CREDENTIALS_URL__  function URL (or, with private subnets, private API) vending the job's own store
-#                                credentials (its run of jobs/<job>/ only)
+# The quoted placeholders below are substituted by infra/ before this becomes user data: one for each field of
+# spotcr_contracts.settings.VmSettings, which says what each means (docs/settings.md lists them; an empty value means
+# "not used"). The agent asset (AGENT_ASSET_URL) is a zip whose root holds: spotcr_agent/,
+# spotcr_contracts/, bin/spotcr-agent, spotcr-agent.service, install-artifact.sh,
+# criu/spotcr-criu-<version>-<arch>.tar.gz{,.sha256}, python/ (the agent's packages), amazon-efs-utils/ (mount.efs,
+# at efs-utils.lock), debs/ (the Debian 12 packages, with packages.lock: for, name, version, sha256).
 # The instance role needs s3:GetObject on the asset (and on a job spec), the store's S3 actions, events:PutEvents,
 # what SSM Agent needs for Run Command, and ssm:DescribeInstanceInformation (the readiness check).
 # Sourcing this file (tests) defines its functions and runs nothing.

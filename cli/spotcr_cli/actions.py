@@ -15,8 +15,8 @@ from spotcr_contracts import tags
 from spotcr_contracts.commands import checkpoint_order
 from spotcr_contracts.layout import is_result_key, job_prefix
 from spotcr_contracts.names import client_token, execution_name, execution_prefix
-from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
-from spotcr_functions.registry import WAIT_KEYS
+from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
+from spotcr_functions.registry import Registry
 
 from spotcr_cli import jobs
 from spotcr_cli.aws import Cloud, CommandError
@@ -70,7 +70,8 @@ def submit(
     on_demand: bool,
     say: Say,
 ) -> dict[str, Any]:
-    """Launch an instance from the stack's launch template with the job's tags, or tag a running one.
+    """Launch an instance from the stack's launch template with the job's tags, or tag a running one launched from
+    that template (the stack's grants command and terminate only those).
 
     The template names no instance type (EC2 would launch an m1.small): a launch needs one."""
     ec2 = cloud.client("ec2")
@@ -80,6 +81,13 @@ def submit(
         instance = found[0]["Instances"][0] if found else None
         if instance is None or instance.get("State", {}).get("Name") not in ("pending", "running"):
             raise CommandError(f"instance {instance_id} is not running")
+        launched_from = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}.get(tags.LAUNCH_TEMPLATE)
+        if launched_from != cloud.stack.launch_template_id:
+            raise CommandError(
+                f"instance {instance_id} was not launched from the stack's launch template "
+                f"{cloud.stack.launch_template_id} ({tags.LAUNCH_TEMPLATE} is {launched_from or 'absent'}): spotcr "
+                "may neither command nor terminate it; submit without --instance to launch one from the template"
+            )
         ec2.create_tags(Resources=[instance_id], Tags=tag_list)
         say(f"tagged {instance_id}: its bootstrap registers job {job[tags.JOB]}")
         return {"job_id": job[tags.JOB], "instance_id": instance_id, "tags": dict(job)}
@@ -110,22 +118,6 @@ def submit(
     }
 
 
-def _update(
-    cloud: Cloud, job_id: str, set_values: Mapping[str, Any], remove: tuple[str, ...], seen: JobRecord
-) -> JobRecord | None:
-    """One conditional write against the record as read (generation and state), as the control plane writes."""
-    from spotcr_functions.registry import Registry
-
-    registry = Registry(cloud.stack.job_table, session=_Session(cloud))
-    return registry.update(
-        job_id,
-        set_values,
-        remove=remove,
-        condition="#generation = :g AND #status = :s",
-        condition_values={":g": seen.generation, ":s": seen.status.value},
-    )
-
-
 class _Session:
     """What Registry asks of a boto3 session: a DynamoDB resource at the command's endpoint."""
 
@@ -142,17 +134,13 @@ def cancel(cloud: Cloud, job_id: str, *, delete_checkpoints: bool, say: Say) -> 
     """CANCELLED first (so nothing orders a dump or starts a recovery), then stop its workflow and its VMs."""
     record = jobs.get_record(cloud, job_id)
     was = record.status
+    registry = Registry(cloud.stack.job_table, session=_Session(cloud))
     for _ in range(5):
         if record.status in ENDED:
             say(f"job {job_id} is {record.status} already")
             break
-        cancelled = _update(
-            cloud,
-            job_id,
-            {"status": Status.CANCELLED.value, "reason": "cancelled by the user (spotcr cancel)", "updated_at": _now()},
-            ("next_checkpoint_at",),
-            record,
-        )
+        why = {"reason": "cancelled by the user (spotcr cancel)", "updated_at": _now()}
+        cancelled = registry.end(record, Status.CANCELLED, why)
         if cancelled is not None:
             say(f"job {job_id} cancelled (was {record.status}, generation {record.generation})")
             record = cancelled
@@ -262,31 +250,9 @@ def restore(cloud: Cloud, job_id: str, checkpoint_id: str, say: Say) -> dict[str
             f"checkpoint {checkpoint_id} is not committed for job {job_id} (spotcr checkpoints {job_id})"
         )
     older = [c for c in ids if checkpoint_order(c) < checkpoint_order(checkpoint_id)]
-    at = _now()
-    waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
-    fenced = _update(
-        cloud,
-        job_id,
-        {
-            "generation": record.generation + 1,
-            "status": Status.RECOVERING.value,
-            "recovering_from": record.instance_id,
-            "interrupted_at": at,
-            "updated_at": at,
-            "checkpoint_id": checkpoint_id,
-            **({"previous_checkpoint_id": older[-1]} if older else {}),
-        },
-        (
-            "next_checkpoint_at",
-            "backup_instance_id",
-            "backup_az",
-            "handover_snapshot_id",
-            "handover_volume_id",
-            *waits,
-            *(() if older else ("previous_checkpoint_id",)),
-        ),
-        record,
-    )
+    # The same fencing write as an interruption's (the control plane's transition), naming the chosen checkpoint.
+    registry = Registry(cloud.stack.job_table, session=_Session(cloud))
+    fenced = registry.fence_for_restore(record, checkpoint_id, older[-1] if older else None, _now())
     if fenced is None:
         raise CommandError(f"job {job_id} changed while the restore was ordered; look at spotcr status {job_id}")
     # The stack's own waits are the functions' settings; their defaults are what a deployed stack uses.

@@ -119,7 +119,9 @@ def _add_submit(commands: Any) -> None:
     )
     submit.add_argument("--instance-type", help="instance type to launch (required unless --instance)")
     submit.add_argument("--on-demand", action="store_true", help="launch on demand instead of spot")
-    submit.add_argument("--instance", metavar="ID", help="tag this running instance instead of launching one")
+    submit.add_argument(
+        "--instance", metavar="ID", help="tag this running instance (from the stack's launch template), not launch one"
+    )
     submit.add_argument("--json", action="store_true", help="print the job as JSON")
     submit.set_defaults(func=cmd_submit)
 

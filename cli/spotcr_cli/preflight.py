@@ -7,6 +7,7 @@ An AWS error inside a check fails that check, naming the call AWS refused.
 from __future__ import annotations
 
 import argparse
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -184,7 +185,27 @@ class _Subnet:
     route_table: str
 
 
+# What a run of the checks read of the VPC (subnets, route tables, endpoints): several checks ask the same.
+_READ: contextvars.ContextVar[dict[tuple[str, ...], Any] | None] = contextvars.ContextVar(
+    "preflight_read", default=None
+)
+
+
+def _once(key: tuple[str, ...], read: Callable[[], Any]) -> Any:
+    """`read()`, done once per run of the checks (every time outside one)."""
+    memo = _READ.get()
+    if memo is None:
+        return read()
+    if key not in memo:
+        memo[key] = read()
+    return memo[key]
+
+
 def _subnets(cloud: Cloud, target: Target) -> list[_Subnet]:
+    return list(_once(("subnets", *target.subnets), lambda: _read_subnets(cloud, target)))
+
+
+def _read_subnets(cloud: Cloud, target: Target) -> list[_Subnet]:
     ec2 = cloud.client("ec2")
     found = []
     for subnet in ec2.describe_subnets(SubnetIds=list(target.subnets))["Subnets"]:
@@ -209,10 +230,16 @@ def _internet(subnet: _Subnet) -> str | None:
 
 
 def _endpoints(cloud: Cloud, vpc_id: str, region: str, service: str) -> list[dict[str, Any]]:
+    """The VPC's available endpoints for the service (the VPC's endpoints read once per run)."""
     name = f"com.amazonaws.{region}.{service}"
-    filters = [{"Name": "vpc-id", "Values": [vpc_id]}, {"Name": "service-name", "Values": [name]}]
-    found = cloud.client("ec2").describe_vpc_endpoints(Filters=filters)["VpcEndpoints"]
-    return [e for e in found if e.get("State", "available").lower() == "available"]
+    found = _once(("endpoints", vpc_id), lambda: _read_endpoints(cloud, vpc_id))
+    return [e for e in found if e.get("ServiceName") == name and e.get("State", "available").lower() == "available"]
+
+
+def _read_endpoints(cloud: Cloud, vpc_id: str) -> list[dict[str, Any]]:
+    paginator = cloud.client("ec2").get_paginator("describe_vpc_endpoints")
+    pages = paginator.paginate(Filters=[{"Name": "vpc-id", "Values": [vpc_id]}])
+    return [endpoint for page in pages for endpoint in page["VpcEndpoints"]]
 
 
 def _own_vpc(name: str, target: Target) -> Check | None:
@@ -356,26 +383,30 @@ CHECKS: tuple[Callable[[Cloud, Target], Check], ...] = (
 
 
 def run_checks(cloud: Cloud, target: Target) -> list[Check]:
+    read = _READ.set({})
+    try:
+        return [_run(check, cloud, target) for check in CHECKS]
+    finally:
+        _READ.reset(read)
+
+
+def _run(check: Callable[[Cloud, Target], Check], cloud: Cloud, target: Target) -> Check:
+    """The check's result; an AWS error fails it, naming the call AWS refused."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    results = []
-    for check in CHECKS:
-        name = check.__name__.replace("_", "-")
-        try:
-            results.append(check(cloud, target))
-        except ClientError as error:
-            operation = error.operation_name
-            code = error.response.get("Error", {}).get("Code", "")
-            results.append(
-                failed(
-                    name,
-                    f"AWS refused {operation}: {code}: {error.response.get('Error', {}).get('Message', '')}",
-                    f"let this user call {operation} (the README's user policy), then run preflight again",
-                )
-            )
-        except BotoCoreError as error:
-            results.append(failed(name, f"{type(error).__name__}: {error}", "aws configure, or set AWS_PROFILE"))
-    return results
+    name = check.__name__.replace("_", "-")
+    try:
+        return check(cloud, target)
+    except ClientError as error:
+        operation = error.operation_name
+        code = error.response.get("Error", {}).get("Code", "")
+        return failed(
+            name,
+            f"AWS refused {operation}: {code}: {error.response.get('Error', {}).get('Message', '')}",
+            f"let this user call {operation} (the README's user policy), then run preflight again",
+        )
+    except BotoCoreError as error:
+        return failed(name, f"{type(error).__name__}: {error}", "aws configure, or set AWS_PROFILE")
 
 
 def region_of(cloud: Cloud) -> str:

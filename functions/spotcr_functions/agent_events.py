@@ -8,11 +8,11 @@ from typing import Any, TypeVar
 
 from aws_lambda_powertools import Logger
 from spotcr_contracts import commands, events, results, tags
-from spotcr_contracts.commands import checkpoint_order
+from spotcr_contracts.protocol import exit_ends_job, is_newer, may_record, of_this_run
 
 from spotcr_functions import efs_access, jobs, rendezvous
 from spotcr_functions.deps import Deps
-from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
+from spotcr_functions.models import ENDED, JobRecord, Status
 from spotcr_functions.observability import SERVICE, Metric
 from spotcr_functions.registry import WAIT_KEYS
 
@@ -75,7 +75,7 @@ def _refusal(record: JobRecord, event: events.AgentEvent) -> dict[str, Any] | No
 def _of_this_run(record: JobRecord, event: events.AgentEvent) -> bool:
     """An event moves the job only if it carries the job's run id. A run-mode AgentReady without one (the agent
     waits for its run's tag) moves nothing either: it is only noted, after registration was checked from EC2."""
-    return event.run_id == record.run_id or _waiting_for_run(event)
+    return of_this_run(record, event.run_id) or _waiting_for_run(event)
 
 
 def _waiting_for_run(event: events.AgentEvent) -> bool:
@@ -126,7 +126,8 @@ def _bootstrap_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, An
         )
         return {"action": "backup-failed"}
     if event.instance_id == record.instance_id and record.status == Status.PENDING:
-        if _set_status(deps, record, Status.FAILED, reason=f"bootstrap failed: {cause}"):
+        failed = {"reason": f"bootstrap failed: {cause}", "updated_at": deps.iso_now()}
+        if deps.registry.end(record, Status.FAILED, failed):
             efs_access.close_for(deps, record)
         return {"action": "failed"}
     return {"action": "ignored", "reason": "not the job's instance"}
@@ -135,7 +136,8 @@ def _bootstrap_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, An
 def _job_started(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     if event.instance_id != record.instance_id or record.status != Status.PENDING:
         return {"action": "ignored", "reason": f"job is {record.status} on {record.instance_id}"}
-    _set_status(deps, record, Status.RUNNING, next_checkpoint_at=deps.unix_now() + record.interval_s)
+    started = deps.registry.mark_started(record, deps.unix_now() + record.interval_s, deps.iso_now())
+    logger.info("job status", job_id=record.job_id, status=Status.RUNNING.value, changed=started is not None)
     return {"action": "running"}
 
 
@@ -182,7 +184,7 @@ def _checkpoint_completed(deps: Deps, record: JobRecord, event: Any) -> dict[str
         if committed and event.next_interval_s > 0:
             _apply_plan(deps, record, event)
         if record.status == Status.CHECKPOINTING:
-            _set_status(deps, record, Status.RUNNING, expect=Status.CHECKPOINTING)
+            deps.registry.settle_periodic_dump(record, deps.iso_now())
     return {"action": "checkpoint", "committed": committed, "checkpoint_id": event.checkpoint_id}
 
 
@@ -201,19 +203,7 @@ def _apply_plan(deps: Deps, record: JobRecord, event: events.CheckpointCompleted
     if event.deadline_risk:
         values["final_dump_risk"] = event.deadline_risk
     deps.metric(Metric.PREDICTED_FINAL_DUMP_SECONDS, "Seconds", event.predicted_final_seconds)
-    condition = "#generation = :g AND #instance = :i AND #status IN (:running, :checkpointing)"
-    updated = deps.registry.update(
-        record.job_id,
-        values,
-        remove=() if event.deadline_risk else ("final_dump_risk",),
-        condition=condition,
-        condition_values={
-            ":g": record.generation,
-            ":i": event.instance_id,
-            ":running": Status.RUNNING.value,
-            ":checkpointing": Status.CHECKPOINTING.value,
-        },
-    )
+    updated = deps.registry.record_plan(record, event.instance_id, values, at_risk=bool(event.deadline_risk))
     logger.info("deadline plan", job_id=record.job_id, interval_s=interval, applied=updated is not None)
 
 
@@ -240,7 +230,7 @@ def _checkpoint_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, A
             deps, record.job_id, "final-dump", record.generation, output, error="CheckpointFailed", cause=cause
         )
     elif record.status == Status.CHECKPOINTING:
-        _set_status(deps, record, Status.RUNNING, expect=Status.CHECKPOINTING)
+        deps.registry.settle_periodic_dump(record, deps.iso_now())
     return {"action": "checkpoint-failed"}
 
 
@@ -267,9 +257,6 @@ def _job_exited(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     return {"action": "exit-claimed", "command_id": ask_exit(deps, record, event.instance_id)}
 
 
-EXIT_CLAIM = "exit_claim"
-
-
 def ask_exit(deps: Deps, record: JobRecord, instance_id: str) -> str:
     """Send the status command to the instance said to have ended the job, and keep the ask in the record (the
     scheduler asks again while it stays unconfirmed: exits.ask_again). Returns the command's id."""
@@ -277,23 +264,16 @@ def ask_exit(deps: Deps, record: JobRecord, instance_id: str) -> str:
         deps.settings.status_document, commands.STATUS, instance_id, {"JobId": record.job_id}
     )
     claim = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
-    deps.registry.update(
-        record.job_id,
-        {EXIT_CLAIM: {**claim, "asked_at": deps.unix_now()}, "updated_at": deps.iso_now()},
-        condition="#generation = :g AND #status = :s",
-        condition_values={":g": record.generation, ":s": record.status.value},
-    )
+    deps.registry.record_exit_claim(record, {**claim, "asked_at": deps.unix_now()}, deps.iso_now())
     logger.info("exit claimed; asking the instance through SSM", job_id=record.job_id, command_id=command_id)
     return command_id
 
 
 def end_from_exit(deps: Deps, record: JobRecord, event: events.JobExited) -> dict[str, Any]:
-    """Exactly one end: the first write that finds the job still running on the exit's instance ends it. `event` is
-    the exit as SSM's status command reported it on that instance (exits.on_status_command), never the bus's.
-
-    The write is conditional on the record as read; when anything moved in between (a periodic dump claimed,
-    a checkpoint recorded, a restore finished) it is retried against the fresh record, never dropped. A record
-    already COMPLETED or FAILED is never written again, so duplicates and late copies change nothing.
+    """Exactly one end (spotcr_contracts.protocol, rules 10 and 11). `event` is the exit as SSM's status command
+    reported it on that instance (exits.on_status_command), never the bus's. When anything moved between the read
+    and the end (a periodic dump claimed, a checkpoint recorded, a restore finished) the end is retried against the
+    fresh record, never dropped.
     """
     # An exit without the files the job declared (spotcr:result) is no success, whatever its code.
     status = Status.COMPLETED if event.exit_code == 0 and not event.result_missing else Status.FAILED
@@ -332,26 +312,6 @@ def end_from_exit(deps: Deps, record: JobRecord, event: events.JobExited) -> dic
 
 
 MAX_END_ATTEMPTS = 8
-
-
-def exit_ends_job(record: JobRecord, event: events.JobExited) -> str | None:
-    """Whether this exit ends the job as the record stands; the reason, or None when it must be ignored."""
-    if record.status in ENDED:
-        return None
-    if record.status in ACTIVE:
-        same = event.instance_id == record.instance_id and event.generation == record.generation
-        return "on its instance" if same else None
-    # RECOVERING: the backup ran the restored job and it ended before Finish; or the primary's job ended just
-    # before the warning (a recorded exit code: -1 is a VM that stopped, whose job recovery must bring back).
-    if event.instance_id == record.backup_instance_id and event.generation == record.generation:
-        return "on the backup right after its restore"
-    interrupted = event.instance_id == record.recovering_from and event.generation in (
-        record.generation - 1,
-        record.generation,
-    )
-    if interrupted and event.exit_code != events.UNKNOWN_EXIT_CODE:
-        return "on the interrupted primary before its final dump"
-    return None
 
 
 def _ended_by(record: JobRecord, event: events.JobExited) -> bool:
@@ -394,71 +354,20 @@ def _stop_recovery(deps: Deps, record: JobRecord, ran_on: str, reason: str) -> N
         deps.cloud.terminate_instance(record.backup_instance_id)
 
 
-def may_record(record: JobRecord, instance_id: str) -> bool:
-    """Who may commit the job's checkpoints now: the instance that runs it (PENDING, RUNNING, CHECKPOINTING), or
-    while it recovers the interrupted instance (its final dump) until the restore is ordered. Once the recovery
-    ordered the restore (Registry.close_generation) that instance's dumps are late: a final dump that outlived its
-    wait is never recorded as current, before or after the backup took over."""
-    if record.status in ACTIVE:
-        return instance_id == record.instance_id
-    if record.status == Status.RECOVERING:
-        return instance_id == record.recovering_from and not record.restore_ordered_at
-    return False
-
-
-def is_newer(record: JobRecord, checkpoint_id: str) -> bool:
-    """Order from the control plane: (generation, sequence), both minted by the control plane with the dump or
-    restore order and carried in the checkpoint's id (commands.checkpoint_order), never a VM's clock. A final dump
-    the agent took on its own notice ranks after that VM's ordered dumps and before its backup's."""
-    if not record.checkpoint_id:
-        return True
-    return checkpoint_order(checkpoint_id) > checkpoint_order(record.checkpoint_id)
-
-
 def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:
-    """Newest committed checkpoint wins; the one it replaces becomes the fallback for a failed restore.
-
-    The write is conditional on the record as read (generation, checkpoint, and who may record), so a bump, a
-    Finish or a closed generation in between is seen: re-read and decided again."""
+    """Who may record and the order (spotcr_contracts.protocol, rules 4 and 6), decided on the record as read and
+    checked again by the write (Registry.record_checkpoint): a bump, a Finish or a closed generation in between is
+    seen, re-read and decided again."""
     for _ in range(3):
         if not may_record(record, instance_id) or not is_newer(record, checkpoint_id):
             return False
-        condition = "#generation = :g AND #status = :s AND #instance = :i AND " + (
-            "checkpoint_id = :old" if record.checkpoint_id else "attribute_not_exists(checkpoint_id)"
-        )
-        values: dict[str, Any] = {":g": record.generation, ":s": record.status.value, ":i": record.instance_id}
-        if record.status == Status.RECOVERING:
-            condition += " AND attribute_not_exists(restore_ordered_at)"
-        set_values: dict[str, Any] = {
-            "checkpoint_id": checkpoint_id,
-            "checkpoint_instance_id": instance_id,
-            "updated_at": deps.iso_now(),
-        }
-        if record.checkpoint_id:
-            values[":old"] = record.checkpoint_id
-            set_values["previous_checkpoint_id"] = record.checkpoint_id
-        if deps.registry.update(record.job_id, set_values, condition=condition, condition_values=values):
+        if deps.registry.record_checkpoint(record, checkpoint_id, instance_id, deps.iso_now()):
             return True
         fresh = deps.registry.get(record.job_id)
         if fresh is None or fresh.generation != record.generation:
             return False
         record = fresh
     return False
-
-
-def _set_status(deps: Deps, record: JobRecord, status: Status, expect: Status | None = None, **values: Any) -> bool:
-    set_values = {"status": status.value, "updated_at": deps.iso_now(), **values}
-    remove = ("next_checkpoint_at",) if status in ENDED else ()
-    condition_values = {":g": record.generation, ":expect": (expect or record.status).value}
-    updated = deps.registry.update(
-        record.job_id,
-        set_values,
-        remove=remove,
-        condition="#generation = :g AND #status = :expect",
-        condition_values=condition_values,
-    )
-    logger.info("job status", job_id=record.job_id, status=status.value, changed=updated is not None)
-    return updated is not None
 
 
 _HANDLERS: dict[type[events.AgentEvent], Any] = {

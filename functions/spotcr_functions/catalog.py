@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from spotcr_contracts import events, tags
@@ -69,7 +69,6 @@ class Function:
     memory_mb: int = 256
     reserved_concurrency: bool = False  # the stack reserves some (a setting): a burst elsewhere cannot starve it
     function_url: bool = False  # called by job VMs at its function URL (AuthType AWS_IAM), not by rules
-    extra: Mapping[str, str] = field(default_factory=dict)
 
 
 def _ec2(detail_type: str, detail: Mapping[str, Any] | None = None) -> dict[str, Any]:

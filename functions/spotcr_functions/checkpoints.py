@@ -29,7 +29,7 @@ from spotcr_functions import agent_events, exits, jobs
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE, Metric
-from spotcr_functions.registry import DUMP_SEQUENCE
+from spotcr_functions.registry import FINAL_DUMP_COMMAND
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -64,27 +64,8 @@ def on_rebalance(deps: Deps, instance_id: str) -> dict[str, Any]:
 def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> bool:
     """Claim the checkpoint with a conditional write (one order per due time, however many schedulers run); the
     same write mints the dump's sequence, which orders it after every dump ordered before."""
-    condition = "#generation = :g AND #instance = :i AND #status IN (:running, :checkpointing)"
-    values: dict[str, Any] = {
-        ":g": record.generation,
-        ":i": record.instance_id,
-        ":running": Status.RUNNING.value,
-        ":checkpointing": Status.CHECKPOINTING.value,
-    }
-    if expected_due is not None:
-        condition += " AND next_checkpoint_at = :due"
-        values[":due"] = expected_due
-    claimed = deps.registry.update(
-        record.job_id,
-        {
-            "status": Status.CHECKPOINTING.value,
-            "next_checkpoint_at": deps.unix_now() + record.interval_s,
-            "updated_at": deps.iso_now(),
-        },
-        condition=condition,
-        condition_values=values,
-        add=(DUMP_SEQUENCE,),
-    )
+    next_at = deps.unix_now() + record.interval_s
+    claimed = deps.registry.claim_periodic_dump(record, expected_due, next_at, deps.iso_now())
     if claimed is None:
         return False
     parameters = {
@@ -101,11 +82,6 @@ def _order_periodic(deps: Deps, record: JobRecord, expected_due: int | None) -> 
         return False
     logger.info("periodic checkpoint ordered", job_id=record.job_id, generation=record.generation)
     return True
-
-
-# Where the record keeps the final-dump command a warning sent (its CommandId, instance, generation): SSM's answer to
-# it is read when its status-change event comes, or by the Restore step when it never came (settle_final_dump).
-FINAL_DUMP_COMMAND = "command_final_dump"
 
 
 def on_checkpoint_command(deps: Deps, command_id: str, instance_id: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from spotcr_contracts import tags
 from spotcr_contracts.names import client_token
 
 from spotcr_functions.deps import Deps
-from spotcr_functions.models import ENDED, JobRecord
+from spotcr_functions.models import JobRecord
 from spotcr_functions.observability import SERVICE
 
 logger = Logger(service=SERVICE, child=True)
@@ -38,18 +38,7 @@ def open_for(deps: Deps, record: JobRecord) -> JobRecord:
         tags={tags.JOB: record.job_id, tags.RUN: record.run_id},
         client_token=client_token(record.job_id, record.run_id, "efs"),
     )
-    updated = deps.registry.update(
-        record.job_id,
-        {"access_point_arn": access_point_arn},
-        condition="#run = :r AND NOT #status IN (:completed, :failed, :cancelled) "
-        "AND (attribute_not_exists(access_point_arn) OR access_point_arn = :ap)",
-        condition_values={
-            ":r": record.run_id,
-            ":ap": access_point_arn,
-            **{f":{status.value.lower()}": status.value for status in ENDED},
-        },
-        extra_names={"#run": "run_id"},
-    )
+    updated = deps.registry.record_access_point(record.job_id, record.run_id, access_point_arn)
     if updated is None:
         # Another registration of this run stored its own, or the run ended meanwhile (its end deleted what the
         # record held): this one is not used.

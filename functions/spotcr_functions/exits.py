@@ -2,7 +2,7 @@
 have ended it, never the agent's JobExited on the bus (agent_events._job_exited only asks).
 
 Invariant (facts from authenticated sources): a job completes or fails from its exit only on what the status command
-printed on an instance whose exit ends the job as the record stands (agent_events.exit_ends_job), read with
+printed on an instance whose exit ends the job as the record stands (spotcr_contracts.protocol.exit_ends_job), read with
 GetCommandInvocation; a JobExited that any VM knowing the run id could put moves nothing
 (tests/workflow/test_authenticated.py).
 
@@ -26,6 +26,7 @@ from spotcr_functions import agent_events, jobs
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord
 from spotcr_functions.observability import SERVICE
+from spotcr_functions.registry import EXIT_CLAIM
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -78,7 +79,7 @@ def reported_exit(
 def ask_again(deps: Deps, record: JobRecord) -> bool:
     """The scheduler's tick, for a due job whose exit was claimed at this generation but never confirmed (the
     status-change event lost): send the status command again. True when asked."""
-    claim = record.extra.get(agent_events.EXIT_CLAIM)
+    claim = record.extra.get(EXIT_CLAIM)
     if not isinstance(claim, dict) or claim.get("generation") != record.generation:
         return False
     instance_id = str(claim.get("instance_id") or "")

@@ -156,10 +156,5 @@ def _create_job_volume(deps: Deps, record: JobRecord) -> JobRecord:
     )
     deps.cloud.wait_volume_available(volume_id)
     deps.cloud.attach_volume(volume_id, record.instance_id)
-    updated = deps.registry.update(
-        record.job_id,
-        {"volume_id": volume_id},
-        condition="#instance = :i",
-        condition_values={":i": record.instance_id},
-    )
+    updated = deps.registry.record_volume(record.job_id, record.instance_id, volume_id)
     return updated or record

@@ -5,27 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from decimal import Decimal
-from enum import StrEnum
 from typing import Any, Literal
 
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from pydantic import BaseModel, ConfigDict, Field
+from spotcr_contracts.protocol import ACTIVE, ENDED, Status  # noqa: F401 (the record's statuses, re-exported)
 
 INSTANCE_ID_PATTERN = r"^i-[0-9a-f]{8,17}$"
-
-
-class Status(StrEnum):
-    PENDING = "PENDING"  # registered, the job has not started yet
-    RUNNING = "RUNNING"
-    CHECKPOINTING = "CHECKPOINTING"  # a periodic dump was ordered and has not completed yet
-    RECOVERING = "RECOVERING"  # the generation was bumped; the recovery workflow owns the job
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"  # the user stopped it (`spotcr cancel`): no dump is ordered, no recovery started
-
-
-ACTIVE = (Status.PENDING, Status.RUNNING, Status.CHECKPOINTING)
-ENDED = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)  # no writer moves a job out of these but a new submit
 
 
 @dataclass(frozen=True)

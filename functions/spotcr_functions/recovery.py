@@ -10,6 +10,7 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands, names, results, tags
 from spotcr_contracts.names import client_token
+from spotcr_contracts.protocol import job_gone_from, restarted
 
 from spotcr_functions import agent_events, checkpoints, efs_access, jobs, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, error_code
@@ -95,13 +96,7 @@ def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
     if not deps.cloud.delete_volume(record.volume_id):
         logger.warning("finished job's volume still attached; kept", job_id=record.job_id, volume_id=record.volume_id)
         return {"action": "ignored", "reason": f"volume {record.volume_id} still attached"}
-    deps.registry.update(
-        record.job_id,
-        {"updated_at": deps.iso_now()},
-        remove=("volume_id",),
-        condition="#generation = :g",
-        condition_values={":g": record.generation},
-    )
+    deps.registry.forget_volume(record.job_id, record.generation, deps.iso_now())
     logger.info("finished job's volume deleted", job_id=record.job_id, volume_id=record.volume_id)
     return {"action": "volume-deleted", "job_id": record.job_id, "volume_id": record.volume_id}
 
@@ -135,12 +130,7 @@ def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at
         return False
     # Kept so that its answer is read from SSM even if its status-change event is lost (checkpoints.settle_final_dump).
     ordered = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
-    deps.registry.update(
-        record.job_id,
-        {checkpoints.FINAL_DUMP_COMMAND: ordered},
-        condition="#generation = :g",
-        condition_values={":g": record.generation},
-    )
+    deps.registry.record_final_dump_order(record.job_id, record.generation, ordered)
     latency = (deps.now() - parse_time(warned_at)).total_seconds()
     deps.metric(Metric.INTERRUPTION_TO_DUMP_SECONDS, "Seconds", max(latency, 0.0))
     return True
@@ -261,12 +251,7 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
             logger.info("no capacity for this candidate", job_id=job_id, candidate=candidate, error=code)
             raise CapacityUnavailable(f"{code}: candidate {index}") from error
         raise
-    updated = deps.registry.update(
-        job_id,
-        {"backup_instance_id": instance.instance_id, "backup_az": instance.az, "updated_at": deps.iso_now()},
-        condition="#generation = :g AND #status = :recovering",
-        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
-    )
+    updated = deps.registry.record_backup(job_id, generation, instance.instance_id, instance.az, deps.iso_now())
     if updated is None:
         deps.cloud.terminate_instance(instance.instance_id)
         raise StaleGeneration(f"job {job_id} moved on while its backup launched")
@@ -317,12 +302,7 @@ def _backup_image(deps: Deps, record: JobRecord) -> dict[str, str]:
 def _warn_image(deps: Deps, record: JobRecord, warning: str) -> None:
     """The record says why its backup launches from the template's image."""
     logger.warning("job's image gone; backup launches from the template's", job_id=record.job_id, warning=warning)
-    deps.registry.update(
-        record.job_id,
-        {"image_warning": warning},
-        condition="#generation = :g",
-        condition_values={":g": record.generation},
-    )
+    deps.registry.record_image_warning(record.job_id, record.generation, warning)
 
 
 def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # noqa: PLR0911 (one step per state)
@@ -352,12 +332,7 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
         snapshot_id = cloud.create_snapshot(
             volume_id, {tags.JOB: job_id, tags.GENERATION: str(generation), tags.STACK: deps.settings.stack_name}
         )
-        deps.registry.update(
-            job_id,
-            {"handover_snapshot_id": snapshot_id},
-            condition="#generation = :g",
-            condition_values={":g": generation},
-        )
+        deps.registry.record_handover(job_id, generation, snapshot_id=snapshot_id)
         return {"done": False, "step": "snapshotting"}
     state = cloud.snapshot_state(record.handover_snapshot_id)
     if state == "error":
@@ -371,9 +346,7 @@ def move_volume(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:  # 
         client_token=client_token(execution_name(record), "volume"),
         snapshot_id=record.handover_snapshot_id,
     )
-    deps.registry.update(
-        job_id, {"handover_volume_id": new_volume_id}, condition="#generation = :g", condition_values={":g": generation}
-    )
+    deps.registry.record_handover(job_id, generation, volume_id=new_volume_id)
     return {"done": False, "step": "creating volume"}
 
 
@@ -420,11 +393,8 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     }
     command_id = deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, backup_instance_id, values)
     ordered = {"command_id": command_id, "instance_id": backup_instance_id, "generation": generation}
-    deps.registry.update(
-        job_id,
-        {restore_command_attribute(attempt): {**ordered, "ordered_at": deps.iso_now()}},
-        condition="#generation = :g AND #status = :recovering",
-        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+    deps.registry.record_restore_order(
+        job_id, generation, restore_command_attribute(attempt), {**ordered, "ordered_at": deps.iso_now()}
     )
     logger.info("restore ordered", job_id=job_id, instance_id=backup_instance_id, checkpoint_id=checkpoint_id)
     return {"checkpoint_id": checkpoint_id, "command_id": command_id}
@@ -567,11 +537,8 @@ def _retire_primary(deps: Deps, record: JobRecord) -> None:
     persistent spot request cancelled, so a stopped or hibernated primary that EC2 starts again later cannot resume
     the job (hibernation resumes its processes from RAM before any agent could fence them).
 
-    Invariant (at most one live copy): a checkpoint is restored only once the old copy is known dead. The restore
-    waits (PrimaryStillRunning, retried by the workflow) until EC2 says the primary is gone, unless nothing of the
-    job can run there: it is stopped or terminated, or at this generation its final dump committed (CRIU ends the
-    job's processes) or failed with the agent's confirmed kill (the agent fences a stopped job off that VM), and
-    the instance was not started again since the warning."""
+    One live copy (spotcr_contracts.protocol, rule 8): the restore waits (PrimaryStillRunning, retried by the
+    workflow) until EC2 says the primary is gone, unless nothing of the job can run there."""
     instance_id = record.recovering_from
     if not instance_id or instance_id == record.backup_instance_id:
         return
@@ -582,31 +549,12 @@ def _retire_primary(deps: Deps, record: JobRecord) -> None:
         deps.cloud.cancel_spot_request(instance.spot_request_id)
     deps.cloud.terminate_instance(instance_id)
     logger.info("interrupted instance terminated", job_id=record.job_id, instance_id=instance_id, was=instance.state)
-    if instance.state in NOT_RUNNING_STATES or (_job_gone_from(instance, record) and not _restarted(instance, record)):
+    gone = job_gone_from(record, instance.instance_id) and not restarted(record, instance.launched_at)
+    if instance.state in NOT_RUNNING_STATES or gone:
         return
     after = deps.cloud.describe_instance(instance_id)
     if after is not None and after.state != "terminated":
         raise PrimaryStillRunning(f"job {record.job_id}: interrupted instance {instance_id} is {after.state}")
-
-
-def _restarted(instance: Instance, record: JobRecord) -> bool:
-    """Started again after the warning (EC2 restarts a stopped spot instance): the final dump no longer proves the
-    job is gone from it, since the agent may have started or resumed the job there."""
-    if not instance.launched_at or not record.interrupted_at:
-        return False
-    return parse_time(instance.launched_at) > parse_time(record.interrupted_at)
-
-
-def _job_gone_from(instance: Instance, record: JobRecord) -> bool:
-    """The final dump at this generation ended the job's processes on the instance: it committed, or it failed and
-    the agent there confirmed it killed the job."""
-    arrival = record.arrival("final-dump") or {}
-    if arrival.get("generation") != record.generation:
-        return False
-    if not arrival.get("error"):
-        return True
-    output = arrival.get("output") or {}
-    return bool(output.get("job_stopped")) and output.get("instance_id") == instance.instance_id
 
 
 def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
@@ -618,7 +566,6 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     answers = [record.arrival(key) or {} for key in reversed(RESTORE_KEYS)]  # the last attempt's answer first
     restored = next((a.get("output") or {} for a in answers if a and not a.get("error")), {})
     values: dict[str, Any] = {
-        "status": Status.RUNNING.value,
         "instance_id": record.backup_instance_id,
         "az": record.backup_az,
         "next_checkpoint_at": deps.unix_now() + record.interval_s,
@@ -628,13 +575,7 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         values |= {"subnet_id": backup.subnet_id, "instance_type": backup.instance_type, "image_id": backup.image_id}
     if record.handover_volume_id:
         values["volume_id"] = record.handover_volume_id
-    updated = deps.registry.update(
-        job_id,
-        values,
-        remove=("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id", "restore_ordered_at"),
-        condition="#generation = :g AND #status = :recovering",
-        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
-    )
+    updated = deps.registry.finish_recovery(job_id, generation, values)
     if updated is None:
         raise StaleGeneration(f"job {job_id} moved on before its recovery finished")
     if record.handover_volume_id and record.volume_id and record.handover_volume_id != record.volume_id:
@@ -672,13 +613,7 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
     record = deps.registry.get(job_id)
     detail = readable_cause(cause)
     reason = f"recovery of generation {generation} failed: {error}{': ' + detail if detail else ''}"[:1024]
-    updated = deps.registry.update(
-        job_id,
-        {"status": Status.FAILED.value, "reason": reason, "updated_at": deps.iso_now()},
-        remove=("next_checkpoint_at",),
-        condition="#generation = :g AND #status = :recovering",
-        condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
-    )
+    updated = deps.registry.fail_recovery(job_id, generation, reason, deps.iso_now())
     if updated is None:
         logger.info("recovery failed for a superseded generation", job_id=job_id, generation=generation)
         return {"job_id": job_id, "marked_failed": False, "message": f"spotcr job {job_id}: {reason}"}

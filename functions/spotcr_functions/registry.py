@@ -1,4 +1,7 @@
-"""Data access for the job registry: every state change is one conditional DynamoDB write."""
+"""The job registry's one data-access layer: every change to a job record is a named transition, one conditional
+DynamoDB write whose typed condition enforces a rule of the job-record protocol (spotcr_contracts.protocol, whose
+numbered rules the transitions cite). No other module writes a job record with a condition
+(tests/functions/test_registry_transitions.py checks the source)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
 
+from boto3.dynamodb.conditions import Attr, ConditionBase
 from spotcr_contracts import commands
 
 from spotcr_functions import registry_schema
@@ -21,9 +25,26 @@ def restore_key(attempt: str) -> str:
 RESTORE_KEYS = tuple(restore_key(a) for a in commands.RESTORE_ATTEMPTS)
 WAIT_KEYS = ("final-dump", "backup-ready", *RESTORE_KEYS)  # what a workflow step waits for
 # The job record's counter of dump and restore orders (JobRecord.dump_sequence): every write that orders one increments
-# it in the same conditional write (Registry.update's `add`), so each order gets its own sequence
+# it in the same conditional write (Registry._write's `add`), so each order gets its own sequence
 # (commands.checkpoint_order).
 DUMP_SEQUENCE = "dump_sequence"
+# Where the record keeps the final-dump command a warning sent (its CommandId, instance, generation): SSM's answer to
+# it is read when its status-change event comes, or by the Restore step when it never came (settle_final_dump).
+FINAL_DUMP_COMMAND = "command_final_dump"
+# The status command sent to the instance said to have ended the job (agent_events.ask_exit).
+EXIT_CLAIM = "exit_claim"
+RUNS = (Status.RUNNING, Status.CHECKPOINTING)  # the job runs on its instance, which may be ordered a periodic dump
+# What every fencing write clears: the previous generation's schedule, backup, hand-over, restore order and waits.
+FENCE_CLEARS = (
+    "next_checkpoint_at",
+    "restore_ordered_at",
+    "backup_instance_id",
+    "backup_az",
+    "handover_snapshot_id",
+    "handover_volume_id",
+    *(token_attribute(k) for k in WAIT_KEYS),
+    *(event_attribute(k) for k in WAIT_KEYS),
+)
 
 
 class StaleGeneration(Exception):
@@ -67,9 +88,7 @@ class Registry:
         try:
             self.table.put_item(
                 Item=record.to_item(),
-                ConditionExpression="attribute_not_exists(job_id) OR #s IN (:completed, :failed, :cancelled)",
-                ExpressionAttributeNames={"#s": "status"},
-                ExpressionAttributeValues={f":{s.value.lower()}": s.value for s in ENDED},
+                ConditionExpression=Attr(registry_schema.PARTITION_KEY).not_exists() | _status_in(ENDED),
             )
         except self._conditional_failure:
             existing = self.get(record.job_id)
@@ -78,54 +97,132 @@ class Registry:
             return existing
         return record
 
-    def update(
+    def update(self, job_id: str, set_values: Mapping[str, Any], remove: tuple[str, ...] = ()) -> JobRecord | None:
+        """An unconditional write, for tests and tools that set a record up; the protocol's writes are below."""
+        return self._write(job_id, set_values, remove)
+
+    def _write(
         self,
         job_id: str,
-        set_values: Mapping[str, Any] | None = None,
+        set_values: Mapping[str, Any],
         remove: tuple[str, ...] = (),
-        condition: str | None = None,
-        condition_values: Mapping[str, Any] | None = None,
+        condition: ConditionBase | None = None,
         *,
-        extra_names: Mapping[str, str] | None = None,
         add: tuple[str, ...] = (),
     ) -> JobRecord | None:
-        """One conditional UpdateItem; returns the new record, or None when the condition failed. Each attribute in
-        `add` is a counter that the same write increments (DynamoDB's ADD: atomic, 1 when it was absent)."""
-        names: dict[str, str] = dict(extra_names or {})
-        values: dict[str, Any] = dict(condition_values or {})
+        """One UpdateItem; returns the new record, or None when the condition failed. Each attribute in `add` is a
+        counter that the same write increments (DynamoDB's ADD: atomic, 1 when it was absent)."""
+        names: dict[str, str] = {}
+        values: dict[str, Any] = {}
         clauses = []
-        for index, (attribute, value) in enumerate((set_values or {}).items()):
-            names[f"#a{index}"] = attribute
-            values[f":v{index}"] = value
-            clauses.append(f"#a{index} = :v{index}")
+        for index, (attribute, value) in enumerate(set_values.items()):
+            names[f"#set{index}"] = attribute
+            values[f":set{index}"] = value
+            clauses.append(f"#set{index} = :set{index}")
         expression = ("SET " + ", ".join(clauses)) if clauses else ""
         if remove:
-            for index, attribute in enumerate(remove):
-                names[f"#r{index}"] = attribute
-            expression += " REMOVE " + ", ".join(f"#r{index}" for index in range(len(remove)))
+            names |= {f"#remove{index}": attribute for index, attribute in enumerate(remove)}
+            expression += " REMOVE " + ", ".join(f"#remove{index}" for index in range(len(remove)))
         if add:
-            for index, attribute in enumerate(add):
-                names[f"#n{index}"] = attribute
+            names |= {f"#add{index}": attribute for index, attribute in enumerate(add)}
             values[":one"] = 1
-            expression += " ADD " + ", ".join(f"#n{index} :one" for index in range(len(add)))
+            expression += " ADD " + ", ".join(f"#add{index} :one" for index in range(len(add)))
         arguments: dict[str, Any] = {
             "Key": {registry_schema.PARTITION_KEY: job_id},
             "UpdateExpression": expression.strip(),
+            "ExpressionAttributeNames": names,
             "ReturnValues": "ALL_NEW",
         }
-        if condition:
-            names.update({"#status": "status", "#generation": "generation", "#instance": "instance_id"})
-            arguments["ConditionExpression"] = condition
-        if names:
-            used = {k: v for k, v in names.items() if k in arguments["UpdateExpression"] or k in (condition or "")}
-            arguments["ExpressionAttributeNames"] = used
         if values:
             arguments["ExpressionAttributeValues"] = values
+        if condition is not None:
+            arguments["ConditionExpression"] = condition  # boto3 builds it, with its own #n/:v placeholders
         try:
             response = self.table.update_item(**arguments)
         except self._conditional_failure:
             return None
         return JobRecord.from_item(response["Attributes"])
+
+    # Registration and start (rules 2 and 10).
+
+    def record_volume(self, job_id: str, instance_id: str, volume_id: str) -> JobRecord | None:
+        """The job's EBS volume, created for the instance that registered it."""
+        return self._write(job_id, {"volume_id": volume_id}, condition=Attr("instance_id").eq(instance_id))
+
+    def record_access_point(self, job_id: str, run_id: str, access_point_arn: str) -> JobRecord | None:
+        """The run's EFS access point, unless another registration of the run stored its own or the run ended."""
+        kept = Attr("access_point_arn").not_exists() | Attr("access_point_arn").eq(access_point_arn)
+        condition = Attr("run_id").eq(run_id) & ~_status_in(ENDED) & kept
+        return self._write(job_id, {"access_point_arn": access_point_arn}, condition=condition)
+
+    def mark_started(self, seen: JobRecord, next_checkpoint_at: int, at: str) -> JobRecord | None:
+        """PENDING to RUNNING: the job started on its instance; its first periodic dump is due at next_checkpoint_at."""
+        values = {"status": Status.RUNNING.value, "next_checkpoint_at": next_checkpoint_at, "updated_at": at}
+        return self._write(seen.job_id, values, condition=_at(seen.generation, Status.PENDING))
+
+    # Periodic dumps and checkpoints (rules 2, 4 and 6).
+
+    def claim_periodic_dump(self, seen: JobRecord, expected_due: int | None, next_at: int, at: str) -> JobRecord | None:
+        """Order one periodic dump per due time, however many schedulers run (expected_due None: now, whatever is
+        due); the same write mints the dump's sequence (rule 4)."""
+        condition = _running_on(seen.generation, seen.instance_id)
+        if expected_due is not None:
+            condition &= Attr("next_checkpoint_at").eq(expected_due)
+        values = {"status": Status.CHECKPOINTING.value, "next_checkpoint_at": next_at, "updated_at": at}
+        return self._write(seen.job_id, values, condition=condition, add=(DUMP_SEQUENCE,))
+
+    def settle_periodic_dump(self, seen: JobRecord, at: str) -> JobRecord | None:
+        """CHECKPOINTING to RUNNING: the periodic dump ordered reported (committed or failed)."""
+        values = {"status": Status.RUNNING.value, "updated_at": at}
+        return self._write(seen.job_id, values, condition=_at(seen.generation, Status.CHECKPOINTING))
+
+    def record_plan(
+        self, seen: JobRecord, instance_id: str, plan: Mapping[str, Any], *, at_risk: bool
+    ) -> JobRecord | None:
+        """The agent's deadline plan from the instance that runs the job (final_dump_risk cleared when it fits)."""
+        remove = () if at_risk else ("final_dump_risk",)
+        return self._write(seen.job_id, plan, remove, condition=_running_on(seen.generation, instance_id))
+
+    def record_checkpoint(self, seen: JobRecord, checkpoint_id: str, instance_id: str, at: str) -> JobRecord | None:
+        """The job's newest checkpoint (rule 6), if the record is still exactly as `seen`: generation, status,
+        instance, newest checkpoint, and while it recovers no restore ordered. The one it replaces is the fallback."""
+        condition = _at(seen.generation, seen.status) & Attr("instance_id").eq(seen.instance_id)
+        values: dict[str, Any] = {"checkpoint_id": checkpoint_id, "checkpoint_instance_id": instance_id}
+        values["updated_at"] = at
+        if seen.checkpoint_id:
+            condition &= Attr("checkpoint_id").eq(seen.checkpoint_id)
+            values["previous_checkpoint_id"] = seen.checkpoint_id
+        else:
+            condition &= Attr("checkpoint_id").not_exists()
+        if seen.status == Status.RECOVERING:
+            condition &= Attr("restore_ordered_at").not_exists()
+        return self._write(seen.job_id, values, condition=condition)
+
+    # Exits and ends (rules 10 to 12).
+
+    def record_exit_claim(self, seen: JobRecord, claim: Mapping[str, Any], at: str) -> JobRecord | None:
+        """The status command sent to the instance said to have ended the job (exits.ask_again asks again)."""
+        values = {EXIT_CLAIM: claim, "updated_at": at}
+        return self._write(seen.job_id, values, condition=_at(seen.generation, seen.status))
+
+    def end(self, seen: JobRecord, status: Status, values: Mapping[str, Any]) -> JobRecord | None:
+        """End the job (COMPLETED, FAILED or CANCELLED) if it is still exactly as `seen` (None when it moved: re-read,
+        retry): the first end wins and an ended record is never written again (rule 10)."""
+        if status not in ENDED:
+            raise ValueError(f"{status} is not an end")
+        backup = (
+            Attr("backup_instance_id").eq(seen.backup_instance_id)
+            if seen.backup_instance_id
+            else Attr("backup_instance_id").not_exists()
+        )
+        condition = _at(seen.generation, seen.status) & Attr("instance_id").eq(seen.instance_id) & backup
+        return self._write(seen.job_id, {"status": status.value, **values}, ("next_checkpoint_at",), condition)
+
+    def forget_volume(self, job_id: str, generation: int, at: str) -> JobRecord | None:
+        """A finished job's volume was deleted with its instance."""
+        return self._write(job_id, {"updated_at": at}, ("volume_id",), _at(generation))
+
+    # Fencing (rule 1).
 
     def bump_generation(self, job_id: str, instance_id: str, generation: int, at: str) -> JobRecord | None:
         """The fencing write: generation+1 once per interrupted instance, only while that instance is current.
@@ -145,43 +242,23 @@ class Registry:
             arrival = record.arrival("final-dump")
             if arrival:
                 checkpoint = (arrival.get("output") or {}).get("checkpoint_id")
-                same_arrival = "event_final_dump.#ag = :ag AND " + (
-                    "event_final_dump.#ao.checkpoint_id = :ac"
-                    if checkpoint
-                    else "attribute_not_exists(event_final_dump.#ao.checkpoint_id)"
+                at_path = f"{event_attribute('final-dump')}.output.checkpoint_id"
+                same_arrival = Attr(f"{event_attribute('final-dump')}.generation").eq(arrival.get("generation")) & (
+                    Attr(at_path).eq(checkpoint) if checkpoint else Attr(at_path).not_exists()
                 )
-                arrival_values = {":ag": arrival.get("generation"), **({":ac": checkpoint} if checkpoint else {})}
             else:
-                same_arrival, arrival_values = "attribute_not_exists(event_final_dump)", {}
-            waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
-            bumped = self.update(
+                same_arrival = Attr(event_attribute("final-dump")).not_exists()
+            condition = (
+                Attr("instance_id").eq(instance_id)
+                & _at(generation, record.status)
+                & (Attr("recovering_from").not_exists() | Attr("recovering_from").ne(instance_id))
+                & same_arrival
+            )
+            bumped = self._write(
                 job_id,
-                {
-                    "generation": generation + 1,
-                    "status": Status.RECOVERING.value,
-                    "recovering_from": instance_id,
-                    "interrupted_at": at,
-                    "updated_at": at,
-                    **carried,
-                },
-                remove=(
-                    "next_checkpoint_at",
-                    "restore_ordered_at",
-                    "backup_instance_id",
-                    "backup_az",
-                    "handover_snapshot_id",
-                    "handover_volume_id",
-                    *(w for w in waits if w not in carried),
-                ),
-                condition="#instance = :instance AND #generation = :generation AND #status = :status "
-                "AND (attribute_not_exists(recovering_from) OR recovering_from <> :instance) AND " + same_arrival,
-                condition_values={
-                    ":instance": instance_id,
-                    ":generation": generation,
-                    ":status": record.status.value,
-                    **arrival_values,
-                },
-                extra_names={"#ag": "generation", "#ao": "output"} if arrival else None,
+                {**_fenced(generation, instance_id, at), "status": Status.RECOVERING.value, **carried},
+                tuple(a for a in FENCE_CLEARS if a not in carried),
+                condition,
                 add=(DUMP_SEQUENCE,),  # the final dump this warning orders
             )
             if bumped is not None:
@@ -190,55 +267,77 @@ class Registry:
 
     def bump_backup(self, seen: JobRecord, at: str) -> JobRecord | None:
         """The fencing write for a backup lost while it restores: generation+1, recovering from that backup."""
-        waits = (*(token_attribute(k) for k in WAIT_KEYS), *(event_attribute(k) for k in WAIT_KEYS))
-        return self.update(
+        condition = _at(seen.generation, Status.RECOVERING) & Attr("backup_instance_id").eq(seen.backup_instance_id)
+        return self._write(
             seen.job_id,
-            {
-                "generation": seen.generation + 1,
-                "recovering_from": seen.backup_instance_id,
-                "interrupted_at": at,
-                "updated_at": at,
-            },
+            _fenced(seen.generation, seen.backup_instance_id, at),
             # The handed-over EBS volume (if any) stays named: it holds the job's data and moves on from the backup.
-            remove=("backup_instance_id", "backup_az", "handover_snapshot_id", "restore_ordered_at", *waits),
-            condition="#generation = :g AND #status = :recovering AND backup_instance_id = :b",
-            condition_values={
-                ":g": seen.generation,
-                ":recovering": Status.RECOVERING.value,
-                ":b": seen.backup_instance_id,
-            },
+            tuple(a for a in FENCE_CLEARS if a not in ("next_checkpoint_at", "handover_volume_id")),
+            condition,
             add=(DUMP_SEQUENCE,),  # the final dump the backup's warning may order
         )
 
-    def end(self, seen: JobRecord, status: Status, values: Mapping[str, Any]) -> JobRecord | None:
-        """Mark the job COMPLETED or FAILED if it is still exactly as `seen` (None when it moved: re-read, retry)."""
-        backup = "backup_instance_id = :b" if seen.backup_instance_id else "attribute_not_exists(backup_instance_id)"
-        return self.update(
+    def fence_for_restore(
+        self, seen: JobRecord, checkpoint_id: str, previous_checkpoint_id: str | None, at: str
+    ) -> JobRecord | None:
+        """A user's restore (spotcr restore): the fencing write of an active or ended job, recovering from its
+        instance, naming the checkpoint the restore starts its walk from (and the one before it, if any)."""
+        chosen = {"checkpoint_id": checkpoint_id}
+        if previous_checkpoint_id:
+            chosen["previous_checkpoint_id"] = previous_checkpoint_id
+        return self._write(
             seen.job_id,
-            {"status": status.value, **values},
-            remove=("next_checkpoint_at",),
-            condition=f"#generation = :g AND #status = :s AND #instance = :i AND {backup}",
-            condition_values={
-                ":g": seen.generation,
-                ":s": seen.status.value,
-                ":i": seen.instance_id,
-                **({":b": seen.backup_instance_id} if seen.backup_instance_id else {}),
-            },
+            {**_fenced(seen.generation, seen.instance_id, at), "status": Status.RECOVERING.value, **chosen},
+            (*FENCE_CLEARS, *(() if previous_checkpoint_id else ("previous_checkpoint_id",))),
+            _at(seen.generation, seen.status),
         )
+
+    # The recovery workflow's steps, each for the generation it recovers (rules 2, 5, 8, 9 and 12).
+
+    def record_final_dump_order(self, job_id: str, generation: int, ordered: Mapping[str, Any]) -> JobRecord | None:
+        """The final-dump command a warning sent, read from SSM when its answer is lost (settle_final_dump)."""
+        return self._write(job_id, {FINAL_DUMP_COMMAND: ordered}, condition=_at(generation))
+
+    def record_backup(self, job_id: str, generation: int, instance_id: str, az: str, at: str) -> JobRecord | None:
+        """The backup launched for this generation (None: the job moved on, terminate it)."""
+        values = {"backup_instance_id": instance_id, "backup_az": az, "updated_at": at}
+        return self._write(job_id, values, condition=_at(generation, Status.RECOVERING))
+
+    def record_image_warning(self, job_id: str, generation: int, warning: str) -> JobRecord | None:
+        """Why this generation's backup launched from the template's image."""
+        return self._write(job_id, {"image_warning": warning}, condition=_at(generation))
+
+    def record_handover(
+        self, job_id: str, generation: int, *, snapshot_id: str = "", volume_id: str = ""
+    ) -> JobRecord | None:
+        """A step of the EBS hand-over to another AZ: the snapshot taken, then the volume made from it."""
+        values = {"handover_snapshot_id": snapshot_id} if snapshot_id else {"handover_volume_id": volume_id}
+        return self._write(job_id, values, condition=_at(generation))
 
     def close_generation(self, job_id: str, generation: int, at: str) -> JobRecord | None:
         """The recovery orders a restore: from now on the interrupted instance's checkpoints of this generation are
-        late and never recorded (agent_events.may_record), so the checkpoint chosen from the returned record is the
-        newest the job will ever have at this generation until the backup commits its own. The same write mints the
-        restore order's sequence (DUMP_SEQUENCE), above every dump the interrupted instance was ordered, so the
-        backup's dumps rank after all of that instance's (commands.checkpoint_order). None when stale."""
-        return self.update(
-            job_id,
-            {"restore_ordered_at": at, "updated_at": at},
-            condition="#generation = :g AND #status = :recovering",
-            condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
-            add=(DUMP_SEQUENCE,),
-        )
+        late and never recorded (rule 6), so the checkpoint chosen from the returned record is the newest the job
+        will ever have at this generation until the backup commits its own. The same write mints the restore
+        order's sequence, above every dump the interrupted instance was ordered (rule 5). None when stale."""
+        values = {"restore_ordered_at": at, "updated_at": at}
+        return self._write(job_id, values, condition=_at(generation, Status.RECOVERING), add=(DUMP_SEQUENCE,))
+
+    def record_restore_order(
+        self, job_id: str, generation: int, attribute: str, ordered: Mapping[str, Any]
+    ) -> JobRecord | None:
+        """The restore command one attempt sent to the backup."""
+        return self._write(job_id, {attribute: ordered}, condition=_at(generation, Status.RECOVERING))
+
+    def finish_recovery(self, job_id: str, generation: int, values: Mapping[str, Any]) -> JobRecord | None:
+        """The backup is the job's instance: RUNNING again at this generation (None: the job moved on)."""
+        handed_over = ("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id")
+        running = {"status": Status.RUNNING.value, **values}
+        return self._write(job_id, running, (*handed_over, "restore_ordered_at"), _at(generation, Status.RECOVERING))
+
+    def fail_recovery(self, job_id: str, generation: int, reason: str, at: str) -> JobRecord | None:
+        """The recovery of this generation gave up: FAILED, unless the job moved on or ended meanwhile (rule 12)."""
+        values = {"status": Status.FAILED.value, "reason": reason, "updated_at": at}
+        return self._write(job_id, values, ("next_checkpoint_at",), _at(generation, Status.RECOVERING))
 
     def due_jobs(self, now: int) -> list[JobRecord]:
         """Jobs whose periodic checkpoint is due: RUNNING ones, and CHECKPOINTING ones whose dump never reported."""
@@ -267,11 +366,10 @@ class Registry:
 
     def store_token(self, job_id: str, key: str, generation: int, token: str) -> JobRecord:
         """The waiter's half of the rendezvous (each restore attempt waits under its own key: restore_key)."""
-        record = self.update(
+        record = self._write(
             job_id,
             {token_attribute(key): {"token": token, "generation": generation}},
-            condition="#generation = :g AND #status = :recovering",
-            condition_values={":g": generation, ":recovering": Status.RECOVERING.value},
+            condition=_at(generation, Status.RECOVERING),
         )
         if record is None:
             raise StaleGeneration(f"job {job_id} is no longer at generation {generation}")
@@ -279,12 +377,28 @@ class Registry:
 
     def record_arrival(self, job_id: str, key: str, generation: int, arrival: Mapping[str, Any]) -> JobRecord | None:
         """The event's half of the rendezvous; None when the job is at another generation."""
-        return self.update(
-            job_id,
-            {event_attribute(key): {**arrival, "generation": generation}},
-            condition="#generation = :g",
-            condition_values={":g": generation},
-        )
+        values = {event_attribute(key): {**arrival, "generation": generation}}
+        return self._write(job_id, values, condition=_at(generation))
+
+
+def _at(generation: int, status: Status | None = None) -> ConditionBase:
+    """Rule 2: the record is still at this generation (and, if named, in this status)."""
+    condition = Attr("generation").eq(generation)
+    return condition & Attr("status").eq(status.value) if status else condition
+
+
+def _running_on(generation: int, instance_id: str) -> ConditionBase:
+    """The job runs (or dumps) on this instance at this generation."""
+    return Attr("generation").eq(generation) & Attr("instance_id").eq(instance_id) & _status_in(RUNS)
+
+
+def _status_in(statuses: tuple[Status, ...]) -> ConditionBase:
+    return Attr("status").is_in([s.value for s in statuses])
+
+
+def _fenced(generation: int, recovering_from: str | None, at: str) -> dict[str, Any]:
+    """What every fencing write sets (rule 1): the next generation, recovering from the instance that was lost."""
+    return {"generation": generation + 1, "recovering_from": recovering_from, "interrupted_at": at, "updated_at": at}
 
 
 def _early_final_dump(record: JobRecord, instance_id: str) -> dict[str, Any] | None:

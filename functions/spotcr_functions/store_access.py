@@ -30,6 +30,7 @@ from typing import Any
 
 from spotcr_contracts import layout, tags
 from spotcr_contracts.layout import job_prefix, run_prefix
+from spotcr_contracts.settings import ENV
 
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import ENDED, INSTANCE_ID_PATTERN, JobRecord, Status
@@ -172,7 +173,7 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
     """Credentials for the caller's job store, as the agent's credential provider reads them."""
     settings = deps.settings
     if not settings.store_role_arn or not settings.job_role_name:
-        raise RuntimeError("store credentials need SPOTCR_STORE_ROLE_ARN and SPOTCR_JOB_ROLE_NAME")
+        raise RuntimeError(f"store credentials need {ENV['store_role_arn']} and {ENV['job_role_name']}")
     caller = caller_instance(user_arn, settings.job_role_name)
     job = check_job_name(job_id)
     record = authorize(deps.registry.get(job), job, caller.instance_id)

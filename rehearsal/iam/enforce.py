@@ -21,9 +21,10 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 from botocore.credentials import Credentials
 from botocore.signers import RequestSigner
@@ -133,16 +134,57 @@ class Enforcer:
     state: iam_requests.State
     # access key id -> the condition keys AWS adds for its credentials (ec2:SourceInstanceARN for an instance's)
     contexts: dict[str, Mapping[str, ContextValue]] = field(default_factory=dict)
+    # access key id -> its secret, for what verifies a SigV4 signature itself (the function URL stand-in)
+    secrets: dict[str, str] = field(default_factory=dict)
+    # resource ARN -> its own policy (principals.resource_policies): evaluated with the caller's where a call
+    # crosses it; an object's is its bucket's
+    resource_policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     denials: list[Denial] = field(default_factory=list)
     evaluated: list[tuple[str, str]] = field(default_factory=list)  # (principal ARN, service:operation)
     _session_tags: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add_key(self, key: str, principal: Principal, context: Mapping[str, ContextValue] | None = None) -> None:
+    def add_key(
+        self,
+        key: str,
+        principal: Principal,
+        context: Mapping[str, ContextValue] | None = None,
+        secret: str | None = None,
+    ) -> None:
         """A principal that comes to be while the local AWS runs (a job VM's instance-profile session)."""
         with self._lock:
             self.keys = {**self.keys, key: principal}
             self.contexts[key] = dict(context or {})
+            if secret is not None:
+                self.secrets[key] = secret
+
+    def authorize(self, key: str, account: str, requests: Sequence[Request]) -> tuple[Principal | None, Decision]:
+        """A call that AWS authorizes outside the service APIs (a function URL, a private API), signed with `key`:
+        its caller, and the decision on `requests` with the context AWS adds for the key's credentials."""
+        principal = self.principal(key, account)
+        if principal is None:
+            return None, Decision(False, f"the access key {key!r} is no spotcr principal's")
+        return principal, self.authorize_as(principal, account, requests, self.contexts.get(key, {}))
+
+    def authorize_as(
+        self,
+        principal: Principal,
+        account: str,
+        requests: Sequence[Request],
+        context: Mapping[str, ContextValue] | None = None,
+    ) -> Decision:
+        """What an AWS service does as a principal it holds no key of here (FIS as its experiment's role)."""
+        extra = {"aws:PrincipalAccount": account, **(context or {})}
+        full = tuple(Request(r.action, r.resource, {**extra, **r.context}, r.resource_policy) for r in requests)
+        try:
+            decision = evaluate_all(principal, full)
+        except PolicyError as error:
+            decision = Decision(False, f"policy error: {error}")
+        with self._lock:
+            self.evaluated.extend((principal.arn, r.action) for r in full)
+            if not decision.allowed:
+                self.denials.append(Denial(principal.arn, full, decision.reason))
+        return decision
 
     def principal(self, key: str, account: str) -> Principal | None:
         if key in self.keys:
@@ -176,11 +218,13 @@ class Enforcer:
             return Decision(False, f"the access key {key!r} is no spotcr principal's: {name} refused")
         common: dict[str, ContextValue] = {"aws:PrincipalArn": principal.arn, "aws:PrincipalAccount": call.account}
         common["aws:RequestedRegion"] = call.region
+        # Production clients reach AWS over TLS (botocore's default); the local AWS is plain http on loopback.
+        common["aws:SecureTransport"] = True
         common.update(self.contexts.get(key, {}))
         requests: tuple[Request, ...] = ()
         try:
             requests = tuple(
-                Request(r.action, r.resource, {**common, **r.context})
+                Request(r.action, r.resource, {**common, **r.context}, r.resource_policy or self._guarding(r.resource))
                 for r in iam_requests.requests_for(call, self.state)
             )
             # An operation that asks nothing (sts:GetCallerIdentity) needs no permission.
@@ -201,8 +245,14 @@ class Enforcer:
             log.warning("IAM denied %s: %s (%s)", principal.arn, name, decision.reason)
         return decision
 
+    def _guarding(self, resource: str) -> Mapping[str, Any] | None:
+        """The policy of the resource, or of the bucket an object is in."""
+        return self.resource_policies.get(resource) or self.resource_policies.get(resource.split("/", 1)[0])
+
     def denied_message(self, principal_arn: str, decision: Decision, call: iam_requests.Call) -> str:
-        denial = self.denials[-1] if self.denials else None
+        with self._lock:  # this call's denial: another thread's may have come after it
+            mine = (d for d in reversed(self.denials) if d.principal == principal_arn and d.reason == decision.reason)
+            denial = next(mine, None)
         first = next(iter(denial.requests), None) if denial else None
         action = first.action if first else f"{call.service}:{call.operation}"
         resource = first.resource if first else "*"
@@ -401,16 +451,7 @@ def enforced(enforcer: Enforcer) -> Iterator[Enforcer]:
             arn = principal.arn if principal else f"unidentified key {key}"
             raise Denied(protocol, service, enforcer.denied_message(arn, decision, call))
 
-        stack.enter_context(_patched(RequestSigner, "sign", sign))
-        stack.enter_context(_patched(ActionAuthenticatorMixin, "_authenticate_and_authorize_action", authorize))
+        stack.enter_context(mock.patch.object(RequestSigner, "sign", sign))
+        authenticate = "_authenticate_and_authorize_action"
+        stack.enter_context(mock.patch.object(ActionAuthenticatorMixin, authenticate, authorize))
         yield enforcer
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = owner.__dict__[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)

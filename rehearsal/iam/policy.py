@@ -1,8 +1,10 @@
 """IAM's policy evaluation, as strict as AWS's, for the local AWS: pure Python, no moto, no boto3.
 
-The rules, in AWS's order (IAM User Guide, "Policy evaluation logic", one account, identity-based policies):
-1. An explicit Deny in any policy (identity, permissions boundary, session) that matches the request denies it.
-2. Else an Allow must match in the identity policies,
+The rules, in AWS's order (IAM User Guide, "Policy evaluation logic", one account):
+1. An explicit Deny in any policy (identity, permissions boundary, session, the resource's own policy where its
+   statement names the caller) that matches the request denies it.
+2. Else an Allow must match in the identity policies, or in the resource's policy naming the caller (same account:
+   either allows; a statement naming the account root only delegates to the identity policies, as AWS reads it),
 3. and in the permissions boundary when the principal has one,
 4. and in the session policies when the session was given any; else the request is implicitly denied.
 A statement matches when its Action (or NotAction), its Resource (or NotResource) and every condition match.
@@ -39,6 +41,8 @@ class Request:
     action: str  # "ec2:CreateTags"
     resource: str  # one ARN, or "*" for actions without resource-level permissions
     context: Mapping[str, ContextValue] = field(default_factory=dict)  # keys match case-insensitively
+    # The resource's own policy (a bucket policy, a key policy, a function's permissions), in the caller's account.
+    resource_policy: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,13 @@ def evaluate(principal: Principal, request: Request) -> Decision:
     sessions = [_Policy.parse(d, f"session policy {_label(d, i)}") for i, d in enumerate(principal.session_policies)]
     context = _Context(principal, request)
     on = f"{request.action} on {request.resource}"
-    every = [*identity, *([boundary] if boundary else []), *sessions]
+    resource = [_resource_statements(request.resource_policy, principal)] if request.resource_policy else []
+    every = [*identity, *([boundary] if boundary else []), *sessions, *resource]
     for policy in every:
         for statement in policy.statements:
             if statement.effect == "Deny" and statement.matches(request, context):
                 return Decision(False, f"explicit deny of {on} by {policy.name} statement {statement.name}")
-    allowed_by = _first_allow(identity, request, context)
+    allowed_by = _first_allow([*identity, *resource], request, context)
     if allowed_by is None:
         return Decision(False, f"no statement allows {on} (implicit deny)")
     reasons = [allowed_by]
@@ -108,6 +113,39 @@ def _first_allow(policies: Sequence[_Policy], request: Request, context: _Contex
             if statement.effect == "Allow" and statement.matches(request, context):
                 return f"{policy.name} statement {statement.name}"
     return None
+
+
+def _resource_statements(document: Mapping[str, Any], principal: Principal) -> _Policy:
+    """The statements of a resource's policy that name this caller (Principal), as one policy to evaluate."""
+    if not isinstance(document, Mapping) or not isinstance(document.get("Statement"), (list, Mapping)):
+        raise PolicyError("resource policy: a JSON object with a Statement")
+    raw = document["Statement"] if isinstance(document["Statement"], list) else [document["Statement"]]
+    named = []
+    for index, statement in enumerate(raw):
+        where = f"resource policy statement #{index}"
+        if not isinstance(statement, Mapping) or "NotPrincipal" in statement:
+            raise PolicyError(f"{where}: a statement with a Principal (NotPrincipal is not evaluated here)")
+        if "Principal" not in statement:
+            raise PolicyError(f"{where}: a resource policy's statement names its Principal")
+        if _names(statement["Principal"], principal, where):
+            named.append({k: v for k, v in statement.items() if k != "Principal"})
+    if not named:
+        return _Policy("resource policy", ())
+    body = {"Version": document.get("Version", "2008-10-17"), "Statement": named}
+    return _Policy.parse(body, "resource policy")
+
+
+def _names(value: Any, principal: Principal, where: str) -> bool:
+    """Whether a Principal element names the caller: "*", its ARN, or (for a role's session) its role's ARN. The
+    account root is not the caller here: it delegates to the identity policies. Services name no spotcr principal."""
+    if value == "*":
+        return True
+    if not isinstance(value, Mapping) or set(value) - {"AWS", "Service", "Federated", "CanonicalUser"}:
+        raise PolicyError(f'{where}: Principal must be "*" or a JSON object of AWS/Service/... keys')
+    if "AWS" not in value:
+        return False
+    role = _principal_keys(principal).get("aws:PrincipalArn")
+    return any(arn in ("*", principal.arn, role) for arn in _strings(value["AWS"], f"{where} Principal AWS"))
 
 
 class _Unresolved(Exception):

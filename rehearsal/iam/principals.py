@@ -23,15 +23,16 @@ from typing import Any
 from unittest import mock
 
 from spotcr_functions import catalog
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 
-from rehearsal.iam.policy import Principal
+from rehearsal.iam import requests as iam_requests
+from rehearsal.iam.policy import Principal, Request
 
 REPO = Path(__file__).resolve().parents[2]
 # What the template is built from: a change to any of these synthesizes again.
 _SOURCES = ("infra", "functions", "statemachines", "vm-bootstrap", "cdk.json")
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spotcr"
-STORE_ROLE_ENV = OPTIONAL_TEXT_ENV["store_role_arn"]
+STORE_ROLE_ENV = ENV["store_role_arn"]
 _LOGICAL_ID = re.compile(r"^(?P<stem>.+)[0-9A-F]{8}$")
 
 
@@ -50,8 +51,14 @@ def _sources_hash() -> str:
 
 
 def template(context: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The stack's CloudFormation template as `cdk synth` writes it: cdk.json's context, with `context` over it."""
-    return dict(json.loads(_template_text(json.dumps(dict(context or {}), sort_keys=True))))
+    """The stack's CloudFormation template as `cdk synth` writes it: cdk.json's context, with `context` over it.
+    Parsed once per context and shared: read it, never change it."""
+    return _template(json.dumps(dict(context or {}), sort_keys=True))
+
+
+@functools.cache
+def _template(context_json: str) -> dict[str, Any]:
+    return dict(json.loads(_template_text(context_json)))
 
 
 @functools.cache
@@ -146,6 +153,7 @@ class Resolver:
             "AWS::SQS::Queue": f"arn:aws:sqs:{region}:{account}:{name}",
             "AWS::KMS::Key": f"arn:aws:kms:{region}:{account}:key/{name}",
             "AWS::Events::EventBus": f"arn:aws:events:{region}:{account}:event-bus/{name}",
+            "AWS::Events::Rule": f"arn:aws:events:{region}:{account}:rule/{name}",
             "AWS::IAM::Role": f"arn:aws:iam::{account}:role/{name}",
             "AWS::IAM::InstanceProfile": f"arn:aws:iam::{account}:instance-profile/{name}",
             "AWS::Lambda::Function": f"arn:aws:lambda:{region}:{account}:function:{name}",
@@ -354,3 +362,98 @@ def without_grant(principal: Principal, action: str) -> Principal:
     if not removed:
         raise ValueError(f"no statement of {principal.arn}'s policies names {action}")
     return dataclasses.replace(principal, policies=policies)
+
+
+@dataclass(frozen=True)
+class StoreCredentialsAddress:
+    """How job VMs reach the store-credentials function, as the template configures it: the SigV4 service they
+    sign for, and the IAM requests AWS authorizes on each call (the caller's identity and the resource's policy)."""
+
+    signing_service: str  # "lambda" (the function URL) or "execute-api" (the private API)
+    requests: tuple[Request, ...]
+
+
+def store_credentials_address(local: Local, synthesized: Mapping[str, Any]) -> StoreCredentialsAddress:
+    """The store-credentials function's URL (AWS::Lambda::Url), or with private subnets its private API."""
+    resources = dict(synthesized["Resources"])
+    resolve = Resolver(resources, local)
+    (function_id,) = [  # the one function that vends store sessions
+        logical_id
+        for logical_id, resource in resources.items()
+        if catalog.STORE_CREDENTIALS in getattr(_catalog_function(resource), "capabilities", ())
+    ]
+    function_arn = resolve.arn(function_id)
+    for logical_id, resource in resources.items():
+        properties = resource.get("Properties", {})
+        if resource["Type"] == "AWS::Lambda::Url" and resolve(properties["TargetFunctionArn"]) == function_arn:
+            if properties["AuthType"] != "AWS_IAM":
+                raise UnresolvedIntrinsic(f"{logical_id}: AuthType {properties['AuthType']}: job VMs sign (AWS_IAM)")
+            policy = _function_policy(resources, resolve, function_arn)
+            return StoreCredentialsAddress("lambda", tuple(iam_requests.function_url(function_arn, "AWS_IAM", policy)))
+        if resource["Type"] == "AWS::ApiGateway::RestApi":
+            return _private_api(resources, resolve, logical_id)
+    raise UnresolvedIntrinsic("the template serves the store-credentials function at no URL and no API")
+
+
+def _function_policy(resources: Mapping[str, Any], resolve: Resolver, function_arn: str) -> dict[str, Any] | None:
+    """The function's resource policy: its AWS::Lambda::Permission resources, as Lambda writes them into it."""
+    statements = []
+    for resource in resources.values():
+        properties = resource.get("Properties", {})
+        if resource["Type"] != "AWS::Lambda::Permission" or resolve(properties["FunctionName"]) != function_arn:
+            continue
+        who = str(resolve(properties["Principal"]))
+        if who.endswith(".amazonaws.com"):
+            principal: dict[str, str] = {"Service": who}
+        else:
+            principal = {"AWS": who if who.startswith("arn:") or who == "*" else f"arn:aws:iam::{who}:root"}
+        condition: dict[str, dict[str, str]] = {}
+        if "SourceArn" in properties:
+            condition["ArnLike"] = {"aws:SourceArn": str(resolve(properties["SourceArn"]))}
+        if "SourceAccount" in properties:
+            condition.setdefault("StringEquals", {})["aws:SourceAccount"] = str(resolve(properties["SourceAccount"]))
+        if "FunctionUrlAuthType" in properties:
+            condition.setdefault("StringEquals", {})["lambda:FunctionUrlAuthType"] = properties["FunctionUrlAuthType"]
+        statement = {
+            "Effect": "Allow",
+            "Principal": principal,
+            "Action": properties["Action"],
+            "Resource": function_arn,
+        }
+        statements.append({**statement, **({"Condition": condition} if condition else {})})
+    return {"Version": "2012-10-17", "Statement": statements} if statements else None
+
+
+def _private_api(resources: Mapping[str, Any], resolve: Resolver, api_id: str) -> StoreCredentialsAddress:
+    """The private API's GET on its root, reached through its VPC endpoint, with the API's resource policy (API
+    Gateway reads `execute-api:/...` in it as the API's own ARN)."""
+    properties = resources[api_id]["Properties"]
+    local = resolve.local
+    api_arn = f"arn:aws:execute-api:{local.region}:{local.account}:{resolve.name(api_id)}/"
+    (stage,) = [
+        r["Properties"]["StageName"]
+        for r in resources.values()
+        if r["Type"] == "AWS::ApiGateway::Stage" and r["Properties"]["RestApiId"] == {"Ref": api_id}
+    ]
+    (endpoint,) = properties["EndpointConfiguration"]["VpcEndpointIds"]
+    policy = json.loads(json.dumps(resolve(properties["Policy"])).replace('"execute-api:/', f'"{api_arn}'))
+    requests = iam_requests.api_invoke(f"{api_arn}{stage}/GET/", str(resolve(endpoint)), policy)
+    return StoreCredentialsAddress("execute-api", tuple(requests))
+
+
+def resource_policies(local: Local, synthesized: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The stack's resource policies by the ARN of the resource they guard: its buckets' policies and its Lambda
+    functions' permissions, resolved in `local` (a call on an object is guarded by its bucket's policy)."""
+    resources = dict(synthesized["Resources"])
+    resolve = Resolver(resources, local)
+    found: dict[str, Mapping[str, Any]] = {}
+    for logical_id, resource in resources.items():
+        properties = resource.get("Properties", {})
+        if resource["Type"] == "AWS::S3::BucketPolicy":
+            found[f"arn:aws:s3:::{resolve(properties['Bucket'])}"] = resolve(properties["PolicyDocument"])
+        elif resource["Type"] == "AWS::Lambda::Function":
+            function_arn = resolve.arn(logical_id)
+            policy = _function_policy(resources, resolve, function_arn)
+            if policy is not None:
+                found[function_arn] = policy
+    return found

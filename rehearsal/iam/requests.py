@@ -473,6 +473,7 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
     ("ec2", "RunInstances"): _ec2_run_instances,
     ("ec2", "CreateFleet"): _ec2_create_fleet,
     ("ec2", "TerminateInstances"): _ec2_on_instances,
+    ("ec2", "SendSpotInstanceInterruptions"): _ec2_on_instances,  # FIS's aws:ec2:send-spot-instance-interruptions
     ("ec2", "StopInstances"): _ec2_on_instances,
     ("ec2", "CancelSpotInstanceRequests"): _ec2_cancel_spot,
     ("ec2", "CreateVolume"): _ec2_create_volume,
@@ -524,3 +525,19 @@ def requests_for(call: Call, state: State) -> list[Request]:
             "evaluates for it (Service Authorization Reference)"
         )
     return build(call, state)
+
+
+def function_url(function_arn: str, auth_type: str, resource_policy: Mapping[str, Any] | None) -> list[Request]:
+    """What Lambda authorizes on a request to a function URL: lambda:InvokeFunctionUrl with the URL's auth type, and
+    (for function URLs created from October 2025 on) lambda:InvokeFunction with lambda:InvokedViaFunctionUrl; both
+    against the function's own policy (its Lambda permissions) too."""
+    return [
+        Request("lambda:InvokeFunctionUrl", function_arn, {"lambda:FunctionUrlAuthType": auth_type}, resource_policy),
+        Request("lambda:InvokeFunction", function_arn, {"lambda:InvokedViaFunctionUrl": True}, resource_policy),
+    ]
+
+
+def api_invoke(method_arn: str, source_vpce: str, resource_policy: Mapping[str, Any] | None) -> list[Request]:
+    """What API Gateway authorizes on an AWS_IAM method of a private API reached through the VPC endpoint
+    `source_vpce`: execute-api:Invoke on the method's ARN, against the API's resource policy too."""
+    return [Request("execute-api:Invoke", method_arn, {"aws:SourceVpce": source_vpce}, resource_policy)]

@@ -1,9 +1,9 @@
+import argparse
 import contextlib
 import os
 import shutil
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,36 @@ class FakeMetadata:
 
     def get(self, path):
         return self.values.get(path.rstrip("/"))
+
+
+def imds_with_tags(tags):
+    """IMDS of a job VM whose instance carries these tags."""
+    values = {
+        "meta-data/instance-id": "i-0abc",
+        "meta-data/placement/availability-zone": "eu-west-1b",
+        "meta-data/placement/region": "eu-west-1",
+        "meta-data/tags/instance": "\n".join(tags),
+    }
+    values.update({f"meta-data/tags/instance/{k}": v for k, v in tags.items()})
+    return FakeMetadata(values)
+
+
+def bootstrap_args(**overrides):
+    """The flags `spotcr-agent bootstrap` gets from the user data, with these overrides."""
+    values = {
+        "bucket": "spotcr-checkpoints",
+        "event_bus": "spotcr",
+        "ebs_volume_id": "",
+        "efs_id": "",
+        "efs_isolation": "",
+        "fsx_dns": "",
+        "fsx_mount_name": "",
+        "store_credentials_url": "",
+        "scratch_dir": "",
+        "report_failure": "",
+    }
+    values.update(overrides)
+    return argparse.Namespace(**values)
 
 
 @pytest.fixture
@@ -78,16 +108,6 @@ def make_agent(config, publisher, store=None):
         config.mount_point.mkdir(parents=True, exist_ok=True)
         store = CheckpointStore.for_directory(config.mount_point, config.job_id)
     return Agent(config=config, publisher=publisher, job_env=base_job_env(os.environ), store_factory=lambda _: store)
-
-
-def wait_for(predicate, timeout=30.0, interval=0.05, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def kill_tree(pid):

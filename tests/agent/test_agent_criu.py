@@ -7,7 +7,9 @@ import sys
 import pytest
 from spotcr_agent.store import CheckpointStore
 
-from .conftest import JOBS, compute_command, wait_for
+from tests.support import wait_for
+
+from .conftest import JOBS, compute_command
 from .vm_agent import ROOT, RUN_ID, JobVM, reference_output
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]

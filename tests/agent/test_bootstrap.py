@@ -1,6 +1,5 @@
 """`spotcr-agent bootstrap`: job from IMDS tags, spec from S3, storage prepared, failures named by step."""
 
-import argparse
 import json
 import subprocess
 from pathlib import Path
@@ -11,35 +10,7 @@ from spotcr_agent.bootstrap import bootstrap
 from spotcr_agent.config import load
 from spotcr_agent.runner import InvalidJobSpec, parse_job_spec
 
-from .conftest import FakeMetadata, FakePublisher, make_config
-
-
-def _metadata(tags):
-    values = {
-        "meta-data/instance-id": "i-0abc",
-        "meta-data/placement/availability-zone": "eu-west-1b",
-        "meta-data/placement/region": "eu-west-1",
-        "meta-data/tags/instance": "\n".join(tags),
-    }
-    values.update({f"meta-data/tags/instance/{k}": v for k, v in tags.items()})
-    return FakeMetadata(values)
-
-
-def _args(**overrides):
-    values = {
-        "bucket": "spotcr-checkpoints",
-        "event_bus": "spotcr",
-        "ebs_volume_id": "",
-        "efs_id": "",
-        "efs_isolation": "",
-        "fsx_dns": "",
-        "fsx_mount_name": "",
-        "store_credentials_url": "",
-        "scratch_dir": "",
-        "report_failure": "",
-    }
-    values.update(overrides)
-    return argparse.Namespace(**values)
+from .conftest import FakePublisher, bootstrap_args, imds_with_tags, make_config
 
 
 def _bootstrap(tmp_path, tags, spec=b"", metadata=None, sleep=lambda seconds: None, **args):
@@ -47,10 +18,10 @@ def _bootstrap(tmp_path, tags, spec=b"", metadata=None, sleep=lambda seconds: No
     publisher = FakePublisher()
     environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "etc" / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
     code = bootstrap(
-        _args(**args),
+        bootstrap_args(**args),
         environ,
         results.append,
-        metadata=metadata or _metadata(tags),
+        metadata=metadata or imds_with_tags(tags),
         publisher=publisher,
         spec_reader=lambda uri: spec,
         ping_status=lambda instance_id: "Online",
@@ -136,7 +107,7 @@ def test_bootstrap_storage_failure_names_the_step(tmp_path):
 def test_a_bootstrap_failure_carries_the_run_the_control_plane_tags_meanwhile(tmp_path):
     # Given a primary whose storage fails before the control plane has tagged it with its run
     tags = {"spotcr:job": "j", "spotcr:storage": "efs", "spotcr:command": "x"}
-    metadata = _metadata(tags)
+    metadata = imds_with_tags(tags)
     slept = []
 
     def register(seconds):

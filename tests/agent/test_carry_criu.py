@@ -8,7 +8,9 @@ import sys
 import pytest
 from spotcr_agent.store import CheckpointStore
 
-from .conftest import JOBS, wait_for
+from tests.support import wait_for
+
+from .conftest import JOBS
 from .vm_agent import RUN_ID, JobVM, reference_run
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]

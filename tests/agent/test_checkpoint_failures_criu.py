@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from spotcr_agent.config import DEFAULT_MOUNT_POINT, DEFAULT_STATE_DIR
 
-from .conftest import JOBS, wait_for
+from tests.support import wait_for
+
+from .conftest import JOBS
 from .vm_agent import ROOT, JobVM
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]

@@ -6,7 +6,9 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from .conftest import compute_command, free_port, wait_for
+from tests.support import wait_for
+
+from .conftest import compute_command, free_port
 from .vm_agent import JobVM, reference_output
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]

@@ -10,6 +10,9 @@ from moto import mock_aws
 from spotcr_agent.events import EventBridgePublisher, now_iso
 from spotcr_contracts.events import EVENT_TYPES, SOURCE, JobExited, parse_detail
 
+from rehearsal.iam import enforce, principals
+from tests.localaws.vended import enforced
+
 from .conftest import make_agent, make_config
 
 VECTORS = sorted((Path(__file__).parents[1] / "events" / "agent").glob("*.json"))
@@ -50,11 +53,22 @@ def _event():
     return JobExited(job_id="job-1", instance_id="i-1", generation=1, at=now_iso(), exit_code=0)
 
 
+@pytest.mark.parametrize("grant", [None, "events:PutEvents"])
 @mock_aws
-def test_publisher_puts_events_on_the_bus():
-    client = boto3.client("events", region_name="us-east-1")
-    client.create_event_bus(Name="spotcr-bus")
-    assert EventBridgePublisher("spotcr-bus", "us-east-1").publish(_event())
+def test_publisher_puts_events_on_the_bus_as_the_job_vms_session_only_with_its_grant(grant):
+    # Given the stack's agent bus, and the job VM's instance-profile session, IAM enforced (with or without the grant)
+    boto3.client("events", region_name="us-east-1").create_event_bus(Name="spotcr-bus")
+    with enforced("spotcr-checkpoints", {"RegistryAgentBus": "spotcr-bus"}) as world:
+        key = world.job_vm("i-1")
+        if grant:
+            world.enforcer.add_key(key, principals.without_grant(world.enforcer.keys[key], grant))
+        # When the agent publishes an event, signing as its VM
+        with enforce.acting_as(key):
+            published = EventBridgePublisher("spotcr-bus", "us-east-1", attempts=1).publish(_event())
+    # Then the bus takes it only while the job role holds the grant
+    assert published is (grant is None)
+    denied = [d.reason for d in world.enforcer.denials]
+    assert (len(denied) == 1 and grant in denied[0]) if grant else denied == []
 
 
 def test_a_failed_publish_is_retried_then_logged_never_raised(caplog):

@@ -23,7 +23,9 @@ from spotcr_agent.restore import RestoreError
 from spotcr_agent.runner import process_start_time, process_tree
 from spotcr_agent.store import CheckpointStore, StoreUnavailable
 
-from .conftest import FakeMetadata, make_agent, make_config, wait_for
+from tests.support import wait_for
+
+from .conftest import FakeMetadata, make_agent, make_config
 
 pytestmark = pytest.mark.claim("At most one live copy")
 

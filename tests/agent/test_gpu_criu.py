@@ -17,8 +17,8 @@ import pytest
 from spotcr_agent import gpu
 
 from bench.gpu import gpu_command
+from tests.support import wait_for
 
-from .conftest import wait_for
 from .vm_agent import JobVM, reference_output
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("criu_available", "nvidia_gpu")]

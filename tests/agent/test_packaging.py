@@ -8,35 +8,30 @@ from pathlib import Path
 import pytest
 from spotcr_agent import cli
 from spotcr_contracts.commands import AGENT_BIN
+from spotcr_contracts.settings import AGENT_FLAGS, VmSettings
+
+from infra.agent_bundle import render_user_data
 
 VM = Path(__file__).parents[2] / "vm-bootstrap"
-PLACEHOLDERS = {
-    "__SPOTCR_AGENT_ASSET_URL__",
-    "__SPOTCR_BUCKET__",
-    "__SPOTCR_EVENT_BUS__",
-    "__SPOTCR_EFS_ID__",
-    "__SPOTCR_EFS_ISOLATION__",
-    "__SPOTCR_FSX_DNS__",
-    "__SPOTCR_FSX_MOUNT_NAME__",
-    "__SPOTCR_STORE_CREDENTIALS_URL__",
-}
+PLACEHOLDERS = set(VmSettings().placeholders())
 
 
-def test_bootstrap_script_is_valid_bash_and_documents_every_placeholder():
+def test_bootstrap_script_is_valid_bash_and_uses_every_vm_setting():
     script = (VM / "bootstrap.sh").read_text()
     subprocess.run(["bash", "-n", str(VM / "bootstrap.sh")], check=True)
     assert "set -eEuo pipefail" in script
     used = set(re.findall(r'"(__SPOTCR_[A-Z_]+__)"', script))
     assert used == PLACEHOLDERS
     header = script.split("set -eEuo pipefail")[0]
-    assert all(p in header for p in PLACEHOLDERS)
+    assert "spotcr_contracts.settings.VmSettings" in header
 
 
-def test_bootstrap_script_calls_the_agent_with_flags_it_accepts():
+def test_bootstrap_script_passes_the_agent_each_vm_setting_as_the_agent_reads_it():
     script = (VM / "bootstrap.sh").read_text().replace("\\\n", " ")
     line = next(line for line in script.splitlines() if '/bin/spotcr-agent" bootstrap --bucket' in line)
     argv = shlex.split(line.replace('"$PREFIX/bin/spotcr-agent"', "agent"))[1:]
-    # The user data's values: "x" for names and ids, "true" or "" for efs_isolation
+    assert [a for a in argv if a.startswith("--")] == list(AGENT_FLAGS.values())
+    # The user data's values: "x" for names and ids, "true" or "false" for efs_isolation
     values = {"$EFS_ISOLATION": "true"}
     args = cli.parser().parse_args([values.get(a, "x") if a.startswith("$") else a for a in argv])
     assert args.command == "bootstrap" and args.bucket == "x" and args.efs_isolation == "true"
@@ -119,3 +114,15 @@ def test_the_artifact_is_refused_on_another_architecture_than_the_vms(tmp_path):
     checked = _check_build_host(tmp_path, DEBIAN_12, target=other)
     assert checked.returncode != 0
     assert f"this machine is {host}, the job VMs are {other}" in checked.stderr
+
+
+def test_user_data_is_refused_when_the_script_and_the_vm_settings_disagree():
+    script = (VM / "bootstrap.sh").read_text()
+    values = VmSettings(bucket="checkpoints", efs_isolation=True).placeholders()
+    rendered = render_user_data(script, values)
+    assert 'BUCKET="checkpoints"' in rendered and 'EFS_ISOLATION="true"' in rendered
+    with pytest.raises(ValueError, match="does not use the placeholders __SPOTCR_REGION__"):
+        render_user_data(script, {**values, "__SPOTCR_REGION__": "eu-west-1"})
+    del values["__SPOTCR_BUCKET__"]
+    with pytest.raises(ValueError, match="infra does not provide: __SPOTCR_BUCKET__"):
+        render_user_data(script, values)

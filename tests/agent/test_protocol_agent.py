@@ -20,7 +20,9 @@ from spotcr_agent.state import FinalDump
 from spotcr_agent.store import CheckpointNotFound, CommitResult, CorruptCheckpoint, StoreUnavailable
 from spotcr_contracts.commands import checkpoint_id, checkpoint_order
 
-from .conftest import FakeMetadata, make_agent, make_config, wait_for
+from tests.support import wait_for
+
+from .conftest import FakeMetadata, bootstrap_args, imds_with_tags, make_agent, make_config
 
 HOST = HostInfo(criu_version="4.1.1", kernel="6.1", arch="x86_64", cpu_flags=("sse2",))
 
@@ -342,20 +344,18 @@ def test_a_periodic_dump_commits_inside_the_dump_lock(tmp_path):
 def test_bootstrap_waits_for_the_job_tag_added_to_a_running_instance(tmp_path):
     from spotcr_agent.bootstrap import build_config
 
-    from .test_bootstrap import _args, _metadata
-
     # Given an instance running from the launch template with no spotcr:job tag yet
-    metadata = _metadata({"Name": "x"})
+    metadata = imds_with_tags({"Name": "x"})
     added = {"spotcr:job": "late-1", "spotcr:command": "python3 sim.py", "Name": "x"}
     polls = []
 
     def sleep(seconds):
         polls.append(seconds)
         if len(polls) == 2:  # the user tags the instance while bootstrap waits
-            metadata.values.update(_metadata(added).values)
+            metadata.values.update(imds_with_tags(added).values)
 
     # When bootstrap runs
-    config = build_config(metadata, _args(), {"SPOTCR_STATE_DIR": str(tmp_path)}, sleep=sleep)
+    config = build_config(metadata, bootstrap_args(), {"SPOTCR_STATE_DIR": str(tmp_path)}, sleep=sleep)
 
     # Then it waited for the tag and the job is the one tagged
     assert (config.job_id, config.command) == ("late-1", ("python3", "sim.py"))

@@ -13,8 +13,9 @@ from botocore.stub import Stubber
 from spotcr_agent import readiness, scratch
 from spotcr_agent.bootstrap import bootstrap
 
-from .conftest import FakePublisher, compute_command, kill_tree, wait_for
-from .test_bootstrap import _args, _metadata
+from tests.support import wait_for
+
+from .conftest import FakePublisher, bootstrap_args, compute_command, imds_with_tags, kill_tree
 from .vm_agent import JobVM
 
 TAGS = {"spotcr:job": "nightly-sim", "spotcr:command": "python3 sim.py"}
@@ -51,13 +52,13 @@ def test_bootstrap_fails_at_the_ssm_step_when_the_agent_never_registers(tmp_path
     results: list[Mapping[str, Any]] = []
     publisher = FakePublisher()
     environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
-    args = _args(ssm_wait_seconds=0.0)
+    args = bootstrap_args(ssm_wait_seconds=0.0)
     # When it bootstraps, Then no readiness is claimed: BootstrapFailed names the ssm step
     code = bootstrap(
         args,
         environ,
         results.append,
-        metadata=_metadata(TAGS),
+        metadata=imds_with_tags(TAGS),
         publisher=publisher,
         ping_status=lambda _: None,
         scratch_warning=lambda _: None,
@@ -76,10 +77,10 @@ def test_bootstrap_reports_scratch_smaller_than_the_instance_memory(tmp_path):
     results: list[Mapping[str, Any]] = []
     environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
     bootstrap(
-        _args(),
+        bootstrap_args(),
         environ,
         results.append,
-        metadata=_metadata(TAGS),
+        metadata=imds_with_tags(TAGS),
         publisher=FakePublisher(),
         ping_status=lambda _: "Online",
         scratch_warning=lambda _: "too small",

@@ -13,7 +13,9 @@ from spotcr_agent.store.backends import DirectoryBackend, ObjectNotFound, S3Back
 from spotcr_agent.store.errors import StoreUnavailable
 from spotcr_contracts import layout
 
-from .conftest import FakePublisher, make_agent, make_config, wait_for
+from tests.support import wait_for
+
+from .conftest import FakePublisher, make_agent, make_config
 
 WRITE_RESULT = "import pathlib; pathlib.Path('out').mkdir(); pathlib.Path('out/result.txt').write_text('42\\n')"
 

@@ -17,6 +17,10 @@ from spotcr_agent import storage, store_credentials
 from spotcr_agent.config import AgentConfig
 from spotcr_agent.store import CheckpointStore
 
+from rehearsal import store_credentials as function_url
+from rehearsal.iam import enforce, principals
+from rehearsal.iam.policy import Principal
+
 JOB = "render-42"
 URL = "https://abcdefg.lambda-url.us-east-1.on.aws/"
 
@@ -194,3 +198,46 @@ def test_the_request_to_the_private_api_is_signed_with_sigv4_for_execute_api() -
     # Then the signature is API Gateway's (a lambda signature would be refused there), for the stage's path
     assert seen["path"] == f"/prod/?job={JOB}"
     assert "/us-east-1/execute-api/aws4_request" in seen["authorization"]
+
+
+@pytest.mark.parametrize("grant", [None, "lambda:InvokeFunctionUrl"])
+def test_the_agents_signed_request_passes_aws_authentication_only_with_the_job_roles_grant(grant: str | None) -> None:
+    # Given the function URL as AWS authorizes it (rehearsal/store_credentials.py), the job role from the template,
+    # and a job VM's instance-profile session, with or without the URL grant
+    account, region, instance = "123456789012", "us-east-1", "i-0123456789abcdef0"
+    local = principals.Local(region, account)
+    job = Principal(
+        f"arn:aws:sts::{account}:assumed-role/VmLaunchJobRole/{instance}",
+        principals.stack_roles(local, principals.template()).job.policies,
+    )
+    key = enforce.access_key(f"instance:{instance}")
+    enforcer = enforce.Enforcer(keys={}, trusted={}, roles={}, state=enforce.MotoState(account, region))
+    enforcer.add_key(key, principals.without_grant(job, grant) if grant else job, secret="instance-secret")
+    callers: list[str] = []
+
+    def handler(event: dict[str, Any]) -> dict[str, Any]:
+        callers.append(event["requestContext"]["authorizer"]["iam"]["userArn"])
+        return {"statusCode": 200, "body": _answer("AKIDVENDED", timedelta(hours=1)).decode()}
+
+    store = principals.store_credentials_address(local, principals.template())
+    server = function_url.serve(
+        "127.0.0.1", account=account, region=region, store=store, enforcer=enforcer, handler=handler
+    )
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    signer = Credentials(key, "instance-secret")
+    fetch = store_credentials.fetcher(
+        url, JOB, region, get=lambda address: store_credentials.signed_get(address, region, signer=signer), wait_s=0
+    )
+    try:
+        # When the agent asks for its job's store credentials, signing as it does on a VM
+        if grant is None:
+            # Then AWS authenticates its signature and names its session to the function
+            assert fetch()["access_key"] == "AKIDVENDED" and callers == [job.arn]
+        else:
+            # Then without the grant Lambda refuses it before the function runs
+            with pytest.raises(store_credentials.StoreCredentialsError, match=r"refused \(403\)"):
+                fetch()
+            assert callers == [] and grant in enforcer.denials[-1].reason
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -7,7 +7,9 @@ import subprocess
 import pytest
 from spotcr_agent.criu import MEM_DIRTY_TRACK, Criu
 
-from .conftest import compute_command, wait_for
+from tests.support import wait_for
+
+from .conftest import compute_command
 from .vm_agent import JobVM
 
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]

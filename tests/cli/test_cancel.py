@@ -1,4 +1,4 @@
-"""`spotcr cancel` and the refusals of restore and interrupt, against in-process moto (no VMs).
+"""`spotcr cancel`, `submit --instance` and the refusals of restore and interrupt, against in-process moto (no VMs).
 
 The command runs as the `spotcr` user, holding only the README's user policy (IAM enforced); the test itself
 builds the world and plays the control plane with its own, trusted key.
@@ -16,8 +16,8 @@ from spotcr_cli import actions
 from spotcr_cli.aws import Cloud, CommandError
 from spotcr_cli.main import main
 from spotcr_contracts import events
+from spotcr_contracts.protocol import exit_ends_job
 from spotcr_functions import registry_schema
-from spotcr_functions.agent_events import exit_ends_job
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.registry import Registry
 
@@ -90,7 +90,7 @@ def spotcr(argv, **kwargs):
         return main(argv, **kwargs)
 
 
-def submit(cloud, job_id="job-1", instance_type="c5.large"):
+def submit(cloud, job_id="job-1", instance_type="c5.large", instance_id=None):
     job = actions.job_tags(
         job_id,
         command="python3 a.py",
@@ -104,7 +104,7 @@ def submit(cloud, job_id="job-1", instance_type="c5.large"):
     )
     with as_user():
         return actions.submit(
-            cloud, job, instance_id=None, instance_type=instance_type, on_demand=False, say=lambda line: None
+            cloud, job, instance_id=instance_id, instance_type=instance_type, on_demand=False, say=lambda line: None
         )
 
 
@@ -244,3 +244,23 @@ def test_the_spotcr_user_may_not_do_what_only_spotcr_does(world):
         error = refused.value.response["Error"]
         assert error["Code"] == "UnauthorizedOperation"
         assert f"User: arn:aws:iam::{ACCOUNT}:user/spotcr-user is not authorized" in error["Message"]
+
+
+def test_submit_instance_tags_a_running_instance_from_the_stacks_template_only(world):
+    # Given a running instance launched from the stack's template, and one launched without it
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ours = ec2.run_instances(
+        LaunchTemplate={"LaunchTemplateId": world.stack.launch_template_id}, MinCount=1, MaxCount=1
+    )["Instances"][0]["InstanceId"]
+    image = ec2.describe_images(Owners=["self"])["Images"][0]["ImageId"]
+    foreign = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    # When the user submits a job on each
+    submitted = submit(world, "job-1", instance_id=ours)
+    with pytest.raises(CommandError, match=f"instance {foreign} was not launched from the stack's launch template"):
+        submit(world, "job-2", instance_id=foreign)
+    # Then only the stack's instance carries a job: spotcr could neither command nor terminate the other
+    tags_of = {
+        i["InstanceId"]: i.get("Tags", []) for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]
+    }
+    assert submitted["instance_id"] == ours and {"Key": "spotcr:job", "Value": "job-1"} in tags_of[ours]
+    assert not any(t["Key"] == "spotcr:job" for t in tags_of[foreign])

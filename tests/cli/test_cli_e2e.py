@@ -12,7 +12,8 @@ from spotcr_cli.main import main
 
 from rehearsal.cloud import PREFIX, REGION
 from rehearsal.iam import enforce
-from rehearsal.scenario import Options, Rehearsal, command_tag, restored_after
+from rehearsal.scenario import command_tag, restored_after
+from tests.rehearsal.support import e2e_rehearsal
 
 
 def poll(read, until, what, timeout_s=60.0):
@@ -30,19 +31,8 @@ def poll(read, until, what, timeout_s=60.0):
 @pytest.mark.criu
 @pytest.mark.timeout(480)
 def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_path, capsys):
-    options = Options(
-        storage="s3",
-        size_mb=16,
-        steps=8000,
-        pace_s=0.015,
-        notice_s=6.0,
-        interval_s=10,
-        schedule_every_s=2.0,
-        timeout_s=90.0,
-        runs_dir=tmp_path,
-    )
-    lines: list[str] = []
-    rehearsal = Rehearsal(options, echo=lines.append)
+    rehearsal, lines = e2e_rehearsal(tmp_path, storage="s3", size_mb=16, steps=8000, notice_s=6.0)
+    options = rehearsal.options
     cloud, watcher, job = rehearsal.cloud, rehearsal.watcher, rehearsal.job_id
     cloud.start()
     try:

@@ -237,3 +237,14 @@ def test_the_reserved_concurrency_default_is_the_stacks():
     from infra.settings import Settings
 
     assert Settings.interruption_concurrency == preflight.RESERVED_CONCURRENCY
+
+
+def test_a_run_reads_the_subnets_and_each_vpcs_endpoints_once_however_many_checks_ask(world):
+    # Given a private subnet: route-s3, route-store-credentials and route-ssm each look at its routes and endpoints
+    before = len(world["enforcer"].evaluated)
+    assert failures(subnets=(world["private"],), storage="ebs") == {}
+    # Then the run described the subnet, its route table and its VPC's endpoints once each
+    calls = [call for _, call in world["enforcer"].evaluated[before:]]
+    assert calls.count("ec2:DescribeSubnets") == 1
+    assert calls.count("ec2:DescribeRouteTables") == 1
+    assert calls.count("ec2:DescribeVpcEndpoints") == 1

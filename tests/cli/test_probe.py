@@ -1,4 +1,7 @@
-"""`spotcr probe`: the agent's probe run here on directories and S3, through the probe document, and read by plan."""
+"""`spotcr probe`: the agent's probe run here on directories and S3, through the probe document, and read by plan.
+
+Its S3 calls are evaluated as the principal making them in production: the `spotcr` user (infra/user_policy.py)
+on the user's machine, a vended store session (tests/localaws/vended.py) on a job VM."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import pytest
 from spotcr_agent import cli as agent_cli
 from spotcr_agent import config as agent_config
 from spotcr_contracts.commands import AGENT_BIN, PROBE
+
+from rehearsal.iam import enforce, principals
+from tests.localaws.vended import ACCOUNT, REGION, Enforced, enforced
 
 _CLI = str(Path(__file__).resolve().parents[2] / "cli")
 if _CLI not in sys.path:  # harmless where pyproject's pythonpath already holds cli/
@@ -84,6 +90,28 @@ def test_probe_prints_a_table(tmp_path, capsys):
     assert out.count(" yes") == 4 and "pipeline" not in out
 
 
+# The stack's outputs the user policy is written for: the bucket is the test's.
+OUTPUTS = {
+    "CheckpointBucket": "spotcr-checkpoints",
+    "JobTable": "spotcr-jobs",
+    "LaunchTemplateId": "lt-0123456789abcdef0",
+    "RecoveryStateMachineArn": f"arn:aws:states:{REGION}:{ACCOUNT}:stateMachine:spotcr-recovery",
+}
+
+
+@pytest.fixture
+def iam(bucket: str) -> Iterator[Enforced]:
+    """The stack's IAM enforced on the bucket, with the `spotcr` user holding the user policy."""
+    with enforced(bucket) as world:
+        world.enforcer.add_key(enforce.CLI_USER_KEY, principals.cli_user(ACCOUNT, "spotcr", REGION, OUTPUTS))
+        yield world
+
+
+def as_user(args: argparse.Namespace) -> int:
+    with enforce.acting_as(enforce.CLI_USER_KEY):
+        return int(args.func(args))
+
+
 @pytest.fixture
 def bucket(aws) -> Iterator[str]:
     boto3.client("s3").create_bucket(Bucket="spotcr-checkpoints")
@@ -94,13 +122,13 @@ def bucket(aws) -> Iterator[str]:
     s3.delete_bucket(Bucket="spotcr-checkpoints")
 
 
-def test_probe_of_s3_is_kept_in_the_bucket_and_used_by_plan(tmp_path, bucket, capsys):
+def test_probe_of_s3_is_kept_in_the_bucket_and_used_by_plan(tmp_path, bucket, iam, capsys):
     # Given a probe of S3 and of a directory, kept in the stack's bucket for an instance type
     args = spotcr(
         ["probe", "--s3", bucket, "--dir", f"ebs={tmp_path}", *SMALL, "--instance-type", "m5.xlarge",
          "--bucket", bucket, "--json"]
     )  # fmt: skip
-    assert args.func(args) == 0
+    assert as_user(args) == 0
     printed = json.loads(capsys.readouterr().out)
     by_storage = {r["storage"]: r for r in printed["results"]}
     check_result(by_storage["s3"], "s3")
@@ -114,7 +142,7 @@ def test_probe_of_s3_is_kept_in_the_bucket_and_used_by_plan(tmp_path, bucket, ca
         ["plan", "--memory-gib", "4", "--dirty-gib-per-min", "0.2", "--interruption-rate", "5-10%",
          "--work-hours", "10", "--vm-price-hour", "0.1", "--instance-type", "m5.xlarge", "--bucket", bucket, "--json"]
     )  # fmt: skip
-    assert args.func(args) == 0
+    assert as_user(args) == 0
     plans = {p["storage"]: p for p in json.loads(capsys.readouterr().out)["storages"]}
 
     # Then S3 and EBS use the measured rates, and EFS, never probed, its default
@@ -125,6 +153,17 @@ def test_probe_of_s3_is_kept_in_the_bucket_and_used_by_plan(tmp_path, bucket, ca
         assert rates["pipeline"]["value"] == pytest.approx(by_storage[storage]["pipeline_mib_s"])
         assert rates["write"]["source"].startswith("spotcr probe of ")
     assert "Rodamilans" in plans["efs"]["rates_mib_s"]["write"]["source"]
+    assert iam.enforcer.denials == [] and any(call == "s3:PutObject" for _, call in iam.enforcer.evaluated)
+
+
+def test_a_user_without_the_probes_grant_cannot_keep_a_probe(tmp_path, bucket, iam, capsys):
+    # Given the `spotcr` user without s3:PutObject
+    user = principals.cli_user(ACCOUNT, "spotcr", REGION, OUTPUTS)
+    iam.enforcer.add_key(enforce.CLI_USER_KEY, principals.without_grant(user, "s3:PutObject"))
+    # Then the probe of S3 fails, and IAM names the refused write
+    args = spotcr(["probe", "--s3", bucket, *SMALL, "--instance-type", "m5.xlarge", "--bucket", bucket])
+    assert as_user(args) != 0
+    assert "s3:PutObject" in iam.enforcer.denials[0].reason
 
 
 class FakeSsm:
@@ -206,7 +245,7 @@ def test_bad_input_gets_a_clear_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_probe_on_a_job_vm_writes_only_a_run_of_its_own_under_the_jobs_prefix(tmp_path, bucket):
+def test_probe_on_a_job_vm_writes_only_a_run_of_its_own_under_the_jobs_prefix(tmp_path, bucket, iam):
     # Given a job's committed objects, and every S3 request the probe makes recorded
     from spotcr_agent import probe as agent_probe
     from spotcr_agent.store.backends import S3Backend
@@ -222,13 +261,14 @@ def test_probe_on_a_job_vm_writes_only_a_run_of_its_own_under_the_jobs_prefix(tm
 
     settings = agent_probe.ProbeSettings(streams=(1,), block_kib=(64,), size_mib=1, pipeline_mib=2)
 
-    # When the probe runs as on a job VM, with that job's store credentials (here, the test's own)
+    # When the probe runs as on a job VM, with that job's store credentials as store-credentials vends them
+    session = iam.store_session("render-42", "r-00000000000000a1")
     results = agent_probe.probe(
         [agent_probe.ProbeTarget("s3", bucket=bucket)],
         settings,
         instance_type="m5.xlarge",
         scratch=tmp_path,
-        s3_backend=lambda name: Recorded(name, session=None, scope="jobs/render-42/"),
+        s3_backend=lambda name: Recorded(name, session=session, scope="jobs/render-42/"),
         s3_job="render-42",
     )
 

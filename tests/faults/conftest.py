@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 
 from rehearsal.cloud import LocalCloud
-from rehearsal.scenario import reference_result, workflow_waits
+from rehearsal.scenario import local_cloud, reference_result
 from rehearsal.timeline import Timeline
 from tests.faults.harness import OPTIONS
 
@@ -16,13 +16,7 @@ def shared_cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClou
     own VMs, and ends with the leak check, so the next one starts from a tidy account. Stopped when the suite ends:
     its moto hooks (VMs booted by RunInstances, SSM only to registered instances) must not outlive it into the
     tests that follow in the same session."""
-    cloud = LocalCloud(
-        run_dir=tmp_path_factory.mktemp("fault-cloud"),
-        timeline=Timeline(),
-        schedule_every_s=OPTIONS.schedule_every_s,
-        workflow_waits=workflow_waits(OPTIONS),
-        with_agent_asset=True,  # each VM installs the asset its launch template version names
-    )
+    cloud = local_cloud(OPTIONS, tmp_path_factory.mktemp("fault-cloud"), Timeline())
     cloud.start()
     try:
         yield cloud

@@ -25,7 +25,8 @@ from spotcr_contracts import events as agent_events
 from spotcr_functions.config import ENV
 from spotcr_functions.models import ENDED
 
-from rehearsal.cloud import LocalCloud, StoreFault
+from rehearsal.cloud import LocalCloud
+from rehearsal.localaws.s3 import StoreFault
 from rehearsal.scenario import Options, Rehearsal, RehearsalFailed
 
 SAMPLE_EVERY_S = 0.05

@@ -20,7 +20,7 @@ from spotcr_functions.models import ENDED
 from rehearsal.sample_job import STOPPED_EXIT_CODE
 from rehearsal.scenario import committed_result
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
-from tests.infra.test_store_isolation import allows
+from tests.infra.support import allows
 
 pytestmark = [
     pytest.mark.faults,

@@ -15,20 +15,18 @@ import pytest
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import efs_access, recovery, store_access
-from spotcr_functions.config import OPTIONAL_TEXT_ENV, Settings
+from spotcr_functions.config import ENV, Settings
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import Status
 
-from tests.functions.test_store_credentials import BUCKET, answer, instance_session, request, vending
+from tests.functions.support import BUCKET, answer, instance_session, request
 from tests.workflow.harness import REGION, ControlPlane, agent_event, ec2_event, finish_exit, now_iso, route
-
-__all__ = ["vending"]
 
 
 @pytest.fixture
 def file_system(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> str:
     """The stack's EFS, named to the functions as the stack names it (SPOTCR_FILE_SYSTEM_ID)."""
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["file_system_id"], plane.file_system_id)
+    monkeypatch.setenv(ENV["file_system_id"], plane.file_system_id)
     return plane.file_system_id
 
 

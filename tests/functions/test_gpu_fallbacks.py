@@ -10,8 +10,8 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.gpus import Gpus, matching_fallbacks
 
-from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, refuse_launches, route
-from tests.workflow.test_recovery import NO_CAPACITY
+from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, route
+from tests.workflow.support import NO_CAPACITY
 
 A10G = Gpus("NVIDIA", "A10G", 1)
 TYPES = {"g5.xlarge": A10G, "g5.2xlarge": A10G, "g5.12xlarge": Gpus("NVIDIA", "A10G", 4), "m5.large": None}
@@ -61,7 +61,7 @@ def test_a_gpu_job_is_never_recovered_on_a_type_with_other_gpus(
     route(ec2_event("state-change-running", primary))
     route(agent_event(events.JobStarted("llm-1", primary, 0, now_iso(), pid=4242)))
     # And no spot capacity anywhere, so the workflow goes through every candidate it planned
-    launches = refuse_launches(monkeypatch, lambda _t, _s, market: NO_CAPACITY if market == "spot" else None)
+    launches = plane.refuse_launches(lambda _t, _s, market: NO_CAPACITY if market == "spot" else None)
 
     # When the warning comes
     route(ec2_event("spot-interruption-warning", primary))

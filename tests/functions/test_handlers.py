@@ -12,7 +12,7 @@ import pytest
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import checkpoints
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 from spotcr_functions.observability import Metric
@@ -125,7 +125,7 @@ def test_an_ebs_jobs_volume_is_tagged_with_the_stack_that_created_it(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The stack's roles attach, move and delete only volumes carrying its spotcr:stack (infra/grants.py)
-    stack_name = os.environ[OPTIONAL_TEXT_ENV["stack_name"]]  # the synthesized stack's, as it deploys its functions
+    stack_name = os.environ[ENV["stack_name"]]  # the synthesized stack's, as it deploys its functions
     assert stack_name
     plane.start_job("ebs-2", **{tag_names.STORAGE: "ebs"})
     [volume] = plane.ec2.describe_volumes(VolumeIds=[str(plane.job("ebs-2").volume_id)])["Volumes"]
@@ -369,13 +369,3 @@ def test_agent_vectors_parse_and_reach_the_handler(plane: ControlPlane, path: Pa
     [(function, result)] = route(event)
     assert function == "agent-events"
     assert result == {"action": "ignored", "reason": "unknown job"}
-
-
-def test_function_settings_name_the_bad_value() -> None:
-    from spotcr_functions.config import ENV, OPTIONAL_TEXT_ENV, Settings
-
-    base = {name: "x" for name in ENV.values()}
-    settings = Settings.from_env({**base, OPTIONAL_TEXT_ENV["subnet_ids"]: "subnet-a, subnet-b,"})
-    assert settings.subnet_ids == ("subnet-a", "subnet-b") and settings.keep_finished_volumes is False
-    with pytest.raises(RuntimeError, match=OPTIONAL_TEXT_ENV["keep_finished_volumes"]):
-        Settings.from_env({**base, OPTIONAL_TEXT_ENV["keep_finished_volumes"]: "yes"})

@@ -10,7 +10,7 @@ import pytest
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import jobs
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 
@@ -119,7 +119,7 @@ def test_a_job_that_started_after_the_scheduler_read_it_is_left_running(plane: C
 
 
 def test_a_pending_timeout_of_zero_never_times_a_job_out(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["pending_timeout_minutes"], "0")
+    monkeypatch.setenv(ENV["pending_timeout_minutes"], "0")
     _register(plane, "boot-5")
     assert plane.job("boot-5").next_checkpoint_at is None
     assert invoke_function("scheduler", SCHEDULED)["timed_out"] == []

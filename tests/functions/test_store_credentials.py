@@ -16,44 +16,12 @@ import boto3
 import pytest
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import store_access
-from spotcr_functions.cloud import Cloud
-from spotcr_functions.config import OPTIONAL_TEXT_ENV
 from spotcr_functions.models import Status
 
+from tests.functions.support import BUCKET, JOB_ROLE, SAMPLE, STORE_ROLE_ARN, answer, instance_session, request
 from tests.workflow.harness import ACCOUNT, EVENTS, REGION, ControlPlane, ec2_event, invoke_function, route
 
-SAMPLE = json.loads((EVENTS / "function-url" / "request-aws-iam.json").read_text())
 API_SAMPLE = json.loads((EVENTS / "api-gateway" / "rest-request-aws-iam.json").read_text())
-JOB_ROLE = "spotcr-JobRole-1A2B3C4D5E6F"
-STORE_ROLE_ARN = f"arn:aws:iam::{ACCOUNT}:role/spotcr-StoreRole-0F1E2D3C4B5A"
-BUCKET = "spotcr-checkpoints"
-
-
-@pytest.fixture
-def vending(plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """The stack's settings for store-credentials; returns the AssumeRole requests the function makes."""
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["store_role_arn"], STORE_ROLE_ARN)
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["job_role_name"], JOB_ROLE)
-    calls: list[dict[str, Any]] = []
-    original = Cloud.assume_store_role
-
-    def recorded(self: Cloud, **kwargs: Any) -> dict[str, Any]:
-        calls.append(kwargs)
-        return original(self, **kwargs)
-
-    monkeypatch.setattr(Cloud, "assume_store_role", recorded)
-    return calls
-
-
-def request(job: str | None, user_arn: str | None) -> dict[str, Any]:
-    event = copy.deepcopy(SAMPLE)
-    event["rawQueryString"] = f"job={job}" if job is not None else ""
-    event["queryStringParameters"] = {"job": job} if job is not None else None
-    if user_arn is None:
-        event["requestContext"]["authorizer"] = None
-    else:
-        event["requestContext"]["authorizer"]["iam"]["userArn"] = user_arn
-    return event
 
 
 def api_request(job: str | None, user_arn: str | None) -> dict[str, Any]:
@@ -63,15 +31,6 @@ def api_request(job: str | None, user_arn: str | None) -> dict[str, Any]:
     event["multiValueQueryStringParameters"] = {"job": [job]} if job is not None else None
     event["requestContext"]["identity"]["userArn"] = user_arn
     return event
-
-
-def instance_session(instance_id: str, role: str = JOB_ROLE) -> str:
-    return f"arn:aws:sts::{ACCOUNT}:assumed-role/{role}/{instance_id}"
-
-
-def answer(event: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    response = invoke_function("store-credentials", event)
-    return response["statusCode"], json.loads(response["body"])
 
 
 def registered_job(plane: ControlPlane, job: str = "render-42") -> str:

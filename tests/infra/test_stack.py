@@ -12,7 +12,6 @@ import pytest
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk.assertions import Match
 from cdk_nag import AwsSolutionsChecks
-from constructs import IConstruct
 from spotcr_contracts import commands, tags
 from spotcr_functions import catalog, config, registry_schema
 from spotcr_functions.cloud import VOLUME_WAIT_SECONDS
@@ -22,22 +21,11 @@ from infra import grants
 from infra.settings import POWERTOOLS_LAYER_NAME, InvalidSetting, Settings
 from infra.workflow import RECOVERY_ASL, asl_variables
 from tests.infra.conftest import REPO_ROOT, Synth
-from tests.infra.test_least_privilege import reachable
+from tests.infra.support import SSM_AGENT_CHANNEL_ACTIONS, as_list, child, logical_id, reachable, statements_by_role
 
 WAITER = "spotcr_functions.cloud.Cloud.wait_volume_available"
 POWERTOOLS_RELEASE = importlib.metadata.version("aws-lambda-powertools")
 
-# What SSM Agent polls for Run Command: these services offer no resource-level permissions.
-SSM_AGENT_CHANNEL_ACTIONS = {
-    "ec2messages:AcknowledgeMessage",
-    "ec2messages:DeleteMessage",
-    "ec2messages:FailMessage",
-    "ec2messages:GetEndpoint",
-    "ec2messages:GetMessages",
-    "ec2messages:SendReply",
-    "ssmmessages:CreateControlChannel",
-    "ssmmessages:OpenControlChannel",
-}
 # Actions allowed on Resource "*": their services offer no resource-level permissions.
 STAR_RESOURCE_ACTIONS = {
     "xray:PutTraceSegments",
@@ -66,35 +54,8 @@ STAR_RESOURCE_ACTIONS = {
 }
 
 
-def _as_list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [value]
-
-
 def _flat(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
-
-
-def statements_by_role(synth: Synth) -> dict[str, list[dict[str, Any]]]:
-    by_role: dict[str, list[dict[str, Any]]] = {}
-    for policy in synth.of_type("AWS::IAM::Policy").values():
-        for role in policy["Properties"]["Roles"]:
-            by_role.setdefault(role["Ref"], []).extend(policy["Properties"]["PolicyDocument"]["Statement"])
-    for logical_id, role in synth.of_type("AWS::IAM::Role").items():
-        for inline in role["Properties"].get("Policies", []):
-            by_role.setdefault(logical_id, []).extend(inline["PolicyDocument"]["Statement"])
-    return by_role
-
-
-def logical_id(synth: Synth, construct: IConstruct) -> str:
-    element = construct if isinstance(construct, cdk.CfnElement) else construct.node.default_child
-    return synth.stack.get_logical_id(cast(cdk.CfnElement, element))
-
-
-def child(synth: Synth, *path: str) -> IConstruct:
-    construct: IConstruct = synth.stack
-    for name in path:
-        construct = construct.node.find_child(name)
-    return construct
 
 
 def function_role(synth: Synth, name: str) -> str:
@@ -104,7 +65,7 @@ def function_role(synth: Synth, name: str) -> str:
 
 
 def statements_with(statements: list[dict[str, Any]], action: str) -> list[dict[str, Any]]:
-    return [s for s in statements if action in _as_list(s["Action"])]
+    return [s for s in statements if action in as_list(s["Action"])]
 
 
 def test_nag_reports_no_unacknowledged_finding(default_synth: Synth, custom_synth: Synth) -> None:
@@ -150,7 +111,8 @@ def test_every_catalog_function_is_deployed_as_specified(default_synth: Synth) -
         assert layer_parameter["Type"] == "AWS::SSM::Parameter::Value<String>"
         assert layer_parameter["Default"] == f"/aws/service/powertools/python/arm64/python3.12/{POWERTOOLS_RELEASE}"
         variables = props["Environment"]["Variables"]
-        assert set(config.ENV.values()) <= set(variables)
+        # Every setting of the model, and nothing the model does not name (Powertools' own aside).
+        assert set(variables) == set(config.ENV.values()) | {"POWERTOOLS_SERVICE_NAME", "POWERTOOLS_METRICS_NAMESPACE"}
         assert variables["POWERTOOLS_SERVICE_NAME"] == "spotcr"
         assert variables["POWERTOOLS_METRICS_NAMESPACE"] == "spotcr"
 
@@ -207,15 +169,15 @@ def test_no_policy_grants_a_wildcard_action(default_synth: Synth, custom_synth: 
     for synth in (default_synth, custom_synth):
         for role, statements in statements_by_role(synth).items():
             for statement in statements:
-                for action in _as_list(statement["Action"]):
+                for action in as_list(statement["Action"]):
                     assert "*" not in action, f"{role}: {action}"
 
 
 def test_star_resources_only_for_actions_without_resource_permissions(default_synth: Synth) -> None:
     for role, statements in statements_by_role(default_synth).items():
         for statement in statements:
-            if "*" in _as_list(statement["Resource"]):
-                extra = set(_as_list(statement["Action"])) - STAR_RESOURCE_ACTIONS
+            if "*" in as_list(statement["Resource"]):
+                extra = set(as_list(statement["Action"])) - STAR_RESOURCE_ACTIONS
                 assert not extra, f"{role} gets {extra} on every resource"
 
 
@@ -230,7 +192,7 @@ def test_send_command_only_spotcr_documents_and_job_instances(default_synth: Syn
     for spec in senders:
         statements = statements_with(by_role[function_role(default_synth, spec.name)], "ssm:SendCommand")
         for statement in statements:
-            resources = _as_list(statement["Resource"])
+            resources = as_list(statement["Resource"])
             if any(":instance/*" in _flat(r) for r in resources):
                 assert statement["Condition"] == {"StringLike": {f"ssm:resourceTag/{tags.JOB}": "?*"}}
             else:
@@ -311,7 +273,7 @@ def test_workflow_role_invokes_only_workflow_steps(default_synth: Synth) -> None
     machine = next(iter(default_synth.of_type("AWS::StepFunctions::StateMachine").values()))
     role = machine["Properties"]["RoleArn"]["Fn::GetAtt"][0]
     invoke = statements_with(statements_by_role(default_synth)[role], "lambda:InvokeFunction")
-    invoked = {r["Fn::GetAtt"][0] for s in invoke for r in _as_list(s["Resource"])}
+    invoked = {r["Fn::GetAtt"][0] for s in invoke for r in as_list(s["Resource"])}
     steps = [f for f in catalog.FUNCTIONS if f.workflow_step]
     assert len(invoked) == len(steps)
     assert all(name.startswith("Functions") for name in invoked)
@@ -567,9 +529,9 @@ def test_functions_get_the_stacks_subnets(default_synth: Synth) -> None:
     subnets = {logical_id(default_synth, s) for s in default_synth.stack.node.find_all() if _is_subnet(s)}
     assert len(subnets) == 2
     for props in (f["Properties"] for f in catalog_functions(default_synth).values()):
-        value = _flat(props["Environment"]["Variables"][config.OPTIONAL_TEXT_ENV["subnet_ids"]])
+        value = _flat(props["Environment"]["Variables"][config.ENV["subnet_ids"]])
         assert {ref for ref in subnets if ref in value} == subnets
-        assert props["Environment"]["Variables"][config.OPTIONAL_TEXT_ENV["keep_finished_volumes"]] == "false"
+        assert props["Environment"]["Variables"][config.ENV["keep_finished_volumes"]] == "false"
 
 
 def _is_subnet(construct: Any) -> bool:
@@ -594,7 +556,7 @@ EBS_KEY_ACTIONS = {
 
 
 def _ebs_key_statements(statements: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    [use] = [s for s in statements if set(_as_list(s["Action"])) == EBS_KEY_ACTIONS]
+    [use] = [s for s in statements if set(as_list(s["Action"])) == EBS_KEY_ACTIONS]
     [grant] = statements_with(statements, "kms:CreateGrant")
     return use, grant
 

@@ -2,15 +2,14 @@
 
 The job VMs' role holds nothing under jobs/; the store role allows only jobs/${aws:PrincipalTag/SpotcrJob}/,
 only the store-credentials function may assume it, and only through its function URL may a job VM call that.
-A small evaluator (Allow statements, `*`/`?` wildcards, policy variables, StringLike/StringEquals/Bool; a missing
-key or variable matches nothing, as IAM evaluates them) checks what a vended session may touch: the role's
-policy and the session policy store_access.session_policy, each alone and together.
+tests/infra/support.py's `allows` (Allow statements, `*`/`?` wildcards, policy variables,
+StringLike/StringEquals/Bool; a missing key or variable matches nothing, as IAM evaluates them) checks what a
+vended session may touch: the role's policy and the session policy store_access.session_policy, each alone and
+together.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,13 +17,13 @@ import pytest
 from spotcr_functions import store_access
 
 from tests.infra.conftest import Synth
+from tests.infra.support import allows, as_list
 
 pytestmark = pytest.mark.claim("A run's store session reaches nothing of an earlier run's result")
 
 BUCKET = "spotcr-checkpoints"
 BUCKET_ARN = f"arn:aws:s3:::{BUCKET}"
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
-VARIABLE = re.compile(r"\$\{([^}]+)\}")
 REGION, ACCOUNT = "eu-west-1", "111122223333"
 FILE_SYSTEM_ID = "fs-0123456789abcdef0"
 FILE_SYSTEM_ARN = f"arn:aws:elasticfilesystem:{REGION}:{ACCOUNT}:file-system/{FILE_SYSTEM_ID}"
@@ -51,47 +50,6 @@ def _join(value: Any, resources: Mapping[str, Any]) -> Any:
             value["Ref"], f"<{value['Ref']}>"
         )
     return {k: _join(v, resources) for k, v in value.items()}
-
-
-def _listed(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [value]
-
-
-def _like(pattern: str, value: str, context: Mapping[str, str]) -> bool:
-    missing = [name for name in VARIABLE.findall(pattern) if name not in context]
-    if missing:
-        return False
-    resolved = VARIABLE.sub(lambda m: context[m.group(1)].replace("*", "[*]").replace("?", "[?]"), pattern)
-    return fnmatch.fnmatchcase(value, resolved)
-
-
-def _conditions_hold(conditions: Mapping[str, Mapping[str, Any]], context: Mapping[str, str]) -> bool:
-    for operator, tests in conditions.items():
-        for key, expected in tests.items():
-            if key not in context:
-                return False
-            value = context[key]
-            if operator == "StringLike" and not any(_like(str(p), value, context) for p in _listed(expected)):
-                return False
-            if operator == "StringEquals" and value not in [str(e) for e in _listed(expected)]:
-                return False
-            if operator == "Bool" and value.lower() not in [str(e).lower() for e in _listed(expected)]:
-                return False
-            if operator not in ("StringLike", "StringEquals", "Bool"):
-                raise AssertionError(f"the evaluator does not know {operator}")
-    return True
-
-
-def allows(statements: Iterable[Mapping[str, Any]], action: str, resource: str, context: Mapping[str, str]) -> bool:
-    for statement in statements:
-        assert statement["Effect"] == "Allow", "these policies have no Deny"
-        if not any(fnmatch.fnmatchcase(action, a) for a in _listed(statement["Action"])):
-            continue
-        if not any(_like(r, resource, context) for r in _listed(statement["Resource"])):
-            continue
-        if _conditions_hold(statement.get("Condition", {}), context):
-            return True
-    return False
 
 
 def _policies_of(synth: Synth, role_prefix: str) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
@@ -190,14 +148,14 @@ def test_listing_is_limited_to_the_jobs_prefix(store_role: list[dict[str, Any]])
 
 
 def test_the_store_role_grants_nothing_else(store_role: list[dict[str, Any]]) -> None:
-    actions = {action for statement in store_role for action in _listed(statement["Action"])}
+    actions = {action for statement in store_role for action in as_list(statement["Action"])}
     assert actions == {*OBJECT_ACTIONS, "s3:ListBucket"}
 
 
 def test_only_the_store_credentials_function_may_assume_the_store_role(default_synth: Synth) -> None:
     _, properties, _ = _policies_of(default_synth, "StoreAccessStoreRole")
     [trust] = properties["AssumeRolePolicyDocument"]["Statement"]
-    assert sorted(_listed(trust["Action"])) == ["sts:AssumeRole", "sts:TagSession"]
+    assert sorted(as_list(trust["Action"])) == ["sts:AssumeRole", "sts:TagSession"]
     principal, attribute = trust["Principal"]["AWS"]["Fn::GetAtt"]
     assert (attribute, default_synth.resources[principal]["Type"]) == ("Arn", "AWS::IAM::Role")
     assert principal.startswith("FunctionsstorecredentialsRole")
@@ -239,7 +197,7 @@ def denied_by(statements: Iterable[Mapping[str, Any]], action: str, context: Map
     """Whether a Deny of the file system policy applies (Bool and Null, the operators it uses)."""
     for statement in statements:
         assert statement["Effect"] == "Deny" and statement["Principal"] == {"AWS": "*"}, statement
-        if action not in _listed(statement["Action"]):
+        if action not in as_list(statement["Action"]):
             continue
         holds = True
         for operator, tests in statement["Condition"].items():
@@ -301,7 +259,7 @@ def test_the_file_system_refuses_plain_nfs_and_connections_without_tls(efs_polic
 
 
 def test_without_efs_the_store_role_holds_no_efs_grant(store_role: list[dict[str, Any]], default_synth: Synth) -> None:
-    actions = {action for statement in store_role for action in _listed(statement["Action"])}
+    actions = {action for statement in store_role for action in as_list(statement["Action"])}
     assert not {a for a in actions if a.startswith("elasticfilesystem:")}
     assert default_synth.of_type("AWS::EFS::FileSystem") == {}
 
@@ -311,8 +269,8 @@ def test_only_registering_and_ending_functions_manage_access_points(custom_synth
     for role_id in custom_synth.of_type("AWS::IAM::Role"):
         statements = _policies_of(custom_synth, role_id)[2] if role_id.startswith("Functions") else []
         for statement in statements:
-            if any(str(a).startswith("elasticfilesystem:") for a in _listed(statement["Action"])):
-                holders.add((role_id.split("Role")[0].removeprefix("Functions"), tuple(_listed(statement["Action"]))))
+            if any(str(a).startswith("elasticfilesystem:") for a in as_list(statement["Action"])):
+                holders.add((role_id.split("Role")[0].removeprefix("Functions"), tuple(as_list(statement["Action"]))))
     creators = {name for name, actions in holders if "elasticfilesystem:CreateAccessPoint" in actions}
     deleters = {name for name, actions in holders if "elasticfilesystem:DeleteAccessPoint" in actions}
     assert creators == {"statechange", "tagchange", "agentevents"}

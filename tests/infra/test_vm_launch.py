@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.infra.conftest import Synth
-from tests.infra.test_stack import SSM_AGENT_CHANNEL_ACTIONS, child, logical_id, statements_by_role
+from tests.infra.support import SSM_AGENT_CHANNEL_ACTIONS, child, logical_id, statements_by_role
 
 SSM_AGENT_ACTIONS = {"ssm:UpdateInstanceInformation", *SSM_AGENT_CHANNEL_ACTIONS}
 

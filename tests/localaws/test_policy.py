@@ -360,3 +360,44 @@ def test_a_malformed_policy_document_is_an_error() -> None:
         evaluate(Principal(ROLE, ({"Version": "2020-01-01", "Statement": [allow()]},)), Request("s3:GetObject", "*"))
     with pytest.raises(PolicyError, match="Statement"):
         evaluate(Principal(ROLE, ({"Version": "2012-10-17", "Statement": []},)), Request("s3:GetObject", "*"))
+
+
+SESSION = "arn:aws:sts::111122223333:assumed-role/spotcr-tag-change/i-0123456789abcdef0"
+
+
+def on_bucket(*statements: dict[str, Any]) -> Request:
+    return Request("s3:GetObject", f"{BUCKET}/jobs/a", {}, policy(*statements))
+
+
+def test_same_account_a_resource_policy_naming_the_callers_role_allows_without_an_identity_grant() -> None:
+    # Given a session whose identity policies allow nothing, and a bucket policy naming its role
+    session = Principal(SESSION, (policy(deny("sqs:*")),))
+    named = on_bucket(allow("s3:GetObject", f"{BUCKET}/*", Principal={"AWS": ROLE}))
+    # Then either policy allows in one account; a statement naming another principal allows nothing
+    assert evaluate(session, named).allowed
+    other = on_bucket(allow("s3:GetObject", f"{BUCKET}/*", Principal={"AWS": "arn:aws:iam::111122223333:role/x"}))
+    assert not evaluate(session, other).allowed
+
+
+def test_a_resource_policy_naming_the_account_root_only_delegates_to_identity_policies() -> None:
+    root = on_bucket(allow("s3:*", "*", Principal={"AWS": "arn:aws:iam::111122223333:root"}))
+    assert not evaluate(Principal(SESSION, (policy(deny("sqs:*")),)), root).allowed
+    assert evaluate(Principal(SESSION, (policy(allow("s3:GetObject")),)), root).allowed
+
+
+def test_an_explicit_deny_in_the_resource_policy_denies_what_the_identity_policy_allows() -> None:
+    denied = on_bucket(deny("s3:*", "*", Principal="*", Condition={"Bool": {"aws:SecureTransport": "false"}}))
+    caller = Principal(SESSION, (policy(allow("s3:GetObject")),))
+    assert not evaluate(
+        caller, Request(denied.action, denied.resource, {"aws:SecureTransport": False}, denied.resource_policy)
+    ).allowed
+    assert evaluate(
+        caller, Request(denied.action, denied.resource, {"aws:SecureTransport": True}, denied.resource_policy)
+    ).allowed
+
+
+def test_a_resource_policy_statement_without_a_principal_is_an_error() -> None:
+    with pytest.raises(PolicyError, match="names its Principal"):
+        evaluate(Principal(SESSION, ()), on_bucket(allow("s3:GetObject")))
+    with pytest.raises(PolicyError, match="NotPrincipal"):
+        evaluate(Principal(SESSION, ()), on_bucket(allow("s3:GetObject", NotPrincipal={"AWS": ROLE})))

@@ -2,7 +2,7 @@
 
 An AST scan of cli/spotcr_cli finds each boto3 call: on clients bound to a name (`ec2 = cloud.client("ec2")`,
 `boto3.client("s3")`, a parameter named after its service), called directly (`cloud.client("ec2").x(...)`), through
-paginators, and through the control plane's Registry (whose DynamoDB calls tests/infra/test_least_privilege finds).
+paginators, and through the control plane's Registry (whose DynamoDB calls tests/infra/support.py finds).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from spotcr_cli import actions
 from infra.user_policy import cli_user_policy, main
 from rehearsal.iam.policy import ContextValue, Principal, Request, evaluate
 from tests.infra.conftest import REPO_ROOT
-from tests.infra.test_least_privilege import IMPLIED, used_by
+from tests.infra.support import IMPLIED, used_by
 
 CLI = REPO_ROOT / "cli" / "spotcr_cli"
 # boto3 client name -> IAM prefix
@@ -127,7 +127,7 @@ def test_the_scan_finds_calls_made_every_way_the_command_makes_them() -> None:
     assert "ec2:RunInstances" in calls  # ec2 = cloud.client("ec2"); ec2.run_instances
     assert "ec2:TerminateInstances" in calls  # cloud.client("ec2").terminate_instances
     assert "dynamodb:Scan" in calls  # a paginator
-    assert "dynamodb:UpdateItem" in calls  # through Registry.update
+    assert "dynamodb:UpdateItem" in calls  # through the registry's transitions
     assert "ssm:SendCommand" in calls  # a parameter named ssm (spotcr probe --instance)
     assert "pricing:GetProducts" in calls  # boto3.client("pricing", ...)
     assert "iam:PassRole" in calls  # implied by RunInstances
@@ -196,9 +196,27 @@ def test_the_policy_never_lets_a_user_write_the_run_id_spotcr_mints() -> None:
     assert not evaluate(_user(), Request("ec2:CreateTags", INSTANCE, forged)).allowed
 
 
-def test_the_policy_stops_only_instances_that_carry_a_job() -> None:
-    assert evaluate(_user(), Request("ec2:TerminateInstances", INSTANCE, {"aws:ResourceTag/spotcr:job": "j"})).allowed
-    assert not evaluate(_user(), Request("ec2:TerminateInstances", INSTANCE, {})).allowed
+def test_the_policy_stops_and_commands_only_job_instances_launched_from_the_stacks_template() -> None:
+    # Given a job instance from the stack's template, and one a user tagged spotcr:job but launched otherwise
+    template = OUTPUTS["LaunchTemplateId"]
+    ours = {"aws:ResourceTag/spotcr:job": "j", "aws:ResourceTag/aws:ec2launchtemplate:id": template}
+    foreign = {"aws:ResourceTag/spotcr:job": "j", "aws:ResourceTag/aws:ec2launchtemplate:id": "lt-0ffffffffffffffff"}
+    # Then the user may terminate and command only the stack's (spotcr:job alone is user-writable)
+    for action, prefix in (("ec2:TerminateInstances", "aws:ResourceTag"), ("ssm:SendCommand", "ssm:resourceTag")):
+        context = {key.replace("aws:ResourceTag", prefix, 1): value for key, value in ours.items()}
+        assert evaluate(_user(), Request(action, INSTANCE, context)).allowed, action
+        for without in (foreign, {"aws:ResourceTag/spotcr:job": "j"}, {}):
+            context = {key.replace("aws:ResourceTag", prefix, 1): value for key, value in without.items()}
+            assert not evaluate(_user(), Request(action, INSTANCE, context)).allowed, (action, without)
+
+
+def test_the_policy_names_resources_in_the_regions_partition() -> None:
+    # Given a stack in a China region (its state machine's ARN, an output, is in that partition already)
+    machine = f"arn:aws-cn:states:cn-north-1:{ACCOUNT}:stateMachine:spotcr-recovery"
+    policy = cli_user_policy("spotcr", "cn-north-1", ACCOUNT, {**OUTPUTS, "RecoveryStateMachineArn": machine})
+    # Then every resource it names is an arn:aws-cn: ARN
+    resources = [r for s in policy["Statement"] for r in s["Resource"] if r != "*"]
+    assert resources and all(r.startswith("arn:aws-cn:") for r in resources), resources
 
 
 def test_the_command_prints_the_policy_of_a_deployed_stack() -> None:

@@ -5,13 +5,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from rehearsal.vm import IMDS_ADDRESS, NETWORK_RANGE, VmNetwork, bare_vm
+from tests.support import wait_for
 
 pytestmark = pytest.mark.criu  # needs root for namespaces, as the CRIU tests do
 
@@ -191,10 +191,7 @@ def test_a_vm_and_its_network_do_not_outlive_a_killed_test_process(tmp_path):
     owner.kill()
     owner.wait()
     # Then the VM ends with it, and the next network made on this machine removes its bridge
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{init_pid}").exists():
-        assert time.monotonic() < deadline, "the VM outlived the process that booted it"
-        time.sleep(0.05)
+    wait_for(lambda: not Path(f"/proc/{init_pid}").exists(), "the VM to end with the process that booted it", 10)
     with VmNetwork.create():
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert f" {bridge}:" not in links

@@ -2,8 +2,6 @@
 
 import pytest
 
-from rehearsal.scenario import Options, Rehearsal
-
 pytestmark = [
     pytest.mark.claim("The result equals an uninterrupted run's"),
     pytest.mark.claim("Nothing left allocated"),
@@ -14,23 +12,10 @@ pytestmark = [
 @pytest.mark.criu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("storage", ["s3", "ebs"])
-def test_a_job_interrupted_twice_ends_with_the_uninterrupted_result(storage, tmp_path):
+def test_a_job_interrupted_twice_ends_with_the_uninterrupted_result(storage, rehearse):
     # Given a 32 MiB job that runs about a minute, with periodic dumps every 10 s
-    options = Options(
-        storage=storage,
-        size_mb=32,
-        steps=4000,
-        pace_s=0.015,
-        interruptions=2,
-        notice_s=8.0,
-        interval_s=10,
-        schedule_every_s=2.0,
-        timeout_s=90.0,
-        runs_dir=tmp_path,
-    )
-    lines: list[str] = []
+    rehearsal, lines = rehearse(storage=storage, size_mb=32, steps=4000, interruptions=2)
     # When its primary is interrupted, and then its backup
-    rehearsal = Rehearsal(options, echo=lines.append)
     outcome = rehearsal.run()  # fails if anything but the checkpoints is left (the leak check)
     # Then it was restored twice and finished with the same result as a run that was never interrupted
     assert len(outcome.recoveries_s) == 2, "\n".join(lines)

@@ -3,9 +3,10 @@
 import json
 import shutil
 import sys
-import time
 
 import pytest
+
+from tests.support import wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -56,14 +57,6 @@ def python(vm, script, *args):
     result = vm.run([sys.executable, "-c", script, *args], timeout_s=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return value
 
 
 def lines(path):

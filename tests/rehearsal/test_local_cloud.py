@@ -5,7 +5,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import boto3
@@ -17,41 +16,9 @@ from rehearsal import ssm_agent
 from rehearsal.cloud import PREFIX, REGION, LocalCloud
 from rehearsal.timeline import Timeline
 from rehearsal.vm import REPO
+from tests.support import wait_for
 
-FAKE_AGENT = Path(__file__).with_name("fake_agent.py")
 EVENTS = Path(__file__).parents[1] / "events" / "ssm"
-
-
-def wait_for(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
-@pytest.fixture
-def events():
-    return []
-
-
-@pytest.fixture
-def cloud(tmp_path, events):
-    local = LocalCloud(
-        run_dir=tmp_path,
-        timeline=Timeline(echo=None),
-        schedule_every_s=0.5,
-        on_event=events.append,
-        # The VM's boot starts the SSM agent stand-in, as bootstrap.sh starts amazon-ssm-agent.
-        boot_commands=[[sys.executable, "-m", ssm_agent.__name__], ["sleep", "infinity"]],
-        agent_command=[sys.executable, str(FAKE_AGENT)],
-        with_workflow=False,
-    )
-    local.start()
-    yield local
-    local.stop()
 
 
 def launch(cloud, tags):
@@ -202,8 +169,8 @@ def test_each_job_vm_signs_as_its_own_instance_profile_session(cloud):
     sessions = {i: f"arn:aws:sts::{cloud.enforcer.state.account}:assumed-role/{role}/{i}" for i in (first, second)}
 
     # Then each registered as the job role's session named by its own instance id, with a key of its own
-    for instance_id in (first, second):
-        wait_for(lambda i=instance_id: (sessions[i], "ssm:UpdateInstanceInformation") in cloud.enforcer.evaluated)
+    registered = [(session, "ssm:UpdateInstanceInformation") for session in sessions.values()]
+    wait_for(lambda: all(call in cloud.enforcer.evaluated for call in registered), "each VM's registration")
     assert first_vm.env["AWS_ACCESS_KEY_ID"] != second_vm.env["AWS_ACCESS_KEY_ID"]
 
     # And a call it is not granted is refused naming its session, with the instance AWS puts in its context
@@ -336,3 +303,14 @@ def test_an_upgrade_is_a_new_launch_template_version_naming_a_new_asset_and_the_
         assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 403
     finally:
         local.stop()
+
+
+def test_an_upgrade_names_its_launch_template_version_in_the_stack_outputs_and_the_clouds_copy(cloud):
+    # When the stack is upgraded (a new launch template version)
+    version = cloud.upgrade_stack("deployment 2")
+
+    # Then the stack's outputs, as `spotcr` reads them, name that version, and the cloud's own copy is not stale
+    stack = cloud.client("cloudformation").describe_stacks(StackName=PREFIX)["Stacks"][0]
+    outputs = {output["OutputKey"]: output["OutputValue"] for output in stack["Outputs"]}
+    assert outputs["LaunchTemplateVersion"] == version == "2"
+    assert cloud.stack_outputs == outputs

@@ -8,7 +8,6 @@ README's "What survives a checkpoint" says.
 import pytest
 
 from rehearsal.__main__ import parse
-from rehearsal.scenario import Options, Rehearsal
 
 LINES = 600
 # One line a step into a file on the shared storage, opened for appending; at the end the file is the result.
@@ -27,25 +26,22 @@ def test_the_option_loses_the_notice():
 @pytest.mark.criu
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("storage", ["efs", "fsx"])
-def test_a_job_appending_to_shared_storage_repeats_lines_after_a_missed_warning(storage, tmp_path):
+def test_a_job_appending_to_shared_storage_repeats_lines_after_a_missed_warning(storage, rehearse):
     # Given a job that appends a line a step to a file on shared storage, and an interruption whose notice is lost
-    options = Options(
+    rehearsal, lines = rehearse(
         storage=storage,
         command=APPEND_TO_SHARED,
         result_file="out.txt",
         missed_warning=True,
-        notice_s=8.0,
-        schedule_every_s=2.0,
         timeout_s=120.0,
-        runs_dir=tmp_path,
         timeline_png=False,
     )
 
     # When it is rehearsed
-    outcome = Rehearsal(options, echo=print).run()
+    outcome = rehearsal.run()
 
     # Then the backup restored the newest periodic checkpoint (no final dump was taken)
-    assert outcome.final_dumps == []
+    assert outcome.final_dumps == [], "\n".join(lines)
     assert outcome.restored_from == outcome.newest_periodic
     assert all(outcome.restored_from)
     # And the lines written after that checkpoint are in the file twice: the result differs from the uninterrupted run

@@ -6,7 +6,6 @@ import pytest
 from spotcr_contracts import tags
 
 from rehearsal.__main__ import parse
-from rehearsal.scenario import Options, Rehearsal
 
 
 def test_the_option_sets_when_the_stack_is_upgraded():
@@ -23,22 +22,9 @@ def test_an_upgrade_before_the_submission_is_refused(capsys):
 @pytest.mark.e2e
 @pytest.mark.criu
 @pytest.mark.timeout(300)
-def test_a_backup_launched_after_an_upgrade_boots_the_new_version_and_the_result_stays_the_same(tmp_path):
+def test_a_backup_launched_after_an_upgrade_boots_the_new_version_and_the_result_stays_the_same(rehearse):
     # Given a job, and the stack upgraded (new agent asset, new launch template version) while it runs
-    options = Options(
-        size_mb=32,
-        steps=2500,
-        pace_s=0.015,
-        notice_s=8.0,
-        interval_s=10,
-        schedule_every_s=2.0,
-        timeout_s=90.0,
-        runs_dir=tmp_path,
-        timeline_png=False,
-        upgrade_at_s=6.0,
-    )
-    lines: list[str] = []
-    rehearsal = Rehearsal(options, echo=lines.append)
+    rehearsal, lines = rehearse(size_mb=32, steps=2500, timeline_png=False, upgrade_at_s=6.0)
 
     # When its primary is interrupted after the upgrade
     outcome = rehearsal.run()

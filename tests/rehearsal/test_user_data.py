@@ -7,15 +7,16 @@ asset, install-artifact.sh --system, `spotcr-agent bootstrap` with its SSM readi
 
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from spotcr_contracts.settings import VmSettings
 
 from infra.vm_launch import BOOTSTRAP_SCRIPT, render_user_data
 from rehearsal import asset, ssm_agent
 from rehearsal.cloud import REGION, LocalCloud
 from rehearsal.timeline import Timeline
+from tests.support import wait_for
 
 SHIMS = {
     # Records what would change the system outside the VM's private paths, and answers as a fresh VM would.
@@ -27,18 +28,6 @@ SHIMS = {
 }
 
 
-PLACEHOLDERS = [
-    "__SPOTCR_AGENT_ASSET_URL__",
-    "__SPOTCR_BUCKET__",
-    "__SPOTCR_EVENT_BUS__",
-    "__SPOTCR_EFS_ID__",
-    "__SPOTCR_EFS_ISOLATION__",
-    "__SPOTCR_FSX_DNS__",
-    "__SPOTCR_FSX_MOUNT_NAME__",
-    "__SPOTCR_STORE_CREDENTIALS_URL__",
-]
-
-
 def _launch_registered(cloud):
     """A VM launched with a job's tags, once its SSM agent stand-in has registered."""
     tags = {"spotcr:job": "user-data", "spotcr:command": "sleep 1000"}
@@ -47,10 +36,7 @@ def _launch_registered(cloud):
         ImageId=cloud.image_id, MinCount=1, MaxCount=1, TagSpecifications=spec
     )
     instance_id = reservation["Instances"][0]["InstanceId"]
-    deadline = time.monotonic() + 30
-    while not cloud.managed_instances.online(instance_id):
-        assert time.monotonic() < deadline, "the VM's SSM agent stand-in never registered"
-        time.sleep(0.1)
+    wait_for(lambda: cloud.managed_instances.online(instance_id), "the VM's SSM agent stand-in to register")
     return cloud.vms[instance_id]
 
 
@@ -82,16 +68,12 @@ def test_the_user_data_installs_the_ssm_agent_and_the_prebuilt_agent_then_starts
     user_data.write_text(
         render_user_data(
             BOOTSTRAP_SCRIPT.read_text(),
-            {
-                "__SPOTCR_AGENT_ASSET_URL__": url,
-                "__SPOTCR_BUCKET__": cloud.names["checkpoint_bucket"],
-                "__SPOTCR_EVENT_BUS__": cloud.names["event_bus_name"],
-                "__SPOTCR_EFS_ID__": "",
-                "__SPOTCR_EFS_ISOLATION__": "",
-                "__SPOTCR_FSX_DNS__": "",
-                "__SPOTCR_FSX_MOUNT_NAME__": "",
-                "__SPOTCR_STORE_CREDENTIALS_URL__": cloud.store_credentials_url,
-            },
+            VmSettings(
+                agent_asset_url=url,
+                bucket=cloud.names["checkpoint_bucket"],
+                event_bus=cloud.names["event_bus_name"],
+                store_credentials_url=cloud.store_credentials_url,
+            ).placeholders(),
         )
     )
     shims = private / "shims"
@@ -144,8 +126,7 @@ def test_a_failing_step_is_named_and_fails_the_user_data(cloud):
     vm = _launch_registered(cloud)
     private = vm.dir("state") / "user-data-test"
     private.mkdir(parents=True)
-    values = {name: "" for name in PLACEHOLDERS}
-    values["__SPOTCR_AGENT_ASSET_URL__"] = "s3://no-such-bucket/agent.zip"
+    values = VmSettings(agent_asset_url="s3://no-such-bucket/agent.zip").placeholders()
     (private / "user-data.sh").write_text(render_user_data(BOOTSTRAP_SCRIPT.read_text(), values))
     (private / "shims").mkdir()
     for name, body in SHIMS.items():

@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from spotcr_agent.store import CheckpointMeta, CheckpointStore
+from spotcr_agent.store.store import run_prefix
 
 JOB = "job-store-test"
+RUN = "r-00000000000000a1"  # the run a store is for unless a test names another
 MiB = 1024 * 1024
 
 
@@ -93,3 +95,8 @@ def commit_during_delete(
     assert commit_done.wait(60)
     racing.join()
     assert errors == []
+
+
+def run_keys(store: CheckpointStore) -> str:
+    """Where the store keeps its run's objects (the prefix of every key it writes)."""
+    return run_prefix(store.job_id, store.run_id)

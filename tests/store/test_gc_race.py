@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from spotcr_agent.store import CheckpointStore, CorruptCheckpoint
 
+from tests.store.support import run_keys
+
 from .support import MiB, checkpoint_id, commit_during_delete, images, meta, random_bytes
 
 pytestmark = pytest.mark.claim("Garbage collection never loses a committed checkpoint")
@@ -46,7 +48,7 @@ def test_a_commit_resends_a_parent_chunk_the_store_lost(store: CheckpointStore, 
     # Given a checkpoint, one of whose chunks was lost from the store (deleted by hand, an old bug, expiry)
     store.commit(images(tmp_path / "img1", 1, 2), meta(1))
     lost = sorted(store.load(checkpoint_id(1)).chunk_hashes())[0]
-    store.backend.delete([f"jobs/{store.job_id}/chunks/{lost[:2]}/{lost}"])
+    store.backend.delete([f"{run_keys(store)}chunks/{lost[:2]}/{lost}"])
 
     # When the next checkpoint, with the same content, is committed with it as parent
     result = store.commit(images(tmp_path / "img2", 1, 2), meta(2, parent=1))
@@ -61,7 +63,7 @@ def test_a_prune_sees_a_commit_in_flight_and_deletes_nothing(store: CheckpointSt
     # Given garbage, and a commit that has announced itself but not yet written its manifest
     store.commit(images(tmp_path / "img1", 1, 2), meta(1))
     store.commit(images(tmp_path / "img2", 1), meta(2, parent=1))
-    store.backend.put(f"jobs/{store.job_id}/commits/{checkpoint_id(3)}", b"")
+    store.backend.put(f"{run_keys(store)}commits/{checkpoint_id(3)}", b"")
 
     # When prune runs
     pruned = store.prune(keep=1, grace_seconds=0)
@@ -84,7 +86,7 @@ def test_a_fresh_full_checkpoint_heals_a_damaged_chunk_every_checkpoint_shares(
 
     # When a chunk all three share is damaged in the store (bit rot, a bad write)
     shared = sorted(store.load(checkpoint_id(1)).chunk_hashes())[0]
-    store.backend.put(f"jobs/{store.job_id}/chunks/{shared[:2]}/{shared}", b"damaged")
+    store.backend.put(f"{run_keys(store)}chunks/{shared[:2]}/{shared}", b"damaged")
     with pytest.raises(CorruptCheckpoint):
         store.fetch(checkpoint_id(1), tmp_path / "broken")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from spotcr_agent.store import CheckpointStore, S3Backend
 
-from .support import JOB, MiB, checkpoint_id, meta, random_bytes
+from .support import JOB, RUN, MiB, checkpoint_id, meta, random_bytes, run_keys
 
 pytestmark = pytest.mark.claim("Never a partial checkpoint")
 
@@ -28,13 +28,13 @@ COMMITTER = textwrap.dedent(
 
     kind, where, images = sys.argv[1:4]
     if kind == "s3":
-        store = CheckpointStore.for_s3(where, "{job}")
+        store = CheckpointStore.for_s3(where, "{job}", run_id="{run}")
     else:
-        store = CheckpointStore.for_directory(Path(where), "{job}")
+        store = CheckpointStore.for_directory(Path(where), "{job}", run_id="{run}")
     meta = CheckpointMeta(job_id="{job}", checkpoint_id="{cid}", generation=1, kind="final")
     store.commit(Path(images), meta, still_writing=lambda: True)
     """
-).format(job=JOB, cid=checkpoint_id(2, kind="final"))
+).format(job=JOB, run=RUN, cid=checkpoint_id(2, kind="final"))
 
 
 def test_killed_commit_is_not_listed_and_previous_checkpoint_restores(store: CheckpointStore, tmp_path: Path) -> None:
@@ -43,7 +43,7 @@ def test_killed_commit_is_not_listed_and_previous_checkpoint_restores(store: Che
     images.mkdir()
     (images / "pages-1.img").write_bytes(random_bytes(2 * MiB, seed=30))
     store.commit(images, meta(1))
-    chunks_before = {o.key for o in store.backend.scan(f"jobs/{JOB}/chunks/")}
+    chunks_before = {o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")}
 
     # When the agent starts a final dump, uploads part of it, and is killed
     final_images = tmp_path / "final-img"
@@ -55,7 +55,7 @@ def test_killed_commit_is_not_listed_and_previous_checkpoint_restores(store: Che
     agent = subprocess.Popen([sys.executable, "-c", COMMITTER, kind, where, str(final_images)], env=env)
     try:
         deadline = time.monotonic() + 30
-        while len({o.key for o in store.backend.scan(f"jobs/{JOB}/chunks/")} - chunks_before) < 2:
+        while len({o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")} - chunks_before) < 2:
             assert agent.poll() is None, "the committing agent exited on its own"
             assert time.monotonic() < deadline, "the committing agent uploaded nothing"
             time.sleep(0.05)
@@ -72,4 +72,4 @@ def test_killed_commit_is_not_listed_and_previous_checkpoint_restores(store: Che
     # the committed ones are not
     pruned = store.prune(keep=1, grace_seconds=0, commit_timeout_s=0)
     assert pruned.deleted_chunks >= 2
-    assert {o.key for o in store.backend.scan(f"jobs/{JOB}/chunks/")} == chunks_before
+    assert {o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")} == chunks_before

@@ -32,7 +32,10 @@ def test_an_ended_runs_checkpoints_are_deleted_and_its_result_and_the_new_run_ke
 
     # Then the earlier run keeps only its result, and the new run is whole
     assert done.deleted_checkpoints == [checkpoint_id(2), checkpoint_id(1)] and done.deleted_chunks > 0
-    left = [o.key.removeprefix(f"jobs/{earlier.job_id}/runs/{EARLIER}/") for o in earlier.backend.scan("jobs/")]
+    left = [
+        o.key.removeprefix(f"jobs/{earlier.job_id}/runs/{EARLIER}/")
+        for o in earlier.backend.scan(f"jobs/{earlier.job_id}/")
+    ]
     assert [k for k in left if not k.startswith("jobs/")] == ["result/manifest.json"]
     assert later.checkpoint_ids() == [checkpoint_id(3)]
     later.fetch(checkpoint_id(3), tmp_path / "restore")

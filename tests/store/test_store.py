@@ -20,6 +20,8 @@ from spotcr_agent.store import (
 )
 from spotcr_contracts import commands, tags
 
+from tests.store.support import run_keys
+
 from .support import JOB, MiB, checkpoint_id, meta, random_bytes, tree_bytes
 
 
@@ -65,7 +67,7 @@ def test_round_trip_is_byte_identical(store: CheckpointStore, tmp_path: Path) ->
     by_path = {f.path: f for f in manifest.files}
     assert all(c.inline is not None for f in ("images/core-1.img", "images/sub/tty.img") for c in by_path[f].chunks)
     assert by_path["images/inventory.img"].chunks == ()
-    chunk_objects = list(store.backend.scan(f"jobs/{store.job_id}/chunks/"))
+    chunk_objects = list(store.backend.scan(f"{run_keys(store)}chunks/"))
     assert len(chunk_objects) == result.chunks_uploaded == len(manifest.chunk_hashes())
 
 
@@ -87,7 +89,7 @@ def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: Check
     # A periodic checkpoint at the store's level, a final dump (racing the notice) at the fast level
     assert (listed[1].compression, newest.compression) == ("zstd-1", "zstd--1")
     assert newest.created_at.endswith("+00:00")
-    raw = json.loads(store.backend.get(f"jobs/{store.job_id}/checkpoints/{newest.checkpoint_id}.json"))
+    raw = json.loads(store.backend.get(f"{run_keys(store)}checkpoints/{newest.checkpoint_id}.json"))
     assert raw["format"] == 1
     assert {"path", "size", "mode", "digest", "chunks"} <= set(raw["files"][0])
 
@@ -165,7 +167,7 @@ def test_damaged_chunk_is_named_by_corrupt_checkpoint(store: CheckpointStore, tm
     write_images(images, random_bytes(4 * MiB, seed=8))
     result = store.commit(images, meta(1))
     victim = sorted(result.manifest.chunk_hashes())[1]
-    key = f"jobs/{store.job_id}/chunks/{victim[:2]}/{victim}"
+    key = f"{run_keys(store)}chunks/{victim[:2]}/{victim}"
 
     # When one stored chunk is damaged
     stored = bytearray(store.backend.get(key))
@@ -203,7 +205,7 @@ def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp
     result = store.commit(images, meta(1))
     doc = json.loads(result.manifest.to_json())
     doc |= {"format": 2, "checkpoint_id": checkpoint_id(2)}
-    store.backend.put_new(f"jobs/{store.job_id}/checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
+    store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
 
     with pytest.raises(UnsupportedManifest, match="format 2"):
         store.fetch(checkpoint_id(2), tmp_path / "restore")
@@ -240,7 +242,7 @@ def test_hostile_or_malformed_manifest_is_corrupt(
     images = tmp_path / "img"
     write_images(images, b"x" * 10)
     doc = json.loads(store.commit(images, meta(1)).manifest.to_json()) | change | {"checkpoint_id": checkpoint_id(2)}
-    store.backend.put_new(f"jobs/{store.job_id}/checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
+    store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
 
     with pytest.raises(CorruptCheckpoint, match=reason):
         store.fetch(checkpoint_id(2), tmp_path / "restore")
@@ -275,7 +277,7 @@ def test_prune_keeps_newest_and_deletes_only_unreferenced_chunks(store: Checkpoi
     # Then exactly the chunks only the oldest used are deleted, and the others still restore
     assert second.deleted_chunks == len(only_first)
     assert [m.checkpoint_id for m in store.checkpoints()] == [checkpoint_id(3), checkpoint_id(2)]
-    stored = {o.key.rsplit("/", 1)[-1] for o in store.backend.scan(f"jobs/{store.job_id}/chunks/")}
+    stored = {o.key.rsplit("/", 1)[-1] for o in store.backend.scan(f"{run_keys(store)}chunks/")}
     assert stored == store.checkpoints()[0].chunk_hashes() | store.checkpoints()[1].chunk_hashes()
     for n in (2, 3):
         store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
@@ -349,7 +351,7 @@ def test_manifest_listing_a_file_twice_is_corrupt(store: CheckpointStore, tmp_pa
     write_images(images, b"x" * 10)
     doc = json.loads(store.commit(images, meta(1)).manifest.to_json()) | {"checkpoint_id": checkpoint_id(2)}
     doc["files"].append(doc["files"][0])
-    store.backend.put_new(f"jobs/{store.job_id}/checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
+    store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
 
     with pytest.raises(CorruptCheckpoint, match="twice"):
         store.fetch(checkpoint_id(2), tmp_path / "restore")
@@ -366,7 +368,7 @@ def test_a_damaged_chunk_of_a_newer_checkpoint_is_not_reused_by_a_commit_from_an
     write_images(images, changed)
     damaged = store.commit(images, meta(2, parent=1))
     for digest in damaged.manifest.chunk_hashes() - first.manifest.chunk_hashes():
-        key = f"jobs/{store.job_id}/chunks/{digest[:2]}/{digest}"
+        key = f"{run_keys(store)}chunks/{digest[:2]}/{digest}"
         store.backend.put(key, b"bit rot" + store.backend.get(key)[7:])
 
     # When the job restored from checkpoint 1 reaches the same memory again and is checkpointed with parent 1

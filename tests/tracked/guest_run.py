@@ -23,11 +23,14 @@ from spotcr_agent.config import AgentConfig
 from spotcr_agent.criu import MEM_DIRTY_TRACK, Criu
 from spotcr_agent.store import CheckpointStore
 
+from tests.support import wait_for
+
 # Outside the VM-local dirs (/tmp, /var/tmp, /dev/shm), which the agent carries whole with every checkpoint: the
 # store, the agent's state and the work dir are on the job's storage or the agent's own on a real VM.
 ROOT = Path("/run/spotcr-tracked")
 JOB = Path(__file__).with_name("jobs") / "dirty.py"
 HOT_PERCENT = 5
+STEP_TIMEOUT_S = 240
 
 
 class Events:
@@ -37,14 +40,6 @@ class Events:
     def publish(self, event: Any) -> bool:
         self.events.append({"type": event.DETAIL_TYPE, **event.detail()})
         return True
-
-
-def wait_for(predicate: Any, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def agent_for(name: str, generation: int, mode: str, command: tuple[str, ...], events: Events) -> Agent:
@@ -106,20 +101,20 @@ def main(megabytes: int, steps: int) -> dict[str, Any]:
     (ROOT / "work").mkdir(parents=True, exist_ok=True)
     allow(2)
     primary.start_job()
-    wait_for(progressed(2), "the job's first steps")
+    wait_for(progressed(2), "the job's first steps", timeout=STEP_TIMEOUT_S)
     checkpoints = []
     # A full dump, as on a kernel without tracking: the figures to compare with.
     primary.criu._features[MEM_DIRTY_TRACK] = False
     checkpoints.append(("full periodic", primary.checkpoint("periodic", 1)))
     del primary.criu._features[MEM_DIRTY_TRACK]
     allow(4)
-    wait_for(progressed(4), "steps 3-4")
+    wait_for(progressed(4), "steps 3-4", timeout=STEP_TIMEOUT_S)
     checkpoints.append(("tracked periodic, fresh chain", primary.checkpoint("periodic", 1)))
     allow(6)
-    wait_for(progressed(6), "steps 5-6")
+    wait_for(progressed(6), "steps 5-6", timeout=STEP_TIMEOUT_S)
     checkpoints.append(("tracked periodic, on the chain", primary.checkpoint("periodic", 1)))
     allow(8)
-    wait_for(progressed(8), "steps 7-8")
+    wait_for(progressed(8), "steps 7-8", timeout=STEP_TIMEOUT_S)
     checkpoints.append(("incremental final", primary.checkpoint("final", 1)))
     store = primary.store()
     assert isinstance(store, CheckpointStore)

@@ -5,7 +5,6 @@ from collections.abc import Iterator
 import pytest
 from moto import mock_aws
 
-from rehearsal.iam.enforce import enforced
 from tests.workflow.harness import MOTO_CONFIG, REGION, ControlPlane
 
 
@@ -24,9 +23,6 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
-    with mock_aws(config=MOTO_CONFIG):
-        control_plane = ControlPlane(monkeypatch)
-        with enforced(control_plane.enforcer):
-            yield control_plane
-            control_plane.close()
+def plane(aws_env: None) -> Iterator[ControlPlane]:
+    with mock_aws(config=MOTO_CONFIG), ControlPlane() as control_plane:
+        yield control_plane

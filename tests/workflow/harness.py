@@ -1,203 +1,87 @@
 """Test-only: one moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
 
-moto's Step Functions engine runs the real ASL; its Lambda invocations land in `invoke_function`, EC2 events
-are routed to handlers by the catalog's own patterns, and the test plays the agent's events.
+The local AWS of rehearsal/localaws with no VMs: the same stack, Lambda, SSM, fleet, Step Functions and IAM as
+the rehearsal's LocalCloud. moto's Step Functions engine runs the real ASL; its Lambda invocations land in
+`invoke_function`, EC2 events are routed to handlers by the catalog's own patterns, and the test plays the agent's
+events (no VM runs one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import boto3
 from botocore.exceptions import ClientError
-from moto.awslambda_simple.models import LambdaSimpleBackend
 from moto.core.botocore_stubber import BotocoreStubber
-from moto.core.responses import ActionResult, EmptyResult
-from moto.ec2.exceptions import EC2ClientError
-from moto.ec2.models.fleets import Fleet, FleetsBackend
-from moto.ec2.models.instances import InstanceBackend
-from moto.ec2.responses.fleets import Fleets
 from moto.events.models import EventPattern
 from moto.ssm.models import Command as MotoCommand
 from moto.ssm.models import ssm_backends
-from moto.stepfunctions.responses import StepFunctionResponse
 from spotcr_contracts import commands, events, results
 from spotcr_contracts import tags as tag_names
-from spotcr_functions import catalog, registry_schema
-from spotcr_functions.config import ENV, OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions import catalog
+from spotcr_functions.config import ENV, Settings
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
-from rehearsal import fleet
 from rehearsal.iam import enforce, principals
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
+from rehearsal.localaws.iam import STACK_CONTEXT
+from tests.support import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = ROOT / "tests" / "events"
-ASL = ROOT / "statemachines" / "recovery.asl.json"
-REGION = "us-east-1"
-ACCOUNT = "123456789012"
+ASL = stack.ASL_PATH
 FUNCTION_PREFIX = "spotcr-"
 MOTO_CONFIG: Any = {"stepfunctions": {"execute_state_machine": True}, "lambda": {"use_docker": False}}
 # The stack's roles as named in this account (the store-credentials tests sign as sessions of the job role).
-# The stack as deployed with efs=true: the EFS grants too (the file system's id is set for efs tests only).
-STACK_CONTEXT = {"efs": "true"}
 JOB_ROLE_NAME = "spotcr-JobRole-1A2B3C4D5E6F"
 STORE_ROLE_NAME = "spotcr-StoreRole-0F1E2D3C4B5A"
 
 
-@dataclass
-class FakeContext:
-    function_name: str = "spotcr-test"
-    function_version: str = "$LATEST"
-    memory_limit_in_mb: int = 256
-    invoked_function_arn: str = f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:spotcr-test"
-    aws_request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-
-    def get_remaining_time_in_millis(self) -> int:
-        return 30_000
-
-
-def handler_for(function: catalog.Function) -> Callable[[Any, Any], Any]:
-    module, name = function.handler.rsplit(".", 1)
-    return getattr(importlib.import_module(module), name)
-
-
+FUNCTIONS = awslambda.Functions(FUNCTION_PREFIX)
+invoke_function = FUNCTIONS.call
+function_arn = FUNCTIONS.arn
 function_key = enforce.function_key
-
-
-def run_handler(function: catalog.Function, payload: Any) -> Any:
-    """The catalog handler run as Lambda runs it: its AWS calls made as the function's role."""
-    with enforce.acting_as(function_key(function.name)):
-        return handler_for(function)(payload, FakeContext(function_name=FUNCTION_PREFIX + function.name))
-
-
-def invoke_function(name: str, payload: Any) -> Any:
-    return run_handler(catalog.by_name(name), payload)
-
-
-def _moto_lambda_invoke(
-    self: Any, function_name: str, qualifier: Any, body: Any, headers: Any, response_headers: Any
-) -> bytes:
-    """Stands in for Lambda: run the catalog handler the state machine asked for, errors named as Lambda names them."""
-    name = function_name.rsplit(":", 1)[-1].removeprefix(FUNCTION_PREFIX)
-    payload = json.loads(body) if body else {}
-    try:
-        result = invoke_function(name, payload)
-    except Exception as error:
-        response_headers["x-amz-function-error"] = "Unhandled"
-        return json.dumps({"errorType": type(error).__name__, "errorMessage": str(error)}).encode()
-    return json.dumps(result).encode()
-
 
 # In-process moto is not thread-safe, and the workflow engine runs in threads of its own: one request at a time.
 # Re-entrant, since a Lambda invoke runs its handler (and the handler's own requests) inside the engine's request.
 _MOTO = threading.RLock()
-_moto_process_request = BotocoreStubber.process_request
 
 
-def _serialized_process_request(self: Any, request: Any) -> Any:
-    if not _MOTO.acquire(timeout=60):
-        raise RuntimeError("a moto request waited 60 s for another one: a handler blocked inside a request?")
-    try:
-        return _moto_process_request(self, request)
-    finally:
-        _MOTO.release()
+def _serialized(process_request: Any) -> Any:
+    def serialized(self: Any, request: Any) -> Any:
+        if not _MOTO.acquire(timeout=60):
+            raise RuntimeError("a moto request waited 60 s for another one: a handler blocked inside a request?")
+        try:
+            return process_request(self, request)
+        finally:
+            _MOTO.release()
+
+    return serialized
 
 
-def _targets_only(self: Any) -> list[str]:
-    """moto 5.2 adds every instance to a command sent without Targets; a command goes to its InstanceIds only."""
-    return _moto_targets(self) if self.targets else []
-
-
-_moto_targets = MotoCommand._get_instance_ids_from_targets
-
-
-def _send_task_failure_with_cause(self: Any) -> Any:
-    """moto 5's SendTaskFailure drops `cause`; AWS keeps it, and notifications are built from it."""
-    self.stepfunction_backend.send_task_failure(
-        self._get_param("taskToken"), error=self._get_param("error"), cause=self._get_param("cause")
-    )
-    return EmptyResult()
-
-
-_moto_command_init = MotoCommand.__init__
-
-
-def _restore_runs(self: Any, *args: Any, **kwargs: Any) -> None:
+def _restore_runs(init: Any) -> Any:
     """A restore or checkpoint command runs on its instance until the agent there answers (finish_restore,
     finish_checkpoint): SSM reports it InProgress (moto reports every command Success at once, with no output)."""
-    _moto_command_init(self, *args, **kwargs)
-    if self.document_name.endswith(("-restore", "-checkpoint")):
-        self.status = self.status_details = "InProgress"
-        for invocation in self.invocations:
-            invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
 
+    def init_running(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.document_name.endswith(("-restore", "-checkpoint")):
+            self.status = self.status_details = "InProgress"
+            for invocation in self.invocations:
+                invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
 
-# (instance type, subnet id, market) of a launch -> the error code EC2 refuses it with; None: it launches.
-Refusal = Callable[[str, str, str], str | None]
-
-
-class Refused(EC2ClientError):
-    def __init__(self, code: str) -> None:
-        super().__init__(code, f"{code} (as documented)")
-
-
-def refuse_launches(monkeypatch: Any, refusal: Refusal) -> list[tuple[str, str, str]]:
-    """EC2 refuses the launches `refusal` names, as AWS reports it: RunInstances fails with the code; an instant
-    fleet lists the override in its Errors and tries its next one (moto 5 reports no Errors and always takes the
-    first override). Returns every launch tried, in order: (instance type, subnet id, market)."""
-    tried: list[tuple[str, str, str]] = []
-    run_instances = InstanceBackend.run_instances
-    create_spot_requests = Fleet.create_spot_requests
-    create_fleet = Fleets.create_fleet
-
-    def refused_run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("lifecycle") != "spot":  # a fleet's spot instance was decided in refused_fleet
-            market = "spot" if kwargs.get("instance_market_options") else "on-demand"
-            tried.append((str(kwargs.get("instance_type")), str(kwargs.get("subnet_id")), market))
-            code = refusal(*tried[-1])
-            if code:
-                raise Refused(code)
-        return run_instances(self, *args, **kwargs)
-
-    def refused_fleet(self: Any, weight: float) -> Any:
-        specs, self.errors = self.launch_specs, []
-        for spec in specs:
-            tried.append((str(spec.instance_type), str(spec.subnet_id), "spot"))
-            code = refusal(*tried[-1])
-            if code is None:
-                self.launch_specs = [spec]
-                try:
-                    return create_spot_requests(self, weight)
-                finally:
-                    self.launch_specs = specs
-            launched = {"LaunchTemplateSpecification": spec.launch_template_spec, "Overrides": spec.overrides}
-            error = {"ErrorCode": code, "ErrorMessage": f"{code} (as documented)", "Lifecycle": "spot"}
-            self.errors.append({"LaunchTemplateAndOverrides": launched, **error})
-        return self.spot_requests
-
-    def fleet_with_errors(self: Any) -> ActionResult:
-        result = create_fleet(self)
-        body: Any = result.result
-        fleet = self.ec2_backend.get_fleet(body["FleetId"])
-        if getattr(fleet, "errors", None):
-            body["Errors"] = fleet.errors
-        return result
-
-    monkeypatch.setattr(InstanceBackend, "run_instances", refused_run)
-    monkeypatch.setattr(Fleet, "create_spot_requests", refused_fleet)
-    monkeypatch.setattr(Fleets, "create_fleet", fleet_with_errors)
-    return tried
+    return init_running
 
 
 def command_ended(instance_id: str, command_id: str, document_name: str, status: str) -> dict[str, Any]:
@@ -395,10 +279,6 @@ def _with_run(exited: events.JobExited) -> events.JobExited:
     return exited if exited.run_id else dataclasses.replace(exited, run_id=_run_tag(exited.instance_id))
 
 
-def function_arn(name: str) -> str:
-    return f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{FUNCTION_PREFIX}{name}"
-
-
 def load_event(name: str) -> dict[str, Any]:
     return json.loads((EVENTS / f"{name}.json").read_text())
 
@@ -464,55 +344,57 @@ def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
             if pattern is None or rule.agent_bus != on_agent_bus:
                 continue
             if EventPattern.load(json.dumps(pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
-                result = run_handler(function, json.loads(json.dumps(event)))
+                result = FUNCTIONS.call(function.name, json.loads(json.dumps(event)))
                 delivered.append((function.name, result))
     return delivered
 
 
-def substitutions(resolve: Mapping[str, str]) -> dict[str, str]:
-    values = {}
-    for variable, kind in catalog.WORKFLOW_SUBSTITUTIONS.items():
-        if kind.startswith("function:"):
-            values[variable] = function_arn(kind.removeprefix("function:"))
-        else:
-            values[variable] = resolve[kind]
-    return values
-
-
 class ControlPlane:
-    """The deployed control plane, in moto. Build it inside mock_aws(config=MOTO_CONFIG)."""
+    """The deployed control plane, in moto (the local AWS with no VMs). Use it as a context manager inside
+    mock_aws(config=MOTO_CONFIG): inside, IAM is enforced; leaving stops what runs and undoes every patch."""
 
-    def __init__(self, monkeypatch: Any, final_dump_wait_s: int = 30, restore_wait_s: int = 30) -> None:
-        monkeypatch.setattr(BotocoreStubber, "process_request", _serialized_process_request)
-        monkeypatch.setattr(LambdaSimpleBackend, "invoke", _moto_lambda_invoke)
-        monkeypatch.setattr(MotoCommand, "_get_instance_ids_from_targets", _targets_only)
-        monkeypatch.setattr(StepFunctionResponse, "send_task_failure", _send_task_failure_with_cause)
-        monkeypatch.setattr(MotoCommand, "__init__", _restore_runs)
+    def __init__(self, final_dump_wait_s: int = 30, restore_wait_s: int = 30) -> None:
+        self._patches = contextlib.ExitStack()
+        try:
+            self._deploy(final_dump_wait_s, restore_wait_s)
+        except BaseException:
+            self._patches.close()
+            raise
+
+    def __enter__(self) -> ControlPlane:
+        self._patches.enter_context(enforce.enforced(self.enforcer))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._patches:
+            self.close()
+
+    def refuse_launches(self, refusal: fleet.Refusal) -> list[tuple[str, str, str]]:
+        """EC2 refuses the launches `refusal` names (rehearsal.localaws.fleet); returns every launch tried."""
+        return fleet.refuse_launches(self._patches, refusal)
+
+    def _deploy(self, final_dump_wait_s: int, restore_wait_s: int) -> None:
+        patches = self._patches
+        wrap(patches, BotocoreStubber, "process_request", _serialized)
+        wrap(patches, MotoCommand, "__init__", _restore_runs)
+        FUNCTIONS.serve(patches)
+        ssm.to_instance_ids_only(patches)
+        stepfunctions.keep_failure_cause(patches)
+        fleet.launch_template_tags(patches)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()
         self.ec2 = boto3.client("ec2", region_name=REGION)
         self.ssm = boto3.client("ssm", region_name=REGION)
         self.sfn = boto3.client("stepfunctions", region_name=REGION)
         self.sns = boto3.client("sns", region_name=REGION)
-        dynamodb = boto3.client("dynamodb", region_name=REGION)
-        dynamodb.create_table(**registry_schema.create_table_arguments("spotcr-jobs"))
-        dynamodb.create_table(**registry_schema.create_idempotency_table_arguments("spotcr-idempotency"))
+        stack.create_registry(boto3.client("dynamodb", region_name=REGION), "spotcr-jobs", "spotcr-idempotency")
         self.topic_arn = self.sns.create_topic(Name="spotcr-failures")["TopicArn"]
         # What the failure topic sends, as an operator's subscribed queue receives it.
         self.sqs = boto3.client("sqs", region_name=REGION)
         self.inbox = self.sqs.create_queue(QueueName="spotcr-failures-inbox")["QueueUrl"]
         inbox_arn = self.sqs.get_queue_attributes(QueueUrl=self.inbox, AttributeNames=["QueueArn"])["Attributes"]
         self.sns.subscribe(TopicArn=self.topic_arn, Protocol="sqs", Endpoint=inbox_arn["QueueArn"])
-        self.documents = {}
-        for name, command in commands.COMMANDS.items():
-            document_name = f"spotcr-{name}"
-            self.ssm.create_document(
-                Content=json.dumps(command.document()),
-                Name=document_name,
-                DocumentType="Command",
-                DocumentFormat="JSON",
-            )
-            self.documents[name] = document_name
+        self.documents = stack.create_documents(self.ssm, FUNCTION_PREFIX, commands.COMMANDS.values())
         vpc_id = self.ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
         self.subnets = {
             az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=az)["Subnet"][
@@ -528,76 +410,46 @@ class ControlPlane:
         self.file_system_id = boto3.client("efs", region_name=REGION).create_file_system(CreationToken="spotcr")[
             "FileSystemId"
         ]
-        resolve = {
-            "topic:failure": self.topic_arn,
-            **{f"document:{name}": document for name, document in self.documents.items()},
-        }
-        definition = ASL.read_text()
-        for variable, value in substitutions(resolve).items():
-            definition = definition.replace("${" + variable + "}", value)
+        function_arns = {function.name: FUNCTIONS.arn(function.name) for function in catalog.FUNCTIONS}
+        definition = stack.recovery_definition(function_arns, self.documents, self.topic_arn)
         self.state_machine_arn = self.sfn.create_state_machine(
             name="spotcr-recovery", definition=definition, roleArn=f"arn:aws:iam::{ACCOUNT}:role/spotcr-recovery"
         )["stateMachineArn"]
-        settings = {
-            "jobs_table": "spotcr-jobs",
-            "idempotency_table": "spotcr-idempotency",
-            "recovery_state_machine_arn": self.state_machine_arn,
-            "event_bus_name": "spotcr-agent",
-            "failure_topic_arn": self.topic_arn,
-            "checkpoint_bucket": "spotcr-checkpoints",
-            "launch_template_id": self.launch_template_id,
-            "launch_template_version": "1",
-            "checkpoint_document": self.documents["checkpoint"],
-            "restore_document": self.documents["restore"],
-            "release_document": self.documents["release"],
-            "status_document": self.documents["status"],
-        }
-        for key, name in ENV.items():
-            monkeypatch.setenv(name, settings[key])
         # The stack's subnets: the two job subnets, not every subnet of the VPC (see test_placement).
         self.vpc_id = vpc_id
-        monkeypatch.setenv(OPTIONAL_TEXT_ENV["subnet_ids"], ",".join(self.subnets.values()))
-        # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
-        stack_name = principals.function_setting(principals.template(STACK_CONTEXT), OPTIONAL_TEXT_ENV["stack_name"])
-        monkeypatch.setenv(OPTIONAL_TEXT_ENV["stack_name"], stack_name)
-        monkeypatch.setattr(FleetsBackend, "create_fleet", fleet.tagging(FleetsBackend.create_fleet))
-        timing: dict[str, int] = {
-            "final_dump_wait_s": final_dump_wait_s,
-            "restore_wait_s": restore_wait_s,
-            "poll_s": 1,
-            "backup_ready_wait_s": 30,
-        }
-        for key, seconds in timing.items():
-            monkeypatch.setenv(OPTIONAL_ENV[key], str(seconds))
-        self.enforcer = self._enforcer()
-
-    def _enforcer(self) -> enforce.Enforcer:
-        """IAM as the synthesized stack grants it: each function's role, and the state machine's for its engine."""
-        names = {
-            "RegistryJobs": "spotcr-jobs",
-            "RegistryIdempotency": "spotcr-idempotency",
-            "RegistryFailureTopic": self.topic_arn,
-            "RegistryAgentBus": "spotcr-agent",
-            "StorageCheckpoints": "spotcr-checkpoints",
-            "VmLaunchJobLaunchTemplate": self.launch_template_id,
-            "VmLaunchJobRole": JOB_ROLE_NAME,
-            "StoreAccessStoreRole": STORE_ROLE_NAME,
-            "WorkflowRecovery": "spotcr-recovery",
-            "StorageEfs": self.file_system_id,
-            **{f"VmLaunchDocument{name}": document for name, document in self.documents.items()},
-        }
-        local = principals.Local(REGION, ACCOUNT, names, FUNCTION_PREFIX)
-        roles = principals.stack_roles(local, principals.template(STACK_CONTEXT))
-        keys = {function_key(name): role.principal() for name, role in roles.functions.items()}
-        keys[enforce.STEP_FUNCTIONS_ENGINE_KEY] = roles.workflow.principal()
-        return enforce.Enforcer(
-            keys=keys,
-            # The test's own key (mock_aws's): it builds the account as CloudFormation would, plays the user and
-            # the agents, and reads what happened; IAM does not evaluate it.
-            trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"},
-            roles={role.arn: role.principal() for role in roles.all()},
-            state=enforce.MotoState(ACCOUNT, REGION),
+        settings = Settings(
+            jobs_table=f"{FUNCTION_PREFIX}jobs",
+            idempotency_table=f"{FUNCTION_PREFIX}idempotency",
+            recovery_state_machine_arn=self.state_machine_arn,
+            event_bus_name=f"{FUNCTION_PREFIX}agent",
+            failure_topic_arn=self.topic_arn,
+            checkpoint_bucket=f"{FUNCTION_PREFIX}checkpoints",
+            launch_template_id=self.launch_template_id,
+            launch_template_version="1",
+            checkpoint_document=self.documents["checkpoint"],
+            restore_document=self.documents["restore"],
+            release_document=self.documents["release"],
+            status_document=self.documents["status"],
+            final_dump_wait_s=final_dump_wait_s,
+            restore_wait_s=restore_wait_s,
+            poll_s=1,
+            backup_ready_wait_s=30,
+            subnet_ids=tuple(self.subnets.values()),
+            # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
+            stack_name=principals.function_setting(principals.template(STACK_CONTEXT), ENV["stack_name"]),
         )
+        patches.enter_context(mock.patch.dict(os.environ, settings.to_env()))
+        where = iam.local(
+            settings,
+            function_prefix=FUNCTION_PREFIX,
+            job_role=JOB_ROLE_NAME,
+            store_role=STORE_ROLE_NAME,
+            file_system_id=self.file_system_id,
+        )
+        roles = iam.stack_roles(where)
+        # The test's own key (mock_aws's): it builds the account as CloudFormation would, plays the user and the
+        # agents, and reads what happened; IAM does not evaluate it.
+        self.enforcer = iam.enforcer(roles, trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"})
 
     def launch_job_instance(
         self, job_tags: Mapping[str, str], az: str = f"{REGION}a", instance_type: str = "m5.large"
@@ -659,13 +511,7 @@ class ControlPlane:
         return [i for r in reservations["Reservations"] for i in r["Instances"]]
 
     def wait_until(self, predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+        return wait_for(predicate, what, timeout)
 
     def wait_for_execution(self, timeout: float = 30.0) -> dict[str, Any]:
         def finished() -> dict[str, Any] | None:

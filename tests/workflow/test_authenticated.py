@@ -19,10 +19,10 @@ import pytest
 from moto.ssm.models import ssm_backends
 from spotcr_contracts import events, results
 from spotcr_functions import catalog, recovery
-from spotcr_functions.config import OPTIONAL_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from rehearsal.cloud import command_ended_detail
+from rehearsal.localaws.ssm import command_ended_detail
 from tests.workflow.harness import (
     ACCOUNT,
     REGION,
@@ -99,7 +99,7 @@ def test_a_lost_status_change_event_still_ends_with_the_restore_taken(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a short restore wait, and a backup whose restore succeeded but whose SSM status-change event was lost
-    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    monkeypatch.setenv(ENV["restore_wait_s"], "1")
     _, backup, periodic = _restoring(plane, "lost-1")
     end_restore_command(events.RestoreCompleted("lost-1", backup, 1, now_iso(), checkpoint_id=periodic, pid=7))
 
@@ -116,7 +116,7 @@ def test_a_restore_still_running_when_the_wait_times_out_is_waited_for(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a restore wait that times out while the backup's restore command still runs (SSM: InProgress)
-    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "4")
+    monkeypatch.setenv(ENV["restore_wait_s"], "4")
     checks: list[dict[str, Any]] = []
     answer: list[events.RestoreCompleted] = []
     check = recovery.check_restore
@@ -144,7 +144,7 @@ def test_an_undeliverable_restore_command_fails_the_attempt(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a backup whose restore command SSM could not deliver, and whose status-change event was lost
-    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    monkeypatch.setenv(ENV["restore_wait_s"], "1")
     _, backup, periodic = _restoring(plane, "gone-1")
     [command] = [c for c in ssm_backends[ACCOUNT][REGION]._commands if c.document_name == plane.documents["restore"]]
     for invocation in command.invocations:
@@ -179,7 +179,7 @@ def test_a_final_dump_whose_status_change_event_was_lost_is_read_from_ssm_before
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a short final-dump wait, and a primary whose final dump committed but whose SSM event was lost
-    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
     primary, _ = _interrupted(plane, "lostfinal-1")
     final = checkpoint_id("final", 1, sequence=ordered_sequence(plane, primary, "final"))
     report = events.CheckpointCompleted("lostfinal-1", primary, 1, now_iso(), checkpoint_id=final, kind="final")

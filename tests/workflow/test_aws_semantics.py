@@ -16,7 +16,7 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import recovery
 from spotcr_functions.cloud import Cloud, Instance
-from spotcr_functions.config import OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import InterruptionWarning, RecoveryEnded, Status
 
@@ -31,7 +31,6 @@ from tests.workflow.harness import (
     finish_restore,
     load_event,
     now_iso,
-    refuse_launches,
     route,
 )
 
@@ -85,7 +84,7 @@ def test_a_stopped_or_hibernated_primary_is_terminated_and_its_spot_request_canc
     # Given a job on a persistent spot instance (interruption behaviour stop or hibernate) that will stop before
     # its final dump (hibernation may give no notice), launched from the stack's launch template: spotcr may
     # terminate only instances EC2 tagged with that template (RequestSpotInstances takes no template).
-    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
     spot = {"SpotInstanceType": "persistent", "InstanceInterruptionBehavior": action}
     primary = plane.ec2.run_instances(
         LaunchTemplate={"LaunchTemplateId": plane.launch_template_id},
@@ -204,7 +203,7 @@ def test_backups_launch_only_in_the_stacks_subnets(plane: ControlPlane, monkeypa
     private_id = private["Subnet"]["SubnetId"]
     primary = plane.start_job("net-1")
     _commit(plane, "net-1", primary, 0, "periodic")
-    launches = refuse_launches(monkeypatch, lambda _t, _s, market: "InsufficientInstanceCapacity" * (market == "spot"))
+    launches = plane.refuse_launches(lambda _t, _s, market: "InsufficientInstanceCapacity" * (market == "spot"))
 
     # When no spot capacity is left anywhere
     route(ec2_event("spot-interruption-warning", primary))
@@ -227,9 +226,7 @@ def test_each_documented_candidate_error_moves_to_the_next_candidate(
     primary = plane.start_job("cap-1")
     _commit(plane, "cap-1", primary, 0, "periodic")
     zone_a = plane.subnets["us-east-1a"]
-    tried = refuse_launches(
-        monkeypatch, lambda _t, subnet, market: code if (subnet, market) == (zone_a, "spot") else None
-    )
+    tried = plane.refuse_launches(lambda _t, subnet, market: code if (subnet, market) == (zone_a, "spot") else None)
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "cap-1")
     assert [(subnet, market) for _, subnet, market in tried] == [
@@ -246,7 +243,7 @@ def test_an_error_no_candidate_can_avoid_fails_the_recovery_at_once(
 ) -> None:
     primary = plane.start_job("bad-1")
     _commit(plane, "bad-1", primary, 0, "periodic")
-    tried = refuse_launches(monkeypatch, lambda _t, _s, _m: code)
+    tried = plane.refuse_launches(lambda _t, _s, _m: code)
     route(ec2_event("spot-interruption-warning", primary))
     plane.wait_for_token("bad-1", "final-dump")
     _commit(plane, "bad-1", primary, 1, "final")
@@ -331,7 +328,7 @@ def test_a_cross_az_move_deletes_the_replaced_volume_and_its_snapshot(
     old_volume = str(plane.job("mv-1").volume_id)
     _commit(plane, "mv-1", primary, 0, "periodic")
     zone_a = plane.subnets["us-east-1a"]
-    refuse_launches(monkeypatch, lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
+    plane.refuse_launches(lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "mv-1")
     plane.wait_for_token("mv-1", "final-dump")
@@ -350,7 +347,7 @@ def test_a_cross_az_move_deletes_the_replaced_volume_and_its_snapshot(
 def test_a_completed_jobs_volume_goes_with_its_instance_unless_kept(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch, keep: bool
 ) -> None:
-    monkeypatch.setenv(OPTIONAL_TEXT_ENV["keep_finished_volumes"], "true" if keep else "false")
+    monkeypatch.setenv(ENV["keep_finished_volumes"], "true" if keep else "false")
     _edge._deps.cache_clear()
     primary = plane.start_job("fin-1", **{tag_names.STORAGE: "ebs"})
     volume = str(plane.job("fin-1").volume_id)
@@ -370,7 +367,7 @@ def test_a_failed_cross_az_recovery_keeps_the_jobs_volume_and_deletes_what_the_m
     original_volume = str(plane.job("mvf-1").volume_id)
     only = _commit(plane, "mvf-1", primary, 0, "periodic")
     zone_a = plane.subnets["us-east-1a"]
-    refuse_launches(monkeypatch, lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
+    plane.refuse_launches(lambda _t, subnet, _m: "InsufficientInstanceCapacity" if subnet == zone_a else None)
     route(ec2_event("state-change-terminated", primary))
     backup = _backup(plane, "mvf-1")
     route(agent_event(events.AgentReady("mvf-1", backup, 1, now_iso(), mode="restore")))

@@ -8,7 +8,7 @@ from spotcr_functions import cloud
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import ControlPlane, answer_exit, ec2_event, finish_exit, now_iso, route
-from tests.workflow.test_recovery import _commit, _recover
+from tests.workflow.support import commit, recover
 
 RESULT = "s3://spotcr-checkpoints/jobs/{job}/result/manifest.json"
 
@@ -20,9 +20,9 @@ def _state(plane: ControlPlane, instance_id: str) -> str:
 
 def _on_backup(plane: ControlPlane, job_id: str) -> tuple[str, str]:
     primary = plane.start_job(job_id)
-    periodic = _commit(plane, job_id, primary, 0, "periodic")
+    periodic = commit(plane, job_id, primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
-    return primary, _recover(plane, job_id, periodic, final_from=primary)
+    return primary, recover(plane, job_id, periodic, final_from=primary)
 
 
 @pytest.mark.parametrize(("exit_code", "status"), [(0, Status.COMPLETED), (4, Status.FAILED)])

@@ -12,9 +12,9 @@ from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 
-from tests.workflow.harness import ControlPlane, ec2_event, refuse_launches, route
+from tests.workflow.harness import ControlPlane, ec2_event, route
+from tests.workflow.support import NO_CAPACITY
 
-NO_CAPACITY = "InsufficientInstanceCapacity"
 NEW_USER_DATA = b"#!/bin/sh\n# the agent asset of the upgraded stack\n"
 
 
@@ -53,7 +53,7 @@ def test_a_backup_boots_the_templates_latest_version_not_its_default(
     primary = plane.start_job("up-1")
     version = _upgrade(plane, monkeypatch, UserData=base64.b64encode(NEW_USER_DATA).decode())
     if market == "on-demand":
-        refuse_launches(monkeypatch, lambda _t, _s, m: NO_CAPACITY if m == "spot" else None)
+        plane.refuse_launches(lambda _t, _s, m: NO_CAPACITY if m == "spot" else None)
 
     # When the job is interrupted
     route(ec2_event("spot-interruption-warning", primary))
@@ -94,7 +94,7 @@ def test_an_ebs_job_tries_every_type_in_its_volumes_az_before_another_az(
     # Given an EBS job in AZ a with a fallback type, and no spot capacity for its own type in AZ a
     primary = plane.start_job("az-1", **{tag_names.STORAGE: "ebs", tag_names.FALLBACK_TYPES: "m6i.large"})
     zone_a = plane.subnets["us-east-1a"]
-    tried = refuse_launches(monkeypatch, lambda t, s, _m: NO_CAPACITY if (t, s) == ("m5.large", zone_a) else None)
+    tried = plane.refuse_launches(lambda t, s, _m: NO_CAPACITY if (t, s) == ("m5.large", zone_a) else None)
 
     # When it is interrupted
     route(ec2_event("spot-interruption-warning", primary))
@@ -146,7 +146,7 @@ def test_the_jobs_image_is_looked_up_once_per_recovery_not_once_per_candidate(
 ) -> None:
     # Given a job whose spot candidates all find no capacity, so that its on-demand candidate launches
     primary = plane.start_job("ami-3")
-    refuse_launches(monkeypatch, lambda _t, _s, m: NO_CAPACITY if m == "spot" else None)
+    plane.refuse_launches(lambda _t, _s, m: NO_CAPACITY if m == "spot" else None)
     looked_up: list[str] = []
     image_exists = Cloud.image_exists
 

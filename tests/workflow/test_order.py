@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from spotcr_contracts import commands, events
-from spotcr_functions.config import OPTIONAL_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import (
@@ -80,7 +80,7 @@ def test_a_final_dump_that_outlives_its_wait_is_never_recorded_after_the_restore
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a job whose final dump does not arrive within the wait, so the backup restores the periodic one
-    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
     primary = plane.start_job("late-1")
     periodic = _commit("late-1", primary, 0, "periodic", T, order_periodic(plane, "late-1", primary))
     route(ec2_event("spot-interruption-warning", primary))

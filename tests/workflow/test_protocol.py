@@ -29,7 +29,7 @@ from tests.workflow.harness import (
     now_iso,
     route,
 )
-from tests.workflow.test_recovery import _commit
+from tests.workflow.support import commit
 
 pytestmark = pytest.mark.claim("Exactly one end")
 
@@ -88,7 +88,7 @@ def test_an_exit_right_after_the_restore_ends_the_job_and_the_recovery(
 ) -> None:
     # Given a job restored on its backup, whose RestoreCompleted has not been handled yet
     primary = plane.start_job("quick-1")
-    periodic = _commit(plane, "quick-1", primary, 0, "periodic")
+    periodic = commit(plane, "quick-1", primary, 0, "periodic")
     route(ec2_event("state-change-terminated", primary))
     backup = _backup(plane, "quick-1")
     route(agent_event(events.AgentReady("quick-1", backup, 1, now_iso(), mode="restore")))
@@ -112,7 +112,7 @@ def test_an_exit_just_before_the_warning_ends_the_job_and_stops_recovery(
 ) -> None:
     # Given a running job with a periodic checkpoint
     primary = plane.start_job("tail-1")
-    _commit(plane, "tail-1", primary, 0, "periodic")
+    commit(plane, "tail-1", primary, 0, "periodic")
 
     # When the warning is handled first, then the primary's exit (generation 0 from the daemon's own watch, or 1
     # once the final-dump command was admitted), after the backup was launched
@@ -133,7 +133,7 @@ def test_an_exit_just_before_the_warning_ends_the_job_and_stops_recovery(
 def test_a_vm_that_stopped_under_the_job_is_recovered_not_ended(plane: ControlPlane) -> None:
     # Given a job recovering from its primary
     primary = plane.start_job("stop-1")
-    _commit(plane, "stop-1", primary, 0, "periodic")
+    commit(plane, "stop-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
     _backup(plane, "stop-1")
 
@@ -145,19 +145,17 @@ def test_a_vm_that_stopped_under_the_job_is_recovered_not_ended(plane: ControlPl
 
 
 @pytest.fixture
-def slow_final_dump_plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
+def slow_final_dump_plane(aws_env: None) -> Iterator[ControlPlane]:
     """Final-dump wait far longer than any test: a workflow that waits for it never gets to restore in time."""
-    with mock_aws(config=MOTO_CONFIG):
-        control_plane = ControlPlane(monkeypatch, final_dump_wait_s=600)
+    with mock_aws(config=MOTO_CONFIG), ControlPlane(final_dump_wait_s=600) as control_plane:
         yield control_plane
-        control_plane.close()
 
 
 def test_an_early_final_dump_is_kept_by_the_bump_and_restored_at_once(slow_final_dump_plane: ControlPlane) -> None:
     plane = slow_final_dump_plane
     # Given a job whose agent took its final dump on its own IMDS notice, committed before the warning's bump
     primary = plane.start_job("early-1")
-    _commit(plane, "early-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    commit(plane, "early-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
     final = checkpoint_id("final", 0, 1_795_000_060_000)
 
     # When the warning bumps the generation and orders the final dump, which the agent answers at once with the one
@@ -177,11 +175,11 @@ def test_an_early_final_dump_is_kept_by_the_bump_and_restored_at_once(slow_final
 def test_an_earlier_recoverys_final_dump_is_not_carried_into_the_next(plane: ControlPlane) -> None:
     # Given a job recovered once from its primary's final dump
     primary = plane.start_job("twice-1")
-    _commit(plane, "twice-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    commit(plane, "twice-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
     route(ec2_event("spot-interruption-warning", primary))
     backup = _backup(plane, "twice-1")
     plane.wait_for_token("twice-1", "final-dump")
-    _commit(plane, "twice-1", primary, 1, "final", at_ms=1_795_000_060_000)
+    commit(plane, "twice-1", primary, 1, "final", at_ms=1_795_000_060_000)
     route(agent_event(events.AgentReady("twice-1", backup, 1, now_iso(), mode="restore")))
     plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
     finish_restore(
@@ -223,7 +221,7 @@ def test_no_checkpoint_restarts_from_the_beginning_and_tells_the_user(plane: Con
 def test_a_failed_walk_notifies_the_agents_reason_without_a_stack_trace(plane: ControlPlane) -> None:
     # Given a job with one checkpoint, recovering on a backup
     primary = plane.start_job("walk-1")
-    only = _commit(plane, "walk-1", primary, 0, "periodic")
+    only = commit(plane, "walk-1", primary, 0, "periodic")
     route(ec2_event("state-change-terminated", primary))
     backup = _backup(plane, "walk-1")
     route(agent_event(events.AgentReady("walk-1", backup, 1, now_iso(), mode="restore")))
@@ -261,7 +259,7 @@ def test_a_lambda_error_cause_is_read_without_its_stack_trace() -> None:
 def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane, event: str) -> None:
     # Given a recovery whose backup was ordered to restore the newest checkpoint
     primary = plane.start_job("second-1")
-    periodic = _commit(plane, "second-1", primary, 0, "periodic")
+    periodic = commit(plane, "second-1", primary, 0, "periodic")
     route(ec2_event("state-change-terminated", primary))
     backup = _backup(plane, "second-1")
     route(agent_event(events.AgentReady("second-1", backup, 1, now_iso(), mode="restore")))
@@ -286,7 +284,7 @@ def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane,
         ]
         assert record.dump_sequence == 3  # after the first dump order and the first restore order
         plane.wait_for_token("second-1", "final-dump")
-        restored = _commit(plane, "second-1", backup, 2, "final")
+        restored = commit(plane, "second-1", backup, 2, "final")
     else:
         assert dumps == []
         restored = periodic
@@ -307,7 +305,7 @@ def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane,
 def test_a_failed_early_final_dump_does_not_stop_the_warning_from_recovering(plane: ControlPlane) -> None:
     # Given a primary whose own final dump (IMDS notice) failed and was reported before the warning
     primary = plane.start_job("failed-early-1")
-    periodic = _commit(plane, "failed-early-1", primary, 0, "periodic")
+    periodic = commit(plane, "failed-early-1", primary, 0, "periodic")
     failed = events.CheckpointFailed("failed-early-1", primary, 0, now_iso(), kind="final", reason="CRIU: dump failed")
     route(agent_event(failed))
 

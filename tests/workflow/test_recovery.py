@@ -10,57 +10,25 @@ import pytest
 from moto.ec2.models.elastic_block_store import EBSBackend
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
-from spotcr_functions.config import OPTIONAL_ENV, OPTIONAL_TEXT_ENV
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
 from tests.workflow.harness import (
     ControlPlane,
     agent_event,
-    checkpoint_id,
     ec2_event,
-    finish_checkpoint,
     finish_exit,
     finish_restore,
     now_iso,
     order_periodic,
-    ordered_sequence,
-    refuse_launches,
     route,
 )
+from tests.workflow.support import NO_CAPACITY, commit, recover
 
-NO_CAPACITY = "InsufficientInstanceCapacity"
 
-
-def _no_capacity_in(subnet_id: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+def _no_capacity_in(plane: ControlPlane, subnet_id: str) -> list[tuple[str, str, str]]:
     """No launch in this subnet: EC2 refuses it as AWS does when a zone has no capacity left."""
-    return refuse_launches(monkeypatch, lambda _type, subnet, _market: NO_CAPACITY if subnet == subnet_id else None)
-
-
-def _commit(
-    plane: ControlPlane,
-    job_id: str,
-    instance_id: str,
-    generation: int,
-    kind: str,
-    at_ms: int | None = None,
-    sequence: int | None = None,
-) -> str:
-    """The VM commits the dump it was ordered and answers its command (finish_checkpoint)."""
-    checkpoint = checkpoint_id(kind, generation, at_ms, sequence)
-    finish_checkpoint(
-        events.CheckpointCompleted(
-            job_id,
-            instance_id,
-            generation,
-            now_iso(),
-            checkpoint_id=checkpoint,
-            kind=kind,
-            seconds=1.5,
-            bytes_total=10,
-            bytes_uploaded=5,
-        )
-    )
-    return checkpoint
+    return plane.refuse_launches(lambda _type, subnet, _market: NO_CAPACITY if subnet == subnet_id else None)
 
 
 # The final dump reaches the store at generation 1 when the SSM command ordered it, at 0 when the agent's own
@@ -69,7 +37,7 @@ def _commit(
 def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generation: int) -> None:
     # Given a running job with one periodic checkpoint
     primary = plane.start_job("render-1")
-    periodic = _commit(plane, "render-1", primary, 0, "periodic")
+    periodic = commit(plane, "render-1", primary, 0, "periodic")
     assert plane.job("render-1").status == Status.RUNNING
 
     # When the spot interruption warning arrives
@@ -92,7 +60,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
 
     # When the old VM commits its final dump and the backup's agent is ready
     plane.wait_for_token("render-1", "final-dump")
-    final = _commit(plane, "render-1", primary, final_generation, "final")
+    final = commit(plane, "render-1", primary, final_generation, "final")
     route(agent_event(events.AgentReady("render-1", backup, 1, now_iso(), mode="restore")))
 
     # Then the restore of the final dump is ordered on the backup
@@ -116,31 +84,12 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
     assert len(plane.backups()) == 1
 
 
-def _recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | None = None) -> str:
-    """Play the agents through a recovery: optional final dump, backup ready, restore completed. Returns the backup."""
-    record = plane.wait_until(lambda: (r := plane.job(job_id)).backup_instance_id and r, "the backup launch")
-    backup = str(record.backup_instance_id)
-    if final_from:
-        plane.wait_for_token(job_id, "final-dump")
-        sequence = ordered_sequence(plane, final_from, "final")
-        restored = _commit(plane, job_id, final_from, record.generation, "final", sequence=sequence)
-    route(agent_event(events.AgentReady(job_id, backup, record.generation, now_iso(), mode="restore")))
-    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
-    assert restore["parameters"]["CheckpointId"] == restored
-    completed = events.RestoreCompleted(
-        job_id, backup, record.generation, now_iso(), checkpoint_id=restored, seconds=1.0
-    )
-    finish_restore(completed)
-    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
-    return backup
-
-
 @pytest.mark.claim("Duplicated and reordered events recover once")
 @pytest.mark.parametrize("copies", [2, 5, 20])
 def test_duplicated_and_reordered_events_recover_once(plane: ControlPlane, copies: int) -> None:
     # Given a running job
     primary = plane.start_job("sim-7")
-    periodic = _commit(plane, "sim-7", primary, 0, "periodic")
+    periodic = commit(plane, "sim-7", primary, 0, "periodic")
 
     # When the warning arrives many times, shuffled with the state changes that follow it
     deliveries = [ec2_event("spot-interruption-warning", primary) for _ in range(copies)]
@@ -152,7 +101,7 @@ def test_duplicated_and_reordered_events_recover_once(plane: ControlPlane, copie
 
     # Then there is one workflow, one backup, one generation bump (and one final dump if the warning came first)
     dumps = plane.sent_commands("checkpoint", kind="final")
-    backup = _recover(plane, "sim-7", periodic, final_from=primary if dumps else None)
+    backup = recover(plane, "sim-7", periodic, final_from=primary if dumps else None)
     assert len(plane.executions()) == 1
     assert len(plane.backups()) == 1
     job = plane.job("sim-7")
@@ -165,12 +114,12 @@ def test_capacity_errors_on_every_spot_option_end_on_demand(
 ) -> None:
     # Given no spot capacity anywhere, for the job's type or its fallback
     primary = plane.start_job("cfd-3", **{tag_names.FALLBACK_TYPES: "m6i.large"})
-    periodic = _commit(plane, "cfd-3", primary, 0, "periodic")
-    tried = refuse_launches(monkeypatch, lambda _type, _subnet, market: NO_CAPACITY if market == "spot" else None)
+    periodic = commit(plane, "cfd-3", primary, 0, "periodic")
+    tried = plane.refuse_launches(lambda _type, _subnet, market: NO_CAPACITY if market == "spot" else None)
 
     # When the warning comes
     route(ec2_event("spot-interruption-warning", primary))
-    backup = _recover(plane, "cfd-3", periodic, final_from=primary)
+    backup = recover(plane, "cfd-3", periodic, final_from=primary)
 
     # Then every spot candidate was tried (2 types x 2 subnets) and the backup is on-demand
     assert [market for _, _, market in tried] == ["spot"] * 4 + ["on-demand"]
@@ -187,12 +136,12 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     primary = plane.start_job("fem-1", **{tag_names.STORAGE: "ebs"})
     volume_id = plane.job("fem-1").volume_id
     assert volume_id
-    periodic = _commit(plane, "fem-1", primary, 0, "periodic")
-    _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
+    periodic = commit(plane, "fem-1", primary, 0, "periodic")
+    _no_capacity_in(plane, plane.subnets["us-east-1a"])
 
     # When the job is interrupted and recovered on a backup in AZ b
     route(ec2_event("spot-interruption-warning", primary))
-    backup = _recover(plane, "fem-1", periodic, final_from=primary)
+    backup = recover(plane, "fem-1", periodic, final_from=primary)
 
     # Then the old VM was asked to release the volume, and the job's data reached AZ b through a snapshot
     [release] = plane.sent_commands("release")
@@ -210,17 +159,17 @@ def test_ebs_volume_moves_to_another_az_through_a_snapshot(
     assert [a["InstanceId"] for a in volume["Attachments"]] == [backup]
     # And the volume the move made carries the stack's own tag, which its roles need to attach, move and delete it
     stack_tag = {t["Key"]: t["Value"] for t in volume["Tags"]}[tag_names.STACK]
-    assert stack_tag == os.environ[OPTIONAL_TEXT_ENV["stack_name"]]
+    assert stack_tag == os.environ[ENV["stack_name"]]
 
 
 def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given an EBS job whose backup lands in another AZ, and a snapshot that never completes
-    monkeypatch.setenv(OPTIONAL_ENV["ebs_handover_s"], "2")
+    monkeypatch.setenv(ENV["ebs_handover_s"], "2")
     primary = plane.start_job("fem-9", **{tag_names.STORAGE: "ebs"})
-    periodic = _commit(plane, "fem-9", primary, 0, "periodic")
-    _no_capacity_in(plane.subnets["us-east-1a"], monkeypatch)
+    periodic = commit(plane, "fem-9", primary, 0, "periodic")
+    _no_capacity_in(plane, plane.subnets["us-east-1a"])
     original_snapshot = EBSBackend.create_snapshot
 
     def create_snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -234,7 +183,7 @@ def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
     route(ec2_event("spot-interruption-warning", primary))
     record = plane.wait_until(lambda: (r := plane.job("fem-9")).backup_instance_id and r, "the backup launch")
     plane.wait_for_token("fem-9", "final-dump")
-    _commit(plane, "fem-9", primary, 1, "final")
+    commit(plane, "fem-9", primary, 1, "final")
     route(agent_event(events.AgentReady("fem-9", str(record.backup_instance_id), 1, now_iso(), mode="restore")))
 
     # Then the hand-over gives up at its deadline: the job is FAILED, says why, and nothing is restored
@@ -251,7 +200,7 @@ def test_an_ebs_hand_over_that_never_finishes_ends_failed_and_notified(
 def test_an_aborted_recovery_fails_the_job_and_notifies(plane: ControlPlane) -> None:
     # Given a job whose recovery is under way
     primary = plane.start_job("abort-1")
-    _commit(plane, "abort-1", primary, 0, "periodic")
+    commit(plane, "abort-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
     plane.wait_for_token("abort-1", "final-dump")
     plane.wait_until(lambda: plane.job("abort-1").backup_instance_id, "the backup launch")
@@ -293,10 +242,10 @@ def test_an_aborted_recovery_fails_the_job_and_notifies(plane: ControlPlane) -> 
 def test_ebs_volume_in_the_same_az_is_detached_and_attached(plane: ControlPlane) -> None:
     primary = plane.start_job("fem-2", **{tag_names.STORAGE: "ebs"})
     volume_id = plane.job("fem-2").volume_id
-    periodic = _commit(plane, "fem-2", primary, 0, "periodic")
+    periodic = commit(plane, "fem-2", primary, 0, "periodic")
 
     route(ec2_event("spot-interruption-warning", primary))
-    backup = _recover(plane, "fem-2", periodic, final_from=primary)
+    backup = recover(plane, "fem-2", periodic, final_from=primary)
 
     job = plane.job("fem-2")
     assert job.volume_id == volume_id
@@ -308,8 +257,8 @@ def test_ebs_volume_in_the_same_az_is_detached_and_attached(plane: ControlPlane)
 def test_missed_warning_recovers_from_the_newest_committed_checkpoint(plane: ControlPlane) -> None:
     # Given a job with two periodic checkpoints
     primary = plane.start_job("etl-9")
-    _commit(plane, "etl-9", primary, 0, "periodic", at_ms=1_795_000_000_000)
-    newest = _commit(plane, "etl-9", primary, 0, "periodic", at_ms=1_795_000_060_000)
+    commit(plane, "etl-9", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    newest = commit(plane, "etl-9", primary, 0, "periodic", at_ms=1_795_000_060_000)
 
     # When only "terminated" arrives (the warning was lost), and the warning shows up late
     route(ec2_event("state-change-terminated", primary))
@@ -317,7 +266,7 @@ def test_missed_warning_recovers_from_the_newest_committed_checkpoint(plane: Con
 
     # Then no final dump is ordered, and the job restores the newest periodic checkpoint on a backup
     assert plane.sent_commands("checkpoint", kind="final") == []
-    backup = _recover(plane, "etl-9", newest)
+    backup = recover(plane, "etl-9", newest)
     job = plane.job("etl-9")
     assert (job.status, job.instance_id, job.generation, job.checkpoint_id) == (Status.RUNNING, backup, 1, newest)
     assert len(plane.executions()) == 1
@@ -325,15 +274,15 @@ def test_missed_warning_recovers_from_the_newest_committed_checkpoint(plane: Con
 
 def test_terminated_old_instance_after_recovery_does_nothing(plane: ControlPlane) -> None:
     primary = plane.start_job("old-1")
-    periodic = _commit(plane, "old-1", primary, 0, "periodic")
+    periodic = commit(plane, "old-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
-    backup = _recover(plane, "old-1", periodic, final_from=primary)
+    backup = recover(plane, "old-1", periodic, final_from=primary)
     final = plane.job("old-1").checkpoint_id
 
     # When the replaced VM's late events arrive: termination, a zombie checkpoint at the old generation
     route(ec2_event("state-change-terminated", primary))
     route(ec2_event("spot-interruption-warning", primary))
-    _commit(plane, "old-1", primary, 0, "periodic")
+    commit(plane, "old-1", primary, 0, "periodic")
 
     # Then the job is untouched on its backup
     job = plane.job("old-1")
@@ -343,10 +292,10 @@ def test_terminated_old_instance_after_recovery_does_nothing(plane: ControlPlane
 
 def test_backup_interrupted_later_starts_the_same_cycle(plane: ControlPlane) -> None:
     primary = plane.start_job("long-1")
-    periodic = _commit(plane, "long-1", primary, 0, "periodic")
+    periodic = commit(plane, "long-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
-    backup = _recover(plane, "long-1", periodic, final_from=primary)
-    second = _commit(plane, "long-1", backup, 1, "periodic", sequence=order_periodic(plane, "long-1", backup))
+    backup = recover(plane, "long-1", periodic, final_from=primary)
+    second = commit(plane, "long-1", backup, 1, "periodic", sequence=order_periodic(plane, "long-1", backup))
 
     route(ec2_event("spot-interruption-warning", backup))
 
@@ -365,15 +314,15 @@ def test_backup_interrupted_later_starts_the_same_cycle(plane: ControlPlane) -> 
 def test_a_job_name_run_again_after_it_completed_still_recovers(plane: ControlPlane) -> None:
     # Given a job that was recovered once (generation 1), then completed on its backup
     primary = plane.start_job("again-1")
-    periodic = _commit(plane, "again-1", primary, 0, "periodic")
+    periodic = commit(plane, "again-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
-    backup = _recover(plane, "again-1", periodic, final_from=primary)
+    backup = recover(plane, "again-1", periodic, final_from=primary)
     finish_exit(events.JobExited("again-1", backup, 1, now_iso(), exit_code=0))
     assert plane.job("again-1").status == Status.COMPLETED
 
     # When the user runs the same job name again (generation 0 on a new VM) and that VM is interrupted
     rerun = plane.start_job("again-1")
-    _commit(plane, "again-1", rerun, 0, "periodic")
+    commit(plane, "again-1", rerun, 0, "periodic")
     route(ec2_event("spot-interruption-warning", rerun))
 
     # Then a second recovery starts and launches a backup for the rerun (the first one's name is not reused)
@@ -387,11 +336,11 @@ def test_a_restore_that_never_answers_is_not_followed_by_a_second_one(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given short waits, and a job with two periodic checkpoints
-    monkeypatch.setenv(OPTIONAL_ENV["final_dump_wait_s"], "1")
-    monkeypatch.setenv(OPTIONAL_ENV["restore_wait_s"], "1")
+    monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
+    monkeypatch.setenv(ENV["restore_wait_s"], "1")
     primary = plane.start_job("quiet-1")
-    older = _commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
-    newest = _commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
+    older = commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    newest = commit(plane, "quiet-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
 
     # When the old VM never reports its final dump and the backup never reports its restores
     route(ec2_event("spot-interruption-warning", primary))
@@ -413,8 +362,8 @@ def test_a_restore_that_never_answers_is_not_followed_by_a_second_one(
 
 def test_restore_failure_retries_the_previous_checkpoint(plane: ControlPlane) -> None:
     primary = plane.start_job("retry-1")
-    older = _commit(plane, "retry-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
-    newest = _commit(plane, "retry-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
+    older = commit(plane, "retry-1", primary, 0, "periodic", at_ms=1_795_000_000_000)
+    newest = commit(plane, "retry-1", primary, 0, "periodic", at_ms=1_795_000_060_000)
     route(ec2_event("state-change-terminated", primary))
     record = plane.wait_until(lambda: (r := plane.job("retry-1")).backup_instance_id and r, "the backup launch")
     backup = str(record.backup_instance_id)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from spotcr_contracts.events import BootstrapFailed
+from spotcr_contracts.settings import AGENT_FLAGS, VmSettings
 from spotcr_contracts.tags import ERROR, JOB, RUN, RUN_ID_PATTERN, JobSpec, parse_job_tags
 
 from . import config as agent_config
@@ -95,6 +96,7 @@ def _config(
     environ: Mapping[str, str],
 ) -> AgentConfig:
     state_dir = Path(environ.get(agent_config.STATE_DIR_ENV, str(agent_config.DEFAULT_STATE_DIR)))
+    deployment = VmSettings.from_agent_options(vars(args))
     workdir = job.workdir or definition.workdir
     values: dict[str, Any] = {
         "job_id": job.job_id,
@@ -105,14 +107,9 @@ def _config(
         "generation": job.generation,
         "mode": job.mode,
         "run_id": job.run_id,
-        "event_bus": args.event_bus,
-        "bucket": args.bucket,
+        # The deployment's settings the boot passed, under the same names in agent.json.
+        **{name: getattr(deployment, name) for name in AGENT_FLAGS},
         "ebs_volume_id": args.ebs_volume_id,
-        "efs_id": args.efs_id,
-        "efs_isolation": args.efs_isolation == "true",
-        "fsx_dns": args.fsx_dns,
-        "fsx_mount_name": args.fsx_mount_name,
-        "store_credentials_url": args.store_credentials_url,
         "command": definition.command,
         "env": dict(definition.env),
         "result_files": job.result_files or definition.result_files,

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, RESTORE_ATTEMPTS
 from spotcr_contracts.results import CheckpointResult, CommandFailed, RestoreResult, StatusResult
+from spotcr_contracts.settings import agent_options
 from spotcr_contracts.tags import RUN_ID_PATTERN, InvalidJobTags
 
 from . import agentlog
@@ -73,21 +74,11 @@ def parser() -> argparse.ArgumentParser:
     commands = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     bootstrap = commands.add_parser("bootstrap", help="read the job from IMDS, prepare storage, write agent.json")
-    bootstrap.add_argument("--bucket", default="", help="S3 bucket of the job's checkpoints (s3 storage)")
-    bootstrap.add_argument("--event-bus", default="", help="EventBridge bus for the agent's events")
+    # The deployment's settings, as the user data passes them (spotcr_contracts.settings.VmSettings).
+    for flag, true_or_false, description in agent_options():
+        choices = ("", "true", "false") if true_or_false else None
+        bootstrap.add_argument(flag, default="", choices=choices, help=description)
     bootstrap.add_argument("--ebs-volume-id", default="", help="EBS volume to mount (default: the one data volume)")
-    bootstrap.add_argument("--efs-id", default="", help="EFS file system id (efs storage)")
-    bootstrap.add_argument(
-        "--efs-isolation",
-        choices=("", "true", "false"),
-        default="",
-        help="true: mount only the job's own EFS access point with IAM (needs mount.efs and the store URL)",
-    )
-    bootstrap.add_argument("--fsx-dns", default="", help="FSx for Lustre DNS name (fsx storage)")
-    bootstrap.add_argument("--fsx-mount-name", default="", help="FSx for Lustre mount name (fsx storage)")
-    bootstrap.add_argument(
-        "--store-credentials-url", default="", help="function URL vending this job's own S3 store credentials"
-    )
     bootstrap.add_argument("--scratch-dir", default="", help="local dir for periodic dumps (default <state>/scratch)")
     bootstrap.add_argument("--report-failure", metavar="STEP", default="", help="only publish that STEP failed")
     bootstrap.add_argument(

@@ -1,4 +1,5 @@
-"""SSM's managed instances in the local cloud: only an instance whose SSM agent registered takes commands.
+"""SSM in the local AWS: commands go to their InstanceIds only; SSM's command status-change event; and managed
+instances: only an instance whose SSM agent registered takes commands.
 
 On AWS, SendCommand to an instance whose SSM Agent never registered (not installed, not running, no
 role) fails with InvalidInstanceId, and DescribeInstanceInformation lists only registered instances,
@@ -9,16 +10,45 @@ Agent, which their boot runs where bootstrap.sh installs and starts amazon-ssm-a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
+from rehearsal.localaws import wrap
+
 AGENT_NAME = "amazon-ssm-agent"
 ONLINE, CONNECTION_LOST = "Online", "ConnectionLost"
 
-Patch = Callable[[Any, str, Callable[[Any], Any]], None]
+
+def to_instance_ids_only(patches: contextlib.ExitStack) -> None:
+    """moto 5.2 adds every instance to a command sent without Targets; SSM sends to the InstanceIds only."""
+    from moto.ssm.models import Command
+
+    wrap(
+        patches,
+        Command,
+        "_get_instance_ids_from_targets",
+        lambda original: lambda command: original(command) if command.targets else [],
+    )
+
+
+def command_ended_detail(
+    instance_id: str, command_id: str, document_name: str, status: str, requested: datetime
+) -> dict[str, str]:
+    """The detail of SSM's invocation status-change event (the keys and formats of AWS's sample)."""
+    return {
+        "command-id": command_id,
+        "document-name": document_name,
+        "instance-id": instance_id,
+        "requested-date-time": (requested if requested.tzinfo else requested.replace(tzinfo=UTC))
+        .astimezone(UTC)
+        .strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+        + "Z",
+        "status": status,
+    }
 
 
 class ManagedInstances:
@@ -82,7 +112,7 @@ class ManagedInstances:
             )
 
 
-def install(patch: Patch, instances: ManagedInstances) -> None:
+def install(patches: contextlib.ExitStack, instances: ManagedInstances) -> None:
     """Teach moto's SSM the agent's registration call and DescribeInstanceInformation."""
     from moto.core.responses import ActionResult
     from moto.ssm.responses import SimpleSystemManagerResponse
@@ -109,5 +139,5 @@ def install(patch: Patch, instances: ManagedInstances) -> None:
 
         return handler
 
-    patch(SimpleSystemManagerResponse, "update_instance_information", update_instance_information)
-    patch(SimpleSystemManagerResponse, "describe_instance_information", describe_instance_information)
+    wrap(patches, SimpleSystemManagerResponse, "update_instance_information", update_instance_information)
+    wrap(patches, SimpleSystemManagerResponse, "describe_instance_information", describe_instance_information)
