@@ -23,7 +23,7 @@ from spotcr_contracts import tags
 
 from infra import ebs_key
 
-# The tags a user may write: the job's own (README's tag table) and the interruption marker. Never
+# The tags a user may write: the job's own (the tag table in docs/submitting.md) and the interruption marker. Never
 # spotcr:run, which only spotcr mints (registering), nor the control plane's other tags.
 USER_TAG_KEYS = (*tags.USER_TAGS, tags.INTERRUPT)
 JOB_TAGGED = {"StringLike": {f"aws:ResourceTag/{tags.JOB}": "?*"}}

@@ -278,7 +278,7 @@ class LocalCloud:
         return {"AWS_ENDPOINT_URL": self.vm_endpoint, "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION}
 
     def as_cli_user(self) -> contextlib.AbstractContextManager[None]:
-        """Calls made inside are the `spotcr` user's: its own key, holding only the README's user policy."""
+        """Calls made inside are the `spotcr` user's: its own key, holding only infra/user_policy.py's policy."""
         return enforce.acting_as(enforce.CLI_USER_KEY)
 
     def instance_env(self, instance_id: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ Two models live here:
 - spotcr's planner: the Young/Daly interval for the job's periodic checkpoints, the final dump projected
   against the two-minute notice, and the expected overhead and cost of one run on each storage.
 
-The README's "Planning a job" section states every formula and default below, with its source.
+docs/planning.md states every formula and default below, with its source.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ DEFAULT_READ_MIB_S: Mapping[str, Source] = {
     for storage, rate in DEFAULT_WRITE_MIB_S.items()
 }
 DEFAULT_LOCAL_DUMP_MIB_S = Source(
-    1190.0, "CRIU periodic dump to local scratch, job frozen 0.86 s for 1 GiB: README benchmarks, case (p)"
+    1190.0, "CRIU periodic dump to local scratch, job frozen 0.86 s for 1 GiB: bench/results/README.md, case (p)"
 )
 DEFAULT_PIPELINE_MIB_S = Source(
     217.0,
     "the agent's chunk+hash+compress+put path into a directory, 0.5 GiB in 2.36 s on 2 loaded cores: "
-    "README benchmarks, final-dump",
+    "bench/results/README.md, final-dump",
 )
 DEFAULT_BOOT_S = Source(
     90.0,

@@ -4,7 +4,7 @@ Two modes. With the job's own figures (--memory-gib ...): the Young/Daly interva
 two-minute notice, the expected overhead and the cost of a run on each storage, from `spotcr probe` results
 when given, else from documented defaults. With the original research's inputs (--interval-hours
 --dump-seconds --stored-gb --storage-price-gb-month): that research's long-running model, exactly.
-The formulas are in model.py and in the README's "Planning a job".
+The formulas are in model.py and in docs/planning.md.
 """
 
 from __future__ import annotations

@@ -403,7 +403,7 @@ def _run(check: Callable[[Cloud, Target], Check], cloud: Cloud, target: Target) 
         return failed(
             name,
             f"AWS refused {operation}: {code}: {error.response.get('Error', {}).get('Message', '')}",
-            f"let this user call {operation} (the README's user policy), then run preflight again",
+            f"let this user call {operation} (python -m infra.user_policy prints the policy), then rerun preflight",
         )
     except BotoCoreError as error:
         return failed(name, f"{type(error).__name__}: {error}", "aws configure, or set AWS_PROFILE")

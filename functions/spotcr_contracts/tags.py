@@ -43,7 +43,7 @@ LAUNCH_TEMPLATE = "aws:ec2launchtemplate:id"
 # On the volumes and snapshots spotcr creates: the stack whose roles may attach, move and delete them (its roles
 # write the key only while creating one; the users' policy must not allow writing it).
 STACK = "spotcr:stack"
-# The job's own tags, which its submitter writes (the README's tag table); every other spotcr tag is spotcr's.
+# The job's own tags, which its submitter writes (docs/submitting.md's tag table); every other spotcr tag is spotcr's.
 USER_TAGS = (
     JOB,
     COMMAND,

@@ -1,6 +1,6 @@
 """`spotcr cancel`, `submit --instance` and the refusals of restore and interrupt, against in-process moto (no VMs).
 
-The command runs as the `spotcr` user, holding only the README's user policy (IAM enforced); the test itself
+The command runs as the `spotcr` user, holding only infra/user_policy.py's policy (IAM enforced); the test itself
 builds the world and plays the control plane with its own, trusted key.
 """
 

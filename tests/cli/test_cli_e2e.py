@@ -41,7 +41,7 @@ def test_submit_watch_interrupt_restore_and_cancel_a_job_with_the_command(tmp_pa
 
         def spotcr(*argv):
             out = io.StringIO()
-            with cloud.as_cli_user():  # the user's own key, holding only the README's user policy
+            with cloud.as_cli_user():  # the user's own key, holding only the user policy (infra/user_policy.py)
                 code = main([*where, *argv], out=out)
             assert code == 0, f"spotcr {' '.join(argv)} exited {code}: {capsys.readouterr().err}\n" + "\n".join(lines)
             text = out.getvalue()
