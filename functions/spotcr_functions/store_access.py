@@ -9,9 +9,11 @@ recovering from (that one still writes the final dump). Only then is the store r
 role-chaining limit) with the job as session tag `SpotcrJob`, which the store role's policy uses as
 `jobs/${aws:PrincipalTag/SpotcrJob}/`, and with a session policy narrower still: the objects of the record's run
 (`jobs/<job>/runs/<run>/`), and of the name's other runs only the checkpoint state an ended run leaves behind
-(checkpoints, chunks, commit and sweep markers), which the new run prunes; never another run's result. Of the job
-it also reaches the logs kept for `spotcr logs` (`criu-logs/`, `agent-logs/`, shared by the name's runs). Listing
-stays job-wide (key names, no contents): the new run finds the earlier runs to prune by it.
+(checkpoints, chunks, commit and sweep markers), which the new run prunes: it reads and deletes them, and writes
+there only its own sweep marker (CheckpointStore.delete_run), never a checkpoint, chunk or commit marker, so a VM
+still holding an ended run's session cannot change what the name's current run restores; never another run's
+result. Of the job it also reaches the logs kept for `spotcr logs` (`criu-logs/`, `agent-logs/`, shared by the
+name's runs). Listing stays job-wide (key names, no contents): the new run finds the earlier runs to prune by it.
 
 EFS (efs storage): the session policy also allows ClientMount, ClientWrite and ClientRootAccess on the file system
 only with `elasticfilesystem:AccessPointArn` equal to this job's access point (efs_access). The session tag cannot
@@ -37,6 +39,7 @@ from spotcr_functions.models import ENDED, INSTANCE_ID_PATTERN, JobRecord, Statu
 
 SESSION_SECONDS = 3600  # role chaining (an instance role session assuming the store role) caps sessions at 1 hour
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
+PRUNE_ACTIONS = ("s3:GetObject", "s3:DeleteObject")
 LIST_ACTION = "s3:ListBucket"
 EFS_CLIENT_ACTIONS = (
     "elasticfilesystem:ClientMount",
@@ -48,9 +51,10 @@ _ASSUMED_ROLE = re.compile(r"^arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
 # IAM's `?` matches one character: a run id (r- and 16 hex digits), so the pattern never reaches into result/.
 ANY_RUN = "r-" + "?" * 16
-# What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs), and what `spotcr-agent
-# probe` writes on a job VM as a scratch run of its own (io/ and a pipeline's checkpoints); result/ is not here.
-PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps", "io")
+# What a run leaves behind that a later run of its name deletes (Agent.delete_earlier_runs); result/ is not here.
+PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps")
+# What that delete writes in the earlier run: its sweep marker, which holds off a late commit of that run.
+PRUNE_MARKERS = "sweeps"
 # The job's kept logs, which every run of the name writes.
 JOB_LOGS = (layout.CRIU_LOGS, layout.AGENT_LOGS)
 # The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.
@@ -132,23 +136,29 @@ def session_policy(
     access_point_arn: str | None = None,
     file_system_id: str = "",
 ) -> dict[str, Any]:
-    """The session policy: the run's objects, the checkpoint state of the name's other runs (to prune it), the
-    job's kept logs, listing only under the job's prefix, and (efs storage) mounting the file system only through
-    the job's access point."""
+    """The session policy: the run's objects and the job's kept logs; of the name's other runs, reading and
+    deleting the checkpoint state (to prune it) and writing only the prune's sweep marker; listing only under the
+    job's prefix, and (efs storage) mounting the file system only through the job's access point."""
     objects = f"arn:{partition}:s3:::{bucket}/"
+    other_runs = f"{objects}{run_prefix(job_id, ANY_RUN)}"
     statements: list[dict[str, Any]] = [
         {
             "Effect": "Allow",
             "Action": list(OBJECT_ACTIONS),
-            "Resource": f"{objects}{run_prefix(job_id, run_id)}*",
+            "Resource": [
+                f"{objects}{run_prefix(job_id, run_id)}*",
+                *(f"{objects}{job_prefix(job_id)}{logs}/*" for logs in JOB_LOGS),
+            ],
         },
         {
             "Effect": "Allow",
-            "Action": list(OBJECT_ACTIONS),
-            "Resource": [
-                *(f"{objects}{run_prefix(job_id, ANY_RUN)}{part}/*" for part in PRUNABLE),
-                *(f"{objects}{job_prefix(job_id)}{logs}/*" for logs in JOB_LOGS),
-            ],
+            "Action": list(PRUNE_ACTIONS),
+            "Resource": [f"{other_runs}{part}/*" for part in PRUNABLE],
+        },
+        {
+            "Effect": "Allow",
+            "Action": "s3:PutObject",
+            "Resource": f"{other_runs}{PRUNE_MARKERS}/*",
         },
         {
             "Effect": "Allow",

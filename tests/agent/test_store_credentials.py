@@ -15,23 +15,24 @@ from botocore.credentials import Credentials
 from moto import mock_aws
 from spotcr_agent import storage, store_credentials
 from spotcr_agent.config import AgentConfig
-from spotcr_agent.store import CheckpointStore
+from spotcr_agent.store import CheckpointStore, StoreUnavailable
 
 from rehearsal import store_credentials as function_url
 from rehearsal.iam import enforce, principals
 from rehearsal.iam.policy import Principal
+from tests.localaws.vended import Enforced, enforced
 
-JOB = "render-42"
+JOB, RUN = "render-42", "r-00000000000000a1"
 URL = "https://abcdefg.lambda-url.us-east-1.on.aws/"
 
 
-def _answer(key: str, expires_in: timedelta, job: str = JOB) -> bytes:
+def _answer(key: str, expires_in: timedelta, job: str = JOB, secret: str = "", token: str = "") -> bytes:
     expiry = (datetime.now(UTC) + expires_in).isoformat().replace("+00:00", "Z")
     return json.dumps(
         {
             "AccessKeyId": key,
-            "SecretAccessKey": f"secret-{key}",
-            "SessionToken": f"token-{key}",
+            "SecretAccessKey": secret or f"secret-{key}",
+            "SessionToken": token or f"token-{key}",
             "Expiration": expiry,
             "Job": job,
             "Prefix": f"jobs/{job}/",
@@ -117,22 +118,40 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Any:
         yield
 
 
+def _vended_store(world: Enforced, job: str, run: str) -> tuple[CheckpointStore, str]:
+    """The agent's S3 store of JOB, the URL answering with a session vended for (job, run); its access key."""
+    vended = world.store_session(job, run).get_credentials()
+    url = Url((200, _answer(vended.access_key, timedelta(hours=1), secret=vended.secret_key, token=vended.token)))
+    session = store_credentials.session(url.fetcher(), "us-east-1")
+    store = CheckpointStore.for_s3("spotcr-checkpoints", JOB, region="us-east-1", session=session, run_id=RUN)
+    return store, vended.access_key
+
+
 def test_the_s3_store_signs_with_the_vended_credentials_not_the_instance_role(moto_s3: None) -> None:
-    # Given a store opened with the vended session
-    url = Url((200, _answer("AKIDVENDED", timedelta(hours=1))))
-    store = CheckpointStore.for_s3(
-        "spotcr-checkpoints", JOB, region="us-east-1", session=store_credentials.session(url.fetcher(), "us-east-1")
-    )
-    signed_with: list[str] = []
-    store.backend.client.meta.events.register(  # type: ignore[attr-defined]
-        "before-send.s3", lambda request, **_: signed_with.append(request.headers["Authorization"].decode())
-    )
-    # When it checks the store and writes an object
-    store.check()
-    store.backend.put(f"jobs/{JOB}/probe", b"x")
-    # Then every request was signed with the vended key, and the check listed only the job's prefix
-    assert signed_with and all("Credential=AKIDVENDED/" in header for header in signed_with)
+    # Given a store opened with the vended session, IAM enforced (the VM's own key, "instance-role", has no grant)
+    with enforced("spotcr-checkpoints") as world:
+        store, vended = _vended_store(world, JOB, RUN)
+        signed_with: list[str] = []
+        store.backend.client.meta.events.register(  # type: ignore[attr-defined]
+            "before-send.s3", lambda request, **_: signed_with.append(request.headers["Authorization"].decode())
+        )
+        # When it checks the store and writes an object of its run
+        store.check()
+        store.backend.put(f"jobs/{JOB}/runs/{RUN}/probe", b"x")
+    # Then every request was signed with the vended key, IAM allowed each, and the check listed only the job's prefix
+    assert signed_with and all(f"Credential={vended}/" in header for header in signed_with)
+    assert world.enforcer.denials == []
     assert store.backend.scope == f"jobs/{JOB}/"  # type: ignore[attr-defined]
+
+
+def test_credentials_vended_for_another_job_cannot_write_this_jobs_store(moto_s3: None) -> None:
+    # Given a store of this job whose URL answered with another job's vended session
+    with enforced("spotcr-checkpoints") as world:
+        store, _ = _vended_store(world, "render-other", RUN)
+        # When it writes an object of this job, then S3 refuses it, as IAM denies the vended session
+        with pytest.raises(StoreUnavailable, match="AccessDenied"):
+            store.backend.put(f"jobs/{JOB}/runs/{RUN}/probe", b"x")
+    assert "s3:PutObject" in world.enforcer.denials[-1].reason
 
 
 def test_the_agent_uses_vended_credentials_when_its_config_names_the_url(moto_s3: None) -> None:

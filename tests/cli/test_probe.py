@@ -245,8 +245,8 @@ def test_bad_input_gets_a_clear_error(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_probe_on_a_job_vm_writes_only_a_run_of_its_own_under_the_jobs_prefix(tmp_path, bucket, iam):
-    # Given a job's committed objects, and every S3 request the probe makes recorded
+def test_probe_on_a_job_vm_writes_only_under_its_runs_probe_prefix(tmp_path, bucket, iam):
+    # Given a job's committed objects, and every S3 write the probe makes recorded
     from spotcr_agent import probe as agent_probe
     from spotcr_agent.store.backends import S3Backend
 
@@ -270,12 +270,28 @@ def test_probe_on_a_job_vm_writes_only_a_run_of_its_own_under_the_jobs_prefix(tm
         scratch=tmp_path,
         s3_backend=lambda name: Recorded(name, session=session, scope="jobs/render-42/"),
         s3_job="render-42",
+        s3_run="r-00000000000000a1",
     )
 
-    # Then it wrote only under one run of its own of that job, and removed it, leaving the job's objects alone
+    # Then it wrote only under one probe prefix of its run (which its restore never reads), as IAM allowed, and
+    # removed it, leaving the job's objects alone
     assert results[0].pipeline is not None and results[0].pipeline.verified
-    runs = {key.split("/")[3] for key in touched}
-    assert all(key.startswith("jobs/render-42/runs/r-") for key in touched) and len(runs) == 1
-    assert runs != {"r-00000000000000a1"}
+    scratch = {key.split("/")[5] for key in touched}
+    assert all(key.startswith("jobs/render-42/runs/r-00000000000000a1/probe/") for key in touched)
+    assert len(scratch) == 1 and iam.enforcer.denials == []
     left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
     assert left == ["jobs/render-42/runs/r-00000000000000a1/checkpoints/x.json"]
+
+
+def test_probe_on_a_job_vm_without_a_run_yet_is_refused_naming_it(tmp_path):
+    from spotcr_agent import probe as agent_probe
+
+    settings = agent_probe.ProbeSettings(streams=(1,), block_kib=(64,), size_mib=1, pipeline_mib=0)
+    with pytest.raises(agent_probe.ProbeError, match="job render-42 has no run yet"):
+        agent_probe.probe(
+            [agent_probe.ProbeTarget("s3", bucket="b")],
+            settings,
+            instance_type="m5.xlarge",
+            scratch=tmp_path,
+            s3_job="render-42",
+        )

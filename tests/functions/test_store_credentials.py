@@ -79,19 +79,21 @@ def test_the_instance_running_a_job_gets_credentials_for_that_job_only(
 
 def test_the_session_policy_names_the_runs_prefix_and_only_the_checkpoint_state_of_other_runs() -> None:
     policy = store_access.session_policy("aws", BUCKET, "render-42", "r-0123456789abcdef")
-    objects, earlier, listing = policy["Statement"]
+    objects, earlier, sweep, listing = policy["Statement"]
+    job = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/"
     assert objects == {
         "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
-        "Resource": "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-0123456789abcdef/*",
+        "Resource": [f"{job}runs/r-0123456789abcdef/*", f"{job}criu-logs/*", f"{job}agent-logs/*"],
     }
-    runs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/runs/r-????????????????/"
-    logs = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/"
-    assert earlier["Resource"] == [
-        *(f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps", "io")),
-        f"{logs}criu-logs/*",
-        f"{logs}agent-logs/*",
-    ]
+    runs = f"{job}runs/r-????????????????/"
+    # Of other runs: read and delete the checkpoint state, write only a prune's sweep marker
+    assert earlier == {
+        "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:DeleteObject"],
+        "Resource": [f"{runs}{part}/*" for part in ("checkpoints", "chunks", "commits", "sweeps")],
+    }
+    assert sweep == {"Effect": "Allow", "Action": "s3:PutObject", "Resource": f"{runs}sweeps/*"}
     assert listing == {
         "Effect": "Allow",
         "Action": "s3:ListBucket",

@@ -6,14 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from spotcr_agent.checkpoint import keep_criu_log
 from spotcr_agent.store import CheckpointStore, StoreUnavailable
 
 from rehearsal.iam import principals
 from tests.localaws.vended import Enforced
 
-from .support import JOB, RUN, images, meta
+from .support import JOB, RUN, checkpoint_id, images, meta
 
 OTHER_JOB = "job-other"
+EARLIER = "r-00000000000000e1"
 
 
 def test_without_the_store_roles_put_grant_a_commit_is_refused_naming_it(s3_iam: Enforced, tmp_path: Path) -> None:
@@ -46,3 +48,24 @@ def test_the_bucket_policy_refuses_a_store_session_over_plain_http(s3_iam: Enfor
         store.commit(images(tmp_path / "a", 1), meta(1))
     assert "explicit deny" in s3_iam.enforcer.denials[-1].reason
     assert "resource policy" in s3_iam.enforcer.denials[-1].reason
+
+
+def test_a_run_writes_its_own_store_and_prunes_an_earlier_run_but_no_run_writes_anothers_chunks(
+    s3_iam: Enforced, tmp_path: Path
+) -> None:
+    # Given an ended run's checkpoint, and the name's new run, each store on the session vended for its run
+    earlier = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, EARLIER), run_id=EARLIER)
+    earlier.commit(images(tmp_path / "a", 1), meta(1))
+    later = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+
+    # When the new run commits, keeps a CRIU log, and deletes the earlier run's checkpoints as the agent does
+    later.commit(images(tmp_path / "b", 2), meta(2))
+    keep_criu_log(later, "dump", checkpoint_id(2), "criu said no")
+    done = CheckpointStore(later.backend, JOB, run_id=EARLIER).delete_run()
+
+    # Then IAM allowed all of it, the prune's sweep marker in the earlier run included
+    assert done.deleted_checkpoints == [checkpoint_id(1)] and s3_iam.enforcer.denials == []
+    # But the ended run's session (a zombie VM's) cannot write a chunk the new run restores
+    with pytest.raises(StoreUnavailable, match="AccessDenied"):
+        earlier.backend.put(f"jobs/{JOB}/runs/{RUN}/chunks/ab/abcd", b"not the chunk")
+    assert "s3:PutObject" in s3_iam.enforcer.denials[-1].reason

@@ -449,7 +449,7 @@ class ControlPlane:
         roles = iam.stack_roles(where)
         # The test's own key (mock_aws's): it builds the account as CloudFormation would, plays the user and the
         # agents, and reads what happened; IAM does not evaluate it.
-        self.enforcer = iam.enforcer(roles, trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"})
+        self.enforcer = iam.enforcer(roles, trusted={os.environ["AWS_ACCESS_KEY_ID"]: "the test"}, where=where)
 
     def launch_job_instance(
         self, job_tags: Mapping[str, str], az: str = f"{REGION}a", instance_type: str = "m5.large"

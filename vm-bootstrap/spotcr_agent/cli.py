@@ -283,9 +283,12 @@ def _probe(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         targets = probe.config_targets(config.storage, config.bucket, config.mount_point, config.scratch_dir)
         scratch = config.scratch_dir
         if config.storage == "s3" and config.store_credentials_url:
+            from .state import StateFile
             from .storage import store_session
 
-            on_job = {"s3_job": config.job_id, "s3_session": store_session(config)}
+            # The run this VM serves, as Agent.run_id has it: its credentials write under that run only.
+            run_id = StateFile(config.state_dir).read().run_id or config.run_id
+            on_job = {"s3_job": config.job_id, "s3_run": run_id, "s3_session": store_session(config)}
         if not instance_type:
             try:
                 instance_type = (Imds(config.imds_endpoint).get("meta-data/instance-type") or "").strip()

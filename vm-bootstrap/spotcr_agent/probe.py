@@ -29,10 +29,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from spotcr_contracts.tags import new_run_id
+from spotcr_contracts.layout import run_prefix
 
 from .store import CheckpointMeta, CheckpointStore
-from .store.backends import Backend, DirectoryBackend, S3Backend
+from .store.backends import Backend, DirectoryBackend, S3Backend, Under
 
 FORMAT = 1
 MIB = 1024 * 1024
@@ -254,7 +254,7 @@ class _DirectoryTarget:
 
 
 class _S3Target:
-    def __init__(self, backend: S3Backend, prefix: str, size: int) -> None:
+    def __init__(self, backend: Backend, prefix: str, size: int) -> None:
         self.backend = backend
         self.prefix = prefix
         self.size = size
@@ -347,15 +347,12 @@ def _synthetic_images(directory: Path, size: int, seed: bytes) -> None:
     (directory / "inventory.img").write_bytes(b"spotcr probe\n")
 
 
-def measure_pipeline(
-    backend: Backend, size: int, scratch: Path, workers: int, *, job_id: str = "", run_id: str = ""
-) -> PipelineMeasurement:
-    """Commit a synthetic image set through the agent's store into backend, fetch it back, then delete it.
-    Under a job's own prefix (`job_id`, on a job VM whose store credentials reach only that job) it is a run of
-    its own (`run_id`), which the job's restore never looks at and which alone is deleted."""
-    job_id = job_id or f"{PROBE_JOB_PREFIX}{uuid.uuid4().hex[:12]}"
-    store = CheckpointStore(backend, job_id, workers=workers, run_id=run_id)
-    written = f"jobs/{job_id}/runs/{run_id}/" if run_id else f"jobs/{job_id}/"
+def measure_pipeline(backend: Backend, size: int, scratch: Path, workers: int) -> PipelineMeasurement:
+    """Commit a synthetic image set through the agent's store into backend, as a job of its own, fetch it back,
+    then delete it."""
+    job_id = f"{PROBE_JOB_PREFIX}{uuid.uuid4().hex[:12]}"
+    store = CheckpointStore(backend, job_id, workers=workers)
+    written = f"jobs/{job_id}/"
     checkpoint_id = f"{int(time.time() * 1000):013d}-g0-periodic"
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".spotcr-probe-") as work:
         images = Path(work) / "images"
@@ -378,7 +375,7 @@ def measure_pipeline(
         finally:
             backend.delete([o.key for o in backend.scan(written)])
             # A file system also keeps the directories the store made.
-            if isinstance(backend, DirectoryBackend) and not run_id:
+            if isinstance(backend, DirectoryBackend):
                 shutil.rmtree(backend.root / "jobs" / job_id, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     (backend.root / "jobs").rmdir()  # only if no job's checkpoints are there
@@ -424,17 +421,20 @@ def probe(
     scratch: Path,
     s3_backend: Callable[[str], S3Backend] | None = None,
     s3_job: str = "",
+    s3_run: str = "",
     s3_session: Any = None,
     now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> list[ProbeResult]:
-    """Probe each target in turn (never two at once: they would share the VM's network and CPUs). `s3_job` and
-    `s3_session`: on a job VM, S3 is probed under that job's prefix with its vended store credentials (the VM's
-    own role reaches no job's objects), as a run of its own that is deleted afterwards."""
+    """Probe each target in turn (never two at once: they would share the VM's network and CPUs). `s3_job`,
+    `s3_run` and `s3_session`: on a job VM, S3 is probed with the job's vended store credentials (the VM's own role
+    reaches no job's objects), which write only under the run's own prefix: there the probe keeps its objects under
+    `probe/`, which the run's restore never looks at, and deletes them afterwards."""
+    if s3_job and not s3_run:
+        raise ProbeError(f"job {s3_job} has no run yet: probe its S3 store once the job started")
     scope = f"jobs/{s3_job}/" if s3_job else ""
     make_s3 = s3_backend or (
         lambda bucket: S3Backend(bucket, max_connections=max(settings.streams) + 20, session=s3_session, scope=scope)
     )
-    probe_run = new_run_id() if s3_job else ""
     data = os.urandom(settings.size_mib * MIB)
     results = []
     for target in targets:
@@ -443,9 +443,12 @@ def probe(
         if target.bucket:
             s3 = make_s3(target.bucket)
             s3.check()
-            backend = s3
-            where = f"jobs/{s3_job}/runs/{probe_run}/" if s3_job else f"jobs/{PROBE_JOB_PREFIX}{uuid.uuid4().hex[:12]}/"
-            io: _Target = _S3Target(s3, f"{where}io/", len(data))
+            if s3_job:
+                backend = Under(s3, f"{run_prefix(s3_job, s3_run)}probe/{uuid.uuid4().hex[:12]}/")
+                io: _Target = _S3Target(backend, "io/", len(data))
+            else:
+                backend = s3
+                io = _S3Target(s3, f"jobs/{PROBE_JOB_PREFIX}{uuid.uuid4().hex[:12]}/io/", len(data))
         else:
             assert target.directory is not None
             backend = DirectoryBackend(target.directory)
@@ -457,8 +460,7 @@ def probe(
         pipeline = None
         if settings.pipeline_mib:
             workers = 16 if target.bucket else 8  # as CheckpointStore.for_s3 / for_directory
-            on_job = {"job_id": s3_job, "run_id": probe_run} if target.bucket and s3_job else {}
-            pipeline = measure_pipeline(backend, settings.pipeline_mib * MIB, scratch, workers, **on_job)
+            pipeline = measure_pipeline(backend, settings.pipeline_mib * MIB, scratch, workers)
         results.append(
             ProbeResult(
                 storage=target.storage,

@@ -11,7 +11,7 @@ import os
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -286,6 +286,40 @@ class S3Backend:
         if code in ("NoSuchBucket", "AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return StoreUnavailable(f"S3 bucket {self.bucket} cannot be used ({code}) at {self.describe(key)}")
         return StoreError(f"S3 request for {self.describe(key)} failed: {_error_text(error)}")
+
+
+class Under:
+    """Another backend's keys under `prefix`, seen as the whole store: `spotcr-agent probe` on a job VM keeps its
+    scratch job inside the run's own prefix, the only one the run's store credentials may write."""
+
+    def __init__(self, backend: Backend, prefix: str) -> None:
+        self.backend = backend
+        self.prefix = prefix
+
+    def describe(self, key: str = "") -> str:
+        return self.backend.describe(self.prefix + key)
+
+    def check(self) -> None:
+        self.backend.check()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.backend.put(self.prefix + key, data)
+
+    def put_new(self, key: str, data: bytes) -> None:
+        self.backend.put_new(self.prefix + key, data)
+
+    def get(self, key: str) -> bytes:
+        return self.backend.get(self.prefix + key)
+
+    def scan(self, prefix: str) -> Iterator[StoredObject]:
+        for found in self.backend.scan(self.prefix + prefix):
+            yield replace(found, key=found.key.removeprefix(self.prefix))
+
+    def delete(self, keys: list[str]) -> None:
+        self.backend.delete([self.prefix + key for key in keys])
+
+    def flush(self) -> None:
+        self.backend.flush()
 
 
 def _error_code(error: Exception) -> str:
