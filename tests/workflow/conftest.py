@@ -23,6 +23,9 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def plane(aws_env: None) -> Iterator[ControlPlane]:
+def plane(aws_env: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlPlane]:
     with mock_aws(config=MOTO_CONFIG), ControlPlane() as control_plane:
         yield control_plane
+        # A test's monkeypatch.setenv of a setting sits on top of the plane's: undo it first, so that closing the
+        # plane then restores the environment as it was (undone later, it would put the plane's values back).
+        monkeypatch.undo()
