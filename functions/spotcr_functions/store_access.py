@@ -11,9 +11,13 @@ role-chaining limit) with the job as session tag `SpotcrJob`, which the store ro
 (`jobs/<job>/runs/<run>/`), and of the name's other runs only the checkpoint state an ended run leaves behind
 (checkpoints, chunks, commit and sweep markers), which the new run prunes: it reads and deletes them, and writes
 there only its own sweep marker (CheckpointStore.delete_run), never a checkpoint, chunk or commit marker, so a VM
-still holding an ended run's session cannot change what the name's current run restores; never another run's
-result. Of the job it also reaches the logs kept for `spotcr logs` (`criu-logs/`, `agent-logs/`, shared by the
-name's runs). Listing stays job-wide (key names, no contents): the new run finds the earlier runs to prune by it.
+still holding an ended run's session cannot write what the name's current run restores; never another run's
+result. IAM cannot say "any run but the caller's" (run ids are random, the current one unknown when a session
+is vended), so until it expires (at most an hour) such a session can still delete the current run's checkpoint
+state (a restore then walks back past it, or starts over) or hold its commits off with a sweep marker (its
+checkpoints then fail to commit). Of the job it also reaches the logs kept for `spotcr logs` (`criu-logs/`,
+`agent-logs/`, shared by the name's runs). Listing stays job-wide (key names, no contents): the new run finds the
+earlier runs to prune by it.
 
 EFS (efs storage): the session policy also allows ClientMount, ClientWrite and ClientRootAccess on the file system
 only with `elasticfilesystem:AccessPointArn` equal to this job's access point (efs_access). The session tag cannot
