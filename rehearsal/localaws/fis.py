@@ -29,6 +29,7 @@ def interrupt_spot_instances(
             started = original(backend, *args, **kwargs)
             experiment = backend.experiments[started["id"]]
             ec2 = ec2_backends[ACCOUNT][REGION]
+            planned: list[tuple[str, float]] = []  # every target of every action, checked before any is interrupted
             for action in experiment.actions.values():
                 if action.get("actionId") != fis_templates.ACTION_ID:
                     continue
@@ -38,8 +39,9 @@ def interrupt_spot_instances(
                     if not may_interrupt(experiment, targets):
                         experiment.status = "failed"  # as FIS fails an experiment its role may not run
                         return started
-                    for instance_id in targets:
-                        interrupt(instance_id, duration)
+                    planned += [(instance_id, duration) for instance_id in targets]
+            for instance_id, duration in planned:
+                interrupt(instance_id, duration)
             return started
 
         return started_then_interrupting
