@@ -381,7 +381,9 @@ def agent_view(cloud: Cloud, record: JobRecord, wait_s: float = 60.0) -> dict[st
         view = results.parse_status(invocation.get("StandardOutputContent") or "")
     except results.InvalidResult as error:
         return {"error": f"{invocation['Status']}: {error}: {invocation.get('StandardErrorContent', '')[-400:]}"}
-    return {"error": view.error} if isinstance(view, results.CommandFailed) else dataclasses.asdict(view)
+    return (
+        {"error": view.error} if isinstance(view, results.CommandFailed) else {"ok": True, **dataclasses.asdict(view)}
+    )
 
 
 def instance_errors(cloud: Cloud, job_id: str) -> list[dict[str, str]]:
