@@ -375,7 +375,7 @@ class LocalCloud:
                 definition=stack.recovery_definition(function_arns, document_names, topic_arn),
                 roleArn=role_arn,
             )
-        self._create_stack_outputs(role_arn, template_id, state_machine_arn)
+        self._create_stack_outputs(template_id, state_machine_arn)
         events = self.client("events")
         for function in catalog.FUNCTIONS:
             for rule in function.rules:
@@ -422,7 +422,7 @@ class LocalCloud:
             self._job_policies = _asset_granted(self._job_policies, f"s3://{bucket}/{key}", self.agent_asset_url)
         return enforcer
 
-    def _create_stack_outputs(self, role_arn: str, template_id: str, state_machine_arn: str) -> None:
+    def _create_stack_outputs(self, template_id: str, state_machine_arn: str) -> None:
         """The stack's FIS experiment templates, and a CloudFormation stack whose outputs name what `spotcr` reads."""
         fis = self.client("fis")
         outputs = {

@@ -6,7 +6,10 @@ and the fault suite) and `tests.workflow.harness.ControlPlane` (moto in-process,
 - `ssm`: commands go to their InstanceIds only; managed instances; SSM's command status-change event;
 - `fleet`: CreateFleet tags its instances as RunInstances does, and reports refused launches in Errors;
 - `stepfunctions`: SendTaskFailure keeps its cause;
-- `iam`: the synthesized stack's IAM, enforced on every call (rehearsal/iam/enforce.py).
+- `iam`: the synthesized stack's IAM, enforced on every call (rehearsal/iam/enforce.py);
+- `stack`: the stack's tables, SSM documents and recovery state machine, as `cdk deploy` creates them;
+- `fis`: a spot-interruption experiment interrupts its targets, once the experiment's role may;
+- `s3`: the fault suite's injected store faults.
 Every patch is entered into the caller's `contextlib.ExitStack`, so closing it undoes them all, in reverse.
 """
 

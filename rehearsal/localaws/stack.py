@@ -1,5 +1,5 @@
 """The stack's resources as `cdk deploy` creates them, from the same definitions infra/ uses: the job registry's
-tables, the SSM documents, the recovery state machine's definition, and the settings the functions read."""
+tables, the SSM documents and the recovery state machine's definition."""
 
 from __future__ import annotations
 
