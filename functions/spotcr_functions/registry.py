@@ -210,6 +210,8 @@ class Registry:
         retry): the first end wins and an ended record is never written again (rule 10)."""
         if status not in ENDED:
             raise ValueError(f"{status} is not an end")
+        if seen.status in ENDED:
+            raise ValueError(f"job {seen.job_id} already ended {seen.status}: an ended record is never written again")
         backup = (
             Attr("backup_instance_id").eq(seen.backup_instance_id)
             if seen.backup_instance_id

@@ -157,6 +157,14 @@ def test_a_job_ends_exactly_once(registry: Registry) -> None:
     assert (now(registry).status, now(registry).exit_code) == (Status.COMPLETED, 0)
 
 
+def test_a_record_read_after_its_end_is_never_ended_again(registry: Registry) -> None:
+    ended = registry.end(job(registry), Status.COMPLETED, {"exit_code": 0})
+    assert ended is not None
+    with pytest.raises(ValueError, match="already ended COMPLETED"):
+        registry.end(ended, Status.FAILED, {"exit_code": 1})
+    assert (now(registry).status, now(registry).exit_code) == (Status.COMPLETED, 0)
+
+
 def test_an_end_read_before_a_backup_was_launched_is_refused(registry: Registry) -> None:
     seen = job(registry, status=Status.RECOVERING, recovering_from="i-1")
     recovering(registry)
