@@ -172,10 +172,11 @@ def restarted(record: Record, launched_at: str | None) -> bool:
     final dump no longer proves the job is gone from it: the agent may have started or resumed the job there."""
     if not launched_at or not record.interrupted_at:
         return False
-    return _time(launched_at) > _time(record.interrupted_at)
+    return parse_time(launched_at) > parse_time(record.interrupted_at)
 
 
-def _time(value: str) -> datetime:
+def parse_time(value: str) -> datetime:
+    """A record's or an event's ISO 8601 time (EC2 and the agent write a trailing Z)."""
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 

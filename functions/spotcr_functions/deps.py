@@ -38,7 +38,3 @@ class Deps:
 
     def unix_now(self) -> int:
         return int(self.now().timestamp())
-
-
-def parse_time(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))

@@ -10,11 +10,11 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands, names, results, tags
 from spotcr_contracts.names import client_token
-from spotcr_contracts.protocol import job_gone_from, restarted
+from spotcr_contracts.protocol import job_gone_from, parse_time, restarted
 
 from spotcr_functions import agent_events, checkpoints, efs_access, jobs, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, error_code
-from spotcr_functions.deps import Deps, parse_time
+from spotcr_functions.deps import Deps
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE, Metric
