@@ -124,7 +124,7 @@ def positive(name: str, value: float, *, zero_ok: bool = False) -> float:
 class ResearchRun:
     """The research's long-running model, exactly:
 
-    checkpoints   = ceil(W / H) - 1        one at the end of every interval but the last (the work is done then)
+    checkpoints   = ceil(W / H)            one at the end of every interval, the last (shorter) one included
     total_hours   = W + checkpoints * S / 3600   the job is stopped while each checkpoint is written
     total_cost    = total_hours * P + G * X      the VM for the whole run, G GB kept for the month
     """
@@ -146,7 +146,7 @@ class ResearchRun:
 
     @property
     def checkpoints(self) -> int:
-        return max(0, math.ceil(self.work_hours / self.interval_hours) - 1)
+        return math.ceil(self.work_hours / self.interval_hours)
 
     def to_json(self) -> dict[str, Any]:
         checkpoint_hours = self.checkpoints * self.dump_seconds / 3600.0
