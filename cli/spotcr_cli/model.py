@@ -118,7 +118,7 @@ REQUEST_PRICE: Mapping[str, RequestPrice] = {
 # S3 objects per GiB of new checkpoint data (PUTs to write it, GETs to read it back): the store writes one object
 # per chunk, about 1.25 MiB each. Measured in issue 23: 256 MiB of new data (half random, half repetitive)
 # committed through CheckpointStore.for_directory, about 800 requests per GiB. Update from `make bench`.
-S3_OBJECTS_PER_GIB = Source(800.0, "one object per ~1.25 MiB chunk, measured (issue 23): about 800 per GiB")
+S3_OBJECTS_PER_GIB = Source(800.0, "one object per ~1.25 MiB chunk, measured in issue 23")
 # Retention: the agent keeps its newest keep_checkpoints, and any older one whose successor is younger than the
 # store's grace (a restore may still read it).
 KEEP_CHECKPOINTS = AgentConfig.keep_checkpoints

@@ -1,8 +1,9 @@
 """`spotcr plan`: the checkpoint interval for a job and what a run costs on each storage.
 
 Two modes. With the job's own figures (--memory-gib ...): the Young/Daly interval, the final dump against the
-two-minute notice, the expected overhead and the cost of a run on each storage, from `spotcr probe` results
-when given, else from documented defaults. With the original research's inputs (--interval-hours
+two-minute notice, the expected overhead and the cost of a run on each storage (the VM, the storage's requests,
+the storage the retention keeps; per day too), from `spotcr probe` results when given, else from documented
+defaults. With the original research's inputs (--interval-hours
 --dump-seconds --stored-gb --storage-price-gb-month): that research's long-running model, exactly.
 The formulas are in model.py and in docs/planning.md.
 """
@@ -323,7 +324,8 @@ def _job_table(result: Mapping[str, Any]) -> str:
         prices.append(f"  {p['storage']}: {p['request_price']['source']}")
         if "objects_per_gib" in p:
             prices.append(
-                f"  {p['storage']}: {p['objects_per_gib']['value']:g} objects per GiB, {p['objects_per_gib']['source']}"
+                f"  {p['storage']}: {p['objects_per_gib']['value']:g} objects per GiB of new data "
+                f"({p['objects_per_gib']['source']})"
             )
     return "\n".join(
         [
