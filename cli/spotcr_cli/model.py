@@ -399,6 +399,7 @@ def checkpoint_costs(job: JobPlanInput, storage: str, interval_s: float, run_hou
                                                                       younger than the store's grace)
     kept GiB = min(K * memory, memory + (K - 1) * N)   one full image, and what each later one changed
     S3 also bills what the store deleted for noncurrent_version_days (a versioned bucket): + written per day * days
+        (each deleted GiB is billed that many days, partly after the run: steady state * run time counts it exactly)
     billed GiB = kept (or --stored-gib), at least the provisioned size on EBS and FSx
     storage per day = billed GiB * price per GB-month * 24 / 730          (AWS bills "GB" here as GiB)
     """
