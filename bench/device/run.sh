@@ -94,6 +94,9 @@ facts() {
   cat /etc/os-release
   df -h / /var/tmp /dev/shm /tmp
   command -v ip iptables unshare nsenter mount setsid nvcc
+  echo "PATH=$PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+  ldconfig -p | grep -E 'libcuda\.so|libnvidia-ml'
+  ls -l /dev/nvidia*
   "$PYTHON" -c 'import sys, torch; print(sys.version, torch.__version__, torch.cuda.is_available())'
   criu --version
   criu check
@@ -112,11 +115,26 @@ install() {
   for tool in ip iptables; do
     command -v "$tool" || ln -sfn "$CARRY/tools/bin/$tool" "$SBIN/$tool"
   done
+  # The VMs and the agent's jobs get a fixed environment, as on a job VM: the driver's library and nvidia-smi must
+  # be where a GPU AMI has them (the loader's cache, the standard PATH), not only on this shell's variables.
+  local dir vm_path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+  if ! ldconfig -p | grep -q 'libcuda\.so\.1 '; then
+    for dir in ${LD_LIBRARY_PATH//:/ } /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
+      if [[ -e "$dir/libcuda.so.1" ]]; then echo "$dir" >>/etc/ld.so.conf.d/spotcr-nvidia.conf; fi
+    done
+    if [[ -f /etc/ld.so.conf.d/spotcr-nvidia.conf ]]; then ldconfig; fi
+  fi
+  ldconfig -p | grep 'libcuda\.so\.1 ' || echo "libcuda.so.1 is not in the loader's cache: CUDA jobs may fail"
+  if ! PATH=$vm_path command -v nvidia-smi && command -v nvidia-smi; then
+    ln -sfn "$(command -v nvidia-smi)" /usr/local/bin/nvidia-smi
+  fi
   rm -rf "$WORK/venv"
-  "$PYTHON" -m venv --without-pip "$WORK/venv" # Ubuntu's python may lack ensurepip
+  # Ubuntu's python may lack ensurepip, and pip is not needed: a wheel installs by unpacking.
+  "$PYTHON" -m venv --without-pip "$WORK/venv"
   local site
   site=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$CARRY"/wheels/*.whl
+  "$WORK/venv/bin/python" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+    "$site" "$CARRY"/wheels/*.whl
   "$WORK/venv/bin/python" -c 'import boto3, moto.server, pytest, zstandard'
 }
 
