@@ -160,6 +160,8 @@ rm -f $(printf 'bench/results/%s ' $NEW_RESULTS)
 say "spotcr device run at $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), budget $BUDGET_S s"
 step install 90 install || { say "install failed: see logs/install.log"; tail -20 "$LOGS/install.log"; exit 2; }
 step facts 60 facts
+say "machine: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -1);" \
+  "$(nproc) cores, $(free -g | awk '/^Mem:/ {print $2}') GiB, Linux $(uname -r), $(criu --version | head -1)"
 PY=$WORK/venv/bin/python
 
 step test-gpu 240 "$PY" -m pytest -p no:cacheprovider -m gpu -v --basetemp="$WORK/pytest-gpu" tests/agent/test_gpu_criu.py
