@@ -96,7 +96,8 @@ facts() {
   command -v ip iptables unshare nsenter mount setsid nvcc
   echo "PATH=$PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
   ldconfig -p | grep -E 'libcuda\.so|libnvidia-ml'
-  ls -l /dev/nvidia*
+  ls -l /dev/nvidia* /dev/nvidia-caps
+  cat /proc/driver/nvidia-caps/mig-minors | head -4
   "$PYTHON" -c 'import sys, torch; print(sys.version, torch.__version__, torch.cuda.is_available())'
   criu --version
   criu check
