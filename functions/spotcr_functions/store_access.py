@@ -28,9 +28,11 @@ policy narrows what the session may do whatever the service (IAM User Guide, "Se
 role's own grant already requires some access point, so a vended session never mounts the file system's root.
 
 A checkpoint key (setting checkpoint_key): the bucket encrypts with that KMS key by default (SSE-KMS, S3 Bucket Keys),
-and S3 asks KMS as the caller, kms:GenerateDataKey to write an object and kms:Decrypt to read one. The session policy
-allows both on that key only through S3 and only for this bucket: with Bucket Keys the encryption context is the
-bucket's ARN (Amazon S3 User Guide, "Reducing the cost of SSE-KMS with Amazon S3 Bucket Keys").
+and S3 asks KMS as the caller, kms:GenerateDataKey to write an object and kms:Decrypt to read one. The store role
+allows both on that key only through S3 and only for this bucket (`through_s3`: with Bucket Keys the encryption
+context is the bucket's ARN, Amazon S3 User Guide, "Reducing the cost of SSE-KMS with Amazon S3 Bucket Keys"). The
+session policy names the key without repeating those conditions: it only narrows the role's grant, and AssumeRole
+takes at most 2,048 characters of it, which a 63-character job name nearly fills already.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def session_policy(
     """The session policy: the run's objects and the job's kept logs; of the name's other runs, reading and
     deleting the checkpoint state (to prune it) and writing only the prune's sweep marker; listing only under the
     job's prefix; (efs storage) mounting the file system only through the job's access point, and (a checkpoint
-    key) that key only as S3 uses it for this bucket."""
+    key) that key, as far as the store role allows it (only as S3 uses it for this bucket)."""
     objects = f"arn:{partition}:s3:::{bucket}/"
     other_runs = f"{objects}{run_prefix(job_id, ANY_RUN)}"
     statements: list[dict[str, Any]] = [
@@ -191,15 +193,7 @@ def session_policy(
         },
     ]
     if key_arn:
-        region = key_arn.split(":")[3]  # a bucket's key is in the bucket's region
-        statements.append(
-            {
-                "Effect": "Allow",
-                "Action": list(KEY_ACTIONS),
-                "Resource": key_arn,
-                "Condition": through_s3(region, f"arn:{partition}:s3:::{bucket}"),
-            }
-        )
+        statements.append({"Effect": "Allow", "Action": list(KEY_ACTIONS), "Resource": key_arn})
     if access_point_arn:
         statements.append(
             {
