@@ -163,13 +163,14 @@ def plain_download(gets: list[Request], dest: Path) -> dict[str, Any]:
 
 
 def store_source() -> dict[str, Any]:
-    """Which store was measured: the commit, the store's source tree in it, and whether the tree was edited."""
+    """Which store was measured: the commit, the last commit that changed the store, its source tree, any edits."""
 
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
     return {
         "commit": git("rev-parse", "HEAD"),
+        "store_commit": git("log", "-1", "--format=%H", "--", STORE_SOURCE),
         "store_tree": git("rev-parse", f"HEAD:{STORE_SOURCE}"),
         "store_edited": bool(git("status", "--porcelain", "--", STORE_SOURCE)),
     }
@@ -244,7 +245,7 @@ def bytes_row(sent: int, doc: dict[str, Any], baseline: dict[str, Any] | None) -
         target = f"at most 1.5x today's (the baseline is for {baseline['gib']:g} GiB, {baseline['dirty']:.0%})"
         return row(figure, measured, target, None)
     before = baseline["bytes_sent_after_periodic"]
-    target = f"at most 1.5x today's ({before / MiB:.1f} MiB, commit {baseline['commit'][:10]})"
+    target = f"at most 1.5x today's ({before / MiB:.1f} MiB, the store of commit {baseline['store_commit'][:10]})"
     return row(figure, f"{measured} ({sent / before:.2f}x)", target, sent <= 1.5 * before)
 
 
@@ -267,7 +268,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "S3 requests are counted by a proxy in front of the endpoint (bench/s3count.py), which every S3 request "
         "of the run goes through; new data: the raw bytes of the chunks the checkpoint did not share with a parent. "
         "The restore's plain download runs right after the fetch, on the objects the fetch asked for.",
-        f"Store: {STORE_SOURCE} at tree {source['store_tree'][:10]}{edited}, commit {source['commit'][:10]}.",
+        f"Store: {STORE_SOURCE} as of commit {source['store_commit'][:10]} (tree {source['store_tree'][:10]}{edited}), "
+        f"measured at commit {source['commit'][:10]}.",
         f"Measured {doc['at']} on {m['cpus']} cores ({m['cpu']}), {m['memory_gib']} GiB, Linux {m['kernel']}, "
         f"CRIU {m['criu']}; {m['kind']}: load average {m['load_before'][0]:.1f} before the run and "
         f"{m['load_after'][0]:.1f} after. Command: `{doc['command'].strip()}`.",
