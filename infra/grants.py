@@ -424,7 +424,7 @@ def _efs_access_point_delete(t: GrantTargets) -> list[Grant]:
 
 
 # The store role's session tag: which job's prefix a vended session may touch (store_access.vend sets it).
-JOB_SESSION_TAG = f"${{aws:PrincipalTag/{store_access.SESSION_TAG}}}"
+JOB_SESSION_TAG = store_access.JOB
 
 
 def job_store(bucket_arn: str, file_system_arn: str | None = None, key_arn: str | None = None) -> list[Grant]:

@@ -100,14 +100,23 @@ def test_functions_are_told_the_key_for_store_sessions(custom_synth: Synth, defa
 
 
 def test_a_store_sessions_policy_names_the_key_and_stays_within_assume_roles_limit() -> None:
-    # Given the longest job name (63 characters) and a bucket name as long as CloudFormation makes them
-    bucket, job = "spotcr-storagecheckpoints2cdbdf43-0123456789ab", "j" * 63
-    policy = store_access.session_policy("aws", bucket, job, "r-0123456789abcdef", key_arn=CHECKPOINT_KEY_ARN)
+    # Given a bucket name as long as CloudFormation makes them, EFS storage and a key (the job's name, up to 63
+    # characters, is the session tag's, so no length of it counts here)
+    bucket = "spotcr-storagecheckpoints2cdbdf43-0123456789ab"
+    efs = "arn:aws-us-gov:elasticfilesystem:us-gov-west-1:123456789012:access-point/fsap-0123456789abcdef0"
+    policy = store_access.session_policy(
+        "aws-us-gov",
+        bucket,
+        "r-0123456789abcdef",
+        access_point_arn=efs,
+        file_system_id="fs-0123456789abcdef0",
+        key_arn=CHECKPOINT_KEY_ARN,
+    )
     # Then the key's actions are allowed on that key (the store role's grant holds the conditions)
     [statement] = [s for s in policy["Statement"] if s["Resource"] == CHECKPOINT_KEY_ARN]
     assert statement["Action"] == ["kms:GenerateDataKey", "kms:Decrypt"]
     assert len(json.dumps(policy, separators=(",", ":"))) <= 2048  # AssumeRole's limit on a session policy
-    without = store_access.session_policy("aws", bucket, job, "r-0123456789abcdef")
+    without = store_access.session_policy("aws", bucket, "r-0123456789abcdef")
     assert not [s for s in without["Statement"] if "kms:Decrypt" in s["Action"]]
 
 

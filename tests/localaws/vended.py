@@ -60,7 +60,7 @@ class Enforced:
 
     def store_session(self, job_id: str, run_id: str) -> Any:
         """A boto3 session as store-credentials vends it to the instance running this run of the job."""
-        policy = store_access.session_policy("aws", self.bucket, job_id, run_id, key_arn=self.key_arn)
+        policy = store_access.session_policy("aws", self.bucket, run_id, key_arn=self.key_arn)
         with enforce.acting_as(VENDOR):
             credentials = boto3.client("sts", region_name=REGION).assume_role(
                 RoleArn=self.roles.store.arn,
