@@ -180,7 +180,7 @@ class Settings:
     )
     root_volume_gib: int = option(_number(8, 16_384), "Encrypted gp3 root volume of job VMs.", 20)
     metadata_hop_limit: int = option(_number(1, 2), "IMDSv2 hop limit (1 or 2).", 1)
-    noncurrent_version_days: int = option(_number(1, 3650), "Keep replaced or deleted checkpoint objects this long.", 7)
+    noncurrent_version_days: int = option(_number(1, 3650), "Keep replaced or deleted checkpoint objects this long.", 1)
     checkpoint_expiry_days: int = option(
         _number(0, 3650),
         "Expire objects under `jobs/` (only safe for jobs shorter than this: checkpoints share chunks); 0: never.",

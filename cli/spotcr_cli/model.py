@@ -125,7 +125,7 @@ KEEP_CHECKPOINTS = AgentConfig.keep_checkpoints
 PRUNE_GRACE_S = GRACE_SECONDS
 # The stack's versioned bucket bills what the store deletes for this many days more: noncurrent_version_days in
 # infra/settings.py, its default (tests/cli/test_plan.py checks the two agree).
-NONCURRENT_VERSION_DAYS = 7
+NONCURRENT_VERSION_DAYS = 1
 
 # Storage billed by provisioned size, not by bytes stored: the stack's defaults.
 PROVISIONED_GIB: Mapping[str, Source] = {

@@ -244,8 +244,8 @@ def test_s3_requests_and_storage_per_day_count_every_chunk_and_every_version_kep
     one restore of 64 GiB per interruption: 64 * 24 * 0.001 = 1.536 GiB read a day, 1,228.8 GETs = $0.00049152.
 
     Kept: 13 checkpoints (the store's one-hour grace over 5-minute intervals, more than keep_checkpoints' 3):
-    64 + 12 * 3.2 = 102.4 GiB, plus 7 days of deleted versions, 921.6 * 7 = 6,451.2 GiB: 6,553.6 GiB at
-    $0.023 per GB-month = 6553.6 * 0.023 * 24 / 730 = $4.955599 a day.
+    64 + 12 * 3.2 = 102.4 GiB, plus 1 day of deleted versions, 921.6 GiB: 1,024 GiB at
+    $0.023 per GB-month = 1024 * 0.023 * 24 / 730 = $0.774312 a day.
     """
     s3 = run_json(capsys, [*BIG, "--storage", "s3"])["storages"][0]
     day = s3["per_day"]
@@ -257,8 +257,8 @@ def test_s3_requests_and_storage_per_day_count_every_chunk_and_every_version_kep
     assert day["requests_cost"] == pytest.approx(3.68689152)
     assert s3["kept"]["checkpoints"] == 13
     assert s3["kept"]["gib"] == pytest.approx(102.4)
-    assert s3["kept"]["noncurrent_gib"] == pytest.approx(6451.2)
-    assert day["storage_cost"] == pytest.approx(4.955599, abs=1e-6)
+    assert s3["kept"]["noncurrent_gib"] == pytest.approx(921.6)
+    assert day["storage_cost"] == pytest.approx(0.774312, abs=1e-6)
     assert day["vm_cost"] == pytest.approx(19.2)
     assert s3["total_cost"] == pytest.approx(s3["vm_cost"] + s3["requests_cost"] + s3["storage_cost"])
 
@@ -270,7 +270,7 @@ def test_a_run_pays_for_its_first_full_image_then_the_rewritten_data_and_a_resto
     written, read = 64 + 3.2 * hours * 12, 64 * hours * 0.001
 
     assert s3["requests_cost"] == pytest.approx(written * 800 * 0.005 / 1000 + read * 800 * 0.0004 / 1000)
-    assert s3["storage_cost"] == pytest.approx(6553.6 * 0.023 * hours / 730)
+    assert s3["storage_cost"] == pytest.approx(1024 * 0.023 * hours / 730)
 
 
 def test_efs_bills_elastic_throughput_per_gb_and_ebs_and_fsx_bill_no_requests(capsys):
@@ -330,7 +330,7 @@ def test_the_table_shows_requests_and_storage_per_day_beside_the_vm(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
 
-    assert "per day" in out and "737,280 PUT" in out and "6,451 GiB deleted" in out and "$19.20" in out
+    assert "per day" in out and "737,280 PUT" in out and "922 GiB deleted" in out and "$19.20" in out
     assert "> 100 provisioned" in out  # the EBS volume is too small for what the retention keeps
     assert "aws.amazon.com/s3/pricing" in out
 
