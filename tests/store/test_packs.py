@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import boto3
 import zstandard
 from spotcr_agent.store import CheckpointStore
 from spotcr_agent.store.chunking import Chunker, Chunking
 from spotcr_agent.store.store import FETCH_RANGE
+
+from tests.localaws.vended import Enforced
 
 from .support import JOB, RUN, MiB, checkpoint_id, images, meta, random_bytes, run_keys, tree_bytes
 
@@ -174,3 +177,16 @@ def test_a_prune_while_a_commit_has_written_packs_but_no_manifest_deletes_nothin
     assert [(p.deleted_checkpoints, p.deleted_chunks) for p in pruned] == [([], 0)]
     committer.fetch(checkpoint_id(3), tmp_path / "restore")
     assert (tmp_path / "restore/images/pages-3.img").read_bytes() == random_bytes(MiB, seed=3)
+
+
+def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_path: Path) -> None:
+    # Given a store in S3
+    store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+
+    # When a checkpoint is committed
+    store.commit(images(tmp_path / "img", 1), meta(1))
+
+    # Then S3 was told to verify its pack and manifest by CRC32 (cheap), not by a SHA-256 of the body
+    for key in (f"chunks/packs/{store.load(checkpoint_id(1)).packs()[0]}", f"checkpoints/{checkpoint_id(1)}.json"):
+        head = boto3.client("s3").head_object(Bucket=s3_iam.bucket, Key=run_keys(store) + key, ChecksumMode="ENABLED")
+        assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
