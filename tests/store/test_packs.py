@@ -190,3 +190,23 @@ def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_p
     for key in (f"chunks/packs/{store.load(checkpoint_id(1)).packs()[0]}", f"checkpoints/{checkpoint_id(1)}.json"):
         head = boto3.client("s3").head_object(Bucket=s3_iam.bucket, Key=run_keys(store) + key, ChecksumMode="ENABLED")
         assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
+
+
+def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given a periodic checkpoint of 16 MiB, each chunk with its fast digest
+    pages = bytearray(random_bytes(16 * MiB, seed=50))
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/pages-1.img").write_bytes(pages)
+    first = store.commit(tmp_path / "img", meta(1))
+    assert all(c.fast for c in first.manifest.stored_chunks().values())
+
+    # When one byte in the middle changes (same length, same place) and the final dump follows
+    pages[8 * MiB] ^= 0xFF
+    (tmp_path / "img/pages-1.img").write_bytes(pages)
+    final = store.commit(tmp_path / "img", meta(2, parent=1, kind="final"))
+
+    # Then every other chunk was taken as the parent's by its place and fast digest, without SHA-256; the changed
+    # one was hashed and sent; and the final dump restores byte for byte
+    assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 1)
+    store.fetch(final.checkpoint_id, tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages

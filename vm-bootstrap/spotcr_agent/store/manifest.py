@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -26,6 +27,7 @@ _RUN_ID = re.compile(RUN_ID_PATTERN)
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _PACK = re.compile(r"^[0-9a-f]{32}$")
+_FAST = re.compile(r"^[0-9a-f]{16}$")
 
 
 def check_job_id(job_id: str) -> str:
@@ -105,6 +107,7 @@ class ChunkRef:
     pack: str | None = None
     offset: int = 0
     stored: int = 0
+    fast: str | None = None  # fast_digest of its raw bytes, where the commit computed one
 
     def to_dict(self, packs: Mapping[str, int]) -> dict[str, Any]:
         """As the manifest holds it; `packs` numbers the manifest's pack ids (its `packs` list)."""
@@ -113,6 +116,8 @@ class ChunkRef:
             out["inline"] = base64.b64encode(self.inline).decode("ascii")
         if self.pack is not None:
             out |= {"pack": packs[self.pack], "at": self.offset, "len": self.stored}
+        if self.fast is not None:
+            out["fast"] = self.fast
         return out
 
 
@@ -132,6 +137,21 @@ class FileEntry:
             "digest": self.digest,
             "chunks": [c.to_dict(packs) for c in self.chunks],
         }
+
+
+def fast_digest(data: bytes | memoryview) -> str:
+    """A cheap check that a chunk at the same file, offset and length as in the parent checkpoint is unchanged:
+    zlib's CRC32 and Adler-32 of the chunk, 64 bits (16 hex digits), about 2 GB/s together here against 1.6 for
+    SHA-256, in C, in the standard library (xxh3-128 would be about ten times faster, but is not a dependency).
+
+    Collision risk: a changed chunk passes for unchanged only if both 32-bit checks match. Treated as independent
+    random functions that is 2^-64 per changed chunk: a 64 GiB job rewriting 5% between checkpoints (about
+    2,600 changed chunks) checkpointed every 5 minutes meets one in about 10^11 years. CRC32 alone (2^-32) would
+    be about once in 16 years of such a job: too weak to restore the wrong memory silently. Neither check is
+    cryptographic: a change crafted to match both is possible, but a job's memory is not an adversary of its own
+    checkpoint, and the job could corrupt its memory directly anyway. CRC32 also catches every change within 32
+    consecutive bits."""
+    return f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}"
 
 
 def file_digest(chunks: Sequence[ChunkRef]) -> str:
@@ -300,9 +320,12 @@ def _chunk_from_dict(doc: Mapping[str, Any], packs: Sequence[str]) -> ChunkRef:
         raise ValueError(f"chunk {digest[:12]} has a negative size")
     if inline is not None:
         return ChunkRef(digest, size, base64.b64decode(inline, validate=True))
+    fast = str(doc["fast"]) if "fast" in doc else None
+    if fast is not None and not _FAST.fullmatch(fast):
+        raise ValueError(f"chunk {digest[:12]} has fast digest {fast!r}, not 16 hex digits")
     if "pack" not in doc:
-        return ChunkRef(digest, size)
+        return ChunkRef(digest, size, fast=fast)
     number, offset, stored = int(doc["pack"]), int(doc["at"]), int(doc["len"])
     if not 0 <= number < len(packs) or offset < 0 or stored < 1:
         raise ValueError(f"chunk {digest[:12]} names pack {number} at {offset} ({stored} bytes): not in this manifest")
-    return ChunkRef(digest, size, pack=packs[number], offset=offset, stored=stored)
+    return ChunkRef(digest, size, pack=packs[number], offset=offset, stored=stored, fast=fast)

@@ -57,7 +57,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -80,6 +80,7 @@ from .manifest import (
     check_job_id,
     check_manifest_path,
     check_run_id,
+    fast_digest,
     file_digest,
 )
 
@@ -120,6 +121,7 @@ class CommitResult:
     compress_seconds: float = 0.0
     upload_seconds: float = 0.0
     objects_uploaded: int = 0  # pack objects written (requests, the manifest and markers aside)
+    chunks_unchanged: int = 0  # chunks found to be the parent's by their place and fast digest, not hashed
 
 
 @dataclass(frozen=True)
@@ -253,16 +255,24 @@ class CheckpointStore:
         *,
         inherited: Mapping[str, tuple[str, Path]],
     ) -> CommitResult:
-        known, in_parent, parent_since_full = self._known_chunks(meta.parent)
+        known, in_parent, parent_since_full, parent_at = self._known_chunks(meta.parent)
         since_full = parent_since_full + 1 if known else 0
         if meta.kind == "periodic" and since_full >= self.full_every:
-            known, since_full = {}, 0  # a fresh full checkpoint: every chunk is written again
+            known, since_full, parent_at = {}, 0, {}  # a fresh full checkpoint: every chunk is written again
         reused = self._inherit(meta.parent, inherited, known)
         unread = {name: source for name, (_, source) in inherited.items() if name not in reused}
         tails: dict[str, _FileTail] = {}
         level = FAST_LEVEL if meta.kind == "final" else self.compression_level
         packer = _Packer(self.backend, self._prefix, self.pack_size)
-        uploader = _Uploader(packer, known, self.workers, level, in_parent=in_parent)
+        uploader = _Uploader(
+            packer,
+            known,
+            self.workers,
+            level,
+            in_parent=in_parent,
+            parent_at=parent_at,
+            record_fast=meta.kind != "final",
+        )
         try:
             with uploader:
                 if still_writing is not None:
@@ -320,6 +330,7 @@ class CheckpointStore:
             compress_seconds=uploader.compress_s,
             upload_seconds=packer.upload_s,
             objects_uploaded=packer.written,
+            chunks_unchanged=uploader.unchanged,
         )
 
     def _inherit(
@@ -545,10 +556,13 @@ class CheckpointStore:
                             tails[path] = _FileTail(path, source, self.chunking, mapped=True)
         return sum(tail.pump(uploader) for tail in tails.values())
 
-    def _known_chunks(self, parent: str | None) -> tuple[dict[str, ChunkRef], set[str], int]:
+    def _known_chunks(
+        self, parent: str | None
+    ) -> tuple[dict[str, ChunkRef], set[str], int, dict[tuple[str, int], ChunkRef]]:
         """Chunks committed by the parent (else the newest checkpoint) that the store still holds, by hash with
-        where they are: sent once, never again; every chunk the parent names (what did not change since it); and
-        the parent's `since_full`.
+        where they are: sent once, never again; every chunk the parent names (what did not change since it); the
+        parent's `since_full`; and its held chunks that have a fast digest by (file, offset): a chunk here at the
+        same place with the same length and fast digest is that chunk, found without hashing it.
 
         The parent is the checkpoint the job was restored from or last committed, so its chunks were verified or
         just written; a newer one may hold a damaged chunk a restore fell back from, which must be sent afresh.
@@ -556,19 +570,26 @@ class CheckpointStore:
         ids = self.checkpoint_ids()
         source = parent if parent and parent in ids else (ids[0] if ids else None)
         if source is None:
-            return {}, set(), 0
+            return {}, set(), 0, {}
         try:
             manifest = self.load(source)
         except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
-            return {}, set(), 0  # a manifest this agent cannot read only costs dedup, never correctness
+            return {}, set(), 0, {}  # a manifest this agent cannot read only costs dedup, never correctness
         chunks = manifest.stored_chunks()
         if not chunks:
-            return {}, set(), manifest.since_full
+            return {}, set(), manifest.since_full, {}
         # Rely only on chunks the store still holds: one listing (pack ids and format-1 chunk hashes), and a chunk
         # whose pack or object is gone is sent afresh.
         held = {obj.key.rsplit("/", 1)[-1] for obj in self.backend.scan(self._prefix + "chunks/")}
         known = {digest: chunk for digest, chunk in chunks.items() if (chunk.pack or digest) in held}
-        return known, set(chunks), manifest.since_full
+        at = {}
+        for entry in manifest.files:
+            offset = 0
+            for chunk in entry.chunks:
+                if chunk.fast is not None and chunk.hash in known:
+                    at[entry.path, offset] = chunk
+                offset += chunk.size
+        return known, set(chunks), manifest.since_full, at
 
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints, newest first by the control plane's order (commands.checkpoint_order:
@@ -653,10 +674,20 @@ class _Uploader:
     """Hashes and compresses chunks on a thread pool into packs; skips chunks the store already holds."""
 
     def __init__(
-        self, packer: _Packer, known: Mapping[str, ChunkRef], workers: int, level: int, *, in_parent: set[str]
+        self,
+        packer: _Packer,
+        known: Mapping[str, ChunkRef],
+        workers: int,
+        level: int,
+        *,
+        in_parent: set[str],
+        parent_at: Mapping[tuple[str, int], ChunkRef],
+        record_fast: bool,
     ) -> None:
         self._packer = packer
         self._in_parent = in_parent
+        self._parent_at = parent_at
+        self._record_fast = record_fast  # a periodic commit records every chunk's fast digest for the next one
         self.level = level
         self._claimed = set(known)
         self._located = dict(known)  # hash -> where the chunk is stored: known ones, then each one packed
@@ -671,6 +702,7 @@ class _Uploader:
         self.bytes_changed = 0
         self.read_s = 0.0  # added to by the reading thread (_FileTail.pump)
         self.hash_s = self.compress_s = 0.0
+        self.unchanged = 0  # chunks found unchanged by their fast digest, without SHA-256
 
     def __enter__(self) -> _Uploader:
         return self
@@ -684,13 +716,17 @@ class _Uploader:
 
     def locate(self, chunk: ChunkRef) -> ChunkRef:
         """The chunk with where it is stored (once every chunk is in): inline ones are where they are."""
-        return chunk if chunk.inline is not None else self._located[chunk.hash]
+        if chunk.inline is not None:
+            return chunk
+        located = self._located[chunk.hash]
+        return located if located.fast or not chunk.fast else replace(located, fast=chunk.fast)
 
-    def submit(self, data: bytes | memoryview) -> Future[ChunkRef]:
+    def submit(self, data: bytes | memoryview, path: str, offset: int) -> Future[ChunkRef]:
+        """Store the chunk at `offset` of file `path` (unless the store holds it); its ChunkRef once done."""
         if self._failure is not None:
             raise self._failure
         self._slots.acquire()
-        future = self._pool.submit(self._store, data)
+        future = self._pool.submit(self._store, data, self._parent_at.get((path, offset)))
         future.add_done_callback(self._done)
         return future
 
@@ -699,8 +735,17 @@ class _Uploader:
         if not future.cancelled() and (error := future.exception()) is not None:
             self._failure = error
 
-    def _store(self, data: bytes | memoryview) -> ChunkRef:
+    def _store(self, data: bytes | memoryview, there: ChunkRef | None) -> ChunkRef:
+        """`there`: the parent's chunk at the same place, which this one is if length and fast digest match."""
         began = time.perf_counter()
+        fast = None
+        if self._record_fast or (there is not None and there.size == len(data)):
+            fast = fast_digest(data)
+            if there is not None and there.size == len(data) and there.fast == fast:
+                with self._lock:
+                    self.hash_s += time.perf_counter() - began
+                    self.unchanged += 1
+                return there
         digest = hashlib.sha256(data).hexdigest()
         hashed = time.perf_counter()
         with self._lock:
@@ -714,12 +759,14 @@ class _Uploader:
             compressed_at = time.perf_counter()
             pack, offset = self._packer.add(compressed)
             with self._lock:
-                self._located[digest] = ChunkRef(digest, len(data), pack=pack, offset=offset, stored=len(compressed))
+                self._located[digest] = ChunkRef(
+                    digest, len(data), pack=pack, offset=offset, stored=len(compressed), fast=fast
+                )
                 self.compress_s += compressed_at - hashed
                 self.bytes_uploaded += len(compressed)
                 self.bytes_new += len(data)
                 self.chunks_uploaded += 1
-        return ChunkRef(digest, len(data))
+        return ChunkRef(digest, len(data), fast=fast)
 
     def _compress(self, data: bytes | memoryview) -> bytes:
         """zstd at the commit's level (the store's; FAST_LEVEL for a final dump), unless a probe of the chunk's head
@@ -749,7 +796,13 @@ class _FileTail:
             raise StoreError(f"file {source} to checkpoint as {path} does not exist") from None
         self._chunker = Chunker(chunking)
         self._chunks: list[Future[ChunkRef] | ChunkRef] = []
+        self._handed = 0  # bytes handed to the uploader: where the next chunk starts
         self.size = 0
+
+    def _hand_over(self, uploader: _Uploader, chunks: list[bytes | memoryview]) -> None:
+        for chunk in chunks:
+            self._chunks.append(uploader.submit(chunk, self.path, self._handed))
+            self._handed += len(chunk)
 
     def pump(self, uploader: _Uploader) -> int:
         """Read everything written so far; hand complete chunks to the uploader."""
@@ -765,7 +818,7 @@ class _FileTail:
             read += len(block)
             chunks = self._chunker.feed(block)
             uploader.read_s += time.perf_counter() - began
-            self._chunks.extend(uploader.submit(chunk) for chunk in chunks)
+            self._hand_over(uploader, chunks)
         self.size += read
         return read
 
@@ -785,7 +838,7 @@ class _FileTail:
         mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS)
         chunks = self._chunker.feed(memoryview(mapping)[self.size - start :])
         uploader.read_s += time.perf_counter() - began
-        self._chunks.extend(uploader.submit(chunk) for chunk in chunks)
+        self._hand_over(uploader, chunks)
         added, self.size = end - self.size, end
         return added
 
@@ -799,7 +852,7 @@ class _FileTail:
                 compressed = zstandard.ZstdCompressor(level=uploader.level).compress(data)
                 self._chunks.append(ChunkRef(hashlib.sha256(data).hexdigest(), len(data), compressed))
         else:
-            self._chunks.extend(uploader.submit(chunk) for chunk in self._chunker.finish())
+            self._hand_over(uploader, self._chunker.finish())
         self.mode = os.fstat(self._fd).st_mode & 0o7777
 
     def entry(self, locate: Callable[[ChunkRef], ChunkRef]) -> FileEntry:
