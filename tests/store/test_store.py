@@ -227,6 +227,21 @@ def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp
             },
             "negative",
         ),
+        (
+            {
+                "files": [
+                    {
+                        "path": "images/x",
+                        "size": 10,
+                        "mode": 420,
+                        "digest": "",
+                        "chunks": [{"hash": "0" * 64, "size": 10, "pack": 3, "at": 0, "len": 10}],
+                    }
+                ]
+            },
+            "names pack 3",
+        ),
+        ({"packs": ["../../etc"]}, "pack id"),
         ({"job_id": "someone-else"}, "job"),
         ({"format": "1"}, "format"),
     ],
