@@ -66,6 +66,10 @@ class Backend(Protocol):
         ...
 
 
+WRITE_BLOCK = 1024 * 1024  # a pack is written to a file in writes of this size: on ext4 here (Linux 6.18) one 32 MiB
+# write() into a new file took 1.2-2.7 s per 256 MiB, 4 MiB writes up to 3 s, 1 MiB writes 0.13-0.44 s
+
+
 class DirectoryBackend:
     """Objects as files under a mount point: temp file, atomic rename; made durable in one go before a manifest.
 
@@ -163,7 +167,7 @@ class DirectoryBackend:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
+                view = view[os.write(fd, view[:WRITE_BLOCK]) :]
             if sync:
                 os.fsync(fd)
         except OSError as e:
