@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from botocore.config import Config
 from botocore.exceptions import ClientError
 from spotcr_contracts.commands import Command
 
@@ -57,8 +58,39 @@ def _iso(value: Any) -> str:
     return value.isoformat().replace("+00:00", "Z") if hasattr(value, "isoformat") else str(value or "")
 
 
+# Every client the functions make. botocore's standard mode: throttles (RequestLimitExceeded, ThrottlingException,
+# ProvisionedThroughputExceededException, TooManyRequestsException) are retried with full-jitter exponential backoff
+# (1 s base, as AWS's "Retry behavior" guide recommends), behind a retry quota that stops a retry storm. Not adaptive:
+# its client-side rate limiter only sees this execution environment's calls, a sliver of the account's in a wave.
+# 5 attempts: at most 1 + 2 + 4 + 8 = 15 s of backoff, half the default function timeout; a throttle that outlasts
+# them becomes `Throttled`, which the state machine's Retry waits out, or Lambda's asynchronous retries do.
+CLIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
+# The final dump's SendCommand is the one call a lost throttle cannot be retried later: the warning gives 2 minutes.
+# 8 attempts: at most 71 s of backoff (1 + 2 + 4 + 8 + 16 + 20 + 20), inside the interruption function's timeout.
+PATIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 8})
+# Codes AWS answers a call over its rate with (the EC2, SSM/Step Functions/EventBridge, DynamoDB and Lambda ones).
+THROTTLING_ERRORS = frozenset(
+    {
+        "RequestLimitExceeded",
+        "ThrottlingException",
+        "Throttling",
+        "ProvisionedThroughputExceededException",
+        "TooManyRequestsException",
+        "RequestThrottled",
+    }
+)
+
+
+class Throttled(Exception):
+    """An AWS API refused a call for its rate after the SDK's retries. Named so: the state machine retries it."""
+
+
 def error_code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def is_throttle(error: ClientError) -> bool:
+    return error_code(error) in THROTTLING_ERRORS
 
 
 class Cloud:
@@ -68,7 +100,7 @@ class Cloud:
     def _client(self, service: str) -> Any:
         import boto3
 
-        return (self._session or boto3).client(service)
+        return (self._session or boto3).client(service, config=CLIENT_CONFIG)
 
     @cached_property
     def ec2(self) -> Any:
@@ -77,6 +109,12 @@ class Cloud:
     @cached_property
     def ssm(self) -> Any:
         return self._client("ssm")
+
+    @cached_property
+    def patient_ssm(self) -> Any:
+        import boto3
+
+        return (self._session or boto3).client("ssm", config=PATIENT_CONFIG)
 
     @cached_property
     def sfn(self) -> Any:
@@ -140,13 +178,11 @@ class Cloud:
         self.sns.publish(TopicArn=topic_arn, Subject=subject[:100], Message=message)
 
     def describe_instance(self, instance_id: str) -> Instance | None:
-        try:
-            reservations = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
-        except ClientError as error:
-            if error_code(error).startswith("InvalidInstanceID"):
-                return None
-            raise
-        for reservation in reservations:
+        # By filter, not InstanceIds: EC2 takes a filtered Describe from the non-mutating bucket (100, 20 a second),
+        # an unfiltered one from the smaller one (50, 10 a second), which a wave of recoveries empties first.
+        # An unknown or malformed id then matches nothing (None), as its InvalidInstanceID error said before.
+        reservations = self.ec2.describe_instances(Filters=[{"Name": "instance-id", "Values": [instance_id]}])
+        for reservation in reservations["Reservations"]:
             for raw in reservation["Instances"]:
                 return Instance(
                     instance_id=raw["InstanceId"],
@@ -317,12 +353,8 @@ class Cloud:
                 raise
 
     def volume(self, volume_id: str) -> dict[str, Any] | None:
-        try:
-            volumes = self.ec2.describe_volumes(VolumeIds=[volume_id])["Volumes"]
-        except ClientError as error:
-            if error_code(error).startswith("InvalidVolume.NotFound"):
-                return None
-            raise
+        # By filter, as describe_instance: the larger bucket; an unknown volume matches nothing.
+        volumes = self.ec2.describe_volumes(Filters=[{"Name": "volume-id", "Values": [volume_id]}])["Volumes"]
         return volumes[0] if volumes else None
 
     def create_volume(
@@ -365,10 +397,13 @@ class Cloud:
     def snapshot_state(self, snapshot_id: str) -> str:
         return str(self.ec2.describe_snapshots(SnapshotIds=[snapshot_id])["Snapshots"][0]["State"])
 
-    def send_command(self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str]) -> str:
-        """SSM Run Command with typed parameters, checked against the contract before sending."""
+    def send_command(
+        self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str], patient: bool = False
+    ) -> str:
+        """SSM Run Command with typed parameters, checked against the contract before sending; `patient`: with
+        PATIENT_CONFIG's retries."""
         command.agent_argv(values)
-        response = self.ssm.send_command(
+        response = (self.patient_ssm if patient else self.ssm).send_command(
             InstanceIds=[instance_id],
             DocumentName=document_name,
             Parameters={k: [v] for k, v in values.items()},

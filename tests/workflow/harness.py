@@ -35,6 +35,7 @@ from spotcr_functions.models import JobRecord
 
 from rehearsal.iam import enforce, principals
 from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
+from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
 from tests.support import wait_for
 
@@ -373,6 +374,11 @@ class ControlPlane:
         """EC2 refuses the launches `refusal` names (rehearsal.localaws.fleet); returns every launch tried."""
         return fleet.refuse_launches(self._patches, refusal)
 
+    def throttle(self, limits: rate_limits.Limits, **time: Any) -> rate_limits.Meter:
+        """AWS's rate limits on every call until the plane closes (rehearsal.localaws.throttle; off unless asked):
+        `time` may give the throttle's `clock` and `sleep`."""
+        return rate_limits.install(self._patches, limits, **time)
+
     def _deploy(self, final_dump_wait_s: int, restore_wait_s: int) -> None:
         patches = self._patches
         wrap(patches, BotocoreStubber, "process_request", _serialized)
@@ -380,6 +386,7 @@ class ControlPlane:
         FUNCTIONS.serve(patches)
         ssm.to_instance_ids_only(patches)
         stepfunctions.keep_failure_cause(patches)
+        stepfunctions.lambda_errors_named(patches)
         fleet.launch_template_tags(patches)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()
