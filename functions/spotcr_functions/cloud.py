@@ -97,10 +97,10 @@ class Cloud:
     def __init__(self, session: Any = None) -> None:
         self._session = session
 
-    def _client(self, service: str) -> Any:
+    def _client(self, service: str, config: Config = CLIENT_CONFIG) -> Any:
         import boto3
 
-        return (self._session or boto3).client(service, config=CLIENT_CONFIG)
+        return (self._session or boto3).client(service, config=config)
 
     @cached_property
     def ec2(self) -> Any:
@@ -112,9 +112,7 @@ class Cloud:
 
     @cached_property
     def patient_ssm(self) -> Any:
-        import boto3
-
-        return (self._session or boto3).client("ssm", config=PATIENT_CONFIG)
+        return self._client("ssm", PATIENT_CONFIG)
 
     @cached_property
     def sfn(self) -> Any:

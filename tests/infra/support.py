@@ -106,6 +106,7 @@ PACKAGE = REPO_ROOT / "functions" / "spotcr_functions"
 CLIENTS = {
     ("Cloud", "ec2"): "ec2",
     ("Cloud", "ssm"): "ssm",
+    ("Cloud", "patient_ssm"): "ssm",  # the same service, with more retries (the final-dump command)
     ("Cloud", "sfn"): "states",
     ("Cloud", "sns"): "sns",
     ("Cloud", "sts"): "sts",
@@ -218,19 +219,27 @@ def _index() -> Index:
     return index
 
 
+def _callees(node: ast.Call) -> list[list[str]]:
+    """The call's attribute chains: both, where the receiver is chosen by a conditional (`(a if p else b).m()`)."""
+    func = node.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.IfExp):
+        return [[*_chain(branch), func.attr] for branch in (func.value.body, func.value.orelse)]
+    return [_chain(func)]
+
+
 def _aws_use(definition: Definition, node: ast.Call) -> Iterator[Use]:
-    chain = _chain(node.func)
-    if len(chain) != 3 or chain[0] != "self" or definition.cls is None:
-        return
-    owner = (definition.cls, chain[1])
-    if owner == REGISTRY_TABLE:
-        yield "jobs", f"dynamodb:{_camel(chain[2])}"
-    elif owner in CLIENTS:
-        service = CLIENTS[owner]
-        if chain[2] == "get_waiter" and node.args and isinstance(node.args[0], ast.Constant):
-            yield service, f"{service}:{WAITERS[str(node.args[0].value)]}"
-        else:
-            yield service, f"{service}:{_camel(chain[2])}"
+    for chain in _callees(node):
+        if len(chain) != 3 or chain[0] != "self" or definition.cls is None:
+            continue
+        owner = (definition.cls, chain[1])
+        if owner == REGISTRY_TABLE:
+            yield "jobs", f"dynamodb:{_camel(chain[2])}"
+        elif owner in CLIENTS:
+            service = CLIENTS[owner]
+            if chain[2] == "get_waiter" and node.args and isinstance(node.args[0], ast.Constant):
+                yield service, f"{service}:{WAITERS[str(node.args[0].value)]}"
+            else:
+                yield service, f"{service}:{_camel(chain[2])}"
 
 
 def reachable(handler: str) -> set[str]:
