@@ -108,13 +108,16 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(bare_vm, sto
     primary.vm.terminate()
     store = CheckpointStore.for_directory(storage, "job-1", run_id=RUN_ID)
     manifests = {m.checkpoint_id: m for m in store.checkpoints()}
-    unique = manifests[newer["checkpoint_id"]].chunk_hashes() - manifests[older["checkpoint_id"]].chunk_hashes()
+    chunks = manifests[newer["checkpoint_id"]].stored_chunks()
+    unique = chunks.keys() - manifests[older["checkpoint_id"]].chunk_hashes()
     job_root = storage / "jobs" / "job-1" / "runs" / RUN_ID
-    if damage == "chunk":
-        victim = next((job_root / "chunks").glob(f"*/{sorted(unique)[0]}"))
+    if damage == "chunk":  # bit rot at the start of a chunk only the newer one has, inside its pack
+        chunk = chunks[sorted(unique)[0]]
+        victim, at = job_root / "chunks" / "packs" / str(chunk.pack), chunk.offset
     else:
-        victim = job_root / "checkpoints" / f"{newer['checkpoint_id']}.json"
-    victim.write_bytes(b"bit rot" + victim.read_bytes()[7:])
+        victim, at = job_root / "checkpoints" / f"{newer['checkpoint_id']}.json", 0
+    data = victim.read_bytes()
+    victim.write_bytes(data[:at] + b"bit rot" + data[at + 7 :])
 
     # When the backup restores the newest checkpoint
     backup = JobVM(bare_vm(shared_storage=storage), generation=2, mode="restore")
