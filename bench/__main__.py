@@ -1,4 +1,4 @@
-"""`make bench` / `python -m bench [pipeline|checkpoint|final-dump|interruption|gpu|all] [options]`: benchmarks.
+"""`make bench` / `python -m bench [pipeline|checkpoint|final-dump|interruption|reclaim|gpu|all] [options]`: benchmarks.
 
 With no name, the pipeline benchmark runs at its default (short) sizes; `all` runs every benchmark but gpu.
 
@@ -16,6 +16,7 @@ BENCHMARKS = {
     "checkpoint": "bench.checkpoint",  # checkpoint speed: s3fs baseline vs spotcr's store, final and after a periodic
     "final-dump": "bench.final_dump",  # final dump: stream into the store as CRIU writes, or dump then ship
     "interruption": "bench.interruption",  # interruption warning to final-dump command, through the real handler
+    "reclaim": "bench.reclaim",  # a wave of N jobs warned within seconds, all recovered at once
 }
 # Only on a machine with an NVIDIA GPU, so not part of "all".
 GPU_BENCHMARKS = {"gpu": "bench.gpu"}  # GPU jobs: final dump and restore against device memory held

@@ -98,8 +98,10 @@ def command_ended(instance_id: str, command_id: str, document_name: str, status:
     return event
 
 
-def _answer(invocation: dict[str, Any], status: str, code: int, line: str) -> None:
-    """The agent's command ends on its instance: SSM's status, its exit code, and its one result line on stdout."""
+def _answer(command: Any, invocation: dict[str, Any], status: str, code: int, line: str) -> None:
+    """The agent's command ends on its instance: SSM's status, its exit code, and its one result line on stdout;
+    spotcr sends each command to one instance, so the command's own status (ListCommands) is its invocation's."""
+    command.status = command.status_details = status
     invocation.update(
         {
             "Status": status,
@@ -138,7 +140,7 @@ def end_restore_command(answer: events.RestoreCompleted | events.RestoreFailed) 
         status, code = "Failed", 1
     for invocation in command.invocations:
         if invocation["InstanceId"] == answer.instance_id:
-            _answer(invocation, status, code, line)
+            _answer(command, invocation, status, code, line)
     return command.command_id, command_ended(answer.instance_id, command.command_id, str(command.document_name), status)
 
 
@@ -189,7 +191,7 @@ def end_checkpoint_command(
     else:
         line = dataclasses.replace(result, error=report.reason, job_stopped=report.job_stopped).to_line()
         status, code = "Failed", 1
-    _answer(invocation, status, code, line)
+    _answer(command, invocation, status, code, line)
     return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
 
 
@@ -253,7 +255,7 @@ def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, An
         for invocation in command.invocations:
             if invocation["InstanceId"] != exited.instance_id or invocation.get("StandardOutputContent"):
                 continue
-            _answer(invocation, "Success", 0, line)
+            _answer(command, invocation, "Success", 0, line)
             event = command_ended(exited.instance_id, command.command_id, str(command.document_name), "Success")
             ended.append((command.command_id, event))
     return ended
