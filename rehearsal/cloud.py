@@ -64,6 +64,7 @@ from rehearsal.iam.policy import Principal, Request
 from rehearsal.localaws import ACCOUNT, REGION, awslambda, fis, fleet, s3, stack, stepfunctions, tags_of, wrap
 from rehearsal.localaws import iam as local_iam
 from rehearsal.localaws import ssm as local_ssm
+from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
 from rehearsal.storage import LoopVolumes
 from rehearsal.timeline import Timeline
@@ -164,6 +165,11 @@ class LocalCloud:
 
     def client(self, service: str) -> Any:
         return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint)
+
+    def throttle(self, limits: rate_limits.Limits, **time: Any) -> rate_limits.Meter:
+        """AWS's rate limits on every call from here until stop() (rehearsal.localaws.throttle; off unless asked):
+        `time` may give the throttle's `clock` and `sleep`."""
+        return rate_limits.install(self._patches, limits, **time)
 
     def start(self) -> None:
         from moto.core.config import default_user_config

@@ -35,6 +35,7 @@ from spotcr_functions.models import JobRecord
 
 from rehearsal.iam import enforce, principals
 from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
+from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
 from tests.support import wait_for
 
@@ -374,6 +375,11 @@ class ControlPlane:
     def refuse_launches(self, refusal: fleet.Refusal) -> list[tuple[str, str, str]]:
         """EC2 refuses the launches `refusal` names (rehearsal.localaws.fleet); returns every launch tried."""
         return fleet.refuse_launches(self._patches, refusal)
+
+    def throttle(self, limits: rate_limits.Limits, **time: Any) -> rate_limits.Meter:
+        """AWS's rate limits on every call until the plane closes (rehearsal.localaws.throttle; off unless asked):
+        `time` may give the throttle's `clock` and `sleep`."""
+        return rate_limits.install(self._patches, limits, **time)
 
     def _deploy(self, final_dump_wait_s: int, restore_wait_s: int) -> None:
         patches = self._patches
