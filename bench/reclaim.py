@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -44,27 +46,39 @@ def _environment() -> None:
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     from moto import mock_aws
+    from spotcr_contracts.settings import FunctionSettings
+    from spotcr_functions.config import ENV
 
     from rehearsal import wave
+    from rehearsal.localaws.throttle import Limits
     from rehearsal.simagent import AgentTiming, SimulatedAgents
     from tests.workflow.harness import MOTO_CONFIG, ControlPlane
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr)
 
+    deployed: dict[str, Any] = {setting.name: setting.default for setting in dataclasses.fields(FunctionSettings)}
     timing = AgentTiming(dump_s=args.dump_s, boot_s=args.boot_s, restore_s=args.restore_s)
     # Handlers print their EMF metrics to stdout: keep them out of the figures.
     with (
         mock_aws(config=MOTO_CONFIG),
         contextlib.redirect_stdout(io.StringIO()),
-        ControlPlane(final_dump_wait_s=120, restore_wait_s=120) as plane,
+        ControlPlane(deployed["final_dump_wait_s"], deployed["restore_wait_s"]) as plane,
         SimulatedAgents(timing) as agents,
     ):
+        # The deployed default, not the workflow tests' 30 s: a wave's backups queue behind each other's launches.
+        os.environ[ENV["backup_ready_wait_s"]] = str(deployed["backup_ready_wait_s"])
         began = time.time()
         instances = wave.register(plane, args.jobs)
         progress(f"{args.jobs} jobs registered in {time.time() - began:.1f} s")
         result = wave.run_wave(
-            plane, agents, instances, warn_within_s=args.warn_within_s, timeout_s=args.timeout_s, progress=progress
+            plane,
+            agents,
+            instances,
+            warn_within_s=args.warn_within_s,
+            timeout_s=args.timeout_s,
+            limits=Limits.aws() if args.limits == "aws" else None,
+            progress=progress,
         )
     return {
         "jobs": args.jobs,
@@ -79,6 +93,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "leaks": result.leaks,
         "agent_errors": result.agent_errors,
         "clean": result.clean(),
+        "limits": args.limits,
+        "throttles": result.throttles,
     }
 
 
@@ -118,9 +134,36 @@ def _report(figures: dict[str, Any]) -> list[str]:
         f" agent answers refused {len(figures['agent_errors'])}",
         f"- the whole wave, first warning to the last workflow's end: {figures['wave_seconds']:.0f} s",
     ]
+    lines += _throttle_lines(figures)
     for name in ("failed", "stuck", "live_copies", "leaks", "agent_errors"):
         if figures[name]:
             lines.append(f"- {name}: {json.dumps(figures[name])[:2000]}")
+    return lines
+
+
+def _throttle_lines(figures: dict[str, Any]) -> list[str]:
+    """Per API: calls, throttled, and the retries that got through (throttles the callers' retries absorbed)."""
+    if figures["limits"] == "none":
+        return ["- no rate limits applied (--limits none)"]
+    meter = figures["throttles"]
+    lines = [
+        "",
+        "AWS's default rate limits applied (rehearsal/localaws/throttle.py); per API that met a limit:",
+        "",
+        "| API | calls | throttled | retries that got through |",
+        "|---|---|---|---|",
+    ]
+    for api in sorted(meter["throttled"]):
+        lines.append(
+            f"| {api} | {meter['calls'].get(api, 0)} | {meter['throttled'][api]} | {meter['retried'].get(api, 0)} |"
+        )
+    if not meter["throttled"]:
+        lines.append("| (none) | | | |")
+    lines += [
+        "",
+        f"- Lambda invocations that waited for concurrency: {sum(meter['lambda_queued'].values())};"
+        f" state transitions delayed: {meter['delayed_state_transitions']}",
+    ]
     return lines
 
 
@@ -131,11 +174,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dump-s", type=float, default=3.0, help="a simulated final dump's seconds (default 3)")
     parser.add_argument("--boot-s", type=float, default=2.0, help="a backup's boot to AgentReady (default 2 s)")
     parser.add_argument("--restore-s", type=float, default=2.0, help="a simulated restore's seconds (default 2)")
+    parser.add_argument(
+        "--limits", choices=("aws", "none"), default="aws", help="AWS's default rate limits (default) or none"
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="a workflow still running then is stuck")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be 1 or more, not {args.jobs}")
     _environment()
+    logging.getLogger("moto").setLevel(logging.CRITICAL)  # an execution's error is in the wave's end state
     machine = _machine()
     figures = _run(args)
     figures = {"at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine, **figures}

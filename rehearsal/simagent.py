@@ -7,7 +7,9 @@ harness's own paths, after the delays a real VM takes:
   status-change event, the agent's CheckpointCompleted: harness.finish_checkpoint);
 - a backup instance spotcr launched reports AgentReady in restore mode `boot_s` after its launch;
 - a restore command is answered `restore_s` later (harness.finish_restore).
-It also notes when each of these happened, per job, for the benchmark's figures.
+Like a real agent, it knows its run and the restore attempt it answers (from its tags and the command), so it asks
+AWS nothing: under AWS's rate limits (rehearsal/localaws/throttle.py) only the control plane's calls count. It also
+notes when each of these happened, per job, for the benchmark's figures.
 """
 
 from __future__ import annotations
@@ -147,15 +149,20 @@ class SimulatedAgents:
                 (i.id, i.get_tags()) for i in instances if i.id not in self._seen_instances and i.state in LIVE_STATES
             ]
         for instance_id, tag_list in launched:
+            self._seen_instances.add(instance_id)  # its launch request has ended: its tags are all there
             labels = {tag["key"]: tag["value"] for tag in tag_list}
             if labels.get(tag_names.MODE) != "restore":
                 continue  # the user's own VM: its agent is played by whoever started the job
-            self._seen_instances.add(instance_id)
             job = self.job(labels[tag_names.JOB])
             job.backup_launched = job.backup_launched or now
             job.backups.append(instance_id)
             ready = events.AgentReady(
-                labels[tag_names.JOB], instance_id, int(labels[tag_names.GENERATION]), harness.now_iso(), mode="restore"
+                labels[tag_names.JOB],
+                instance_id,
+                int(labels[tag_names.GENERATION]),
+                harness.now_iso(),
+                run_id=labels.get(tag_names.RUN, ""),
+                mode="restore",
             )
             self._schedule(now + self.timing.boot_s, self._ready(ready))
 
@@ -178,6 +185,7 @@ class SimulatedAgents:
                     instance_id,
                     generation,
                     harness.now_iso(),
+                    run_id=parameters["RunId"],
                     checkpoint_id=checkpoint,
                     kind="final",
                     seconds=self.timing.dump_s,
@@ -194,7 +202,9 @@ class SimulatedAgents:
                     instance_id,
                     int(parameters["Generation"]),
                     harness.now_iso(),
+                    run_id=parameters["RunId"],
                     checkpoint_id=parameters["CheckpointId"],
+                    attempt=parameters["Attempt"],
                     seconds=self.timing.restore_s,
                     pid=4242,
                 )

@@ -9,6 +9,7 @@ workflow to end, then reads the wave's end state: recovered, failed, stuck, two 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -23,6 +24,7 @@ from spotcr_functions.models import Status
 
 from rehearsal import leaks
 from rehearsal.localaws import REGION
+from rehearsal.localaws import throttle as rate_limits
 from rehearsal.simagent import SimulatedAgents
 from tests.workflow import harness
 
@@ -45,6 +47,7 @@ class WaveResult:
     leaks: list[str] = field(default_factory=list)
     agent_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0  # first warning to the last workflow's end
+    throttles: dict[str, Any] = field(default_factory=dict)  # the throttle Meter's report, when limits applied
 
     def clean(self) -> bool:
         """Every job recovered, none failed or stuck, no job with two live copies, nothing leaked."""
@@ -76,11 +79,14 @@ def run_wave(
     *,
     warn_within_s: float = 5.0,
     timeout_s: float = 300.0,
-    deliverers: int = 8,
+    deliverers: int = 16,
+    limits: rate_limits.Limits | None = None,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> WaveResult:
     """Warn every job's instance within `warn_within_s` (evenly spread, `deliverers` warnings handled at once, as
-    Lambda runs EventBridge's deliveries side by side), then wait up to `timeout_s` for every workflow to end."""
+    Lambda runs EventBridge's deliveries side by side), then wait up to `timeout_s` for every workflow to end.
+    With `limits`, AWS's rate limits apply from the first warning until every workflow ended (not to the reads of
+    the end state after)."""
     warned: dict[str, float] = {}
 
     def warn(job_id: str, at: float) -> None:
@@ -89,16 +95,18 @@ def run_wave(
         harness.route(harness.ec2_event("spot-interruption-warning", instances[job_id]))
 
     before = find_leaks()
-    start = time.time()
-    step = warn_within_s / max(1, len(instances) - 1)
-    with ThreadPoolExecutor(deliverers, thread_name_prefix="eventbridge") as pool:
-        for delivered in [pool.submit(warn, job, start + n * step) for n, job in enumerate(instances)]:
-            delivered.result()
-    result = WaveResult(jobs=list(instances), warned_over_s=max(warned.values()) - min(warned.values()))
-    progress(f"{len(warned)} warnings delivered over {result.warned_over_s:.1f} s")
-
-    executions = _wait_for_workflows(plane, len(instances), start + timeout_s, progress)
-    result.seconds = time.time() - start
+    with contextlib.ExitStack() as throttled:
+        meter = rate_limits.install(throttled, limits) if limits else None
+        start = time.time()
+        step = warn_within_s / max(1, len(instances) - 1)
+        with ThreadPoolExecutor(deliverers, thread_name_prefix="eventbridge") as pool:
+            for delivered in [pool.submit(warn, job, start + n * step) for n, job in enumerate(instances)]:
+                delivered.result()
+        result = WaveResult(jobs=list(instances), warned_over_s=max(warned.values()) - min(warned.values()))
+        progress(f"{len(warned)} warnings delivered over {result.warned_over_s:.1f} s")
+        executions = _wait_for_workflows(plane, len(instances), start + timeout_s, progress)
+        result.seconds = time.time() - start
+    result.throttles = meter.report() if meter else {}
     for job_id, primary in instances.items():
         times = agents.job(job_id)
         if times.final_dump_ordered is not None:
