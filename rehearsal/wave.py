@@ -79,12 +79,12 @@ def run_wave(
     *,
     warn_within_s: float = 5.0,
     timeout_s: float = 300.0,
-    deliverers: int = 16,
     limits: rate_limits.Limits | None = None,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> WaveResult:
-    """Warn every job's instance within `warn_within_s` (evenly spread, `deliverers` warnings handled at once, as
-    Lambda runs EventBridge's deliveries side by side), then wait up to `timeout_s` for every workflow to end.
+    """Warn every job's instance within `warn_within_s` (evenly spread; each delivered on time, as EventBridge
+    delivers to Lambda, which runs them side by side up to its concurrency: the throttle's, when `limits` set it),
+    then wait up to `timeout_s` for every workflow to end.
     With `limits`, AWS's rate limits apply from the first warning until every workflow ended (not to the reads of
     the end state after)."""
     warned: dict[str, float] = {}
@@ -99,7 +99,7 @@ def run_wave(
         meter = rate_limits.install(throttled, limits) if limits else None
         start = time.time()
         step = warn_within_s / max(1, len(instances) - 1)
-        with ThreadPoolExecutor(deliverers, thread_name_prefix="eventbridge") as pool:
+        with ThreadPoolExecutor(len(instances), thread_name_prefix="eventbridge") as pool:
             for delivered in [pool.submit(warn, job, start + n * step) for n, job in enumerate(instances)]:
                 delivered.result()
         result = WaveResult(jobs=list(instances), warned_over_s=max(warned.values()) - min(warned.values()))
