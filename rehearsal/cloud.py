@@ -513,6 +513,7 @@ class LocalCloud:
         patches = self._patches
         self.functions.serve(patches)
         stepfunctions.keep_failure_cause(patches)
+        stepfunctions.lambda_errors_named(patches)
         fleet.launch_template_tags(patches)
 
         def send_to_targets(original: Any) -> Any:

@@ -89,6 +89,8 @@ COMMAND_INVOCATION_STATUS_CHANGE = "EC2 Command Invocation Status-change Notific
 COMMAND_ENDED = ("Success", "Failed", "Cancelled", "TimedOut", "Undeliverable", "Terminated")
 
 # Registering a job (or failing a hand-over) may wait for an EBS volume (cloud.VOLUME_WAIT_SECONDS): outlast it.
+# The interruption handler's final-dump SendCommand may back off for 71 s in a wave (cloud.PATIENT_CONFIG): outlast it.
+INTERRUPTION_TIMEOUT_S = 100
 REGISTERING_TIMEOUT_S = VOLUME_WAIT_SECONDS + 30
 # Final states whose execution may have left the job RECOVERING (no Catch ran, or the Catch itself failed).
 ENDED_STATUSES = ("FAILED", "TIMED_OUT", "ABORTED")
@@ -103,6 +105,7 @@ FUNCTIONS: tuple[Function, ...] = (
             Rule("spot-interruption-warning", _ec2(INTERRUPTION_WARNING)),
             Rule("capacity-reservation-interruption-warning", _ec2(CAPACITY_RESERVATION_WARNING)),
         ),
+        timeout_s=INTERRUPTION_TIMEOUT_S,
         reserved_concurrency=True,
     ),
     Function(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from botocore.config import Config
 from botocore.exceptions import ClientError
 from spotcr_contracts.commands import Command
 
@@ -57,8 +58,39 @@ def _iso(value: Any) -> str:
     return value.isoformat().replace("+00:00", "Z") if hasattr(value, "isoformat") else str(value or "")
 
 
+# Every client the functions make. botocore's standard mode: throttles (RequestLimitExceeded, ThrottlingException,
+# ProvisionedThroughputExceededException, TooManyRequestsException) are retried with full-jitter exponential backoff
+# (1 s base, as AWS's "Retry behavior" guide recommends), behind a retry quota that stops a retry storm. Not adaptive:
+# its client-side rate limiter only sees this execution environment's calls, a sliver of the account's in a wave.
+# 5 attempts: at most 1 + 2 + 4 + 8 = 15 s of backoff, half the default function timeout; a throttle that outlasts
+# them becomes `Throttled`, which the state machine's Retry waits out, or Lambda's asynchronous retries do.
+CLIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
+# The final dump's SendCommand is the one call a lost throttle cannot be retried later: the warning gives 2 minutes.
+# 8 attempts: at most 71 s of backoff (1 + 2 + 4 + 8 + 16 + 20 + 20), inside the interruption function's timeout.
+PATIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 8})
+# Codes AWS answers a call over its rate with (the EC2, SSM/Step Functions/EventBridge, DynamoDB and Lambda ones).
+THROTTLING_ERRORS = frozenset(
+    {
+        "RequestLimitExceeded",
+        "ThrottlingException",
+        "Throttling",
+        "ProvisionedThroughputExceededException",
+        "TooManyRequestsException",
+        "RequestThrottled",
+    }
+)
+
+
+class Throttled(Exception):
+    """An AWS API refused a call for its rate after the SDK's retries. Named so: the state machine retries it."""
+
+
 def error_code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
+
+
+def is_throttle(error: ClientError) -> bool:
+    return error_code(error) in THROTTLING_ERRORS
 
 
 class Cloud:
@@ -68,7 +100,7 @@ class Cloud:
     def _client(self, service: str) -> Any:
         import boto3
 
-        return (self._session or boto3).client(service)
+        return (self._session or boto3).client(service, config=CLIENT_CONFIG)
 
     @cached_property
     def ec2(self) -> Any:
@@ -77,6 +109,12 @@ class Cloud:
     @cached_property
     def ssm(self) -> Any:
         return self._client("ssm")
+
+    @cached_property
+    def patient_ssm(self) -> Any:
+        import boto3
+
+        return (self._session or boto3).client("ssm", config=PATIENT_CONFIG)
 
     @cached_property
     def sfn(self) -> Any:
@@ -365,10 +403,13 @@ class Cloud:
     def snapshot_state(self, snapshot_id: str) -> str:
         return str(self.ec2.describe_snapshots(SnapshotIds=[snapshot_id])["Snapshots"][0]["State"])
 
-    def send_command(self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str]) -> str:
-        """SSM Run Command with typed parameters, checked against the contract before sending."""
+    def send_command(
+        self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str], patient: bool = False
+    ) -> str:
+        """SSM Run Command with typed parameters, checked against the contract before sending; `patient`: with
+        PATIENT_CONFIG's retries."""
         command.agent_argv(values)
-        response = self.ssm.send_command(
+        response = (self.patient_ssm if patient else self.ssm).send_command(
             InstanceIds=[instance_id],
             DocumentName=document_name,
             Parameters={k: [v] for k, v in values.items()},

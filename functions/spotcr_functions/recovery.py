@@ -18,7 +18,7 @@ from spotcr_functions.deps import Deps
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE, Metric
-from spotcr_functions.registry import RESTORE_KEYS, WAIT_KEYS, StaleGeneration, restore_key
+from spotcr_functions.registry import FINAL_DUMP_COMMAND, RESTORE_KEYS, WAIT_KEYS, StaleGeneration, restore_key
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -110,8 +110,11 @@ def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord
 def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, Any]:
     current = deps.registry.get(job_id)
     if current and current.status == Status.RECOVERING and current.recovering_from == instance_id:
-        # A retry after a crash between the fencing write and StartExecution still starts the workflow, once.
-        started = _start(deps, current, instance_id, reason="retry", final_dump=False)
+        # A retry after a crash (or a throttled StartExecution) between the fencing write and StartExecution still
+        # starts the workflow, once; it waits for the final dump if the first try ordered one on this instance.
+        ordered = current.extra.get(FINAL_DUMP_COMMAND) or {}
+        final_dump = ordered.get("generation") == current.generation and ordered.get("instance_id") == instance_id
+        started = _start(deps, current, instance_id, reason="retry", final_dump=final_dump)
         logger.info("duplicate event: recovery already under way", job_id=job_id, started_now=started)
         return {"action": "duplicate", "job_id": job_id, "generation": current.generation}
     logger.info("event for an instance the job no longer depends on", job_id=job_id, instance_id=instance_id)
@@ -123,7 +126,7 @@ def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at
     values["Sequence"] = str(record.dump_sequence)  # minted by the fencing write (Registry.bump_generation)
     try:
         command_id = deps.cloud.send_command(
-            deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values
+            deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values, patient=True
         )
     except ClientError as error:
         logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))

@@ -13,6 +13,7 @@ from boto3.dynamodb.conditions import Attr, ConditionBase
 from spotcr_contracts import commands
 
 from spotcr_functions import registry_schema
+from spotcr_functions.cloud import CLIENT_CONFIG
 from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
 
 
@@ -60,7 +61,7 @@ class Registry:
     def table(self) -> Any:
         import boto3
 
-        return (self._session or boto3).resource("dynamodb").Table(self.table_name)
+        return (self._session or boto3).resource("dynamodb", config=CLIENT_CONFIG).Table(self.table_name)
 
     @cached_property
     def _conditional_failure(self) -> type[Exception]:

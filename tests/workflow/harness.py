@@ -394,6 +394,7 @@ class ControlPlane:
         FUNCTIONS.serve(patches)
         ssm.to_instance_ids_only(patches)
         stepfunctions.keep_failure_cause(patches)
+        stepfunctions.lambda_errors_named(patches)
         fleet.launch_template_tags(patches)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()

@@ -49,6 +49,38 @@ def test_retries_name_errors_the_integration_raises() -> None:
     assert checked >= 3
 
 
+def _tasks(states: dict[str, dict]) -> dict[str, dict]:
+    """Every Task state, those inside Parallel branches too."""
+    tasks = {}
+    for name, state in states.items():
+        if state["Type"] == "Task":
+            tasks[name] = state
+        for branch in state.get("Branches", []):
+            tasks.update(_tasks(branch["States"]))
+    return tasks
+
+
+def _throttle_errors(resource: str) -> set[str]:
+    """The errors a Task's integration raises when its service throttles it (a Lambda step's own `Throttled`:
+    a throttle that outlasted the function's SDK retries, spotcr_functions.cloud.Throttled)."""
+    if resource.startswith("arn:aws:states:::aws-sdk:ssm:"):
+        return {"Ssm.ThrottlingException"}
+    if resource.startswith("arn:aws:states:::sns:"):
+        return {"SNS.AmazonSNSException"}  # every SNS service exception, its throttle too
+    return {"Lambda.TooManyRequestsException", "Throttled"}
+
+
+def test_every_task_retries_its_services_throttles_with_jittered_backoff() -> None:
+    tasks = _tasks(_states())
+    assert len(tasks) >= 10
+    for name, state in tasks.items():
+        wanted = _throttle_errors(str(state["Resource"]))
+        retries = [r for r in state.get("Retry", []) if wanted <= set(r["ErrorEquals"])]
+        assert retries, f"{name} does not retry {sorted(wanted)}"
+        [retry] = retries
+        assert retry["JitterStrategy"] == "FULL" and retry["BackoffRate"] >= 2 and retry["MaxAttempts"] >= 5, name
+
+
 def test_marking_the_job_failed_has_a_catch_that_ends_the_execution_failed() -> None:
     states = _states()
     [catch] = states["MarkFailed"]["Catch"]

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from functools import cache
 from typing import Any, TypeVar
 
 from aws_lambda_powertools.utilities.idempotency import DynamoDBPersistenceLayer, IdempotencyConfig, idempotent_function
 from aws_lambda_powertools.utilities.parser import parse
+from botocore.exceptions import ClientError
 from pydantic import BaseModel, ValidationError
 
+from spotcr_functions.cloud import CLIENT_CONFIG, Throttled, is_throttle
 from spotcr_functions.config import Settings
 from spotcr_functions.deps import Deps
 from spotcr_functions.observability import emit_metric, logger
 
 Model = TypeVar("Model", bound=BaseModel)
+Handler = TypeVar("Handler", bound=Callable[..., Any])
 
 
 @cache
@@ -28,7 +32,23 @@ def deps() -> Deps:
 
 @cache
 def _persistence(table_name: str) -> DynamoDBPersistenceLayer:
-    return DynamoDBPersistenceLayer(table_name=table_name)
+    return DynamoDBPersistenceLayer(table_name=table_name, boto_config=CLIENT_CONFIG)
+
+
+def throttles_named(handler: Handler) -> Handler:
+    """A throttle that outlasted the SDK's retries leaves the handler as `Throttled`: the error name the state
+    machine's Retry waits out (a bare ClientError would be caught as a failed recovery)."""
+
+    @functools.wraps(handler)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return handler(*args, **kwargs)
+        except ClientError as error:
+            if is_throttle(error):
+                raise Throttled(str(error)) from error
+            raise
+
+    return run  # type: ignore[return-value]
 
 
 def once(

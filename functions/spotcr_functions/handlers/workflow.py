@@ -17,18 +17,21 @@ def _job(event: dict[str, Any]) -> tuple[str, int]:
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
+@_edge.throttles_named
 def plan(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.plan(_edge.deps(), *_job(event))
 
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
+@_edge.throttles_named
 def launch_backup(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.launch_backup(_edge.deps(), *_job(event), int(event["index"]), dict(event["candidate"]))
 
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
+@_edge.throttles_named
 def await_agent_event(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     job_id, generation = _job(event)
     rendezvous.wait_for(_edge.deps(), job_id, str(event["event"]), generation, str(event["token"]))
@@ -37,12 +40,14 @@ def await_agent_event(event: dict[str, Any], context: LambdaContext) -> dict[str
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
+@_edge.throttles_named
 def move_volume(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.move_volume(_edge.deps(), *_job(event))
 
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
+@_edge.throttles_named
 def restore(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.restore(_edge.deps(), *_job(event), str(event["attempt"]), str(event["token"]))
 
@@ -50,6 +55,7 @@ def restore(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@_edge.throttles_named
 def check_restore(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.check_restore(_edge.deps(), *_job(event), str(event["attempt"]))
 
@@ -57,6 +63,7 @@ def check_restore(event: dict[str, Any], context: LambdaContext) -> dict[str, An
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@_edge.throttles_named
 def finish(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     return recovery.finish(_edge.deps(), *_job(event))
 
@@ -64,6 +71,7 @@ def finish(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
 @metrics.log_metrics
+@_edge.throttles_named
 def fail(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     error = event.get("error") or {}
     return recovery.fail(_edge.deps(), *_job(event), str(error.get("Error", "")), str(error.get("Cause") or ""))

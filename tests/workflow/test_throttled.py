@@ -1,0 +1,111 @@
+"""A recovery under AWS's rate limits, set low on purpose: every throttle it meets is absorbed (the SDK's retries,
+the state machine's Retry, Lambda's event queue) and the job still recovers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from spotcr_contracts import tags as tag_names
+from spotcr_functions.cloud import Cloud
+from spotcr_functions.handlers import interruption
+from spotcr_functions.models import Status
+
+from rehearsal.localaws.throttle import STATE_TRANSITION, Limits, Rate
+from tests.support import wait_for
+from tests.workflow.harness import ControlPlane, ec2_event, route
+from tests.workflow.support import commit, recover
+
+# Per path, the buckets set low: one token, refilled every half second or so (SendCommand: every 5 s, the time between
+# its calls in a recovery), so that a recovery's second call to the same API within that time is refused.
+LOW = {
+    "ec2": {
+        "ec2:<mutating>": Rate(1, 2),
+        "ec2:<non-mutating>": Rate(1, 2),
+        "ec2:<unfiltered>": Rate(1, 2),
+        "ec2:CreateTags": Rate(1, 2),
+        "ec2:CreateVolume": Rate(1, 2),
+        "ec2:RunInstances": Rate(1, 2),
+        "ec2:TerminateInstances": Rate(1, 2),
+    },
+    "ssm": {"ssm:SendCommand": Rate(1, 0.2), "ssm:GetCommandInvocation": Rate(1, 0.5)},
+    "dynamodb": {"dynamodb:<reads>": Rate(1, 10), "dynamodb:<writes>": Rate(1, 10)},
+    "stepfunctions": {"stepfunctions:StartExecution": Rate(1, 1), STATE_TRANSITION: Rate(1, 8)},
+}
+
+
+@pytest.mark.parametrize("service", sorted(LOW))
+def test_a_recovery_whose_calls_are_throttled_still_recovers(plane: ControlPlane, service: str) -> None:
+    # Given a running job on an EBS volume (the volume hand-over's calls too), with a periodic checkpoint
+    primary = plane.start_job("wave-1", **{tag_names.STORAGE: "ebs"})
+    periodic = commit(plane, "wave-1", primary, 0, "periodic")
+    meter = plane.throttle(Limits.aws().only([]).override(LOW[service]))
+
+    # When the interruption warning comes and the recovery's calls meet buckets of one token
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = recover(plane, "wave-1", periodic, final_from=primary)
+
+    # Then the job runs again on the backup, from its final dump, and throttles were met on the way
+    job = plane.job("wave-1")
+    assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
+    assert job.checkpoint_id != periodic
+    throttled = {key: n for key, n in meter.throttled.items() if key[0] == service}
+    delayed = meter.delayed_transitions if service == "stepfunctions" else 0
+    assert sum(throttled.values()) + delayed > 0, str(meter.report()["calls"])
+
+
+def test_a_step_lambda_refuses_for_the_account_concurrency_is_retried(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an account whose Lambda concurrency is 1, held by the interruption handler until the workflow's first
+    # step has been refused (a synchronous Invoke over the concurrency: 429 TooManyRequestsException)
+    primary = plane.start_job("wave-2")
+    periodic = commit(plane, "wave-2", primary, 0, "periodic")
+    meter = plane.throttle(Limits.aws().only([], lambda_concurrency=1))
+    handler = interruption.handler
+
+    def holding_the_slot(event: dict[str, Any], context: Any) -> dict[str, Any]:
+        result = handler(event, context)
+        wait_for(lambda: meter.throttled[("lambda", "Invoke")], "the plan step refused")
+        return result
+
+    monkeypatch.setattr(interruption, "handler", holding_the_slot)
+
+    # When the warning comes, then the refused step is retried (Lambda.TooManyRequestsException) and the job recovers
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = recover(plane, "wave-2", periodic, final_from=primary)
+    job = plane.job("wave-2")
+    assert (job.status, job.instance_id) == (Status.RUNNING, backup)
+    assert meter.throttled[("lambda", "Invoke")] >= 1
+
+
+def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dump(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job, and a StartExecution refused once for its rate after the final dump was ordered
+    primary = plane.start_job("wave-3")
+    periodic = commit(plane, "wave-3", primary, 0, "periodic")
+    start_recovery = Cloud.start_recovery
+    refusals = [ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "StartExecution")]
+
+    def refused_once(cloud: Cloud, *args: Any, **kwargs: Any) -> bool:
+        if refusals:
+            raise refusals.pop()
+        return bool(start_recovery(cloud, *args, **kwargs))
+
+    monkeypatch.setattr(Cloud, "start_recovery", refused_once)
+    warning = ec2_event("spot-interruption-warning", primary)
+    with pytest.raises(ClientError, match="ThrottlingException"):
+        route(warning)
+
+    # When Lambda's asynchronous retry delivers the warning again
+    route(warning)
+
+    # Then the workflow it starts waits for the final dump the first try ordered, and restores from it
+    [dump] = plane.sent_commands("checkpoint", kind="final")
+    backup = recover(plane, "wave-3", periodic, final_from=primary)
+    job = plane.job("wave-3")
+    assert (job.status, job.instance_id) == (Status.RUNNING, backup)
+    assert job.checkpoint_id != periodic
+    assert dump["instances"] == [primary]
