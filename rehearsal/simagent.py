@@ -149,10 +149,10 @@ class SimulatedAgents:
                 (i.id, i.get_tags()) for i in instances if i.id not in self._seen_instances and i.state in LIVE_STATES
             ]
         for instance_id, tag_list in launched:
-            self._seen_instances.add(instance_id)  # its launch request has ended: its tags are all there
             labels = {tag["key"]: tag["value"] for tag in tag_list}
             if labels.get(tag_names.MODE) != "restore":
-                continue  # the user's own VM: its agent is played by whoever started the job
+                continue  # the user's own VM (its agent played by whoever started the job), or not tagged yet
+            self._seen_instances.add(instance_id)
             job = self.job(labels[tag_names.JOB])
             job.backup_launched = job.backup_launched or now
             job.backups.append(instance_id)

@@ -45,7 +45,7 @@ class WaveResult:
     stuck: list[str] = field(default_factory=list)  # its workflow still running when the wave's time was up
     live_copies: dict[str, list[str]] = field(default_factory=dict)  # job -> its live instances, where more than one
     leaks: list[str] = field(default_factory=list)
-    agent_errors: list[str] = field(default_factory=list)
+    agent_errors: list[str] = field(default_factory=list)  # events the functions failed: a warning, an answer
     seconds: float = 0.0  # first warning to the last workflow's end
     throttles: dict[str, Any] = field(default_factory=dict)  # the throttle Meter's report, when limits applied
 
@@ -89,10 +89,15 @@ def run_wave(
     the end state after)."""
     warned: dict[str, float] = {}
 
+    refused: list[str] = []
+
     def warn(job_id: str, at: float) -> None:
         time.sleep(max(0.0, at - time.time()))
         warned[job_id] = time.time()
-        harness.route(harness.ec2_event("spot-interruption-warning", instances[job_id]))
+        try:
+            harness.route(harness.ec2_event("spot-interruption-warning", instances[job_id]))
+        except Exception as error:  # the handler failed the warning: the wave reports it (Lambda would retry)
+            refused.append(f"{job_id}: the interruption handler failed: {type(error).__name__}: {error}")
 
     before = find_leaks()
     with contextlib.ExitStack() as throttled:
@@ -117,7 +122,7 @@ def run_wave(
         if stopped is not None:
             result.to_running_again[job_id] = stopped - warned[job_id]
     result.leaks = _leaks(plane, instances, before)
-    result.agent_errors = list(agents.errors)
+    result.agent_errors = refused + agents.errors
     return result
 
 
@@ -154,7 +159,7 @@ def _end_state(
     elif execution["status"] == "RUNNING":
         result.stuck.append(job_id)
     elif execution["status"] != "SUCCEEDED":
-        why = f"{execution.get('error', '')} {execution.get('cause', '')}"
+        why = f"{execution.get('error', '')} {execution.get('cause', '')}; the job's reason: {record.reason}"
         result.failed[job_id] = f"workflow {execution['status']}: {why}"
     elif record.status != Status.RUNNING or record.instance_id == primary or live != [record.instance_id]:
         where = f"{record.status} on {record.instance_id}, live: {live}"

@@ -412,9 +412,9 @@ class ControlPlane:
         self.documents = stack.create_documents(self.ssm, FUNCTION_PREFIX, commands.COMMANDS.values())
         vpc_id = self.ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
         self.subnets = {
-            az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=az)["Subnet"][
-                "SubnetId"
-            ]
+            az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{16 * (i + 1)}.0/20", AvailabilityZone=az)[
+                "Subnet"
+            ]["SubnetId"]
             for i, az in enumerate((f"{REGION}a", f"{REGION}b"))
         }
         image_id = "ami-760aaa0f"  # one of moto's built-in Amazon Linux images (listing them all takes seconds)
