@@ -79,7 +79,10 @@ nvidia-gpu:
 demo: where setup
 	@$(PY) -m rehearsal $(ARGS) || { code=$$?; echo "make demo: the rehearsal exited with $$code (1: the results differ, 2: it could not complete)" >&2; exit $$code; }
 
+# MinIO for the S3 figures: built once from the Go module proxy unless one is named or on PATH.
 bench: setup
+	@[ -n "$${SPOTCR_BENCH_MINIO:-}" ] || command -v minio >/dev/null || bench/install-minio.sh \
+		|| echo "make bench: no MinIO: the S3 figures come from moto's server, labelled as a mock" >&2
 	$(PY) -m bench $(ARGS)
 
 synth: $(VENV)/.installed node_modules/.installed artifacts

@@ -48,7 +48,8 @@ class _Quiet:
         return True
 
 
-def _agent(root: Path, store: CheckpointStore, mib: int, generation: int, mode: str) -> Agent:
+def host_agent(root: Path, store: CheckpointStore, command: tuple[str, ...], generation: int, mode: str) -> Agent:
+    """The agent for a job on this host (no VM), its work dir and state under `root`, its checkpoints in `store`."""
     config = AgentConfig(
         job_id=store.job_id,
         instance_id="i-bench",
@@ -58,25 +59,31 @@ def _agent(root: Path, store: CheckpointStore, mib: int, generation: int, mode: 
         workdir=root / "work",
         state_dir=root / f"state-{generation}",
         mount_point=root / "store",
-        command=gpu_command(1_000_000, 0.05, mib),
+        command=command,
         local_dirs=(),  # the benchmark's job runs on this host, whose /tmp is everyone's, not a job VM's own
     )
     return Agent(config=config, publisher=_Quiet(), job_env=base_job_env(os.environ), store_factory=lambda _: store)
 
 
+def wait_for_progress(workdir: Path, steps: int, timeout_s: float = 300) -> None:
+    """Wait until the GPU job in `workdir` has logged `steps` steps (its start includes CUDA's, seconds)."""
+    progress = workdir / "progress.log"
+    deadline = time.monotonic() + timeout_s
+    while not (progress.exists() and len(progress.read_text().splitlines()) >= steps):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the GPU job in {workdir} logged fewer than {steps} steps in {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def _one(root: Path, mib: int) -> dict[str, float]:
     (root / "store").mkdir(parents=True)
     store = CheckpointStore.for_directory(root / "store", f"gpu-{mib}")
-    primary = _agent(root, store, mib, 1, "run")
+    command = gpu_command(1_000_000, 0.05, mib)
+    primary = host_agent(root, store, command, 1, "run")
     primary.start_job()
-    progress = root / "work" / "progress.log"
-    deadline = time.monotonic() + 300
-    while not (progress.exists() and len(progress.read_text().splitlines()) >= 5):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the GPU job holding {mib} MiB made no progress in 300 s")
-        time.sleep(0.1)
+    wait_for_progress(root / "work", 5)
     dumped = primary.checkpoint("final", 1)
-    restored = _agent(root, store, mib, 2, "restore").restore(2)
+    restored = host_agent(root, store, command, 2, "restore").restore(2)
     os.kill(restored.pid, signal.SIGKILL)
     return {
         "device_mib": mib,

@@ -2,8 +2,9 @@
 
 `python -m bench pipeline [--sizes 0.25] [--cores 1 2] [--stores dir s3] [--dirty 0.01 0.05 0.2]`: for each
 core count (the benchmark pins itself and its jobs to that many cores with sched_setaffinity, as taskset does),
-each storage (a directory store on local disk; S3 on loopback: MinIO when `minio` is on PATH or
-SPOTCR_BENCH_MINIO names its binary, else moto's server, labelled) and each job size, it measures in one run:
+each storage (a directory store on local disk; S3 on loopback: MinIO when SPOTCR_BENCH_MINIO names its binary,
+`minio` is on PATH or bench/install-minio.sh built it, else moto's server, labelled) and each job size, it measures
+in one run:
 
   floor      CRIU dumping the job to tmpfs (not durable)
   full       spotcr's final dump of a job nothing was stored for, notice to durable
@@ -45,6 +46,7 @@ BUCKET = "spotcr-bench"
 NOTICE_S = 120.0
 # Seqera Fusion Snapshots' published estimates (REFERENCE.md): job memory, seconds, instance.
 FUSION = ((32, 45, "c6id.4xlarge"), (64, 70, "c6id.8xlarge, 12.5 Gbit/s"), (128, 105, "m6id.8xlarge"))
+MINIO_BUILT = Path.home() / ".cache/spotcr/minio/minio"  # where bench/install-minio.sh builds it
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -187,7 +189,7 @@ def make_store(kind: str, work: Path, job: str) -> Any:
 @contextlib.contextmanager
 def s3_server(work: Path) -> Iterator[dict[str, str]]:
     """MinIO on loopback when its binary is there; moto's server otherwise (a mock: labelled as such)."""
-    minio = os.environ.get("SPOTCR_BENCH_MINIO") or shutil.which("minio")
+    minio = os.environ.get("SPOTCR_BENCH_MINIO") or shutil.which("minio") or str(MINIO_BUILT)
     with contextlib.ExitStack() as stack:
         if minio and Path(minio).is_file():
             endpoint = stack.enter_context(minio_server(minio, work / "minio-data"))

@@ -424,12 +424,13 @@ def _efs_access_point_delete(t: GrantTargets) -> list[Grant]:
 
 
 # The store role's session tag: which job's prefix a vended session may touch (store_access.vend sets it).
-JOB_SESSION_TAG = f"${{aws:PrincipalTag/{store_access.SESSION_TAG}}}"
+JOB_SESSION_TAG = store_access.JOB
 
 
-def job_store(bucket_arn: str, file_system_arn: str | None = None) -> list[Grant]:
+def job_store(bucket_arn: str, file_system_arn: str | None = None, key_arn: str | None = None) -> list[Grant]:
     """For the store role that store-credentials assumes: objects and listing under jobs/<the session's job>/ only,
-    and (with EFS) mounting the file system through an access point, never its root.
+    (with EFS) mounting the file system through an access point, never its root, and (with a checkpoint key) the
+    key as S3 uses it to write and read the bucket's objects.
 
     The prefix comes from the session tag, so a session without the tag matches no resource; the session policy
     store_access.session_policy names the same prefix. EFS enforces no aws:PrincipalTag condition for NFS clients
@@ -465,6 +466,22 @@ def job_store(bucket_arn: str, file_system_arn: str | None = None) -> list[Grant
             if file_system_arn
             else []
         ),
+        *checkpoint_key(bucket_arn, key_arn, store_access.KEY_ACTIONS),
+    ]
+
+
+def checkpoint_key(bucket_arn: str, key_arn: str | None, actions: Iterable[str]) -> list[Grant]:
+    """The checkpoint bucket's KMS key (setting checkpoint_key), only as S3 uses it for that bucket; none without."""
+    if key_arn is None:
+        return []
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=list(actions),
+                resources=[key_arn],
+                conditions=store_access.through_s3(cdk.Aws.REGION, bucket_arn),
+            )
+        )
     ]
 
 

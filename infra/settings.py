@@ -110,6 +110,19 @@ def _optional_fsx(name: str, value: Any) -> str | None:
     return _text()(name, value)
 
 
+CREATE_KEY = "create"
+
+
+def _checkpoint_key(name: str, value: Any) -> str | None:
+    if value in (False, "false", "off", ""):
+        return None
+    if value == CREATE_KEY:
+        return CREATE_KEY
+    if not isinstance(value, str) or not _KMS_KEY.match(value):
+        raise InvalidSetting(f"{name}: expected {CREATE_KEY!r} or a KMS key ARN ({_KMS_KEY.pattern}), got {value!r}")
+    return value
+
+
 def option(parse: Callable[[str, Any], Any], description: str, default: Any = None) -> Any:
     """A context option: how its value is parsed and checked, what it means, its default."""
     return field(default=default, metadata={"parse": parse, "description": description})
@@ -167,7 +180,7 @@ class Settings:
     )
     root_volume_gib: int = option(_number(8, 16_384), "Encrypted gp3 root volume of job VMs.", 20)
     metadata_hop_limit: int = option(_number(1, 2), "IMDSv2 hop limit (1 or 2).", 1)
-    noncurrent_version_days: int = option(_number(1, 3650), "Keep replaced or deleted checkpoint objects this long.", 7)
+    noncurrent_version_days: int = option(_number(1, 3650), "Keep replaced or deleted checkpoint objects this long.", 1)
     checkpoint_expiry_days: int = option(
         _number(0, 3650),
         "Expire objects under `jobs/` (only safe for jobs shorter than this: checkpoints share chunks); 0: never.",
@@ -198,6 +211,12 @@ class Settings:
         _number(0, 10_080),
         "A job not started this long after registering (its VM's boot failed before the agent) fails; 0: never.",
         DEFAULT_PENDING_TIMEOUT_MINUTES,
+    )
+    checkpoint_key: str | None = option(
+        _checkpoint_key,
+        "Encrypt the checkpoint bucket with a customer managed KMS key (SSE-KMS, S3 Bucket Keys): `create` (the "
+        "stack makes one, rotated yearly and kept when the stack is deleted) or a key's ARN (its key policy must let "
+        "the account's IAM policies grant it: docs/deploying.md); none: SSE-S3.",
     )
     ebs_kms_key_arn: str | None = option(
         _text(_KMS_KEY),

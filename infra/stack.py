@@ -54,7 +54,9 @@ class SpotcrStack(Stack):
             bootstrap_script=bootstrap_script,
         )
         probe = ProbeDocument(self, "Probe", settings=settings)
-        store_access = StoreAccess(self, "StoreAccess", bucket=storage.bucket, file_system=storage.file_system)
+        store_access = StoreAccess(
+            self, "StoreAccess", bucket=storage.bucket, file_system=storage.file_system, key=storage.checkpoint_key
+        )
         recovery_arn = state_machine_arn(self, recovery_state_machine_name(settings))
         documents = {name: document.ref for name, document in vm.documents.items()}
         targets = grants.GrantTargets(
@@ -95,6 +97,7 @@ class SpotcrStack(Stack):
             file_system_id=storage.file_system.file_system_id if storage.file_system else "",
             pending_timeout_minutes=settings.pending_timeout_minutes,
             stack_name=settings.stack_name,
+            checkpoint_key_arn=storage.checkpoint_key.key_arn if storage.checkpoint_key else "",
         )
         functions = Functions(
             self,
@@ -168,6 +171,8 @@ class SpotcrStack(Stack):
         outputs["ProbeDocument"] = probe.document.ref
         for kind, template in faults.templates.items():
             outputs[fis.OUTPUTS[kind]] = template.ref
+        if storage.checkpoint_key is not None:
+            outputs["CheckpointKeyArn"] = storage.checkpoint_key.key_arn
         if storage.file_system is not None:
             outputs["EfsFileSystemId"] = storage.file_system.file_system_id
         if storage.lustre is not None:

@@ -7,12 +7,13 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from aws_cdk import aws_fsx as fsx
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import acknowledge
 from infra.network import Network
-from infra.settings import Settings
+from infra.settings import CREATE_KEY, Settings
 
 # Prefix of everything a job writes: jobs/<job_id>/chunks/... and jobs/<job_id>/checkpoints/...
 JOBS_PREFIX = "jobs/"
@@ -98,10 +99,14 @@ class Storage(Construct):
                     expiration=Duration.days(settings.checkpoint_expiry_days),
                 )
             )
+        self.checkpoint_key = self._checkpoint_key(settings)
         self.bucket = s3.Bucket(
             self,
             "Checkpoints",
-            encryption=s3.BucketEncryption.S3_MANAGED,
+            encryption=s3.BucketEncryption.KMS if self.checkpoint_key else s3.BucketEncryption.S3_MANAGED,
+            encryption_key=self.checkpoint_key,
+            # One data key per bucket for a while, not one KMS request per object: a checkpoint writes thousands.
+            bucket_key_enabled=True if self.checkpoint_key else None,
             block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
             enforce_ssl=True,
             versioned=True,
@@ -172,3 +177,19 @@ class Storage(Construct):
                 ),
                 removal_policy=RemovalPolicy.RETAIN if persistent else RemovalPolicy.DESTROY,
             )
+
+    def _checkpoint_key(self, settings: Settings) -> kms.IKey | None:
+        """The checkpoint bucket's KMS key (setting checkpoint_key). A key the stack creates has CDK's default key
+        policy, the account's root with every action, so IAM policies alone grant its use (the roles' grants in
+        infra/grants.py); it is kept when the stack is deleted, as the bucket is, or its objects could not be read."""
+        if settings.checkpoint_key is None:
+            return None
+        if settings.checkpoint_key != CREATE_KEY:
+            return kms.Key.from_key_arn(self, "CheckpointKey", settings.checkpoint_key)
+        return kms.Key(
+            self,
+            "CheckpointKey",
+            description="spotcr checkpoints (S3 SSE-KMS with bucket keys)",
+            enable_key_rotation=True,
+            removal_policy=RemovalPolicy.RETAIN,
+        )

@@ -18,6 +18,7 @@ from aws_cdk import aws_apigateway as apigateway
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
@@ -47,7 +48,13 @@ class Later:
 
 class StoreAccess(Construct):
     def __init__(
-        self, scope: Construct, construct_id: str, *, bucket: s3.IBucket, file_system: efs.IFileSystem | None = None
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        bucket: s3.IBucket,
+        file_system: efs.IFileSystem | None = None,
+        key: kms.IKey | None = None,
     ) -> None:
         super().__init__(scope, construct_id)
         self._vendor_role_arn = Later("the store-credentials function's role")
@@ -59,7 +66,8 @@ class StoreAccess(Construct):
             max_session_duration=cdk.Duration.hours(1),
         )
         file_system_arn = file_system.file_system_arn if file_system is not None else None
-        grants.apply(self.role, grants.job_store(bucket.bucket_arn, file_system_arn))
+        key_arn = key.key_arn if key is not None else None
+        grants.apply(self.role, grants.job_store(bucket.bucket_arn, file_system_arn, key_arn))
 
     def serve(
         self, function: lambda_.Function, job_role: iam.IRole, private_endpoint: ec2.IVpcEndpoint | None = None

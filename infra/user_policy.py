@@ -20,6 +20,7 @@ from typing import Any
 from spotcr_cli import preflight
 from spotcr_contracts import fis as fis_experiments
 from spotcr_contracts import tags
+from spotcr_functions import store_access
 
 from infra import ebs_key
 
@@ -286,6 +287,15 @@ def statements(stack: str, region: str, account: str, outputs: Mapping[str, str]
                 ("fis:GetExperiment", "fis:TagResource"),
                 (f"{fis}:experiment/*",),
                 why="An experiment's id is made when it starts (and tagged as it starts).",
+            )
+        )
+    if outputs.get("CheckpointKeyArn"):
+        found.append(
+            UserStatement(
+                "UseTheCheckpointKey",
+                store_access.KEY_ACTIONS,
+                (outputs["CheckpointKeyArn"],),
+                store_access.through_s3(region, bucket),
             )
         )
     if outputs.get("EfsFileSystemId"):

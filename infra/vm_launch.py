@@ -15,6 +15,7 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 from spotcr_contracts import commands
 from spotcr_contracts.settings import VmSettings
+from spotcr_functions import store_access
 
 from infra import grants
 from infra.agent_bundle import BOOTSTRAP_SCRIPT, render_user_data, stage_agent_bundle
@@ -81,6 +82,11 @@ class VmLaunch(Construct):
         self._grant_job_storage(storage)
         # The agent on the VM reads the job spec its spotcr:spec tag names; no function does.
         grants.apply(self.job_role, [grants.job_specs(storage.bucket.bucket_name, settings.job_spec_buckets)])
+        checkpoint_key = storage.checkpoint_key.key_arn if storage.checkpoint_key else None
+        grants.apply(
+            self.job_role,
+            grants.checkpoint_key(storage.bucket.bucket_arn, checkpoint_key, store_access.KEY_READ_ACTIONS),
+        )
         self.job_role.add_to_principal_policy(
             iam.PolicyStatement(
                 actions=["s3:GetObject"],

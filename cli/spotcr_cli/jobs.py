@@ -105,9 +105,9 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
     seen: set[str] = set()
     out = []
     for manifest, manifest_size in sorted(manifests, key=lambda m: checkpoint_order(m[0].checkpoint_id)):
-        hashes = manifest.chunk_hashes()
-        new = hashes - seen
-        seen |= hashes
+        chunks = manifest.stored_chunks()
+        new = chunks.keys() - seen
+        seen |= chunks.keys()
         out.append(
             Checkpoint(
                 checkpoint_id=manifest.checkpoint_id,
@@ -115,7 +115,8 @@ def checkpoints(cloud: Cloud, record: JobRecord) -> list[Checkpoint]:
                 generation=manifest.generation,
                 created_at=_parse_time(manifest.created_at) or checkpoint_time(manifest.checkpoint_id),
                 size=manifest.bytes_total,
-                stored=manifest_size + sum(chunk_sizes.get(h, 0) for h in new),
+                # a packed chunk's stored length is in the manifest; format 1's chunk is an object of its own
+                stored=manifest_size + sum(chunks[h].stored or chunk_sizes.get(h, 0) for h in new),
                 source="manifest",
             )
         )

@@ -5,7 +5,8 @@ Two models live here:
   checkpointed every H hours, each checkpoint stopping the job for S seconds (CRIU writing straight to the
   storage, as the research measured it), G GB kept for a month;
 - spotcr's planner: the Young/Daly interval for the job's periodic checkpoints, the final dump projected
-  against the two-minute notice, and the expected overhead and cost of one run on each storage.
+  against the two-minute notice, the expected overhead, and what a user pays on each storage: the VM, the
+  requests (S3 PUTs and GETs, EFS's per-GB throughput) and the storage the retention keeps.
 
 docs/planning.md states every formula and default below, with its source.
 """
@@ -18,11 +19,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from spotcr_agent.config import AgentConfig
+from spotcr_agent.store.store import GRACE_SECONDS
 from spotcr_contracts.tags import INTERVAL, MAX_INTERVAL_S, MIN_INTERVAL_S, STORAGES
 from spotcr_functions.config import Settings
 
 MIB_PER_GIB = 1024.0
 HOURS_PER_MONTH = 730.0  # AWS bills GB-month as 730 hours
+SECONDS_PER_DAY = 86400.0
 NOTICE_S = 120.0  # the spot interruption warning comes two minutes before the action (REFERENCE.md)
 
 
@@ -75,6 +79,54 @@ DEFAULT_STORAGE_PRICE: Mapping[str, Source] = {
     "efs": Source(0.30, "EFS frequent access, HADS-CheckRec (April 2020)"),
     "fsx": Source(0.14, "FSx for Lustre SCRATCH_2 per provisioned GB, AWS price list us-east-1 (not in the research)"),
 }
+
+
+@dataclass(frozen=True)
+class RequestPrice:
+    """What a storage charges for its use, beside the GB-month: USD per 1,000 PUTs and GETs, per GB written and read."""
+
+    put_per_1000: float
+    get_per_1000: float
+    write_per_gb: float
+    read_per_gb: float
+    source: str
+
+
+# List prices, us-east-1, as published by AWS in 2026 (unchanged since the research's April 2020 for S3).
+REQUEST_PRICE: Mapping[str, RequestPrice] = {
+    "s3": RequestPrice(
+        0.005, 0.0004, 0.0, 0.0, "S3 Standard PUT $0.005 and GET $0.0004 per 1,000: aws.amazon.com/s3/pricing (2026)"
+    ),
+    "ebs": RequestPrice(
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+        "EBS: no request charge; the snapshot that moves a volume to another zone at a recovery is deleted once "
+        "restored ($0.05 per GB-month for minutes): not counted",
+    ),
+    "efs": RequestPrice(
+        0.0,
+        0.0,
+        0.06,
+        0.03,
+        "EFS Elastic Throughput (the stack's mode): $0.06 per GB written, $0.03 per GB read: "
+        "aws.amazon.com/efs/pricing (2026)",
+    ),
+    "fsx": RequestPrice(0.0, 0.0, 0.0, 0.0, "FSx for Lustre: throughput is included in the GB-month price"),
+}
+# S3 objects per GiB of new checkpoint data (PUTs to write it, GETs to read it back): the store writes one object
+# per chunk, about 1.25 MiB each. Measured in issue 23: 256 MiB of new data (half random, half repetitive)
+# committed through CheckpointStore.for_directory, about 800 requests per GiB. Update from `make bench`.
+S3_OBJECTS_PER_GIB = Source(800.0, "one object per ~1.25 MiB chunk, measured in issue 23")
+# Retention: the agent keeps its newest keep_checkpoints, and any older one whose successor is younger than the
+# store's grace (a restore may still read it).
+KEEP_CHECKPOINTS = AgentConfig.keep_checkpoints
+PRUNE_GRACE_S = GRACE_SECONDS
+# The stack's versioned bucket bills what the store deletes for this many days more: noncurrent_version_days in
+# infra/settings.py, its default (tests/cli/test_plan.py checks the two agree).
+NONCURRENT_VERSION_DAYS = 1
+
 # Storage billed by provisioned size, not by bytes stored: the stack's defaults.
 PROVISIONED_GIB: Mapping[str, Source] = {
     "ebs": Source(100.0, "ebs_volume_gib, the stack's default EBS volume"),
@@ -108,6 +160,27 @@ def parse_rate(text: str) -> tuple[float, str]:
     )
 
 
+def parse_rewritten(text: str, memory_gib: float) -> float:
+    """GiB the job rewrites between two periodic checkpoints: a share of its memory (5% or 0.05) or GiB (3.2GiB)."""
+    positive("--memory-gib", memory_gib)
+    cleaned = text.strip().replace(" ", "")
+    number = r"[0-9]*\.?[0-9]+"
+    if re.fullmatch(number + r"(GiB|%)?", cleaned):
+        if cleaned.endswith("GiB"):
+            gib = float(cleaned[:-3])
+        else:
+            share = float(cleaned[:-1]) / 100.0 if cleaned.endswith("%") else float(cleaned)
+            if share > 1:
+                raise PlanInputError(f"--rewritten-per-interval {text!r}: a share of the memory is at most 100%")
+            gib = share * memory_gib
+        if gib <= memory_gib:
+            return gib
+        raise PlanInputError(f"--rewritten-per-interval {text!r} is more than the job's {memory_gib:g} GiB")
+    raise PlanInputError(
+        f"--rewritten-per-interval {text[:32]!r}: expected a share of the memory (5% or 0.05) or GiB (3.2GiB)"
+    )
+
+
 def check_storage(storage: str) -> str:
     if storage not in STORAGES:
         raise PlanInputError(f"unknown storage {storage[:32]!r}; one of {', '.join(STORAGES)}")
@@ -124,7 +197,7 @@ def positive(name: str, value: float, *, zero_ok: bool = False) -> float:
 class ResearchRun:
     """The research's long-running model, exactly:
 
-    checkpoints   = ceil(W / H) - 1        one at the end of every interval but the last (the work is done then)
+    checkpoints   = ceil(W / H)            one at the end of every interval, the last (shorter) one included
     total_hours   = W + checkpoints * S / 3600   the job is stopped while each checkpoint is written
     total_cost    = total_hours * P + G * X      the VM for the whole run, G GB kept for the month
     """
@@ -146,7 +219,7 @@ class ResearchRun:
 
     @property
     def checkpoints(self) -> int:
-        return max(0, math.ceil(self.work_hours / self.interval_hours) - 1)
+        return math.ceil(self.work_hours / self.interval_hours)
 
     def to_json(self) -> dict[str, Any]:
         checkpoint_hours = self.checkpoints * self.dump_seconds / 3600.0
@@ -206,7 +279,8 @@ class JobPlanInput:
     work_hours: float
     vm_price_hour: float
     on_demand_price_hour: float | None = None
-    stored_gib: float | None = None  # None: the job's memory (one full image; later ones are deduplicated)
+    stored_gib: float | None = None  # None: what the retention keeps (see checkpoint_costs)
+    rewritten_gib: float | None = None  # new data per periodic checkpoint; None: min(memory, dirty rate * interval)
     storage_price: Mapping[str, Source] = field(default_factory=lambda: dict(DEFAULT_STORAGE_PRICE))
     boot: Source = DEFAULT_BOOT_S
     interval_s: float | None = None  # None: Daly's interval
@@ -221,6 +295,8 @@ class JobPlanInput:
             positive("--on-demand-price-hour", self.on_demand_price_hour, zero_ok=True)
         if self.stored_gib is not None:
             positive("--stored-gib", self.stored_gib, zero_ok=True)
+        if self.rewritten_gib is not None:
+            positive("--rewritten-per-interval", self.rewritten_gib, zero_ok=True)
         if self.interval_s is not None:
             positive("--interval", self.interval_s)
 
@@ -240,6 +316,7 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
        L = (T^2 - t_fit^2) / (2 T) when t_fit < T, else 0        (Young/Daly assume L = T / 2: no final dump)
     restart R = final dump (or a failed one: the budget) + boot + memory / read rate
     overhead per hour of work = C / T + rate * (L + R)       (first order: time lost, as a share of the work)
+    cost of the run = run hours * VM price + requests + storage kept             (see checkpoint_costs)
     """
     memory_mib = job.memory_gib * MIB_PER_GIB
     mtbf_s = 3600.0 / job.rate_per_hour
@@ -266,10 +343,7 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
     per_work_s = freeze_s / interval_s + (lost_s + restart_s) / mtbf_s
     no_final_per_work_s = freeze_s / interval_s + (interval_s / 2.0 + job.boot.value + restore_s) / mtbf_s
     run_hours = job.work_hours * (1.0 + per_work_s)
-    stored_gib = job.stored_gib if job.stored_gib is not None else job.memory_gib
-    billed_gib = max(stored_gib, PROVISIONED_GIB[storage].value) if storage in PROVISIONED_GIB else stored_gib
-    price = job.storage_price[storage]
-    storage_cost = billed_gib * price.value * run_hours / HOURS_PER_MONTH  # AWS bills EBS and S3 "GB" as GiB
+    checkpoints = checkpoint_costs(job, storage, interval_s, run_hours)
     vm_cost = run_hours * job.vm_price_hour
     result: dict[str, Any] = {
         "storage": storage,
@@ -304,12 +378,83 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
         "overhead": per_work_s,
         "overhead_without_final_dump": no_final_per_work_s,
         "run_hours": run_hours,
-        "storage_billed_gib": billed_gib,
-        "storage_price_gb_month": asdict(price),
+        **checkpoints,
         "vm_cost": vm_cost,
-        "storage_cost": storage_cost,
-        "total_cost": vm_cost + storage_cost,
+        "total_cost": vm_cost + checkpoints["requests_cost"] + checkpoints["storage_cost"],
     }
+    result["per_day"]["vm_cost"] = 24.0 * job.vm_price_hour
     if job.on_demand_price_hour is not None:
         result["on_demand_cost"] = job.work_hours * job.on_demand_price_hour
+    return result
+
+
+def checkpoint_costs(job: JobPlanInput, storage: str, interval_s: float, run_hours: float) -> dict[str, Any]:
+    """What the checkpoints cost on one storage beside the VM: requests and the storage kept, per day and per run.
+
+    N  = new data per periodic checkpoint, GiB: given, else min(memory, dirty rate * T)
+    written per day = N * 86400 / T;  read per day = memory * 24 * rate   (every interruption restores the image)
+    a run writes the first full image, then N per checkpoint, and reads the image once per interruption
+    S3: PUTs = GiB written * objects per GiB, GETs = GiB read * objects per GiB; EFS: a price per GB written and read
+    kept checkpoints K = max(keep_checkpoints, ceil(grace / T) + 1)   (an older one stays while its successor is
+                                                                      younger than the store's grace)
+    kept GiB = min(K * memory, memory + (K - 1) * N)   one full image, and what each later one changed
+    S3 also bills what the store deleted for noncurrent_version_days (a versioned bucket): + written per day * days
+        (each deleted GiB is billed that many days, partly after the run: steady state * run time counts it exactly)
+    billed GiB = kept (or --stored-gib), at least the provisioned size on EBS and FSx
+    storage per day = billed GiB * price per GB-month * 24 / 730          (AWS bills "GB" here as GiB)
+    """
+    memory = job.memory_gib
+    rewritten = job.rewritten_gib is not None
+    new_gib = (
+        job.rewritten_gib if job.rewritten_gib is not None else min(memory, job.dirty_gib_per_min * interval_s / 60)
+    )
+    written_day = new_gib * SECONDS_PER_DAY / interval_s
+    read_day = memory * 24.0 * job.rate_per_hour
+    kept_checkpoints = max(KEEP_CHECKPOINTS, math.ceil(PRUNE_GRACE_S / interval_s) + 1)
+    kept_gib = min(kept_checkpoints * memory, memory + (kept_checkpoints - 1) * new_gib)
+    noncurrent_gib = written_day * NONCURRENT_VERSION_DAYS if storage == "s3" else 0.0
+    stored_gib = job.stored_gib if job.stored_gib is not None else kept_gib + noncurrent_gib
+    billed_gib = max(stored_gib, PROVISIONED_GIB[storage].value) if storage in PROVISIONED_GIB else stored_gib
+    price = job.storage_price[storage]
+    request = REQUEST_PRICE[storage]
+    objects_per_gib = S3_OBJECTS_PER_GIB.value if storage == "s3" else 0.0
+
+    def requests_cost(written_gib: float, read_gib: float) -> float:
+        return written_gib * (objects_per_gib * request.put_per_1000 / 1000.0 + request.write_per_gb) + read_gib * (
+            objects_per_gib * request.get_per_1000 / 1000.0 + request.read_per_gb
+        )
+
+    written_run = memory + new_gib * run_hours * 3600.0 / interval_s
+    read_run = memory * run_hours * job.rate_per_hour
+    result: dict[str, Any] = {
+        "new_gib_per_checkpoint": {
+            "value": new_gib,
+            "source": "given" if rewritten else "the dirty rate over the interval, at most the memory",
+        },
+        "kept": {
+            "checkpoints": kept_checkpoints,
+            "gib": kept_gib,
+            "noncurrent_gib": noncurrent_gib,
+            "rule": f"the newest {KEEP_CHECKPOINTS} (keep_checkpoints) and those younger than "
+            f"{PRUNE_GRACE_S:.0f} s after their successor (the store's grace)"
+            + (f"; S3 keeps deleted versions {NONCURRENT_VERSION_DAYS} days" if storage == "s3" else ""),
+        },
+        "storage_billed_gib": billed_gib,
+        "storage_price_gb_month": asdict(price),
+        "request_price": asdict(request),
+        "per_day": {
+            "written_gib": written_day,
+            "read_gib": read_day,
+            "puts": written_day * objects_per_gib,
+            "gets": read_day * objects_per_gib,
+            "requests_cost": requests_cost(written_day, read_day),
+            "storage_cost": billed_gib * price.value * 24.0 / HOURS_PER_MONTH,
+        },
+        "requests_cost": requests_cost(written_run, read_run),
+        "storage_cost": billed_gib * price.value * run_hours / HOURS_PER_MONTH,
+    }
+    if objects_per_gib:
+        result["objects_per_gib"] = asdict(S3_OBJECTS_PER_GIB)
+    if storage in PROVISIONED_GIB:
+        result["kept"]["provisioned_gib"] = PROVISIONED_GIB[storage].value
     return result

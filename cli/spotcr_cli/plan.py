@@ -1,8 +1,9 @@
 """`spotcr plan`: the checkpoint interval for a job and what a run costs on each storage.
 
 Two modes. With the job's own figures (--memory-gib ...): the Young/Daly interval, the final dump against the
-two-minute notice, the expected overhead and the cost of a run on each storage, from `spotcr probe` results
-when given, else from documented defaults. With the original research's inputs (--interval-hours
+two-minute notice, the expected overhead and the cost of a run on each storage (the VM, the storage's requests,
+the storage the retention keeps; per day too), from `spotcr probe` results when given, else from documented
+defaults. With the original research's inputs (--interval-hours
 --dump-seconds --stored-gb --storage-price-gb-month): that research's long-running model, exactly.
 The formulas are in model.py and in docs/planning.md.
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
+from math import inf
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,13 @@ def register(subparsers: Any) -> None:
     job.add_argument("--storage", choices=(*STORAGES, "all"), default="all", help="storage to plan for (all)")
     job.add_argument("--instance-type", default="", help="the job's instance type; selects probe results")
     job.add_argument("--on-demand-price-hour", type=float, help="on-demand price of the type, to compare")
-    job.add_argument("--stored-gib", type=float, help="GiB kept in the store (default: the job's memory)")
+    job.add_argument(
+        "--rewritten-per-interval",
+        metavar="SHARE|GiB",
+        help="memory the job rewrites between checkpoints, as a share (5%%, 0.05) or GiB (3.2GiB); "
+        "default: the dirty rate over the interval",
+    )
+    job.add_argument("--stored-gib", type=float, help="GiB kept in the store (default: what the retention keeps)")
     job.add_argument("--interval-minutes", type=float, help="evaluate this interval instead of Daly's")
     job.add_argument(
         "--storage-price",
@@ -124,6 +132,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         vm_price_hour=args.vm_price_hour,
         on_demand_price_hour=args.on_demand_price_hour,
         stored_gib=args.stored_gib,
+        rewritten_gib=(
+            model.parse_rewritten(args.rewritten_per_interval, args.memory_gib)
+            if args.rewritten_per_interval is not None
+            else None
+        ),
         storage_price={**model.DEFAULT_STORAGE_PRICE, **_prices(args.storage_price)},
         interval_s=args.interval_minutes * 60.0 if args.interval_minutes is not None else None,
     )
@@ -277,6 +290,28 @@ def _job_table(result: Mapping[str, Any]) -> str:
                 + (f" (on-demand ${p['on_demand_cost']:.2f})" if "on_demand_cost" in p else ""),
             )
         )
+    per_day = []
+    for p in result["storages"]:
+        day, kept = p["per_day"], p["kept"]
+        per_day.append(
+            (
+                p["storage"],
+                f"{p['new_gib_per_checkpoint']['value']:.2f} GiB",
+                f"{day['written_gib']:,.1f} GiB",
+                f"{day['puts']:,.0f} PUT, {day['gets']:,.0f} GET" if "objects_per_gib" in p else "-",
+                f"{kept['checkpoints']}: {kept['gib']:,.1f} GiB"
+                + (f" + {kept['noncurrent_gib']:,.0f} GiB deleted" if kept["noncurrent_gib"] else "")
+                + (
+                    f" > {kept['provisioned_gib']:g} provisioned"
+                    if kept["gib"] > kept.get("provisioned_gib", inf)
+                    else ""
+                ),
+                f"${day['vm_cost']:.2f}",
+                f"${day['requests_cost']:.2f}",
+                f"${day['storage_cost']:.2f}",
+            )
+        )
+    per_day_columns = ("per day", "new/checkpoint", "written", "S3 requests", "kept", "VM", "requests", "storage")
     sources = ["rates (MiB/s) and where they come from:"]
     for p in result["storages"]:
         for name, rate in p["rates_mib_s"].items():
@@ -284,7 +319,27 @@ def _job_table(result: Mapping[str, Any]) -> str:
             line = line if name in ("pipeline", "local_dump") else f"  {p['storage']} {line.strip()}"
             if line not in sources:
                 sources.append(line)
-    return "\n".join([head, "", _table(columns, rows), "", *sources, f"cheapest: {result['cheapest']}"])
+    prices = ["prices beside the VM:"]
+    for p in result["storages"]:
+        prices.append(f"  {p['storage']}: {p['request_price']['source']}")
+        if "objects_per_gib" in p:
+            prices.append(
+                f"  {p['storage']}: {p['objects_per_gib']['value']:g} objects per GiB of new data "
+                f"({p['objects_per_gib']['source']})"
+            )
+    return "\n".join(
+        [
+            head,
+            "",
+            _table(columns, rows),
+            "",
+            _table(per_day_columns, per_day),
+            "",
+            *sources,
+            *prices,
+            f"cheapest: {result['cheapest']}",
+        ]
+    )
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -77,6 +77,11 @@ class FunctionSettings:
         "A job not started this long after registering fails; 0: never.", DEFAULT_PENDING_TIMEOUT_MINUTES, minimum=0
     )
     stack_name: str = setting("The spotcr:stack tag value of the volumes and snapshots spotcr creates.", "")
+    checkpoint_key_arn: str = setting(
+        "The KMS key the checkpoint bucket encrypts with (SSE-KMS): store sessions may use it through S3; empty: "
+        "SSE-S3.",
+        "",
+    )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FunctionSettings:

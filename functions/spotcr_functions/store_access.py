@@ -26,6 +26,13 @@ and elasticfilesystem:AccessedViaMountTarget ("No other condition keys are enfor
 IAM to control file system data access", EFS condition keys for clients), so no aws:PrincipalTag condition. A session
 policy narrows what the session may do whatever the service (IAM User Guide, "Session policies"), and the store
 role's own grant already requires some access point, so a vended session never mounts the file system's root.
+
+A checkpoint key (setting checkpoint_key): the bucket encrypts with that KMS key by default (SSE-KMS, S3 Bucket Keys),
+and S3 asks KMS as the caller, kms:GenerateDataKey to write an object and kms:Decrypt to read one. The store role
+allows both on that key only through S3 and only for this bucket (`through_s3`: with Bucket Keys the encryption
+context is the bucket's ARN, Amazon S3 User Guide, "Reducing the cost of SSE-KMS with Amazon S3 Bucket Keys"). The
+session policy names the key without repeating those conditions: it only narrows the role's grant, and AssumeRole
+takes at most 2,048 characters of it (hence, too, the job named by its session tag and `elasticfilesystem:Client*`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ EFS_CLIENT_ACTIONS = (
     "elasticfilesystem:ClientWrite",
     "elasticfilesystem:ClientRootAccess",
 )
+# In the session policy, which only narrows the role's grant of exactly those three: the same, in fewer characters
+EFS_CLIENT_WILDCARD = "elasticfilesystem:Client*"
 ACCESS_POINT_KEY = "elasticfilesystem:AccessPointArn"
 _ASSUMED_ROLE = re.compile(r"^arn:(aws[a-z-]*):sts::(\d{12}):assumed-role/([\w+=,.@-]{1,64})/([\w+=,.@-]{2,64})$")
 _INSTANCE_ID = re.compile(INSTANCE_ID_PATTERN)
@@ -61,8 +70,11 @@ PRUNABLE = ("checkpoints", "chunks", "commits", "sweeps")
 PRUNE_MARKERS = "sweeps"
 # The job's kept logs, which every run of the name writes.
 JOB_LOGS = (layout.CRIU_LOGS, layout.AGENT_LOGS)
+KEY_ACTIONS = ("kms:GenerateDataKey", "kms:Decrypt")  # what S3 asks KMS as the caller: writing, reading
+KEY_READ_ACTIONS = ("kms:Decrypt",)
 # The session tag naming the job: letters only, so `${aws:PrincipalTag/SpotcrJob}` keeps ARNs parseable by tools.
 SESSION_TAG = "SpotcrJob"
+JOB = f"${{aws:PrincipalTag/{SESSION_TAG}}}"  # the job's name in the session's own policies, from its session tag
 
 
 class Refused(Exception):
@@ -131,18 +143,32 @@ def file_system_arn(access_point_arn: str, file_system_id: str) -> str:
     return f"{access_point_arn.rsplit(':', 1)[0]}:file-system/{file_system_id}"
 
 
+def through_s3(region: str, bucket_arn: str) -> dict[str, dict[str, str]]:
+    """The condition on a checkpoint key: used by S3 in its region, for this bucket's objects (S3 Bucket Keys)."""
+    return {
+        "StringEquals": {
+            "kms:ViaService": f"s3.{region}.amazonaws.com",
+            "kms:EncryptionContext:aws:s3:arn": bucket_arn,
+        }
+    }
+
+
 def session_policy(
     partition: str,
     bucket: str,
-    job_id: str,
     run_id: str,
     *,
     access_point_arn: str | None = None,
     file_system_id: str = "",
+    key_arn: str = "",
 ) -> dict[str, Any]:
     """The session policy: the run's objects and the job's kept logs; of the name's other runs, reading and
     deleting the checkpoint state (to prune it) and writing only the prune's sweep marker; listing only under the
-    job's prefix, and (efs storage) mounting the file system only through the job's access point."""
+    job's prefix; (efs storage) mounting the file system only through the job's access point, and (a checkpoint
+    key) that key, as far as the store role allows it (only as S3 uses it for this bucket). The job is named by the
+    session tag (JOB), not spelled out: AssumeRole takes at most 2,048 characters of policy, which a 63-character
+    name repeated in every resource would overrun (2,290 with EFS and a key)."""
+    job_id = JOB
     objects = f"arn:{partition}:s3:::{bucket}/"
     other_runs = f"{objects}{run_prefix(job_id, ANY_RUN)}"
     statements: list[dict[str, Any]] = [
@@ -171,11 +197,13 @@ def session_policy(
             "Condition": {"StringLike": {"s3:prefix": f"{job_prefix(job_id)}*"}},
         },
     ]
+    if key_arn:
+        statements.append({"Effect": "Allow", "Action": list(KEY_ACTIONS), "Resource": key_arn})
     if access_point_arn:
         statements.append(
             {
                 "Effect": "Allow",
-                "Action": list(EFS_CLIENT_ACTIONS),
+                "Action": EFS_CLIENT_WILDCARD,
                 "Resource": file_system_arn(access_point_arn, file_system_id),
                 "Condition": {"StringEquals": {ACCESS_POINT_KEY: access_point_arn}},
             }
@@ -195,10 +223,10 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
     policy = session_policy(
         caller.partition,
         settings.checkpoint_bucket,
-        job,
         record.run_id,
         access_point_arn=access_point,
         file_system_id=settings.file_system_id,
+        key_arn=settings.checkpoint_key_arn,
     )
     credentials = deps.cloud.assume_store_role(
         role_arn=settings.store_role_arn,

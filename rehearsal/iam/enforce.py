@@ -350,6 +350,31 @@ class MotoState:
             key_id = found[0]
         return f"arn:aws:kms:{self.region}:{self.account}:key/{backend.get_key_id(key_id)}"
 
+    def _s3_bucket(self, bucket: str) -> Any:
+        from moto.s3.models import s3_backends
+
+        return s3_backends[self.account]["global"].buckets.get(bucket)
+
+    def _sse_kms(self, algorithm: str | None, key_id: str | None, bucket_key: Any) -> iam_requests.SseKms | None:
+        if algorithm != "aws:kms":
+            return None
+        key = key_id or "alias/aws/s3"  # SSE-KMS naming no key: S3's AWS managed key
+        arn = key if key.startswith("arn:aws:kms:") and ":key/" in key else self.kms_key_arn(key)
+        return iam_requests.SseKms(arn, str(bucket_key).lower() == "true")
+
+    def bucket_encryption(self, bucket: str) -> iam_requests.SseKms | None:
+        found = self._s3_bucket(bucket)
+        rule = (found.encryption or {}).get("Rule", {}) if found is not None else {}
+        default = rule.get("ApplyServerSideEncryptionByDefault", {})
+        return self._sse_kms(default.get("SSEAlgorithm"), default.get("KMSMasterKeyID"), rule.get("BucketKeyEnabled"))
+
+    def object_encryption(self, bucket: str, key: str) -> iam_requests.SseKms | None:
+        found = self._s3_bucket(bucket)
+        written = found.keys.get(key) if found is not None else None
+        if written is None:
+            return None
+        return self._sse_kms(written.encryption, written.kms_key_id, written.bucket_key_enabled)
+
     def stack_arn(self, stack_name: str) -> str:
         if stack_name.startswith("arn:"):
             return stack_name

@@ -45,6 +45,23 @@ class State(Protocol):
         """The key a key id, key ARN, alias name or alias ARN names."""
         ...
 
+    def bucket_encryption(self, bucket: str) -> SseKms | None:
+        """The bucket's default encryption when it is SSE-KMS; None for SSE-S3 (or no such bucket)."""
+        ...
+
+    def object_encryption(self, bucket: str, key: str) -> SseKms | None:
+        """How the object was encrypted when with SSE-KMS; None for SSE-S3 (or no such object)."""
+        ...
+
+
+@dataclass(frozen=True)
+class SseKms:
+    """SSE-KMS: the key's ARN, and whether S3 Bucket Keys are on (then the encryption context is the bucket's ARN,
+    else the object's)."""
+
+    key_arn: str
+    bucket_key: bool
+
 
 @dataclass(frozen=True)
 class Call:
@@ -433,7 +450,29 @@ def _s3(call: Call, state: State) -> list[Request]:
         context["s3:prefix"] = call.params["prefix"]
     if "Keys" in call.params:  # DeleteObjects: each object it deletes
         return [Request(f"s3:{action}", f"{call.params['Resource']}/{key}", context) for key in call.params["Keys"]]
-    return [Request(f"s3:{action}", call.params["Resource"], context)]
+    return [Request(f"s3:{action}", call.params["Resource"], context), *_s3_kms(call, state)]
+
+
+def _s3_kms(call: Call, state: State) -> list[Request]:
+    """SSE-KMS: S3 asks KMS as the caller (Amazon S3 User Guide, "Using server-side encryption with AWS KMS keys"):
+    kms:GenerateDataKey for an object it writes with the bucket's default key (the store names none of its own),
+    kms:Decrypt for one it reads with the key the object was written with. HeadObject decrypts nothing."""
+    bucket_arn, _, key = str(call.params["Resource"]).partition("/")
+    bucket = bucket_arn.removeprefix("arn:aws:s3:::")
+    if call.operation == "PutObject":
+        action, sse = "kms:GenerateDataKey", state.bucket_encryption(bucket)
+    elif call.operation == "GetObject":
+        action, sse = "kms:Decrypt", state.object_encryption(bucket, key)
+    else:
+        return []
+    if sse is None:
+        return []
+    context: dict[str, ContextValue] = {
+        "kms:ViaService": f"s3.{call.region}.amazonaws.com",
+        "kms:CallerAccount": call.account,
+        "kms:EncryptionContext:aws:s3:arn": bucket_arn if sse.bucket_key else str(call.params["Resource"]),
+    }
+    return [Request(action, sse.key_arn, context)]
 
 
 # (IAM service prefix, operation) -> the requests it makes.

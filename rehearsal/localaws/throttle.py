@@ -159,26 +159,26 @@ class Limits:
             raise ValueError(f"no such buckets: {sorted(unknown)}; known: {sorted(self.rates)}")
         return Limits({key: self.rates[key] for key in wanted}, lambda_concurrency)
 
-    def request_bucket(self, service: str, operation: str, params: Mapping[str, Any]) -> str | None:
-        """The key of the request bucket this call takes a token from, or None if none applies."""
+    def request_bucket(self, service: str, operation: str, params: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The request bucket this call takes a token from, as (the bucket's own key, the key of its rate), or None
+        if none applies. EC2 evaluates each API alone: one bucket per API, its category's size; DynamoDB's
+        categories are one bucket each (the table's throughput)."""
         own = f"{service}:{operation}"
         if service == "ec2":
             if operation in EC2_UNFILTERED and not _filtered_or_paginated(params):
-                return "ec2:<unfiltered>" if "ec2:<unfiltered>" in self.rates else None
-            if own in self.rates:
-                return own
-            category = "ec2:<non-mutating>" if EC2_NON_MUTATING.match(operation) else "ec2:<mutating>"
-            return category if category in self.rates else None
+                category = "ec2:<unfiltered>"
+            elif own in self.rates:
+                return own, own
+            else:
+                category = "ec2:<non-mutating>" if EC2_NON_MUTATING.match(operation) else "ec2:<mutating>"
+            return (f"{category}{operation}", category) if category in self.rates else None
+        if own in self.rates:
+            return own, own
         if service == "dynamodb":
-            category = (
-                "dynamodb:<reads>"
-                if operation in DYNAMODB_READS
-                else "dynamodb:<writes>"
-                if operation in DYNAMODB_WRITES
-                else ""
-            )
-            return own if own in self.rates else category if category in self.rates else None
-        return own if own in self.rates else None
+            category = "dynamodb:<reads>" if operation in DYNAMODB_READS else "dynamodb:<writes>"
+            if operation in DYNAMODB_READS | DYNAMODB_WRITES and category in self.rates:
+                return category, category
+        return None
 
 
 def _filtered_or_paginated(params: Mapping[str, Any]) -> bool:
@@ -287,10 +287,10 @@ class Throttle:
         self._lock = threading.Condition()
         self._running = 0
 
-    def _bucket(self, key: str, now: float) -> Bucket:
+    def _bucket(self, key: str, now: float, rate_key: str = "") -> Bucket:
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = Bucket(self.limits.rates[key], now)
+            bucket = self._buckets[key] = Bucket(self.limits.rates[rate_key or key], now)
         bucket.refill(now)
         return bucket
 
@@ -298,13 +298,14 @@ class Throttle:
         """Take this call's tokens (request bucket, and resource bucket for EC2's instance actions); False: the
         call is over its limit and takes nothing."""
         request = self.limits.request_bucket(service, operation, params)
-        wanted: list[tuple[str, float]] = [(request, 1.0)] if request else []
-        if service == "ec2" and f"ec2:{operation}:instances" in self.limits.rates:
-            wanted.append((f"ec2:{operation}:instances", _instances(operation, params)))
+        wanted: list[tuple[tuple[str, str], float]] = [(request, 1.0)] if request else []
+        resource = f"ec2:{operation}:instances"
+        if service == "ec2" and resource in self.limits.rates:
+            wanted.append(((resource, resource), _instances(operation, params)))
         with self._lock:
             self.meter.calls[(service, operation)] += 1
             now = self.clock()
-            buckets = [(self._bucket(key, now), cost) for key, cost in wanted]
+            buckets = [(self._bucket(key, now, rate_key), cost) for (key, rate_key), cost in wanted]
             if any(bucket.tokens < cost for bucket, cost in buckets):
                 self.meter.throttled[(service, operation)] += 1
                 return False

@@ -4,7 +4,17 @@ import os
 import socket
 
 import pytest
-from spotcr_agent.carry import Entry, Layout, _endpoint, address_here, put_back, stored_name, take_back, too_big
+from spotcr_agent.carry import (
+    Entry,
+    Layout,
+    _endpoint,
+    address_here,
+    nvidia_majors,
+    put_back,
+    stored_name,
+    take_back,
+    too_big,
+)
 from spotcr_agent.config import AgentConfig, ConfigError
 from spotcr_agent.criu import explain, log_tail
 
@@ -118,3 +128,14 @@ def test_the_tcp_policy_and_carry_limits_are_checked():
         AgentConfig.from_json({**base, "ghost_limit_mb": 0})
     with pytest.raises(ConfigError, match="local_dirs: must be absolute"):
         AgentConfig.from_json({**base, "local_dirs": ["tmp"]})
+
+
+def test_the_nvidia_drivers_dynamic_majors_are_read_from_proc_devices(tmp_path):
+    # /proc/devices on the lent H100 (driver 580): nvidia-uvm and nvidia-caps get majors of their own, which a CUDA
+    # job holds beside /dev/nvidia0 and which CRIU's CUDA plugin handles
+    (tmp_path / "devices").write_text(
+        "Character devices:\n  1 mem\n195 nvidia-frontend\n238 nvidia-uvm\n241 nvidia-caps\n245 hidraw\n\n"
+        "Block devices:\n  7 loop\n240 nvidia-pretend-block\n"
+    )
+    assert nvidia_majors(tmp_path) == {195, 238, 241}
+    assert nvidia_majors(tmp_path / "missing") == frozenset()

@@ -44,6 +44,12 @@ class FakeMachine:
             (info / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 123\nBus Type: \t PCIe\n")
         self.smi(gpus=f"{model}, Disabled\n" * gpus, apps="")
 
+    def mig_minors(self) -> None:
+        """The driver's table of capability minors: config, monitor, then each GPU instance's and its compute's."""
+        caps = self.proc / "driver" / "nvidia-caps"
+        caps.mkdir(exist_ok=True)
+        (caps / "mig-minors").write_text("config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi1/ci0/access 21\n")
+
     def smi(self, *, gpus: str | None = None, apps: str | None = None) -> None:
         if gpus is not None:
             (self.bin / "gpus.csv").write_text(gpus)
@@ -196,11 +202,24 @@ def test_mig_is_refused_whether_nvidia_smi_or_the_job_shows_it(machine):
     with pytest.raises(gpu.GpuUnsupported, match="MIG GPU instance; CUDA checkpoints do not support MIG"):
         machine.check()
 
-    # Without nvidia-smi, a job holding a MIG capability device gives it away
+    # Without nvidia-smi, a job holding a GPU instance's capability device gives it away, as does any
+    # capability device where the driver's table of minors cannot be read
     (machine.bin / "nvidia-smi").unlink()
     machine.process(102, fds=("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap21"))
     with pytest.raises(gpu.GpuUnsupported, match="do not support MIG"):
         machine.check(102)
+    machine.mig_minors()
+    with pytest.raises(gpu.GpuUnsupported, match="do not support MIG"):
+        machine.check(102)
+
+
+def test_a_capability_device_that_is_no_gpu_instance_is_not_taken_for_mig(machine):
+    # Seen on an H100 with driver 580 and MIG disabled: a PyTorch job holds a capability device, and CRIU's CUDA
+    # plugin dumps it; the driver's table names that minor as no GPU instance's
+    machine.process(100, fds=("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-caps/nvidia-cap2"))
+    machine.mig_minors()
+    found = machine.check()
+    assert found is not None and found.devices == (0,)
 
 
 def test_mps_is_refused_naming_its_daemon(machine):

@@ -63,10 +63,10 @@ def test_a_cuda_job_restores_with_the_result_of_an_uninterrupted_run(bare_vm, st
     progress, stdout = expected
     assert (backup.workdir / "progress.log").read_text() == progress
     assert (backup.workdir / ".spotcr" / "stdout.log").read_text() == stdout
-    # And the checkpoint counted and recorded the device memory and the GPU
-    assert outcome["gpu_memory_bytes"] >= mib << 20
+    _record(kind, nvidia_gpu, outcome, checkpoint_s, restore_s, stdout)  # the figures, also if what follows fails
+    # And the checkpoint counted the device memory the job holds
+    assert outcome["gpu_memory_bytes"] is not None and outcome["gpu_memory_bytes"] >= mib << 20
     assert outcome["bytes_total"] >= outcome["gpu_memory_bytes"]
-    _record(kind, nvidia_gpu, outcome, checkpoint_s, restore_s, stdout)
 
 
 def _record(kind, machine, outcome, checkpoint_s, restore_s, stdout) -> None:

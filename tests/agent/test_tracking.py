@@ -301,9 +301,8 @@ def test_the_store_takes_inherited_files_from_the_parent_unread_unless_a_chunk_i
     store.fetch(child.checkpoint_id, tmp_path / "out")
     assert (tmp_path / "out" / "images" / "parent" / "pages-1.img").read_bytes() == original
 
-    # When a chunk of it has gone from the store, the local copy is read and stored instead
-    chunk = entry.chunks[0].hash
-    (tmp_path / "store" / "jobs" / "job-1" / "chunks" / chunk[:2] / chunk).unlink()
+    # When a chunk of it has gone from the store (its pack), the local copy is read and stored instead
+    (tmp_path / "store" / "jobs" / "job-1" / "chunks" / "packs" / str(entry.chunks[0].pack)).unlink()
     grandchild = _commit(
         store,
         tmp_path,

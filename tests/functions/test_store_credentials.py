@@ -66,7 +66,7 @@ def test_the_instance_running_a_job_gets_credentials_for_that_job_only(
     assert call["session_name"] == instance_id
     assert call["session_tags"] == {"SpotcrJob": "render-42"}
     assert call["duration_s"] == 3600  # the role-chaining limit
-    assert call["policy"] == store_access.session_policy("aws", BUCKET, "render-42", run)
+    assert call["policy"] == store_access.session_policy("aws", BUCKET, run)
     identity = boto3.client(
         "sts",
         region_name=REGION,
@@ -78,9 +78,9 @@ def test_the_instance_running_a_job_gets_credentials_for_that_job_only(
 
 
 def test_the_session_policy_names_the_runs_prefix_and_only_the_checkpoint_state_of_other_runs() -> None:
-    policy = store_access.session_policy("aws", BUCKET, "render-42", "r-0123456789abcdef")
+    policy = store_access.session_policy("aws", BUCKET, "r-0123456789abcdef")
     objects, earlier, sweep, listing = policy["Statement"]
-    job = "arn:aws:s3:::spotcr-checkpoints/jobs/render-42/"
+    job = "arn:aws:s3:::spotcr-checkpoints/jobs/${aws:PrincipalTag/SpotcrJob}/"  # the session tag names the job
     assert objects == {
         "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
@@ -98,7 +98,7 @@ def test_the_session_policy_names_the_runs_prefix_and_only_the_checkpoint_state_
         "Effect": "Allow",
         "Action": "s3:ListBucket",
         "Resource": "arn:aws:s3:::spotcr-checkpoints",
-        "Condition": {"StringLike": {"s3:prefix": "jobs/render-42/*"}},
+        "Condition": {"StringLike": {"s3:prefix": "jobs/${aws:PrincipalTag/SpotcrJob}/*"}},
     }
 
 

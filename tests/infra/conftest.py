@@ -32,6 +32,7 @@ CUSTOM_CONTEXT = {
     "job_spec_buckets": "my-job-specs",
     "powertools_layer_version": "52",
     "interruption_concurrency": "5",
+    "checkpoint_key": "create",
 }
 
 
@@ -67,6 +68,7 @@ def custom_synth(tmp_path_factory: pytest.TempPathFactory) -> Synth:
     return _synth(CUSTOM_CONTEXT, tmp_path_factory.mktemp("cdk-custom"))
 
 
+CHECKPOINT_KEY_ARN = "arn:aws:kms:eu-west-1:111122223333:key/0123abcd-0123-4567-89ab-0123456789ab"
 # Private subnets (no route to the internet): the VPC spotcr creates, and an existing one with its route tables.
 PRIVATE_CONTEXT = {"private_subnets": "true"}
 PRIVATE_CUSTOM_CONTEXT = {
@@ -77,6 +79,7 @@ PRIVATE_CUSTOM_CONTEXT = {
     "route_table_ids": "rtb-0aaaaaaaaaaaaaaa1,rtb-0bbbbbbbbbbbbbbb2",
     "private_subnets": "true",
     "efs": "true",
+    "checkpoint_key": CHECKPOINT_KEY_ARN,
 }
 
 

@@ -96,26 +96,26 @@ OTHERS = [
 
 
 def _both(store_role: list[dict[str, Any]], action: str, resource: str, context: Mapping[str, str]) -> bool:
-    session = store_access.session_policy("aws", BUCKET, "render-42", RUN)["Statement"]
+    session = store_access.session_policy("aws", BUCKET, RUN)["Statement"]
     return allows(store_role, action, resource, context) and allows(session, action, resource, context)
 
 
 @pytest.mark.parametrize("action", OBJECT_ACTIONS)
 def test_a_vended_session_touches_its_own_jobs_objects_only(store_role: list[dict[str, Any]], action: str) -> None:
-    session = store_access.session_policy("aws", BUCKET, "render-42", RUN)["Statement"]
+    session = store_access.session_policy("aws", BUCKET, RUN)["Statement"]
     for resource in OWN:
         assert allows(store_role, action, resource, _session("render-42")), resource
         assert _both(store_role, action, resource, _session("render-42")), resource
     for resource in OTHERS:
         # Each policy alone already refuses: the role's by the session tag, the session policy by its prefix
         assert not allows(store_role, action, resource, _session("render-42")), resource
-        assert not allows(session, action, resource, {}), resource
+        assert not allows(session, action, resource, _session("render-42")), resource
 
 
 @pytest.mark.parametrize("action", OBJECT_ACTIONS)
 def test_a_runs_session_never_touches_an_earlier_runs_result(store_role: list[dict[str, Any]], action: str) -> None:
     # Given a run's session, and an earlier run of the same job name whose result is stored under its run
-    session = store_access.session_policy("aws", BUCKET, "render-42", RUN)["Statement"]
+    session = store_access.session_policy("aws", BUCKET, RUN)["Statement"]
     earlier = f"{BUCKET_ARN}/jobs/render-42/runs/{EARLIER_RUN}/"
     # Then it reaches nothing of that run's result, nor the job's objects outside runs/
     for resource in (
@@ -125,7 +125,7 @@ def test_a_runs_session_never_touches_an_earlier_runs_result(store_role: list[di
         f"{BUCKET_ARN}/jobs/render-42/checkpoints/c1.json",
         f"{BUCKET_ARN}/jobs/render-42/runs/r-0123/checkpoints/c1.json",
     ):
-        assert not allows(session, action, resource, {}), resource
+        assert not allows(session, action, resource, _session("render-42")), resource
     # And of the earlier run only the checkpoint state it left, which the new run prunes: it writes there only its
     # sweep marker, so no checkpoint, chunk or commit marker of another run is ever written
     for part in ("checkpoints/c1.json", "chunks/ab/abcd", "commits/c1", "sweeps/u1"):
@@ -220,7 +220,7 @@ def efs_policies(custom_synth: Synth) -> tuple[list[dict[str, Any]], list[dict[s
     """The store role's statements, the vended session's (for render-42), the file system policy's."""
     store_role = _policies_of(custom_synth, "StoreAccessStoreRole")[2]
     session = store_access.session_policy(
-        "aws", BUCKET, "render-42", RUN, access_point_arn=OWN_ACCESS_POINT, file_system_id=FILE_SYSTEM_ID
+        "aws", BUCKET, RUN, access_point_arn=OWN_ACCESS_POINT, file_system_id=FILE_SYSTEM_ID
     )["Statement"]
     [file_system] = custom_synth.of_type("AWS::EFS::FileSystem").values()
     return store_role, session, file_system["Properties"]["FileSystemPolicy"]["Statement"]

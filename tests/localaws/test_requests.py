@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rehearsal.iam.requests import Call, UnknownOperation, requests_for
+from rehearsal.iam.requests import Call, SseKms, UnknownOperation, requests_for
 
 REGION, ACCOUNT = "eu-west-1", "111122223333"
 TEMPLATE = "lt-0123456789abcdef0"
@@ -51,6 +51,18 @@ class FakeState:
 
     def kms_key_arn(self, key_id: str) -> str:
         return f"arn:aws:kms:{REGION}:{ACCOUNT}:key/{'k-1' if key_id == 'alias/ebs' else key_id}"
+
+    def bucket_encryption(self, bucket: str) -> SseKms | None:
+        return SEALED.get(bucket)
+
+    def object_encryption(self, bucket: str, key: str) -> SseKms | None:
+        return OLD_OBJECT if (bucket, key) == ("plain", "old") else SEALED.get(bucket)
+
+
+CHECKPOINT_KEY = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/k-2"
+# Buckets whose default encryption is SSE-KMS; "plain" is SSE-S3 now, but holds an object written with a key before.
+SEALED = {"sealed": SseKms(CHECKPOINT_KEY, bucket_key=True), "per-object": SseKms(CHECKPOINT_KEY, bucket_key=False)}
+OLD_OBJECT = SseKms(f"arn:aws:kms:{REGION}:{ACCOUNT}:key/k-old", bucket_key=True)
 
 
 def call(service: str, operation: str, **params: Any) -> Call:
@@ -176,6 +188,39 @@ def test_preflights_reads_ask_for_the_public_parameters_path_the_role_the_key_an
     assert (settings.action, settings.resource) == ("lambda:GetAccountSettings", "*")
     [template] = requests_for(call("fis", "GetExperimentTemplate", id="EXT1"), FakeState())
     assert template.resource == f"arn:aws:fis:{REGION}:{ACCOUNT}:experiment-template/EXT1"
+
+
+def s3(operation: str, bucket: str, key: str) -> Call:
+    return call("s3", operation, Resource=f"arn:aws:s3:::{bucket}/{key}")
+
+
+def test_writing_to_an_sse_kms_bucket_asks_for_a_data_key_through_s3_for_the_bucket() -> None:
+    [put, data_key] = requests_for(s3("PutObject", "sealed", "jobs/a"), FakeState())
+    assert put.action == "s3:PutObject"
+    assert (data_key.action, data_key.resource) == ("kms:GenerateDataKey", CHECKPOINT_KEY)
+    assert data_key.context == {
+        "kms:ViaService": f"s3.{REGION}.amazonaws.com",
+        "kms:CallerAccount": ACCOUNT,
+        "kms:EncryptionContext:aws:s3:arn": "arn:aws:s3:::sealed",  # S3 Bucket Keys: the bucket's ARN
+    }
+
+
+def test_reading_an_sse_kms_object_asks_to_decrypt_with_the_key_it_was_written_with() -> None:
+    [_, decrypt] = requests_for(s3("GetObject", "sealed", "jobs/a"), FakeState())
+    assert (decrypt.action, decrypt.resource) == ("kms:Decrypt", CHECKPOINT_KEY)
+    [_, old] = requests_for(s3("GetObject", "plain", "old"), FakeState())
+    assert (old.action, old.resource) == ("kms:Decrypt", OLD_OBJECT.key_arn)
+    # Without S3 Bucket Keys the encryption context is the object's ARN
+    [_, per_object] = requests_for(s3("GetObject", "per-object", "jobs/a"), FakeState())
+    assert per_object.context["kms:EncryptionContext:aws:s3:arn"] == "arn:aws:s3:::per-object/jobs/a"
+
+
+def test_sse_s3_objects_a_head_and_a_delete_ask_nothing_of_kms() -> None:
+    for operation, bucket in (("PutObject", "plain"), ("GetObject", "plain"), ("HeadObject", "sealed")):
+        [only] = requests_for(s3(operation, bucket, "jobs/a"), FakeState())
+        assert only.action.startswith("s3:")
+    [delete] = requests_for(s3("DeleteObject", "sealed", "jobs/a"), FakeState())
+    assert delete.action == "s3:DeleteObject"
 
 
 def test_an_operation_without_an_entry_is_an_error_not_an_allow() -> None:

@@ -104,6 +104,19 @@ def test_a_full_bucket_keeps_no_more_than_its_capacity(aws: None) -> None:
         ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["running"]}])
 
 
+def test_each_ec2_api_has_its_own_bucket_of_its_categorys_size(aws: None) -> None:
+    # Given the mutating category at one token a second
+    clock = Clock()
+    limits = Limits.aws().only(["ec2:<mutating>"]).override({"ec2:<mutating>": Rate(1, 1)})
+    ec2 = boto3.client("ec2", config=NO_RETRIES)
+    with throttled(limits, clock):
+        ec2.create_vpc(CidrBlock="10.1.0.0/16")
+        # When another mutating API is called, it has its own token; the same API again has none
+        ec2.create_security_group(GroupName="g", Description="g")
+        error = error_of(lambda: ec2.create_vpc(CidrBlock="10.2.0.0/16"))
+        assert error.response["Error"]["Code"] == "RequestLimitExceeded"
+
+
 def test_run_instances_takes_a_resource_token_per_instance(aws: None) -> None:
     # Given room for 3 instances (the request bucket itself is ample)
     clock = Clock()

@@ -27,17 +27,27 @@ VENDOR = enforce.function_key("store-credentials")
 class Enforced:
     """The stack's roles with the test's bucket as the checkpoint bucket; every untrusted call evaluated."""
 
-    def __init__(self, bucket: str, names: Mapping[str, str] | None = None) -> None:
-        """`names`: more of the stack's resources by logical-id stem, as the test names them (RegistryAgentBus)."""
+    def __init__(
+        self,
+        bucket: str,
+        names: Mapping[str, str] | None = None,
+        synthesized: Mapping[str, Any] | None = None,
+        key_arn: str = "",
+    ) -> None:
+        """`names`: more of the stack's resources by logical-id stem, as the test names them (RegistryAgentBus);
+        `synthesized`: the stack's template (by default cdk.json's settings); `key_arn`: the checkpoint key, as the
+        functions' settings name it (store sessions' session policy)."""
         self.bucket = bucket
+        self.key_arn = key_arn
         local = principals.Local(REGION, ACCOUNT, {"StorageCheckpoints": bucket, **(names or {})})
-        self.roles = principals.stack_roles(local, principals.template())
+        template = principals.template() if synthesized is None else synthesized
+        self.roles = principals.stack_roles(local, template)
         self.enforcer = enforce.Enforcer(
             keys={VENDOR: self.roles.functions["store-credentials"].principal()},
             trusted={"testing": "the test, building the world"},
             roles={self.roles.store.arn: self.roles.store.principal()},
             state=enforce.MotoState(ACCOUNT, REGION),
-            resource_policies=principals.resource_policies(local, principals.template()),
+            resource_policies=principals.resource_policies(local, template),
         )
 
     def job_vm(self, instance_id: str) -> str:
@@ -50,7 +60,7 @@ class Enforced:
 
     def store_session(self, job_id: str, run_id: str) -> Any:
         """A boto3 session as store-credentials vends it to the instance running this run of the job."""
-        policy = store_access.session_policy("aws", self.bucket, job_id, run_id)
+        policy = store_access.session_policy("aws", self.bucket, run_id, key_arn=self.key_arn)
         with enforce.acting_as(VENDOR):
             credentials = boto3.client("sts", region_name=REGION).assume_role(
                 RoleArn=self.roles.store.arn,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotcr_agent.store import CheckpointMeta, CheckpointStore
+from spotcr_agent.store import CheckpointMeta, CheckpointStore, ChunkRef
 from spotcr_agent.store.store import run_prefix
 
 JOB = "job-store-test"
@@ -95,6 +95,26 @@ def commit_during_delete(
     assert commit_done.wait(60)
     racing.join()
     assert errors == []
+
+
+def pack_key(store: CheckpointStore, chunk: ChunkRef) -> str:
+    """The pack object holding a stored chunk (its bytes are at chunk.offset, chunk.stored of them)."""
+    assert chunk.pack is not None, f"chunk {chunk.hash} is not in a pack"
+    return f"{run_keys(store)}chunks/packs/{chunk.pack}"
+
+
+def damage_chunk(store: CheckpointStore, chunk: ChunkRef, how: str = "bit-flip") -> None:
+    """Damage one chunk where the store keeps it: flip a bit in it, cut its pack short inside it, or delete it."""
+    key = pack_key(store, chunk)
+    pack = bytearray(store.backend.get(key))
+    middle = chunk.offset + chunk.stored // 2
+    if how == "bit-flip":
+        pack[middle] ^= 0x10
+        store.backend.put(key, bytes(pack))
+    elif how == "truncate":
+        store.backend.put(key, bytes(pack[:middle]))
+    else:
+        store.backend.delete([key])
 
 
 def run_keys(store: CheckpointStore) -> str:

@@ -31,6 +31,7 @@ COMMITTER = textwrap.dedent(
         store = CheckpointStore.for_s3(where, "{job}", run_id="{run}")
     else:
         store = CheckpointStore.for_directory(Path(where), "{job}", run_id="{run}")
+    store.pack_size = 1024 * 1024  # packs written as it goes, not one at the end
     meta = CheckpointMeta(job_id="{job}", checkpoint_id="{cid}", generation=1, kind="final")
     store.commit(Path(images), meta, still_writing=lambda: True)
     """

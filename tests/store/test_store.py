@@ -22,7 +22,8 @@ from spotcr_contracts import commands, tags
 
 from tests.store.support import run_keys
 
-from .support import JOB, MiB, checkpoint_id, meta, random_bytes, tree_bytes
+from .support import JOB, MiB, checkpoint_id, damage_chunk, meta, random_bytes, tree_bytes
+from .support import images as seeded_images
 
 
 def write_images(image_dir: Path, pages: bytes) -> None:
@@ -67,8 +68,9 @@ def test_round_trip_is_byte_identical(store: CheckpointStore, tmp_path: Path) ->
     by_path = {f.path: f for f in manifest.files}
     assert all(c.inline is not None for f in ("images/core-1.img", "images/sub/tty.img") for c in by_path[f].chunks)
     assert by_path["images/inventory.img"].chunks == ()
-    chunk_objects = list(store.backend.scan(f"{run_keys(store)}chunks/"))
-    assert len(chunk_objects) == result.chunks_uploaded == len(manifest.chunk_hashes())
+    # Every chunk sent went into one pack: one PUT for them all
+    assert result.chunks_uploaded == len(manifest.chunk_hashes())
+    assert len(list(store.backend.scan(f"{run_keys(store)}chunks/"))) == result.objects_uploaded == 1
 
 
 def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: CheckpointStore, tmp_path: Path) -> None:
@@ -81,7 +83,7 @@ def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: Check
 
     assert [m.checkpoint_id for m in listed] == [checkpoint_id(2, kind="final"), checkpoint_id(1)]
     newest = listed[0]
-    assert (newest.format, newest.job_id, newest.generation, newest.kind) == (1, store.job_id, 1, "final")
+    assert (newest.format, newest.job_id, newest.generation, newest.kind) == (2, store.job_id, 1, "final")
     assert newest.parent == checkpoint_id(1)
     assert (newest.criu_version, newest.kernel, newest.arch) == ("4.1.1", "6.18.0", "x86_64")
     assert newest.cpu_flags == ("sse4_2", "avx2")
@@ -90,7 +92,7 @@ def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: Check
     assert (listed[1].compression, newest.compression) == ("zstd-1", "zstd--1")
     assert newest.created_at.endswith("+00:00")
     raw = json.loads(store.backend.get(f"{run_keys(store)}checkpoints/{newest.checkpoint_id}.json"))
-    assert raw["format"] == 1
+    assert raw["format"] == 2
     assert {"path", "size", "mode", "digest", "chunks"} <= set(raw["files"][0])
 
 
@@ -166,21 +168,14 @@ def test_damaged_chunk_is_named_by_corrupt_checkpoint(store: CheckpointStore, tm
     images = tmp_path / "img"
     write_images(images, random_bytes(4 * MiB, seed=8))
     result = store.commit(images, meta(1))
-    victim = sorted(result.manifest.chunk_hashes())[1]
-    key = f"{run_keys(store)}chunks/{victim[:2]}/{victim}"
+    chunks = result.manifest.stored_chunks()
+    victim = sorted(chunks)[1]
 
-    # When one stored chunk is damaged
-    stored = bytearray(store.backend.get(key))
-    if damage == "bit-flip":
-        stored[len(stored) // 2] ^= 0x10
-        store.backend.put(key, bytes(stored))
-    elif damage == "truncate":
-        store.backend.put(key, bytes(stored[: len(stored) // 2]))
-    else:
-        store.backend.delete([key])
+    # When one stored chunk is damaged (its pack cut short inside it, or deleted)
+    damage_chunk(store, chunks[victim], damage)
 
-    # Then fetching it fails, naming the chunk, and leaves no half-restored images behind
-    with pytest.raises(CorruptCheckpoint, match=victim) as raised:
+    # Then fetching it fails, naming the chunk (or the pack, gone), and leaves no half-restored images behind
+    with pytest.raises(CorruptCheckpoint, match=chunks[victim].pack if damage == "delete" else victim) as raised:
         store.fetch(result.checkpoint_id, tmp_path / "restore")
     assert raised.value.checkpoint_id == result.checkpoint_id
     assert tree_bytes(tmp_path / "restore") == {}
@@ -204,10 +199,10 @@ def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp
     write_images(images, b"x" * 10)
     result = store.commit(images, meta(1))
     doc = json.loads(result.manifest.to_json())
-    doc |= {"format": 2, "checkpoint_id": checkpoint_id(2)}
+    doc |= {"format": 3, "checkpoint_id": checkpoint_id(2)}
     store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
 
-    with pytest.raises(UnsupportedManifest, match="format 2"):
+    with pytest.raises(UnsupportedManifest, match="format 3"):
         store.fetch(checkpoint_id(2), tmp_path / "restore")
     with pytest.raises(UnsupportedManifest):
         store.checkpoints()
@@ -232,6 +227,21 @@ def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp
             },
             "negative",
         ),
+        (
+            {
+                "files": [
+                    {
+                        "path": "images/x",
+                        "size": 10,
+                        "mode": 420,
+                        "digest": "",
+                        "chunks": [{"hash": "0" * 64, "size": 10, "pack": 3, "at": 0, "len": 10}],
+                    }
+                ]
+            },
+            "names pack 3",
+        ),
+        ({"packs": ["../../etc"]}, "pack id"),
         ({"job_id": "someone-else"}, "job"),
         ({"format": "1"}, "format"),
     ],
@@ -254,34 +264,37 @@ def test_unknown_checkpoint_is_not_found(store: CheckpointStore, tmp_path: Path)
         store.fetch(checkpoint_id(7), tmp_path / "restore")
 
 
-def test_prune_keeps_newest_and_deletes_only_unreferenced_chunks(store: CheckpointStore, tmp_path: Path) -> None:
-    # Given three checkpoints sharing most of their chunks
-    images = tmp_path / "img"
-    base = random_bytes(8 * MiB, seed=10)
-    for n in (1, 2, 3):
-        write_images(images, base + random_bytes(2 * MiB, seed=100 + n))
-        store.commit(images, meta(n, parent=n - 1 if n > 1 else None))
-    only_first = store.checkpoints()[2].chunk_hashes() - store.checkpoints()[0].chunk_hashes()
-    only_first -= store.checkpoints()[1].chunk_hashes()
-    assert only_first
+def test_prune_deletes_a_pack_once_no_kept_checkpoint_uses_a_chunk_in_it(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    # Given checkpoint 1 (files A and X, sent in one pack), 2 (A and Y: only Y sent, in a pack of its own), 3 (B)
+    for n, seeds in ((1, (1, 2)), (2, (1, 3)), (3, (4,))):
+        store.commit(seeded_images(tmp_path / f"img{n}", *seeds), meta(n, parent=n - 1 if n > 1 else None))
+    packs = [set(store.load(checkpoint_id(n)).packs()) for n in (1, 2, 3)]
+    assert len(packs[0]) == 1 and packs[0] < packs[1]
+
+    def stored() -> set[str]:
+        return {o.key.rsplit("/", 1)[-1] for o in store.backend.scan(f"{run_keys(store)}chunks/")}
 
     # When pruned to the newest two with the default grace period
     first = store.prune(keep=2)
 
-    # Then the oldest manifest goes (its successor is old) but its chunks are too young to collect
+    # Then the oldest manifest goes (its successor is old) but its pack is too young to collect
     assert (first.deleted_checkpoints, first.deleted_chunks) == ([checkpoint_id(1)], 0)
 
-    # When pruned again once the chunks are past the grace period (here: none)
+    # When pruned again once the packs are past the grace period (here: none)
     second = store.prune(keep=2, grace_seconds=0)
 
-    # Then exactly the chunks only the oldest used are deleted, and the others still restore
-    assert second.deleted_chunks == len(only_first)
-    assert [m.checkpoint_id for m in store.checkpoints()] == [checkpoint_id(3), checkpoint_id(2)]
-    stored = {o.key.rsplit("/", 1)[-1] for o in store.backend.scan(f"{run_keys(store)}chunks/")}
-    assert stored == store.checkpoints()[0].chunk_hashes() | store.checkpoints()[1].chunk_hashes()
-    for n in (2, 3):
-        store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
-        assert (tmp_path / f"restore{n}/images/pages-1.img").read_bytes() == base + random_bytes(2 * MiB, seed=100 + n)
+    # Then checkpoint 1's pack stays whole: checkpoint 2 still uses A's chunks in it (X's are dead bytes there)
+    assert second.deleted_chunks == 0 and stored() == packs[1] | packs[2]
+
+    # When pruned to the newest one
+    third = store.prune(keep=1, grace_seconds=0)
+
+    # Then every pack checkpoint 3 does not use is deleted whole, and checkpoint 3 restores
+    assert third.deleted_chunks == 2 and stored() == packs[2]
+    store.fetch(checkpoint_id(3), tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-4.img").read_bytes() == random_bytes(MiB, seed=4)
 
 
 def test_jobs_sharing_a_store_do_not_see_each_other(make_store, tmp_path: Path) -> None:
@@ -367,9 +380,9 @@ def test_a_damaged_chunk_of_a_newer_checkpoint_is_not_reused_by_a_commit_from_an
     changed = random_bytes(2 * MiB, seed=22)
     write_images(images, changed)
     damaged = store.commit(images, meta(2, parent=1))
-    for digest in damaged.manifest.chunk_hashes() - first.manifest.chunk_hashes():
-        key = f"{run_keys(store)}chunks/{digest[:2]}/{digest}"
-        store.backend.put(key, b"bit rot" + store.backend.get(key)[7:])
+    for digest, chunk in damaged.manifest.stored_chunks().items():
+        if digest not in first.manifest.chunk_hashes():
+            damage_chunk(store, chunk)
 
     # When the job restored from checkpoint 1 reaches the same memory again and is checkpointed with parent 1
     result = store.commit(images, meta(3, parent=1))

@@ -325,13 +325,32 @@ def _device_problem(path: str) -> str:
     if not stat.S_ISCHR(st.st_mode):
         return ""
     major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-    if major == NVIDIA_MAJOR:
+    if major == NVIDIA_MAJOR or major in nvidia_majors():
         return ""  # the CUDA plugin suspends the job's GPU work first; gpu.check_job refuses what it cannot do
     if major == DRI_MAJOR:
         return "the job holds a DRM device (/dev/dri); only NVIDIA GPUs used through CUDA are checkpointed"
     if major == MEM_MAJOR or major in TTY_MAJORS or (major == MISC_MAJOR and minor == TUN_MINOR):
         return ""
     return f"CRIU cannot checkpoint the character device {major}:{minor}; close it before the checkpoint"
+
+
+@functools.cache
+def nvidia_majors(proc: Path = Path("/proc")) -> frozenset[int]:
+    """The character majors the NVIDIA driver registered (/proc/devices): nvidia-uvm and nvidia-caps get dynamic ones.
+
+    A CUDA job holds /dev/nvidia-uvm and, with driver 580, /dev/nvidia-caps/nvidia-cap1 and -cap2 even with MIG
+    disabled (seen on an H100, Linux 6.18: majors 238 and 241); CRIU's CUDA plugin takes care of all of them.
+    """
+    try:
+        lines = (proc / "devices").read_text().split("Block devices:")[0].splitlines()
+    except OSError:
+        return frozenset()
+    majors = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("nvidia"):
+            majors.add(int(parts[0]))
+    return frozenset(majors)
 
 
 def _undumpable_sockets(pid: int, sockets: Mapping[str, int], scan: JobScan) -> None:

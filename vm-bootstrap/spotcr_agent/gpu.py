@@ -31,6 +31,7 @@ CUDA_CHECKPOINT = "cuda-checkpoint"
 NVIDIA_SMI = "nvidia-smi"
 X86_64 = "x86_64"
 MIB = 1 << 20
+_CAPS_PREFIX = "/dev/nvidia-caps/nvidia-cap"
 # The device files a GPU process holds: /dev/nvidia0..N (the GPUs), nvidiactl, nvidia-uvm, nvidia-caps/* (MIG).
 _NVIDIA_PATH = re.compile(r"^/dev/nvidia(?:\d+|ctl|-uvm|-uvm-tools|-modeset|-caps/\S+)$")
 _GPU_PATH = re.compile(r"^/dev/nvidia(\d+)$")
@@ -174,6 +175,24 @@ def gpu_holders(pids: Iterable[int], proc: Path = Path("/proc")) -> dict[int, se
     return holders
 
 
+def _mig_instances(held: Iterable[str], proc: Path) -> list[str]:
+    """The MIG instances among the held capability devices (/dev/nvidia-caps/nvidia-capN, N its minor).
+
+    A plain CUDA process holds capability devices too (seen on driver 580 with MIG disabled), so a device counts
+    only when the driver's table of minors names it as a GPU instance's (gpuG/giI/...). Without that table, any
+    capability device is taken as MIG: refusing a dump is recoverable, a dump CRIU cannot restore is not.
+    """
+    minors = [name.removeprefix(_CAPS_PREFIX) for name in held if name.startswith(_CAPS_PREFIX)]
+    if not minors:
+        return []
+    try:
+        table = (proc / "driver/nvidia-caps/mig-minors").read_text()
+    except OSError:
+        return minors
+    names = {minor: name for name, minor in (line.split() for line in table.splitlines() if len(line.split()) == 2)}
+    return [names[minor] for minor in minors if "/gi" in names.get(minor, "")]
+
+
 def _mps_processes(proc: Path) -> list[int]:
     found = []
     for comm in proc.glob("[0-9]*/comm"):
@@ -247,7 +266,7 @@ def check_job(
     problem = support_problem(machine, path)
     if problem:
         raise GpuUnsupported(f"the job holds an NVIDIA GPU, but {problem}")
-    if machine.mig or any(name.startswith("/dev/nvidia-caps/") for name in held):
+    if machine.mig or _mig_instances(held, proc):
         raise GpuUnsupported("the job uses a MIG GPU instance; CUDA checkpoints do not support MIG")
     mps = _mps_processes(proc)
     if mps:

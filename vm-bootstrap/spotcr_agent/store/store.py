@@ -1,29 +1,46 @@
 """The deduplicating checkpoint store: chunk, hash, compress and ship images; commit with a manifest, last.
 
 Layout under the bucket or mount root (<run> is `jobs/<job_id>/runs/<run_id>`, or `jobs/<job_id>` without a run):
-  <run>/chunks/<h[:2]>/<h>                    zstd-compressed chunk whose raw bytes hash to h (sha256)
+  <run>/chunks/packs/<pack id>                zstd-compressed chunks one after another (32 random hex digits)
+  <run>/chunks/<h[:2]>/<h>                    one zstd-compressed chunk whose raw bytes hash to h (sha256): manifest
+                                              format 1's layout, still read; nothing writes it any more
   <run>/checkpoints/<checkpoint_id>.json      manifest; a checkpoint without one does not exist
   <run>/commits/<checkpoint_id>               a commit in flight (removed once its manifest is written)
   <run>/sweeps/<uuid>                         a prune in flight (removed when it is done)
+
+Packs: a commit appends each new compressed chunk to the pack being filled and writes the pack once it holds
+PACK_SIZE bytes, up to PACKS_IN_FLIGHT packs at once, the last one when the commit's chunks are all in. The index
+is the manifest: each chunk names its pack, offset and stored length (ChunkRef), so a restore and the next commit
+read nothing but the manifest and one listing (no per-pack index object to write, read or lose). A pack is never
+rewritten; a pack id is random, so a retried commit never overwrites a pack a committed manifest uses. A restore
+reads the chunks it needs by ranged GETs of adjacent chunks (FETCH_RANGE at most), never a pack's dead bytes.
+A pack is "held" while its object exists, as a format-1 chunk is while its object does.
 
 One run never sees another's checkpoints: a job name reused after COMPLETED or FAILED is a new run (a new
 spotcr:run), whose listing, restore walk, parents and prune cover only its own prefix; a manifest that names
 another run than the store's is corrupt.
 
-Garbage collection never loses a committed checkpoint. The invariant: prune deletes a chunk only if no
-committed manifest it read references it AND no commit was in flight when it last looked. A commit writes its
-`commits/` marker before it decides anything about chunks, then waits while a `sweeps/` marker exists; prune
-writes its `sweeps/` marker, then looks for `commits/` markers right before deleting and gives up if it finds
-one. With strongly consistent listings (S3, a file system) one of the two always sees the other: either prune
-sees the commit and deletes nothing, or the commit's marker came after prune's look, hence after prune's
-marker, and the commit waits until prune is done, then relies only on chunks that still exist. A pruner that
-died (its VM terminated) leaves its marker: a live pruner never deletes later than SWEEP_LEASE_S / 2 after it
-started (its own monotonic clock), so a commit treats a sweep marker older than SWEEP_LEASE_S than its own
-marker as dead and removes it. Both ages are the store's own timestamps, never two VMs' clocks compared.
+Garbage collection never loses a committed checkpoint. The invariant: prune deletes a pack (or a format-1 chunk)
+only if no committed manifest it read references any chunk in it AND no commit was in flight when it last
+looked. A commit writes its `commits/` marker before it decides anything about chunks, then waits while a
+`sweeps/` marker exists; prune writes its `sweeps/` marker, then looks for `commits/` markers right before
+deleting and gives up if it finds one. With strongly consistent listings (S3, a file system) one of the two
+always sees the other: either prune sees the commit and deletes nothing, or the commit's marker came after
+prune's look, hence after prune's marker, and the commit waits until prune is done, then relies only on chunks
+that still exist. A pruner that died (its VM terminated) leaves its marker: a live pruner never deletes later
+than SWEEP_LEASE_S / 2 after it started (its own monotonic clock), so a commit treats a sweep marker older than
+SWEEP_LEASE_S than its own marker as dead and removes it. Both ages are the store's own timestamps, never two
+VMs' clocks compared.
+
+Packs are not repacked: a pack stays whole while any kept checkpoint uses one of its chunks. What bounds the dead
+bytes is `full_every`: such a checkpoint writes every chunk into new packs, and the ones after it use those, so
+within `full_every` periodic checkpoints plus the number kept every older pack is unreferenced and deleted whole,
+without the reads, writes and extra crash window of rewriting live chunks elsewhere.
 
 A shared chunk is not a single point of failure: a commit re-sends every chunk of its parent that the store no
-longer holds, instead of trusting the parent's manifest; and every `full_every`-th periodic checkpoint sends
-every chunk afresh, which rewrites (heals) a damaged shared chunk for every checkpoint that uses it.
+longer holds (whose pack is gone), instead of trusting the parent's manifest; and every `full_every`-th periodic
+checkpoint sends every chunk afresh into new packs, so a damaged shared chunk stops reaching newer checkpoints
+there (the older ones keep pointing at the damaged pack: a restore walks back no further than the fresh one).
 """
 
 from __future__ import annotations
@@ -38,9 +55,9 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -63,6 +80,7 @@ from .manifest import (
     check_job_id,
     check_manifest_path,
     check_run_id,
+    fast_digest,
     file_digest,
 )
 
@@ -79,6 +97,11 @@ GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (start
 SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
 SWEEP_POLL_S = 0.5
 DELETE_BATCH = 500
+PACK_SIZE = 32 * 1024 * 1024  # a pack is written once it holds this much: 32 PUTs per GiB of new data at most (S3
+# charges per request; one chunk per object was about 800), each a single PUT, and 4 in flight keep 5 Gbit/s busy
+PACKS_IN_FLIGHT = 4  # packs being written at once: a commit holds at most 5 x PACK_SIZE of packs in memory
+FETCH_RANGE = 8 * 1024 * 1024  # a restore's ranged GETs of adjacent chunks stop at this size: parallel parts
+PACKS = "chunks/packs/"  # under chunks/: what a later run may prune (store_access.PRUNABLE) covers packs too
 FULL_EVERY = 10  # every 10th periodic checkpoint sends all its chunks again (final dumps always deduplicate)
 
 
@@ -97,6 +120,8 @@ class CommitResult:
     hash_seconds: float = 0.0  # busy seconds summed over the store's threads, as are the next two
     compress_seconds: float = 0.0
     upload_seconds: float = 0.0
+    objects_uploaded: int = 0  # pack objects written (requests, the manifest and markers aside)
+    chunks_unchanged: int = 0  # chunks found to be the parent's by their place and fast digest, not hashed
 
 
 @dataclass(frozen=True)
@@ -131,9 +156,11 @@ class CheckpointStore:
         chunking: Chunking | None = None,
         full_every: int = FULL_EVERY,
         run_id: str = "",
+        pack_size: int = PACK_SIZE,
     ) -> None:
         self.backend = backend
         self.full_every = full_every
+        self.pack_size = pack_size
         self.job_id = check_job_id(job_id)
         self.run_id = check_run_id(run_id) if run_id else ""
         self.workers = workers
@@ -228,15 +255,24 @@ class CheckpointStore:
         *,
         inherited: Mapping[str, tuple[str, Path]],
     ) -> CommitResult:
-        known, in_parent, parent_since_full = self._known_chunks(meta.parent)
+        known, in_parent, parent_since_full, parent_at = self._known_chunks(meta.parent)
         since_full = parent_since_full + 1 if known else 0
         if meta.kind == "periodic" and since_full >= self.full_every:
-            known, since_full = set(), 0  # a fresh full checkpoint: every chunk is written again
+            known, since_full, parent_at = {}, 0, {}  # a fresh full checkpoint: every chunk is written again
         reused = self._inherit(meta.parent, inherited, known)
         unread = {name: source for name, (_, source) in inherited.items() if name not in reused}
         tails: dict[str, _FileTail] = {}
         level = FAST_LEVEL if meta.kind == "final" else self.compression_level
-        uploader = _Uploader(self.backend, self._prefix, known, self.workers, level, in_parent=in_parent)
+        packer = _Packer(self.backend, self._prefix, self.pack_size)
+        uploader = _Uploader(
+            packer,
+            known,
+            self.workers,
+            level,
+            in_parent=in_parent,
+            parent_at=parent_at,
+            record_fast=meta.kind != "final",
+        )
         try:
             with uploader:
                 if still_writing is not None:
@@ -252,8 +288,8 @@ class CheckpointStore:
                     tail.pump(uploader)
                 for tail in tails.values():
                     tail.finish(uploader)
-                entries = [*(tail.entry() for tail in tails.values()), *reused.values()]
-                files = tuple(sorted(entries, key=lambda f: f.path))
+            entries = [*(tail.entry(uploader.locate) for tail in tails.values()), *reused.values()]
+            files = tuple(sorted(entries, key=lambda f: f.path))
         finally:
             for tail in tails.values():
                 tail.close()
@@ -292,11 +328,13 @@ class CheckpointStore:
             read_seconds=uploader.read_s,
             hash_seconds=uploader.hash_s,
             compress_seconds=uploader.compress_s,
-            upload_seconds=uploader.upload_s,
+            upload_seconds=packer.upload_s,
+            objects_uploaded=packer.written,
+            chunks_unchanged=uploader.unchanged,
         )
 
     def _inherit(
-        self, parent: str | None, inherited: Mapping[str, tuple[str, Path]], known: set[str]
+        self, parent: str | None, inherited: Mapping[str, tuple[str, Path]], known: Mapping[str, ChunkRef]
     ) -> dict[str, FileEntry]:
         """The entries this commit takes from its parent's manifest (see commit's `inherited`), by their name here."""
         if not inherited or not known or parent is None:
@@ -347,7 +385,8 @@ class CheckpointStore:
         dest_dir = Path(dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
         fds: dict[str, int] = {}
-        spots: dict[str, list[tuple[int, int, int, str]]] = defaultdict(list)  # hash -> (fd, offset, size, path)
+        spots: dict[str, list[tuple[int, int, str]]] = defaultdict(list)  # hash -> (fd, offset, path)
+        stored = manifest.stored_chunks()
         try:
             for entry in manifest.files:
                 target = dest_dir / entry.path
@@ -360,9 +399,9 @@ class CheckpointStore:
                         data = _verified(checkpoint_id, chunk, chunk.inline, entry.path, _decompressor())
                         os.pwrite(fd, data, offset)
                     else:
-                        spots[chunk.hash].append((fd, offset, chunk.size, entry.path))
+                        spots[chunk.hash].append((fd, offset, entry.path))
                     offset += chunk.size
-            self._download(checkpoint_id, spots)
+            self._download(checkpoint_id, stored, spots)
             for entry in manifest.files:
                 os.fchmod(fds[entry.path], entry.mode & 0o7777)
         except BaseException:
@@ -403,9 +442,9 @@ class CheckpointStore:
                 doomed.append(checkpoint_id)
             else:
                 kept.append(checkpoint_id)
-        referenced: set[str] = set()
+        referenced: set[str] = set()  # names of packs and format-1 chunks
         for checkpoint_id in kept:
-            referenced |= self.load(checkpoint_id).chunk_hashes()
+            referenced |= {c.pack or c.hash for c in self.load(checkpoint_id).stored_chunks().values()}
         garbage, freed = [], 0
         for obj in self.backend.scan(self._prefix + "chunks/"):
             name = obj.key.rsplit("/", 1)[-1]
@@ -465,19 +504,40 @@ class CheckpointStore:
     def _commit_marker(self, checkpoint_id: str) -> str:
         return f"{self._prefix}commits/{check_checkpoint_id(checkpoint_id)}"
 
-    def _download(self, checkpoint_id: str, spots: Mapping[str, list[tuple[int, int, int, str]]]) -> None:
-        def fetch_chunk(digest: str, places: list[tuple[int, int, int, str]]) -> None:
-            _, _, size, path = places[0]
-            try:
-                raw = self.backend.get(self._chunk_key(digest))
-            except ObjectNotFound:
-                raise CorruptCheckpoint(checkpoint_id, f"chunk {digest} of {path} is missing from the store") from None
-            data = _verified(checkpoint_id, ChunkRef(digest, size), raw, path, _decompressor())
-            for fd, offset, _, _ in places:
+    def _download(
+        self,
+        checkpoint_id: str,
+        stored: Mapping[str, ChunkRef],
+        spots: Mapping[str, list[tuple[int, int, str]]],
+    ) -> None:
+        """Fetch, verify and write every stored chunk: a format-1 chunk by its own GET, packed ones by ranged GETs
+        of adjacent chunks."""
+
+        def place(chunk: ChunkRef, raw: bytes) -> None:
+            fd, offset, path = spots[chunk.hash][0]
+            data = _verified(checkpoint_id, chunk, raw, path, _decompressor())
+            for fd, offset, _ in spots[chunk.hash]:
                 os.pwrite(fd, data, offset)
 
+        def fetch(chunks: list[ChunkRef]) -> None:
+            first, pack = chunks[0], chunks[0].pack
+            try:
+                if pack is None:
+                    place(first, self.backend.get(self._chunk_key(first.hash)))
+                    return
+                start = first.offset
+                raw = self.backend.get_range(self._pack_key(pack), start, chunks[-1].offset + chunks[-1].stored - start)
+            except ObjectNotFound:
+                where = f"pack {pack} holding " if pack else ""
+                path = spots[first.hash][0][2]
+                raise CorruptCheckpoint(
+                    checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
+                ) from None
+            for chunk in chunks:
+                place(chunk, raw[chunk.offset - start : chunk.offset - start + chunk.stored])
+
         with ThreadPoolExecutor(self.workers, thread_name_prefix="spotcr-fetch") as pool:
-            futures = [pool.submit(fetch_chunk, digest, places) for digest, places in spots.items()]
+            futures = [pool.submit(fetch, chunks) for chunks in _ranges(stored.values())]
             done, pending = wait(futures, return_when=FIRST_EXCEPTION)
             for future in pending:
                 future.cancel()
@@ -496,9 +556,13 @@ class CheckpointStore:
                             tails[path] = _FileTail(path, source, self.chunking, mapped=True)
         return sum(tail.pump(uploader) for tail in tails.values())
 
-    def _known_chunks(self, parent: str | None) -> tuple[set[str], set[str], int]:
-        """Chunks committed by the parent (else the newest checkpoint) that the store still holds: sent once, never
-        again; every chunk the parent names (what did not change since it); and the parent's `since_full`.
+    def _known_chunks(
+        self, parent: str | None
+    ) -> tuple[dict[str, ChunkRef], set[str], int, dict[tuple[str, int], ChunkRef]]:
+        """Chunks committed by the parent (else the newest checkpoint) that the store still holds, by hash with
+        where they are: sent once, never again; every chunk the parent names (what did not change since it); the
+        parent's `since_full`; and its held chunks that have a fast digest by (file, offset): a chunk here at the
+        same place with the same length and fast digest is that chunk, found without hashing it.
 
         The parent is the checkpoint the job was restored from or last committed, so its chunks were verified or
         just written; a newer one may hold a damaged chunk a restore fell back from, which must be sent afresh.
@@ -506,17 +570,26 @@ class CheckpointStore:
         ids = self.checkpoint_ids()
         source = parent if parent and parent in ids else (ids[0] if ids else None)
         if source is None:
-            return set(), set(), 0
+            return {}, set(), 0, {}
         try:
             manifest = self.load(source)
         except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
-            return set(), set(), 0  # a manifest this agent cannot read only costs dedup, never correctness
-        known = manifest.chunk_hashes()
-        if not known:
-            return known, known, manifest.since_full
-        # Rely only on chunks the store still holds: one listing, and a lost chunk is sent afresh.
-        stored = {obj.key.rsplit("/", 1)[-1] for obj in self.backend.scan(self._prefix + "chunks/")}
-        return known & stored, known, manifest.since_full
+            return {}, set(), 0, {}  # a manifest this agent cannot read only costs dedup, never correctness
+        chunks = manifest.stored_chunks()
+        if not chunks:
+            return {}, set(), manifest.since_full, {}
+        # Rely only on chunks the store still holds: one listing (pack ids and format-1 chunk hashes), and a chunk
+        # whose pack or object is gone is sent afresh.
+        held = {obj.key.rsplit("/", 1)[-1] for obj in self.backend.scan(self._prefix + "chunks/")}
+        known = {digest: chunk for digest, chunk in chunks.items() if (chunk.pack or digest) in held}
+        at = {}
+        for entry in manifest.files:
+            offset = 0
+            for chunk in entry.chunks:
+                if chunk.fast is not None and chunk.hash in known:
+                    at[entry.path, offset] = chunk
+                offset += chunk.size
+        return known, set(chunks), manifest.since_full, at
 
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints, newest first by the control plane's order (commands.checkpoint_order:
@@ -535,18 +608,89 @@ class CheckpointStore:
     def _chunk_key(self, digest: str) -> str:
         return f"{self._prefix}chunks/{digest[:2]}/{digest}"
 
+    def _pack_key(self, pack: str) -> str:
+        return f"{self._prefix}{PACKS}{pack}"
+
+
+class _Packer:
+    """Appends compressed chunks to the pack being filled; writes each full pack on a thread of its own."""
+
+    def __init__(self, backend: Backend, prefix: str, size: int) -> None:
+        self._backend = backend
+        self._prefix = prefix
+        self._size = size
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(PACKS_IN_FLIGHT)  # bounds memory: a full pack waits for a slot
+        self._pool = ThreadPoolExecutor(PACKS_IN_FLIGHT, thread_name_prefix="spotcr-pack")
+        self._writes: list[Future[float]] = []
+        self._pack, self._pieces, self._filled = uuid.uuid4().hex, list[bytes](), 0
+        self.written = 0
+        self.upload_s = 0.0
+
+    def add(self, compressed: bytes) -> tuple[str, int]:
+        """Put a compressed chunk in the pack being filled; return that pack's id and the chunk's offset in it."""
+        with self._lock:
+            where = self._pack, self._filled
+            self._pieces.append(compressed)
+            self._filled += len(compressed)
+            if self._filled >= self._size:
+                self._seal()
+        return where
+
+    def finish(self) -> None:
+        """Write the last pack; return once every pack is written (raising the first failure)."""
+        with self._lock:
+            self._seal()
+        self._pool.shutdown(wait=True)
+        for write in self._writes:
+            self.upload_s += write.result()
+        self.written = len(self._writes)
+
+    def abort(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _seal(self) -> None:
+        """Hand the pack being filled to a writer thread and start a new one (the caller holds the lock)."""
+        if not self._pieces:
+            return
+        for write in self._writes:
+            if write.done() and (error := write.exception()) is not None:
+                raise error
+        self._slots.acquire()
+        key, body = f"{self._prefix}{PACKS}{self._pack}", b"".join(self._pieces)
+        self._pack, self._pieces, self._filled = uuid.uuid4().hex, [], 0
+        self._writes.append(self._pool.submit(self._write, key, body))
+
+    def _write(self, key: str, body: bytes) -> float:
+        began = time.perf_counter()
+        try:
+            self._backend.put(key, body)
+        finally:
+            self._slots.release()
+        return time.perf_counter() - began
+
 
 class _Uploader:
-    """Hashes, compresses and stores chunks on a thread pool; skips chunks the store already holds."""
+    """Hashes and compresses chunks on a thread pool into packs; skips chunks the store already holds."""
 
     def __init__(
-        self, backend: Backend, prefix: str, known: set[str], workers: int, level: int, *, in_parent: set[str]
+        self,
+        packer: _Packer,
+        known: Mapping[str, ChunkRef],
+        workers: int,
+        level: int,
+        *,
+        in_parent: set[str],
+        parent_at: Mapping[tuple[str, int], ChunkRef],
+        record_fast: bool,
     ) -> None:
-        self._backend = backend
+        self._packer = packer
         self._in_parent = in_parent
-        self._prefix = prefix
+        self._parent_at = parent_at
+        self._record_fast = record_fast  # a periodic commit records every chunk's fast digest for the next one
         self.level = level
         self._claimed = set(known)
+        self._located = dict(known)  # hash -> where the chunk is stored: known ones, then each one packed
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(workers * 2)  # bounds memory: at most 2 chunks per worker
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="spotcr-store")
@@ -557,19 +701,32 @@ class _Uploader:
         self.bytes_new = 0
         self.bytes_changed = 0
         self.read_s = 0.0  # added to by the reading thread (_FileTail.pump)
-        self.hash_s = self.compress_s = self.upload_s = 0.0
+        self.hash_s = self.compress_s = 0.0
+        self.unchanged = 0  # chunks found unchanged by their fast digest, without SHA-256
 
     def __enter__(self) -> _Uploader:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._pool.shutdown(wait=True, cancel_futures=error is not None)
+        if error is None and self._failure is None:
+            self._packer.finish()
+        else:
+            self._packer.abort()
 
-    def submit(self, data: bytes | memoryview) -> Future[ChunkRef]:
+    def locate(self, chunk: ChunkRef) -> ChunkRef:
+        """The chunk with where it is stored (once every chunk is in): inline ones are where they are."""
+        if chunk.inline is not None:
+            return chunk
+        located = self._located[chunk.hash]
+        return located if located.fast or not chunk.fast else replace(located, fast=chunk.fast)
+
+    def submit(self, data: bytes | memoryview, path: str, offset: int) -> Future[ChunkRef]:
+        """Store the chunk at `offset` of file `path` (unless the store holds it); its ChunkRef once done."""
         if self._failure is not None:
             raise self._failure
         self._slots.acquire()
-        future = self._pool.submit(self._store, data)
+        future = self._pool.submit(self._store, data, self._parent_at.get((path, offset)))
         future.add_done_callback(self._done)
         return future
 
@@ -578,8 +735,17 @@ class _Uploader:
         if not future.cancelled() and (error := future.exception()) is not None:
             self._failure = error
 
-    def _store(self, data: bytes | memoryview) -> ChunkRef:
+    def _store(self, data: bytes | memoryview, there: ChunkRef | None) -> ChunkRef:
+        """`there`: the parent's chunk at the same place, which this one is if length and fast digest match."""
         began = time.perf_counter()
+        fast = None
+        if self._record_fast or (there is not None and there.size == len(data)):
+            fast = fast_digest(data)
+            if there is not None and there.size == len(data) and there.fast == fast:
+                with self._lock:
+                    self.hash_s += time.perf_counter() - began
+                    self.unchanged += 1
+                return there
         digest = hashlib.sha256(data).hexdigest()
         hashed = time.perf_counter()
         with self._lock:
@@ -591,14 +757,16 @@ class _Uploader:
         if new:
             compressed = self._compress(data)
             compressed_at = time.perf_counter()
-            self._backend.put(f"{self._prefix}chunks/{digest[:2]}/{digest}", compressed)
+            pack, offset = self._packer.add(compressed)
             with self._lock:
+                self._located[digest] = ChunkRef(
+                    digest, len(data), pack=pack, offset=offset, stored=len(compressed), fast=fast
+                )
                 self.compress_s += compressed_at - hashed
-                self.upload_s += time.perf_counter() - compressed_at
                 self.bytes_uploaded += len(compressed)
                 self.bytes_new += len(data)
                 self.chunks_uploaded += 1
-        return ChunkRef(digest, len(data))
+        return ChunkRef(digest, len(data), fast=fast)
 
     def _compress(self, data: bytes | memoryview) -> bytes:
         """zstd at the commit's level (the store's; FAST_LEVEL for a final dump), unless a probe of the chunk's head
@@ -628,7 +796,13 @@ class _FileTail:
             raise StoreError(f"file {source} to checkpoint as {path} does not exist") from None
         self._chunker = Chunker(chunking)
         self._chunks: list[Future[ChunkRef] | ChunkRef] = []
+        self._handed = 0  # bytes handed to the uploader: where the next chunk starts
         self.size = 0
+
+    def _hand_over(self, uploader: _Uploader, chunks: list[bytes | memoryview]) -> None:
+        for chunk in chunks:
+            self._chunks.append(uploader.submit(chunk, self.path, self._handed))
+            self._handed += len(chunk)
 
     def pump(self, uploader: _Uploader) -> int:
         """Read everything written so far; hand complete chunks to the uploader."""
@@ -644,7 +818,7 @@ class _FileTail:
             read += len(block)
             chunks = self._chunker.feed(block)
             uploader.read_s += time.perf_counter() - began
-            self._chunks.extend(uploader.submit(chunk) for chunk in chunks)
+            self._hand_over(uploader, chunks)
         self.size += read
         return read
 
@@ -664,7 +838,7 @@ class _FileTail:
         mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS)
         chunks = self._chunker.feed(memoryview(mapping)[self.size - start :])
         uploader.read_s += time.perf_counter() - began
-        self._chunks.extend(uploader.submit(chunk) for chunk in chunks)
+        self._hand_over(uploader, chunks)
         added, self.size = end - self.size, end
         return added
 
@@ -678,11 +852,12 @@ class _FileTail:
                 compressed = zstandard.ZstdCompressor(level=uploader.level).compress(data)
                 self._chunks.append(ChunkRef(hashlib.sha256(data).hexdigest(), len(data), compressed))
         else:
-            self._chunks.extend(uploader.submit(chunk) for chunk in self._chunker.finish())
+            self._hand_over(uploader, self._chunker.finish())
         self.mode = os.fstat(self._fd).st_mode & 0o7777
 
-    def entry(self) -> FileEntry:
-        chunks = tuple(c.result() if isinstance(c, Future) else c for c in self._chunks)
+    def entry(self, locate: Callable[[ChunkRef], ChunkRef]) -> FileEntry:
+        """The file's manifest entry, each chunk with where it is stored (`locate`), once every chunk is in."""
+        chunks = tuple(locate(c.result() if isinstance(c, Future) else c) for c in self._chunks)
         size = sum(c.size for c in chunks)
         if size != self.size:
             raise StoreError(f"file {self.source} changed while it was stored")
@@ -719,6 +894,25 @@ def _verified(checkpoint_id: str, chunk: ChunkRef, stored: bytes, path: str, dct
     if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.hash:
         raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} does not match its hash")
     return data
+
+
+def _ranges(chunks: Iterable[ChunkRef]) -> list[list[ChunkRef]]:
+    """What a restore reads, one request each: a format-1 chunk alone; packed chunks in runs of adjacent ones of
+    one pack, up to FETCH_RANGE bytes (larger only for a single chunk)."""
+    ranges: list[list[ChunkRef]] = []
+    packed = sorted((c for c in chunks if c.pack is not None), key=lambda c: (c.pack or "", c.offset))
+    for chunk in packed:
+        last = ranges[-1] if ranges else None
+        if (
+            last is not None
+            and last[-1].pack == chunk.pack
+            and last[-1].offset + last[-1].stored == chunk.offset
+            and chunk.offset + chunk.stored - last[0].offset <= FETCH_RANGE
+        ):
+            last.append(chunk)
+        else:
+            ranges.append([chunk])
+    return ranges + [[c] for c in chunks if c.pack is None]
 
 
 def _id_seconds(checkpoint_id: str) -> float:

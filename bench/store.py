@@ -1,0 +1,284 @@
+"""The checkpoint store against issue 23's targets, in one run, ratios against the floor measured in it.
+
+`python -m bench store [--gib 2] [--dirty 0.05] [--record-baseline]` (what `make bench` runs): three jobs of the same
+size (bench/memjob.py), each dumped by CRIU to tmpfs first (the floor, the fastest of the three kept), then:
+
+  after      a periodic dump into a directory store, 5% of memory rewritten, then the final dump: its time and the
+             bytes it sent (against the baseline recorded in bench/results/store-baseline.json)
+  full dir   a full final dump into a directory store on local disk
+  full S3    a full final dump into MinIO on loopback (moto's server, labelled, without a MinIO binary), through a
+             counting proxy (bench/s3count.py): the requests and objects the endpoint saw, per GiB of new data
+  restore    the store's fetch of that checkpoint, then a plain parallel download (boto3, a thread pool as wide as
+             the store's) of the same objects and ranges the fetch asked the endpoint for
+
+Writes bench/results/<name>.json and .md with the machine. --record-baseline writes this run's bytes sent after the
+periodic dump, with the commit and the store's tree it came from, as the baseline later runs compare with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.checkpoint import CRIU, checkpointer, dirty, memory_job
+from bench.pipeline import BUCKET, GiB, MiB, describe_machine, figures, floor, make_store, s3_server
+from bench.s3count import Request, Tally, counting_proxy
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+BASELINE = BENCH / "results" / "store-baseline.json"
+STORE_SOURCE = "vm-bootstrap/spotcr_agent/store"
+DOWNLOAD_WORKERS = 16  # CheckpointStore.for_s3's default fetch threads
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench store", description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=float, default=2.0, help="job size in GiB (2, as the targets say)")
+    parser.add_argument("--dirty", type=float, default=0.05, help="share rewritten between periodic and final")
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp/spotcr-store-bench"), help="local disk dir")  # noqa: S108
+    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm/spotcr-store-bench"), help="tmpfs (floor)")  # noqa: S108
+    parser.add_argument("--results", type=Path, default=BENCH / "results")
+    parser.add_argument("--name", default="store", help="results file name: <results>/<name>.json and .md")
+    parser.add_argument("--record-baseline", action="store_true", help=f"write this run's bytes sent to {BASELINE}")
+    args = parser.parse_args(argv)
+    if args.gib <= 0 or not 0 < args.dirty < 1:
+        parser.error(f"--gib must be positive and --dirty between 0 and 1, not {args.gib:g} and {args.dirty:g}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench store: CRIU needs root", file=sys.stderr)
+        return 2
+    subprocess.run([CRIU, "check"], check=True, capture_output=True)
+    machine = describe_machine()
+    source = store_source()
+    print(f"spotcr store benchmark (issue 23's targets): {args.gib:g} GiB jobs, {args.dirty:.0%} rewritten")
+    print(f"machine: {machine['cpus']} cores ({machine['cpu']}), load average {machine['load_before']}")
+    shutil.rmtree(args.work, ignore_errors=True)
+    with s3_server(args.work) as s3, counting_proxy(s3["endpoint"]) as (endpoint, tally):
+        os.environ["AWS_ENDPOINT_URL"] = endpoint  # the store's client and the plain download go through the count
+        run = measure(args, tally, s3["endpoint"]) | {"s3_label": s3["label"]}
+    shutil.rmtree(args.work, ignore_errors=True)
+    machine["load_after"] = os.getloadavg()
+    doc = {
+        "benchmark": "store",
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": "python -m bench store " + " ".join(argv),
+        "machine": machine,
+        "store_source": source,
+        "gib": args.gib,
+        "dirty": args.dirty,
+        "run": run,
+    }
+    if args.record_baseline:
+        record_baseline(doc)
+    doc["rows"] = target_rows(doc, load_baseline())
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"{args.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    table = markdown(doc)
+    (args.results / f"{args.name}.md").write_text(table)
+    print("\n" + table)
+    print(f"written: {args.results / args.name}.json and .md")
+    return 0
+
+
+def measure(args: argparse.Namespace, tally: Tally, direct: str) -> dict[str, Any]:
+    """Every figure of the run; direct: the S3 endpoint without the counting proxy in front."""
+    from spotcr_agent.criu import Criu
+
+    criu = Criu(CRIU)
+    work = args.work
+    size = f"{int(args.gib * 1024)}m"
+    run: dict[str, Any] = {"floors": []}
+
+    print(f"\n== after a periodic dump, {args.dirty:.0%} rewritten: directory store ==")
+    with memory_job(work / "job-after", args.gib, args.dirty) as job:
+        run["floors"].append(floor(criu, job.pid, args.tmpfs))
+        store = make_store("dir", work, f"store-{size}-after")
+        agent = checkpointer(job, work / "job-after", store, work / "agent-after")
+        run["periodic"] = figures(agent.checkpoint("periodic", 1))
+        dirty(work / "job-after")
+        run["after"] = figures(agent.checkpoint("final", 1))
+        print(f"  final: {run['after']['seconds']:.2f} s, {run['after']['bytes_uploaded'] / MiB:.1f} MiB sent")
+
+    print("\n== full final dump: directory store ==")
+    with memory_job(work / "job-dir", args.gib, 0.0) as job:
+        run["floors"].append(floor(criu, job.pid, args.tmpfs))
+        store = make_store("dir", work, f"store-{size}-full")
+        run["full_dir"] = figures(checkpointer(job, work / "job-dir", store, work / "agent-dir").checkpoint("final", 1))
+        print(f"  final: {run['full_dir']['seconds']:.2f} s")
+
+    print("\n== full final dump: S3 ==")
+    with memory_job(work / "job-s3", args.gib, 0.0) as job:
+        run["floors"].append(floor(criu, job.pid, args.tmpfs))
+        store = make_store("s3", work, f"store-{size}-full")
+        tally.take()
+        final = checkpointer(job, work / "job-s3", store, work / "agent-s3").checkpoint("final", 1)
+        run["full_s3"] = figures(final) | {"requests": tally.take().summary()}
+        print(f"  final: {final.seconds:.2f} s, requests {run['full_s3']['requests']}")
+
+    print("\n== restore from S3: the store's fetch, then a plain parallel download of the same objects ==")
+    started = time.monotonic()
+    store.fetch(final.checkpoint_id, work / "restore")
+    fetched = tally.take()
+    run["fetch"] = {"seconds": round(time.monotonic() - started, 3), "requests": fetched.summary()}
+    shutil.rmtree(work / "restore", ignore_errors=True)
+    run["download"] = plain_download(fetched.gets, work / "download", os.environ["AWS_ENDPOINT_URL"])
+    run["download_direct"] = plain_download(fetched.gets, work / "download", direct)  # what the proxy costs
+    tally.take()
+    run["floor"] = min(run["floors"])
+    print(
+        f"  fetch {run['fetch']['seconds']:.2f} s, plain download {run['download']['seconds']:.2f} s "
+        f"({run['download_direct']['seconds']:.2f} s without the counting proxy)"
+    )
+    return run
+
+
+def plain_download(gets: list[Request], dest: Path, endpoint: str) -> dict[str, Any]:
+    """The objects (and ranges) a fetch read, downloaded to files with a thread pool and nothing else."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=endpoint, config=Config(max_pool_connections=DOWNLOAD_WORKERS))
+    dest.mkdir(parents=True, exist_ok=True)
+
+    def download(number: int, get: Request) -> int:
+        extra = {"Range": get.range} if get.range else {}
+        body = client.get_object(Bucket=BUCKET, Key=get.key, **extra)["Body"].read()
+        (dest / str(number)).write_bytes(body)
+        return len(body)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(DOWNLOAD_WORKERS) as pool:
+        sizes = list(pool.map(download, range(len(gets)), gets))
+    seconds = time.monotonic() - started
+    shutil.rmtree(dest, ignore_errors=True)
+    return {"seconds": round(seconds, 3), "objects": len(gets), "bytes": sum(sizes)}
+
+
+def store_source() -> dict[str, Any]:
+    """Which store was measured: the commit, the last commit that changed the store, its source tree, any edits."""
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "store_commit": git("log", "-1", "--format=%H", "--", STORE_SOURCE),
+        "store_tree": git("rev-parse", f"HEAD:{STORE_SOURCE}"),
+        "store_edited": bool(git("status", "--porcelain", "--", STORE_SOURCE)),
+    }
+
+
+def record_baseline(doc: dict[str, Any]) -> None:
+    baseline = {
+        "at": doc["at"],
+        **doc["store_source"],
+        "gib": doc["gib"],
+        "dirty": doc["dirty"],
+        "bytes_sent_after_periodic": doc["run"]["after"]["bytes_uploaded"],
+    }
+    BASELINE.write_text(json.dumps(baseline, indent=2) + "\n")
+    print(f"baseline written: {BASELINE}")
+
+
+def load_baseline() -> dict[str, Any] | None:
+    return json.loads(BASELINE.read_text()) if BASELINE.exists() else None
+
+
+def target_rows(doc: dict[str, Any], baseline: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Issue 23's table: each figure measured in this run, its target, and whether it is met."""
+    run, gib, share = doc["run"], doc["gib"], f"{doc['dirty']:.0%}"
+    f = run["floor"]
+    s3 = run["full_s3"]
+    new_gib = s3["bytes_changed"] / GiB
+    counted = s3["requests"]
+    per_gib = counted["total"] / new_gib
+    rows = [
+        row(
+            "S3 requests per GiB of new checkpoint data",
+            f"{per_gib:.0f} ({counted['PUT'] / new_gib:.0f} PUTs, {counted['objects_written']} objects written "
+            f"for {new_gib:.2f} GiB; {describe_requests(counted)})",
+            "at most 40",
+            per_gib <= 40,
+        ),
+        ratio_row(f"full final dump, {gib:g} GiB, directory store", run["full_dir"]["seconds"], f, 2.0),
+        ratio_row(f"full final dump, {gib:g} GiB, {run['s3_label']}", s3["seconds"], f, 2.5),
+        ratio_row(
+            f"final after a periodic, {share} rewritten, {gib:g} GiB, directory", run["after"]["seconds"], f, 1.2
+        ),
+        bytes_row(run["after"]["bytes_uploaded"], doc, baseline),
+        row(
+            f"restore of {gib:g} GiB from {run['s3_label']}",
+            f"fetch {run['fetch']['seconds']:.2f} s ({describe_requests(run['fetch']['requests'])}), "
+            f"{run['fetch']['seconds'] / run['download']['seconds']:.2f}x a plain parallel download of the same "
+            f"{run['download']['objects']} objects ({run['download']['bytes'] / MiB:.0f} MiB) in "
+            f"{run['download']['seconds']:.2f} s ({run['download_direct']['seconds']:.2f} s without the counting "
+            "proxy)",
+            "reported, against a plain parallel download of the same bytes",
+            True,
+        ),
+    ]
+    return rows
+
+
+def row(figure: str, measured: str, target: str, met: bool | None) -> dict[str, Any]:
+    return {"figure": figure, "measured": measured, "target": target, "met": met}
+
+
+def ratio_row(figure: str, seconds: float, floor_s: float, target: float) -> dict[str, Any]:
+    ratio = seconds / floor_s
+    return row(figure, f"{ratio:.1f}x ({seconds:.2f} s)", f"at most {target:g}x", ratio <= target)
+
+
+def bytes_row(sent: int, doc: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
+    figure = f"bytes sent after a periodic, {doc['dirty']:.0%} rewritten"
+    measured = f"{sent / MiB:.1f} MiB"
+    if baseline is None:
+        return row(figure, measured, "at most 1.5x today's (no baseline: run with --record-baseline)", None)
+    if (baseline["gib"], baseline["dirty"]) != (doc["gib"], doc["dirty"]):
+        target = f"at most 1.5x today's (the baseline is for {baseline['gib']:g} GiB, {baseline['dirty']:.0%})"
+        return row(figure, measured, target, None)
+    before = baseline["bytes_sent_after_periodic"]
+    target = f"at most 1.5x today's ({before / MiB:.1f} MiB, the store of commit {baseline['store_commit'][:10]})"
+    return row(figure, f"{measured} ({sent / before:.2f}x)", target, sent <= 1.5 * before)
+
+
+def describe_requests(counted: dict[str, int]) -> str:
+    kinds = [f"{counted[kind]} {kind}" for kind in ("PUT", "GET", "LIST", "HEAD", "DELETE", "POST") if counted[kind]]
+    return ", ".join(kinds) or "no requests"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m, run, source = doc["machine"], doc["run"], doc["store_source"]
+    verdict = {True: "met", False: "not met", None: "not measured"}
+    edited = " (with uncommitted edits)" if source["store_edited"] else ""
+    lines = [
+        "| figure | measured | target | met |",
+        "|---|---|---|---|",
+        *(f"| {r['figure']} | {r['measured']} | {r['target']} | {verdict[r['met']]} |" for r in doc["rows"]),
+        "",
+        f"Ratios against the floor measured in the same run: CRIU dumping a {doc['gib']:g} GiB job to tmpfs, "
+        f"{run['floor']:.2f} s (the fastest of {', '.join(f'{s:.2f}' for s in run['floors'])} s, one per job). "
+        "S3 requests are counted by a proxy in front of the endpoint (bench/s3count.py), which every S3 request "
+        "of the run goes through; new data: the raw bytes of the chunks the checkpoint did not share with a parent. "
+        "The restore's plain download runs right after the fetch, on the objects the fetch asked for, then again "
+        "straight to the endpoint: the difference is what the proxy costs the S3 figures.",
+        f"Store: {STORE_SOURCE} as of commit {source['store_commit'][:10]} (tree {source['store_tree'][:10]}{edited}), "
+        f"measured at commit {source['commit'][:10]}.",
+        f"Measured {doc['at']} on {m['cpus']} cores ({m['cpu']}), {m['memory_gib']} GiB, Linux {m['kernel']}, "
+        f"CRIU {m['criu']}; {m['kind']}: load average {m['load_before'][0]:.1f} before the run and "
+        f"{m['load_after'][0]:.1f} after. Command: `{doc['command'].strip()}`.",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,54 @@
+"""The store benchmark's verdicts: each of issue 23's rows compares the run's own figures with its target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.store import target_rows
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def run_doc(*, full_dir_s: float, sent: int) -> dict[str, Any]:
+    requests = {"PUT": 70, "GET": 1, "LIST": 8, "HEAD": 0, "DELETE": 2, "POST": 0, "total": 81, "objects_written": 70}
+    download = {"seconds": 2.0, "objects": 70, "bytes": 1024 * MiB}
+    return {
+        "gib": 2.0,
+        "dirty": 0.05,
+        "run": {
+            "floor": 1.0,
+            "s3_label": "S3: MinIO on loopback",
+            "full_dir": {"seconds": full_dir_s},
+            "full_s3": {"seconds": 2.5, "bytes_changed": 2 * GiB, "requests": requests},
+            "after": {"seconds": 1.3, "bytes_uploaded": sent},
+            "fetch": {"seconds": 3.0, "requests": requests | {"GET": 70}},
+            "download": download,
+            "download_direct": download,
+        },
+    }
+
+
+def test_each_row_is_met_or_not_by_its_own_target() -> None:
+    # Given a 2 GiB run: 81 requests for 2 GiB of new data, a full final dump at 2.0x and 2.01x the floor
+    baseline = {"gib": 2.0, "dirty": 0.05, "bytes_sent_after_periodic": 100 * MiB, "store_commit": "52cc07b02c9a"}
+    met = {r["figure"]: r["met"] for r in target_rows(run_doc(full_dir_s=2.0, sent=150 * MiB), baseline)}
+    missed = {r["figure"]: r["met"] for r in target_rows(run_doc(full_dir_s=2.01, sent=151 * MiB), baseline)}
+    # Then 40.5 requests per GiB misses "at most 40", the ratios and bytes sent are met up to their targets exactly
+    assert met == {
+        "S3 requests per GiB of new checkpoint data": False,
+        "full final dump, 2 GiB, directory store": True,
+        "full final dump, 2 GiB, S3: MinIO on loopback": True,
+        "final after a periodic, 5% rewritten, 2 GiB, directory": False,
+        "bytes sent after a periodic, 5% rewritten": True,
+        "restore of 2 GiB from S3: MinIO on loopback": True,
+    }
+    assert missed["full final dump, 2 GiB, directory store"] is False
+    assert missed["bytes sent after a periodic, 5% rewritten"] is False
+
+
+def test_bytes_sent_are_not_judged_without_a_baseline_of_the_same_size() -> None:
+    other_size = {"gib": 0.25, "dirty": 0.05, "bytes_sent_after_periodic": 10 * MiB, "store_commit": "52cc07b02c9a"}
+    for baseline, says in ((None, "no baseline"), (other_size, "the baseline is for 0.25 GiB, 5%")):
+        (sent,) = [r for r in target_rows(run_doc(full_dir_s=2.0, sent=MiB), baseline) if "bytes" in r["figure"]]
+        assert sent["met"] is None and says in sent["target"]

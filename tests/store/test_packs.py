@@ -1,0 +1,212 @@
+"""Packed chunks: few requests per GiB, ranged reads of live chunks only, format-1 stores still restore, and
+garbage collection of packs under a commit in flight."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import zstandard
+from spotcr_agent.store import CheckpointStore
+from spotcr_agent.store.chunking import Chunker, Chunking
+from spotcr_agent.store.store import FETCH_RANGE
+
+from tests.localaws.vended import Enforced
+
+from .support import JOB, RUN, MiB, checkpoint_id, images, meta, random_bytes, run_keys, tree_bytes
+
+
+class Counting:
+    """A backend that counts the requests the store makes of it, and passes them on."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.puts: list[str] = []
+        self.gets: list[str] = []
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def put(self, key: str, data: bytes) -> None:
+        self.puts.append(key)
+        self.backend.put(key, data)
+
+    def put_new(self, key: str, data: bytes) -> None:
+        self.puts.append(key)
+        self.backend.put_new(key, data)
+
+    def get(self, key: str) -> bytes:
+        self.gets.append(key)
+        return bytes(self.backend.get(key))
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        self.ranges.append((key, offset, length))
+        return bytes(self.backend.get_range(key, offset, length))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
+def counted(store: CheckpointStore) -> Counting:
+    store.backend = counting = Counting(store.backend)
+    return counting
+
+
+def test_new_data_is_sent_in_packs_of_tens_of_mib(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given 40 MiB of memory that does not compress
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/pages-1.img").write_bytes(random_bytes(40 * MiB, seed=40))
+    requests = counted(store)
+
+    # When it is committed
+    result = store.commit(tmp_path / "img", meta(1))
+
+    # Then its chunks (tens of them) cost two PUTs, a full pack and the rest: 32 PUTs per GiB, not 800
+    packs = [key for key in requests.puts if "/chunks/" in key]
+    assert result.chunks_uploaded > 20 and len(packs) == result.objects_uploaded == 2
+    assert requests.puts == [f"{run_keys(store)}commits/{checkpoint_id(1)}", *packs, requests.puts[-1]]
+    assert requests.puts[-1].endswith(f"checkpoints/{checkpoint_id(1)}.json")
+
+
+def test_a_restore_reads_only_the_chunks_it_needs_in_few_ranged_reads(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given a checkpoint of 16 MiB, and a second one where 2 MiB in the middle changed
+    pages = bytearray(random_bytes(16 * MiB, seed=41))
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/pages-1.img").write_bytes(pages)
+    store.commit(tmp_path / "img", meta(1))
+    pages[7 * MiB : 9 * MiB] = random_bytes(2 * MiB, seed=42)
+    (tmp_path / "img/pages-1.img").write_bytes(pages)
+    second = store.commit(tmp_path / "img", meta(2, parent=1))
+    requests = counted(store)
+
+    # When the second one is restored
+    store.fetch(checkpoint_id(2), tmp_path / "restore")
+
+    # Then it read exactly its chunks' bytes (none of the first pack's replaced chunks), adjacent chunks in one
+    # ranged read of at most FETCH_RANGE, and restored byte for byte
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
+    chunks = second.manifest.stored_chunks().values()
+    assert sum(length for _, _, length in requests.ranges) == sum(c.stored for c in chunks)
+    assert requests.gets == [f"{run_keys(store)}checkpoints/{checkpoint_id(2)}.json"]
+    assert len(requests.ranges) <= 6 < len(chunks)
+    assert max(length for _, _, length in requests.ranges) <= FETCH_RANGE
+
+
+def write_format_1(store: CheckpointStore, n: int, files: dict[str, bytes]) -> None:
+    """Commit as the store did before packs (manifest format 1): each chunk its own object under chunks/<h[:2]>/<h>."""
+    entries = []
+    compressor = zstandard.ZstdCompressor(level=1)
+    for path, content in files.items():
+        chunker = Chunker(Chunking())
+        chunks = [bytes(c) for c in [*chunker.feed(content), *chunker.finish()]]
+        refs = []
+        for chunk in chunks:
+            digest = hashlib.sha256(chunk).hexdigest()
+            store.backend.put(f"{run_keys(store)}chunks/{digest[:2]}/{digest}", compressor.compress(chunk))
+            refs.append({"hash": digest, "size": len(chunk)})
+        digest = hashlib.sha256(b"".join(bytes.fromhex(r["hash"]) for r in refs)).hexdigest()  # type: ignore[arg-type]
+        entries.append({"path": path, "size": len(content), "mode": 0o600, "digest": digest, "chunks": refs})
+    doc = {
+        "format": 1,
+        "job_id": JOB,
+        "checkpoint_id": checkpoint_id(n),
+        "generation": 1,
+        "kind": "periodic",
+        "parent": None,
+        "created_at": "2026-11-20T10:00:00.000+00:00",
+        "criu_version": "4.1.1",
+        "kernel": "6.18.0",
+        "arch": "x86_64",
+        "cpu_flags": [],
+        "open_files": [],
+        "hash": "sha256",
+        "compression": "zstd-1",
+        "chunking": Chunking().describe(),
+        "files": entries,
+        "since_full": 0,
+        "run_id": RUN,
+    }
+    store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(n)}.json", json.dumps(doc).encode())
+
+
+def test_a_store_written_before_packs_restores_and_its_chunks_are_reused(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
+    # Given a checkpoint committed in format 1 (a chunk per object)
+    old = random_bytes(3 * MiB, seed=43)
+    write_format_1(store, 1, {"images/pages-1.img": old})
+
+    # When this agent restores it, then commits the same memory plus a new file on top of it
+    store.fetch(checkpoint_id(1), tmp_path / "restore1")
+    images(tmp_path / "img", 44)
+    (tmp_path / "img/pages-1.img").write_bytes(old)
+    second = store.commit(tmp_path / "img", meta(2, parent=1))
+
+    # Then the old checkpoint restores byte for byte, and the new one sends only the new file (into a pack)
+    # and keeps using the old chunk objects, which prune keeps while it does
+    assert (tmp_path / "restore1/images/pages-1.img").read_bytes() == old
+    reused = second.manifest.stored_chunks()
+    assert second.chunks_uploaded == sum(1 for c in reused.values() if c.pack is not None) < len(reused)
+    assert store.prune(keep=1, grace_seconds=0).deleted_checkpoints == [checkpoint_id(1)]
+    store.fetch(checkpoint_id(2), tmp_path / "restore2")
+    assert tree_bytes(tmp_path / "restore2/images") == {"pages-1.img": old, "pages-44.img": random_bytes(MiB, 44)}
+
+
+def test_a_prune_while_a_commit_has_written_packs_but_no_manifest_deletes_nothing(
+    make_store: Callable[..., CheckpointStore], tmp_path: Path
+) -> None:
+    # Given an old checkpoint whose pack is garbage once a newer one exists, and a commit of new memory
+    pruner, committer = make_store(), make_store()
+    pruner.commit(images(tmp_path / "img1", 1), meta(1))
+    pruner.commit(images(tmp_path / "img2", 2), meta(2, parent=1))
+    pruned: list[Any] = []
+    write_manifest = committer.backend.put_new
+
+    def prune_first(key: str, data: bytes) -> None:
+        pruned.append(pruner.prune(keep=1, grace_seconds=0))
+        write_manifest(key, data)
+
+    # When a prune runs at the worst moment: the commit's packs are written, its manifest not yet
+    committer.backend.put_new = prune_first  # type: ignore[method-assign]
+    committer.commit(images(tmp_path / "img3", 3), meta(3, parent=2))
+
+    # Then prune saw the commit in flight and deleted nothing, neither its unreferenced new packs nor old ones,
+    # and the new checkpoint restores
+    assert [(p.deleted_checkpoints, p.deleted_chunks) for p in pruned] == [([], 0)]
+    committer.fetch(checkpoint_id(3), tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-3.img").read_bytes() == random_bytes(MiB, seed=3)
+
+
+def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_path: Path) -> None:
+    # Given a store in S3
+    store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+
+    # When a checkpoint is committed
+    store.commit(images(tmp_path / "img", 1), meta(1))
+
+    # Then S3 was told to verify its pack and manifest by CRC32 (cheap), not by a SHA-256 of the body
+    for key in (f"chunks/packs/{store.load(checkpoint_id(1)).packs()[0]}", f"checkpoints/{checkpoint_id(1)}.json"):
+        head = boto3.client("s3").head_object(Bucket=s3_iam.bucket, Key=run_keys(store) + key, ChecksumMode="ENABLED")
+        assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
+
+
+def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: CheckpointStore, tmp_path: Path) -> None:
+    # Given a periodic checkpoint of 16 MiB, each chunk with its fast digest
+    pages = bytearray(random_bytes(16 * MiB, seed=50))
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/pages-1.img").write_bytes(pages)
+    first = store.commit(tmp_path / "img", meta(1))
+    assert all(c.fast for c in first.manifest.stored_chunks().values())
+
+    # When one byte in the middle changes (same length, same place) and the final dump follows
+    pages[8 * MiB] ^= 0xFF
+    (tmp_path / "img/pages-1.img").write_bytes(pages)
+    final = store.commit(tmp_path / "img", meta(2, parent=1, kind="final"))
+
+    # Then every other chunk was taken as the parent's by its place and fast digest, without SHA-256; the changed
+    # one was hashed and sent; and the final dump restores byte for byte
+    assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 1)
+    store.fetch(final.checkpoint_id, tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
