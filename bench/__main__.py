@@ -1,4 +1,5 @@
-"""`make bench` / `python -m bench [store|pipeline|checkpoint|final-dump|interruption|gpu|all] [options]`: benchmarks.
+"""`make bench` / `python -m bench [store|pipeline|checkpoint|final-dump|interruption|reclaim|gpu|all] [options]`:
+benchmarks.
 
 With no name, the store benchmark runs (issue 23's targets, 2 GiB jobs); `all` runs every benchmark but gpu.
 
@@ -17,6 +18,7 @@ BENCHMARKS = {
     "checkpoint": "bench.checkpoint",  # checkpoint speed: s3fs baseline vs spotcr's store, final and after a periodic
     "final-dump": "bench.final_dump",  # final dump: stream into the store as CRIU writes, or dump then ship
     "interruption": "bench.interruption",  # interruption warning to final-dump command, through the real handler
+    "reclaim": "bench.reclaim",  # a wave of N jobs warned within seconds, all recovered at once
 }
 # Only on a machine with an NVIDIA GPU, so not part of "all".
 GPU_BENCHMARKS = {"gpu": "bench.gpu"}  # GPU jobs: final dump and restore against device memory held

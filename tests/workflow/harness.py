@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -55,12 +56,17 @@ function_arn = FUNCTIONS.arn
 function_key = enforce.function_key
 
 # In-process moto is not thread-safe, and the workflow engine runs in threads of its own: one request at a time.
-# Re-entrant, since a Lambda invoke runs its handler (and the handler's own requests) inside the engine's request.
+# Re-entrant, since a request may call out (a Lambda invoke aside, which runs outside the lock) and nest another.
 _MOTO = threading.RLock()
+_LAMBDA_INVOKE = re.compile(r"^https://lambda\.[^/]+/[^/]+/functions/[^/]+/invocations")
 
 
 def _serialized(process_request: Any) -> Any:
     def serialized(self: Any, request: Any) -> Any:
+        if _LAMBDA_INVOKE.search(str(request.url)):
+            # A Lambda function runs beside the others, as in AWS (each of its own requests is serialized): held
+            # for its whole run, the lock would let a workflow's one task stop every other function's calls.
+            return process_request(self, request)
         if not _MOTO.acquire(timeout=60):
             raise RuntimeError("a moto request waited 60 s for another one: a handler blocked inside a request?")
         try:
@@ -99,8 +105,10 @@ def command_ended(instance_id: str, command_id: str, document_name: str, status:
     return event
 
 
-def _answer(invocation: dict[str, Any], status: str, code: int, line: str) -> None:
-    """The agent's command ends on its instance: SSM's status, its exit code, and its one result line on stdout."""
+def _answer(command: Any, invocation: dict[str, Any], status: str, code: int, line: str) -> None:
+    """The agent's command ends on its instance: SSM's status, its exit code, and its one result line on stdout;
+    spotcr sends each command to one instance, so the command's own status (ListCommands) is its invocation's."""
+    command.status = command.status_details = status
     invocation.update(
         {
             "Status": status,
@@ -139,7 +147,7 @@ def end_restore_command(answer: events.RestoreCompleted | events.RestoreFailed) 
         status, code = "Failed", 1
     for invocation in command.invocations:
         if invocation["InstanceId"] == answer.instance_id:
-            _answer(invocation, status, code, line)
+            _answer(command, invocation, status, code, line)
     return command.command_id, command_ended(answer.instance_id, command.command_id, str(command.document_name), status)
 
 
@@ -190,7 +198,7 @@ def end_checkpoint_command(
     else:
         line = dataclasses.replace(result, error=report.reason, job_stopped=report.job_stopped).to_line()
         status, code = "Failed", 1
-    _answer(invocation, status, code, line)
+    _answer(command, invocation, status, code, line)
     return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
 
 
@@ -254,7 +262,7 @@ def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, An
         for invocation in command.invocations:
             if invocation["InstanceId"] != exited.instance_id or invocation.get("StandardOutputContent"):
                 continue
-            _answer(invocation, "Success", 0, line)
+            _answer(command, invocation, "Success", 0, line)
             event = command_ended(exited.instance_id, command.command_id, str(command.document_name), "Success")
             ended.append((command.command_id, event))
     return ended
@@ -404,9 +412,9 @@ class ControlPlane:
         self.documents = stack.create_documents(self.ssm, FUNCTION_PREFIX, commands.COMMANDS.values())
         vpc_id = self.ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
         self.subnets = {
-            az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=az)["Subnet"][
-                "SubnetId"
-            ]
+            az: self.ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.0.{16 * (i + 1)}.0/20", AvailabilityZone=az)[
+                "Subnet"
+            ]["SubnetId"]
             for i, az in enumerate((f"{REGION}a", f"{REGION}b"))
         }
         image_id = "ami-760aaa0f"  # one of moto's built-in Amazon Linux images (listing them all takes seconds)

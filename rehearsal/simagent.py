@@ -1,0 +1,214 @@
+"""Simulated agents: the VMs of a wave that do not exist, answering the control plane as the real agent would.
+
+A wave of a hundred jobs does not fit one machine as real VMs. For the VMs that are not real, a `SimulatedAgents`
+watches the ControlPlane's in-process moto (tests/workflow/harness.py) and plays each agent's part through the
+harness's own paths, after the delays a real VM takes:
+- a final-dump command sent to a job's instance is answered `dump_s` later (one result line on stdout, SSM's
+  status-change event, the agent's CheckpointCompleted: harness.finish_checkpoint);
+- a backup instance spotcr launched reports AgentReady in restore mode `boot_s` after its launch;
+- a restore command is answered `restore_s` later (harness.finish_restore).
+Like a real agent, it knows its run and the restore attempt it answers (from its tags and the command), so it asks
+AWS nothing: under AWS's rate limits (rehearsal/localaws/throttle.py) only the control plane's calls count. It also
+notes when each of these happened, per job, for the benchmark's figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from moto.ec2.models import ec2_backends
+from moto.ssm.models import Command as MotoCommand
+from spotcr_contracts import commands, events
+from spotcr_contracts import tags as tag_names
+
+from rehearsal.localaws import ACCOUNT, REGION, wrap
+from tests.workflow import harness
+
+LIVE_STATES = {"pending", "running"}
+
+
+@dataclass(frozen=True)
+class AgentTiming:
+    """How long a simulated VM takes, in seconds: a final dump, a backup's boot to AgentReady, a restore."""
+
+    dump_s: float = 3.0
+    boot_s: float = 2.0
+    restore_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("dump_s", "boot_s", "restore_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"AgentTiming.{name} must be 0 or more seconds, not {getattr(self, name)}")
+
+
+@dataclass
+class JobTimes:
+    """When, on time.time()'s clock, the wave reached each step of one job's recovery (None: not yet)."""
+
+    final_dump_ordered: float | None = None
+    backup_launched: float | None = None
+    restore_ordered: float | None = None
+    restored: float | None = None
+    backups: list[str] = field(default_factory=list)
+
+
+class SimulatedAgents:
+    """The agents of every VM in a ControlPlane's account (use as a context manager inside the plane). Answers run
+    on `workers` threads, as independent VMs answer at once; errors in an answer are kept in `errors`."""
+
+    def __init__(self, timing: AgentTiming = AgentTiming(), workers: int = 4, poll_s: float = 0.05) -> None:
+        self.timing = timing
+        self.jobs: dict[str, JobTimes] = {}
+        self.errors: list[str] = []
+        self._poll_s = poll_s
+        self._workers = workers
+        self._lock = threading.Lock()
+        self._sent: list[tuple[float, Any]] = []  # (time, moto command) as SendCommand made them
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._seen_instances: set[str] = set()
+        self._stop = threading.Event()
+        self._patches = contextlib.ExitStack()
+
+    def __enter__(self) -> SimulatedAgents:
+        wrap(self._patches, MotoCommand, "__init__", self._noting_commands)
+        pool = self._patches.enter_context(ThreadPoolExecutor(self._workers, thread_name_prefix="simagent"))
+        self._thread = threading.Thread(target=self._run, args=(pool,), name="simagents", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._patches.close()
+
+    def job(self, job_id: str) -> JobTimes:
+        with self._lock:
+            return self.jobs.setdefault(job_id, JobTimes())
+
+    def _noting_commands(self, init: Any) -> Any:
+        def noting(command: Any, *args: Any, **kwargs: Any) -> None:
+            init(command, *args, **kwargs)
+            with self._lock:
+                self._sent.append((time.time(), command))
+
+        return noting
+
+    def _run(self, pool: ThreadPoolExecutor) -> None:
+        while not self._stop.wait(self._poll_s):
+            self._take_commands()
+            self._take_backups()
+            now = time.time()
+            with self._lock:
+                due = []
+                while self._due and self._due[0][0] <= now:
+                    due.append(heapq.heappop(self._due)[2])
+            for action in due:
+                pool.submit(self._answering, action)
+
+    def _answering(self, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception as error:  # the wave reports it: an agent's answer the control plane refused
+            with self._lock:
+                self.errors.append(f"{type(error).__name__}: {error}")
+
+    def _schedule(self, at: float, action: Callable[[], None]) -> None:
+        with self._lock:
+            heapq.heappush(self._due, (at, next(self._order), action))
+
+    def _take_commands(self) -> None:
+        with self._lock:
+            sent, self._sent = self._sent, []
+        for at, command in sent:
+            parameters = {name: values[0] for name, values in command.parameters.items()}
+            document = str(command.document_name)
+            if document.endswith("-checkpoint") and parameters.get("Kind") == "final":
+                self.job(parameters["JobId"]).final_dump_ordered = at
+                for instance_id in command.instance_ids:
+                    self._schedule(at + self.timing.dump_s, self._final_dump(instance_id, parameters))
+            elif document.endswith("-restore"):
+                self.job(parameters["JobId"]).restore_ordered = at
+                for instance_id in command.instance_ids:
+                    self._schedule(at + self.timing.restore_s, self._restore(instance_id, parameters))
+
+    def _take_backups(self) -> None:
+        """Backups spotcr launched (spotcr:mode restore) since the last look: each boots, then reports ready."""
+        now = time.time()
+        with harness._MOTO:
+            instances = [i for r in ec2_backends[ACCOUNT][REGION].reservations.values() for i in r.instances]
+            launched = [
+                (i.id, i.get_tags()) for i in instances if i.id not in self._seen_instances and i.state in LIVE_STATES
+            ]
+        for instance_id, tag_list in launched:
+            labels = {tag["key"]: tag["value"] for tag in tag_list}
+            if labels.get(tag_names.MODE) != "restore":
+                continue  # the user's own VM (its agent played by whoever started the job), or not tagged yet
+            self._seen_instances.add(instance_id)
+            job = self.job(labels[tag_names.JOB])
+            job.backup_launched = job.backup_launched or now
+            job.backups.append(instance_id)
+            ready = events.AgentReady(
+                labels[tag_names.JOB],
+                instance_id,
+                int(labels[tag_names.GENERATION]),
+                harness.now_iso(),
+                run_id=labels.get(tag_names.RUN, ""),
+                mode="restore",
+            )
+            self._schedule(now + self.timing.boot_s, self._ready(ready))
+
+    @staticmethod
+    def _ready(ready: events.AgentReady) -> Callable[[], None]:
+        def report() -> None:
+            harness.route(harness.agent_event(ready))
+
+        return report
+
+    def _final_dump(self, instance_id: str, parameters: dict[str, str]) -> Callable[[], None]:
+        def commit() -> None:
+            generation = int(parameters["Generation"])
+            checkpoint = commands.checkpoint_id(
+                int(time.time() * 1000), generation, "final", int(parameters["Sequence"])
+            )
+            harness.finish_checkpoint(
+                events.CheckpointCompleted(
+                    parameters["JobId"],
+                    instance_id,
+                    generation,
+                    harness.now_iso(),
+                    run_id=parameters["RunId"],
+                    checkpoint_id=checkpoint,
+                    kind="final",
+                    seconds=self.timing.dump_s,
+                )
+            )
+
+        return commit
+
+    def _restore(self, instance_id: str, parameters: dict[str, str]) -> Callable[[], None]:
+        def restore() -> None:
+            harness.finish_restore(
+                events.RestoreCompleted(
+                    parameters["JobId"],
+                    instance_id,
+                    int(parameters["Generation"]),
+                    harness.now_iso(),
+                    run_id=parameters["RunId"],
+                    checkpoint_id=parameters["CheckpointId"],
+                    attempt=parameters["Attempt"],
+                    seconds=self.timing.restore_s,
+                    pid=4242,
+                )
+            )
+            self.job(parameters["JobId"]).restored = time.time()
+
+        return restore

@@ -1,0 +1,198 @@
+"""A wave of spot interruptions: N jobs warned within seconds, recovered by one control plane at once.
+
+When a capacity pool runs dry, every instance in it gets its warning within seconds. `run_wave` plays that against
+a ControlPlane (tests/workflow/harness.py, the real handlers and ASL on the local AWS) whose VMs are simulated agents
+(rehearsal/simagent.py): it registers the jobs through the real register path (launch, EC2's state change, the
+agent's JobStarted), delivers every warning through EventBridge's routing within `warn_within_s`, waits for every
+workflow to end, then reads the wave's end state: recovered, failed, stuck, two live copies, leaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import boto3
+from spotcr_contracts import tags as tag_names
+from spotcr_functions.models import Status
+
+from rehearsal import leaks
+from rehearsal.localaws import REGION
+from rehearsal.localaws import throttle as rate_limits
+from rehearsal.simagent import SimulatedAgents
+from tests.workflow import harness
+
+LIVE_STATES = ("pending", "running")
+
+
+@dataclass
+class WaveResult:
+    """What the wave did: per job, when each step came after its warning (s); and its end state."""
+
+    jobs: list[str]
+    warned_over_s: float  # first warning to last
+    to_final_dump_command: dict[str, float] = field(default_factory=dict)
+    to_backup_launched: dict[str, float] = field(default_factory=dict)
+    to_running_again: dict[str, float] = field(default_factory=dict)
+    recovered: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # job -> why
+    stuck: list[str] = field(default_factory=list)  # its workflow still running when the wave's time was up
+    live_copies: dict[str, list[str]] = field(default_factory=dict)  # job -> its live instances, where more than one
+    leaks: list[str] = field(default_factory=list)
+    agent_errors: list[str] = field(default_factory=list)  # events the functions failed: a warning, an answer
+    seconds: float = 0.0  # first warning to the last workflow's end
+    throttles: dict[str, Any] = field(default_factory=dict)  # the throttle Meter's report, when limits applied
+
+    def clean(self) -> bool:
+        """Every job recovered, none failed or stuck, no job with two live copies, nothing leaked."""
+        return len(self.recovered) == len(self.jobs) and not (
+            self.failed or self.stuck or self.live_copies or self.leaks or self.agent_errors
+        )
+
+
+def spread(values: dict[str, float]) -> dict[str, float]:
+    """p50, p99 and max of a figure over the jobs (p99 by the inclusive method: never beyond the max)."""
+    if not values:
+        return {}
+    ordered = sorted(values.values())
+    p99 = statistics.quantiles(ordered, n=100, method="inclusive")[98] if len(ordered) > 1 else ordered[0]
+    return {"p50": statistics.median(ordered), "p99": p99, "max": ordered[-1]}
+
+
+def register(plane: harness.ControlPlane, count: int, prefix: str = "wave") -> dict[str, str]:
+    """`count` running jobs, registered as `spotcr submit` does; job id -> its instance."""
+    if count < 1:
+        raise ValueError(f"a wave needs at least one job, not {count}")
+    return {f"{prefix}-{n:03d}": plane.start_job(f"{prefix}-{n:03d}") for n in range(count)}
+
+
+def run_wave(
+    plane: harness.ControlPlane,
+    agents: SimulatedAgents,
+    instances: dict[str, str],
+    *,
+    warn_within_s: float = 5.0,
+    timeout_s: float = 300.0,
+    limits: rate_limits.Limits | None = None,
+    progress: Callable[[str], None] = lambda _line: None,
+) -> WaveResult:
+    """Warn every job's instance within `warn_within_s` (evenly spread; each delivered on time, as EventBridge
+    delivers to Lambda, which runs them side by side up to its concurrency: the throttle's, when `limits` set it),
+    then wait up to `timeout_s` for every workflow to end.
+    With `limits`, AWS's rate limits apply from the first warning until every workflow ended (not to the reads of
+    the end state after)."""
+    warned: dict[str, float] = {}
+
+    refused: list[str] = []
+
+    def warn(job_id: str, at: float) -> None:
+        time.sleep(max(0.0, at - time.time()))
+        warned[job_id] = time.time()
+        try:
+            harness.route(harness.ec2_event("spot-interruption-warning", instances[job_id]))
+        except Exception as error:  # the handler failed the warning: the wave reports it (Lambda would retry)
+            refused.append(f"{job_id}: the interruption handler failed: {type(error).__name__}: {error}")
+
+    before = find_leaks()
+    with contextlib.ExitStack() as throttled:
+        meter = rate_limits.install(throttled, limits) if limits else None
+        start = time.time()
+        step = warn_within_s / max(1, len(instances) - 1)
+        with ThreadPoolExecutor(len(instances), thread_name_prefix="eventbridge") as pool:
+            for delivered in [pool.submit(warn, job, start + n * step) for n, job in enumerate(instances)]:
+                delivered.result()
+        result = WaveResult(jobs=list(instances), warned_over_s=max(warned.values()) - min(warned.values()))
+        progress(f"{len(warned)} warnings delivered over {result.warned_over_s:.1f} s")
+        executions = _wait_for_workflows(plane, len(instances), start + timeout_s, progress)
+        result.seconds = time.time() - start
+    result.throttles = meter.report() if meter else {}
+    for job_id, primary in instances.items():
+        times = agents.job(job_id)
+        if times.final_dump_ordered is not None:
+            result.to_final_dump_command[job_id] = times.final_dump_ordered - warned[job_id]
+        if times.backup_launched is not None:
+            result.to_backup_launched[job_id] = times.backup_launched - warned[job_id]
+        stopped = _end_state(plane, result, job_id, primary, executions.get(job_id))
+        if stopped is not None:
+            result.to_running_again[job_id] = stopped - warned[job_id]
+    result.leaks = _leaks(plane, instances, before)
+    result.agent_errors = refused + agents.errors
+    return result
+
+
+def _wait_for_workflows(
+    plane: harness.ControlPlane, count: int, deadline: float, progress: Callable[[str], None]
+) -> dict[str, dict[str, Any]]:
+    """job id -> its recovery workflow's execution, once all `count` have ended or the deadline passed."""
+    paginator = plane.sfn.get_paginator("list_executions")
+    while True:
+        listed = [e for page in paginator.paginate(stateMachineArn=plane.state_machine_arn) for e in page["executions"]]
+        running = sum(e["status"] == "RUNNING" for e in listed)
+        if (len(listed) >= count and not running) or time.time() > deadline:
+            break
+        progress(f"{len(listed)} workflows, {running} running")
+        time.sleep(1.0)
+    described = [plane.sfn.describe_execution(executionArn=e["executionArn"]) for e in listed]
+    return {json.loads(e["input"])["job_id"]: dict(e) for e in described}
+
+
+def _end_state(
+    plane: harness.ControlPlane,
+    result: WaveResult,
+    job_id: str,
+    primary: str,
+    execution: dict[str, Any] | None,
+) -> float | None:
+    """Sorts the job into recovered, failed or stuck; returns when it ran again (its workflow's end), if it did."""
+    record = plane.job(job_id)
+    live = _live_instances(plane, job_id)
+    if len(live) > 1:
+        result.live_copies[job_id] = live
+    if execution is None:
+        result.failed[job_id] = f"no recovery workflow started; the job is {record.status}"
+    elif execution["status"] == "RUNNING":
+        result.stuck.append(job_id)
+    elif execution["status"] != "SUCCEEDED":
+        why = f"{execution.get('error', '')} {execution.get('cause', '')}; the job's reason: {record.reason}"
+        result.failed[job_id] = f"workflow {execution['status']}: {why}"
+    elif record.status != Status.RUNNING or record.instance_id == primary or live != [record.instance_id]:
+        where = f"{record.status} on {record.instance_id}, live: {live}"
+        result.failed[job_id] = f"workflow succeeded, but the job is {where}"
+    else:
+        result.recovered.append(job_id)
+        return float(execution["stopDate"].timestamp())
+    return None
+
+
+def _live_instances(plane: harness.ControlPlane, job_id: str) -> list[str]:
+    filters = [
+        {"Name": f"tag:{tag_names.JOB}", "Values": [job_id]},
+        {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+    ]
+    reservations = plane.ec2.describe_instances(Filters=filters)["Reservations"]
+    return sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
+
+
+def find_leaks() -> list[leaks.Leak]:
+    return leaks.find_leaks(lambda service: boto3.client(service, region_name=REGION))
+
+
+def _leaks(plane: harness.ControlPlane, instances: dict[str, str], before: list[leaks.Leak]) -> list[str]:
+    """What leaks.find_leaks names that was not there before the wave, less what the running jobs hold: their
+    instance, its volumes, their access point."""
+    held = {leak.resource_id for leak in before}
+    for job_id in instances:
+        record = plane.job(job_id)
+        if record.status == Status.RUNNING:
+            held.add(record.instance_id)
+            if record.access_point_arn:
+                held.add(record.access_point_arn.rsplit("/", 1)[-1])
+    attached = [{"Name": "attachment.instance-id", "Values": sorted(held)}]
+    held |= {v["VolumeId"] for v in plane.ec2.describe_volumes(Filters=attached)["Volumes"]}
+    return [str(leak) for leak in find_leaks() if leak.resource_id not in held]
