@@ -115,10 +115,11 @@ REQUEST_PRICE: Mapping[str, RequestPrice] = {
     ),
     "fsx": RequestPrice(0.0, 0.0, 0.0, 0.0, "FSx for Lustre: throughput is included in the GB-month price"),
 }
-# S3 objects per GiB of new checkpoint data (PUTs to write it, GETs to read it back): the store writes one object
-# per chunk, about 1.25 MiB each. Measured in issue 23: 256 MiB of new data (half random, half repetitive)
-# committed through CheckpointStore.for_directory, about 800 requests per GiB. Update from `make bench`.
-S3_OBJECTS_PER_GIB = Source(800.0, "one object per ~1.25 MiB chunk, measured in issue 23")
+# S3 requests per GiB of new checkpoint data, counted at the endpoint by `make bench` (bench/results/store.md): the
+# store packs chunks into 32 MiB objects, so a full 2 GiB final dump wrote 35 objects (17.5 PUTs per GiB); its
+# restore read them back in ranged GETs of at most 8 MiB, 160 for 2 GiB (80 per GiB). Update from `make bench`.
+S3_PUTS_PER_GIB = Source(17.5, "32 MiB packs: 35 objects for 2 GiB, counted at the endpoint (bench/results/store.md)")
+S3_GETS_PER_GIB = Source(80.0, "ranged reads of at most 8 MiB: 160 for 2 GiB (bench/results/store.md)")
 # Retention: the agent keeps its newest keep_checkpoints, and any older one whose successor is younger than the
 # store's grace (a restore may still read it).
 KEEP_CHECKPOINTS = AgentConfig.keep_checkpoints
@@ -417,11 +418,11 @@ def checkpoint_costs(job: JobPlanInput, storage: str, interval_s: float, run_hou
     billed_gib = max(stored_gib, PROVISIONED_GIB[storage].value) if storage in PROVISIONED_GIB else stored_gib
     price = job.storage_price[storage]
     request = REQUEST_PRICE[storage]
-    objects_per_gib = S3_OBJECTS_PER_GIB.value if storage == "s3" else 0.0
+    puts_per_gib, gets_per_gib = (S3_PUTS_PER_GIB.value, S3_GETS_PER_GIB.value) if storage == "s3" else (0.0, 0.0)
 
     def requests_cost(written_gib: float, read_gib: float) -> float:
-        return written_gib * (objects_per_gib * request.put_per_1000 / 1000.0 + request.write_per_gb) + read_gib * (
-            objects_per_gib * request.get_per_1000 / 1000.0 + request.read_per_gb
+        return written_gib * (puts_per_gib * request.put_per_1000 / 1000.0 + request.write_per_gb) + read_gib * (
+            gets_per_gib * request.get_per_1000 / 1000.0 + request.read_per_gb
         )
 
     written_run = memory + new_gib * run_hours * 3600.0 / interval_s
@@ -445,16 +446,16 @@ def checkpoint_costs(job: JobPlanInput, storage: str, interval_s: float, run_hou
         "per_day": {
             "written_gib": written_day,
             "read_gib": read_day,
-            "puts": written_day * objects_per_gib,
-            "gets": read_day * objects_per_gib,
+            "puts": written_day * puts_per_gib,
+            "gets": read_day * gets_per_gib,
             "requests_cost": requests_cost(written_day, read_day),
             "storage_cost": billed_gib * price.value * 24.0 / HOURS_PER_MONTH,
         },
         "requests_cost": requests_cost(written_run, read_run),
         "storage_cost": billed_gib * price.value * run_hours / HOURS_PER_MONTH,
     }
-    if objects_per_gib:
-        result["objects_per_gib"] = asdict(S3_OBJECTS_PER_GIB)
+    if storage == "s3":
+        result["requests_per_gib"] = {"puts": asdict(S3_PUTS_PER_GIB), "gets": asdict(S3_GETS_PER_GIB)}
     if storage in PROVISIONED_GIB:
         result["kept"]["provisioned_gib"] = PROVISIONED_GIB[storage].value
     return result

@@ -298,7 +298,7 @@ def _job_table(result: Mapping[str, Any]) -> str:
                 p["storage"],
                 f"{p['new_gib_per_checkpoint']['value']:.2f} GiB",
                 f"{day['written_gib']:,.1f} GiB",
-                f"{day['puts']:,.0f} PUT, {day['gets']:,.0f} GET" if "objects_per_gib" in p else "-",
+                f"{day['puts']:,.0f} PUT, {day['gets']:,.0f} GET" if "requests_per_gib" in p else "-",
                 f"{kept['checkpoints']}: {kept['gib']:,.1f} GiB"
                 + (f" + {kept['noncurrent_gib']:,.0f} GiB deleted" if kept["noncurrent_gib"] else "")
                 + (
@@ -322,11 +322,10 @@ def _job_table(result: Mapping[str, Any]) -> str:
     prices = ["prices beside the VM:"]
     for p in result["storages"]:
         prices.append(f"  {p['storage']}: {p['request_price']['source']}")
-        if "objects_per_gib" in p:
-            prices.append(
-                f"  {p['storage']}: {p['objects_per_gib']['value']:g} objects per GiB of new data "
-                f"({p['objects_per_gib']['source']})"
-            )
+        if "requests_per_gib" in p:
+            puts, gets = p["requests_per_gib"]["puts"], p["requests_per_gib"]["gets"]
+            prices.append(f"  {p['storage']}: {puts['value']:g} PUTs per GiB written ({puts['source']})")
+            prices.append(f"  {p['storage']}: {gets['value']:g} GETs per GiB restored ({gets['source']})")
     return "\n".join(
         [
             head,

@@ -240,8 +240,9 @@ BIG = [
 
 
 def test_s3_requests_and_storage_per_day_count_every_chunk_and_every_version_kept(capsys):
-    """288 checkpoints a day of 3.2 GiB each: 921.6 GiB written, 800 objects per GiB: 737,280 PUTs = $3.6864;
-    one restore of 64 GiB per interruption: 64 * 24 * 0.001 = 1.536 GiB read a day, 1,228.8 GETs = $0.00049152.
+    """288 checkpoints a day of 3.2 GiB each: 921.6 GiB written, 17.5 PUTs per GiB: 16,128 PUTs = $0.08064;
+    one restore of 64 GiB per interruption: 64 * 24 * 0.001 = 1.536 GiB read a day, 80 GETs per GiB: 122.88 GETs =
+    $0.000049152.
 
     Kept: 13 checkpoints (the store's one-hour grace over 5-minute intervals, more than keep_checkpoints' 3):
     64 + 12 * 3.2 = 102.4 GiB, plus 1 day of deleted versions, 921.6 GiB: 1,024 GiB at
@@ -252,9 +253,9 @@ def test_s3_requests_and_storage_per_day_count_every_chunk_and_every_version_kep
 
     assert s3["new_gib_per_checkpoint"] == {"value": pytest.approx(3.2), "source": "given"}
     assert day["written_gib"] == pytest.approx(921.6)
-    assert day["puts"] == pytest.approx(737_280)
-    assert day["gets"] == pytest.approx(1228.8)
-    assert day["requests_cost"] == pytest.approx(3.68689152)
+    assert day["puts"] == pytest.approx(16_128)
+    assert day["gets"] == pytest.approx(122.88)
+    assert day["requests_cost"] == pytest.approx(0.080689152)
     assert s3["kept"]["checkpoints"] == 13
     assert s3["kept"]["gib"] == pytest.approx(102.4)
     assert s3["kept"]["noncurrent_gib"] == pytest.approx(921.6)
@@ -269,7 +270,7 @@ def test_a_run_pays_for_its_first_full_image_then_the_rewritten_data_and_a_resto
     hours = s3["run_hours"]
     written, read = 64 + 3.2 * hours * 12, 64 * hours * 0.001
 
-    assert s3["requests_cost"] == pytest.approx(written * 800 * 0.005 / 1000 + read * 800 * 0.0004 / 1000)
+    assert s3["requests_cost"] == pytest.approx(written * 17.5 * 0.005 / 1000 + read * 80 * 0.0004 / 1000)
     assert s3["storage_cost"] == pytest.approx(1024 * 0.023 * hours / 730)
 
 
@@ -330,7 +331,7 @@ def test_the_table_shows_requests_and_storage_per_day_beside_the_vm(capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
 
-    assert "per day" in out and "737,280 PUT" in out and "922 GiB deleted" in out and "$19.20" in out
+    assert "per day" in out and "16,128 PUT" in out and "922 GiB deleted" in out and "$19.20" in out
     assert "> 100 provisioned" in out  # the EBS volume is too small for what the retention keeps
     assert "aws.amazon.com/s3/pricing" in out
 
