@@ -124,10 +124,10 @@ class _Session:
     def __init__(self, cloud: Cloud) -> None:
         self._cloud = cloud
 
-    def resource(self, service: str) -> Any:
+    def resource(self, service: str, **options: Any) -> Any:
         import boto3
 
-        return boto3.resource(service, region_name=self._cloud.region, endpoint_url=self._cloud.endpoint_url)
+        return boto3.resource(service, region_name=self._cloud.region, endpoint_url=self._cloud.endpoint_url, **options)
 
 
 def cancel(cloud: Cloud, job_id: str, *, delete_checkpoints: bool, say: Say) -> dict[str, Any]:
