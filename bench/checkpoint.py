@@ -84,12 +84,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def criu_unusable(benchmark: str) -> bool:
+    """True, having said why, where this benchmark cannot run CRIU (it needs root); else checks `criu check`."""
+    if os.geteuid() != 0:
+        print(f"bench {benchmark}: CRIU needs root", file=sys.stderr)
+        return True
+    subprocess.run([CRIU, "check"], check=True, capture_output=True)
+    return False
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench checkpoint: CRIU needs root", file=sys.stderr)
+    if criu_unusable("checkpoint"):
         return 2
-    subprocess.run([CRIU, "check"], check=True, capture_output=True)
     if not args.skip_s3fs:
         ensure_s3fs()
     print(f"spotcr checkpoint benchmark: sizes {args.sizes} GiB, {args.dirty:.0%} dirtied before (c)")

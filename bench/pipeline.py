@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoint import CRIU, checkpointer, dirty, memory_job, moto_server
+from bench.checkpoint import CRIU, checkpointer, criu_unusable, dirty, memory_job, moto_server
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -64,10 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench pipeline: CRIU needs root", file=sys.stderr)
+    if criu_unusable("pipeline"):
         return 2
-    subprocess.run([CRIU, "check"], check=True, capture_output=True)
     machine = describe_machine()
     print(f"spotcr pipeline benchmark: sizes {args.sizes} GiB, cores {args.cores}, stores {args.stores}")
     print(f"machine: {machine['cpus']} cores ({machine['cpu']}), load average {machine['load_before']}")

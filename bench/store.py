@@ -22,14 +22,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoint import CRIU, checkpointer, dirty, memory_job
+from bench.checkpoint import CRIU, checkpointer, criu_unusable, dirty, memory_job
 from bench.pipeline import BUCKET, GiB, MiB, describe_machine, figures, floor, make_store, s3_server
 from bench.s3count import Request, Tally, counting_proxy
 
@@ -57,10 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench store: CRIU needs root", file=sys.stderr)
+    if criu_unusable("store"):
         return 2
-    subprocess.run([CRIU, "check"], check=True, capture_output=True)
     machine = describe_machine()
     source = store_source()
     print(f"spotcr store benchmark (issue 23's targets): {args.gib:g} GiB jobs, {args.dirty:.0%} rewritten")
