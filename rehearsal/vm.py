@@ -3,8 +3,9 @@
 Each VM sees its own `/var/lib/spotcr`, `/etc/spotcr`, `/opt/spotcr` and `/dev/disk/by-id` at the
 same paths as every other VM (CRIU restores need identical paths), its own empty `/tmp`, `/var/tmp`
 and `/dev/shm` (tmpfs in its private mount namespace), its own `/proc`, and its own network
-namespace with its own private address on a per-run bridge (`VmNetwork`): a backup never has its
-primary's address. The local cloud and the VM's IMDS listen on the bridge's host address; inside
+namespace with its own private address on a per-run bridge (`VmNetwork`): a backup has another address than
+its primary's, unless it takes over a gone VM's address (`address=`, a node of a multi-node job: see
+docs/design/multinode.md). The local cloud and the VM's IMDS listen on the bridge's host address; inside
 the VM the IMDS answers at 169.254.169.254, as on EC2. Everything else is the host's read-only
 system, standing in for the AMI. Killing the namespace's PID 1 ends every process of the VM (and
 its network namespace), as a terminated instance does.
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+from spotcr_agent import nodes
 from spotcr_agent.mounts import unescape
 
 from rehearsal import vm_init
@@ -129,6 +131,7 @@ class VmNetwork:
         self.gateway = str(subnet.network_address + 1)
         self.mac = "02:5c:" + ":".join(f"{b:02x}" for b in subnet.network_address.packed)  # locally administered
         self._next_host = 2
+        self._held: dict[str, str] = {}  # address -> the host end of the link of the VM that holds it
         self.closed = False
 
     @classmethod
@@ -169,20 +172,34 @@ class VmNetwork:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def attach(self, pid: int, imds_port: int) -> tuple[str, str]:
+    def attach(self, pid: int, imds_port: int, takeover: str = "") -> tuple[str, str]:
         """Give the network namespace of `pid` an address here, and 169.254.169.254:80 forwarded to its IMDS.
 
-        Returns the address and the name of the link's host end (a port of the bridge).
+        takeover: a gone VM's address to take over (as a secondary private IP or a network interface moved to a
+        backup in the same subnet on EC2), refused while a live VM holds it; the address comes locked against
+        TCP from the other VMs (spotcr_agent.nodes) until the job's restore unlocks it. Returns the address and the
+        name of the link's host end (a port of the bridge).
         """
         if self.closed:
             raise VmError(f"VM network {self.bridge} is closed")
-        if self._next_host > 254:
+        if takeover:
+            address = self._free_for_takeover(takeover)
+        elif self._next_host > 254:
             raise VmError(f"VM network {self.bridge} is full")
-        address = str(self.subnet.network_address + self._next_host)
-        self._next_host += 1
+        else:
+            address = str(self.subnet.network_address + self._next_host)
+            self._next_host += 1
         host_end = f"{_LINK_PREFIX}{os.getpid():x}v{next(_veths):x}"
-        _ip("link", "add", host_end, "type", "veth", "peer", "name", VM_INTERFACE, "netns", str(pid))
+        # A MAC of the address's own, as a moved network interface keeps its MAC: the other VMs' ARP entries for
+        # the address stay right when a backup takes it over.
+        mac = "02:5d:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(address).packed)
+        vm_end = ["peer", "name", VM_INTERFACE, "address", mac, "netns", str(pid)]
+        _ip("link", "add", host_end, "type", "veth", *vm_end)
         _ip("link", "set", host_end, "master", self.bridge, "up")
+        self._held[address] = host_end
+        if takeover:
+            for rule in nodes.lock_rules(address, str(self.subnet), unlocked=self.gateway):
+                _iptables(pid, rule)
         for args in (
             ["link", "set", "lo", "up"],
             ["addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", VM_INTERFACE],
@@ -193,17 +210,44 @@ class VmNetwork:
         # The IMDS of this VM answers at its EC2 address: a DNAT in the VM's own namespace, nothing on the host.
         nat = ["-t", "nat", "-A", "OUTPUT", "-d", IMDS_ADDRESS, "-p", "tcp", "--dport", "80"]
         nat += ["-j", "DNAT", "--to-destination", f"{self.gateway}:{imds_port}"]
-        result = subprocess.run(
-            ["nsenter", "-t", str(pid), "-n", "iptables", *nat], capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0:
-            raise VmError(f"cannot forward the IMDS address in the VM: {result.stderr.strip()}")
+        _iptables(pid, nat)
         return address, host_end
+
+    def _free_for_takeover(self, address: str) -> str:
+        if ipaddress.IPv4Address(address) not in self.subnet or address == self.gateway:
+            raise VmError(f"cannot take over {address}: not a VM address of {self.subnet}")
+        if address in self._held:
+            raise VmError(f"cannot take over {address}: a live VM holds it (its link {self._held[address]})")
+        return address
+
+    def release(self, address: str) -> None:
+        """The VM that held `address` is gone: wait until its network namespace is (its link leaves the bridge with
+        it), so that a VM taking the address over is never a second live holder."""
+        host_end = self._held.get(address)
+        if host_end is None:
+            return
+        deadline = time.monotonic() + 10
+        while _link_exists(host_end):
+            if time.monotonic() > deadline:
+                raise VmError(f"{address}: the network of the VM that held it is still up after 10 s ({host_end})")
+            time.sleep(0.01)
+        del self._held[address]
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, check=False)
+
+
+def _iptables(pid: int, rule: list[str]) -> None:
+    argv = ["nsenter", "-t", str(pid), "-n", "iptables", "-w", *rule]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise VmError(f"`{' '.join(argv)}` failed in the VM's network: {result.stderr.strip()}")
+
+
+def _link_exists(name: str) -> bool:
+    return subprocess.run(["ip", "link", "show", name], capture_output=True, check=False).returncode == 0
 
 
 class LocalVM:
@@ -223,11 +267,13 @@ class LocalVM:
         shared_storage: Path | None = None,
         boot_commands: list[list[str]] | None = None,
         agent_command: list[str] | None = None,
+        takeover: str = "",
     ) -> None:
         self.instance_id = instance_id
         self.instance_type = instance_type
         self.root = root / instance_id
         self.network = network
+        self.takeover = takeover  # a gone VM's address this one boots with (VmNetwork.attach)
         self.address = ""  # the VM's private address, known once it has booted
         self.host_interface = ""  # the host end of its link to the network's bridge
         self.imds = Imds(instance_id, instance_type, availability_zone, user_data, tags, host=network.gateway)
@@ -319,7 +365,7 @@ class LocalVM:
             if self._process.poll() is not None or time.monotonic() > deadline:
                 raise VmError(f"{self.instance_id}: VM did not come up, see {self.log_path}")
             time.sleep(0.01)
-        self.address, self.host_interface = self.network.attach(self.init_pid, self.imds.port)
+        self.address, self.host_interface = self.network.attach(self.init_pid, self.imds.port, self.takeover)
         self.imds.local_ipv4 = self.address
         # vm_init starts the boot commands only now, as cloud-init runs once the network is up.
         go = self.root / "go.new"
@@ -380,6 +426,8 @@ class LocalVM:
                 os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(timeout=5)
         self.imds.stop()
+        if self.address:
+            self.network.release(self.address)
         self._release_state()
 
     def _release_state(self) -> None:
@@ -411,11 +459,13 @@ def bare_vm(
     cloud_env: Mapping[str, str] | None = None,
     tags: Mapping[str, str] | None = None,
     shared_storage: Path | None = None,
+    takeover: str = "",
 ) -> Iterator[LocalVM]:
     """A booted bare VM outside the local cloud, terminated and its files removed on exit.
 
     `boot_commands` run in order as the VM's boot (default `sleep infinity`: the VM idles until the
-    test runs commands in it with `vm.run`). `root` holds the VM's private directories.
+    test runs commands in it with `vm.run`). `root` holds the VM's private directories. `takeover`: the
+    address of a terminated VM that this one boots with (VmNetwork.attach).
     """
     vm = LocalVM(
         instance_id=instance_id or f"i-bare{os.getpid():x}{next(_veths):x}",
@@ -428,6 +478,7 @@ def bare_vm(
         network=network,
         shared_storage=shared_storage,
         boot_commands=boot_commands or [["sleep", "infinity"]],
+        takeover=takeover,
     )
     prepare_host()
     try:
