@@ -117,8 +117,8 @@ def main(op, *args):
         return {"pid": agent.start_job()}
     if op == "checkpoint":
         return agent.checkpoint(args[0], int(args[1])).to_json()
-    if op == "restore":
-        return agent.restore(int(args[0])).to_json()
+    if op == "restore":  # restore GENERATION [CHECKPOINT_ID]
+        return agent.restore(int(args[0]), *args[1:2]).to_json()
     if op == "wait-exit":
         deadline = time.monotonic() + float(args[0])
         while time.monotonic() < deadline:

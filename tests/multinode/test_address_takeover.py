@@ -1,28 +1,15 @@
 """A backup takes over an interrupted node's private address, and the node's TCP connection to the other node
 carries on across its final dump and restore (real CRIU, bare local VMs on one bridge)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from rehearsal.vm import VmError
 from tests.agent.vm_agent import JobVM
 from tests.support import wait_for
 
+from .support import IN_VM, PORT, dial, expected_progress, serve, unlock
+
 pytestmark = pytest.mark.criu
-
-PINGPONG = str(Path(__file__).parent / "jobs" / "pingpong.py")
-PORT = 7100
-IN_VM = [sys.executable, "-c"]
-
-
-def expected_progress(steps):
-    total, lines = 1, []
-    for step in range(steps):
-        total = (total * 1000003 + step) % (1 << 61)
-        lines.append(f"step {step} {total}")
-    return lines
 
 
 def connect(vm, address, port):
@@ -52,8 +39,7 @@ def test_a_takeover_waits_for_the_old_vm_and_comes_up_locked_until_the_restore(b
     # Then TCP from the peer to it is dropped (no reset for connections it has no socket for yet)
     assert connect(peer, address, PORT) == "timeout"
     # Until the job's restore unlocks the address
-    unlocked = backup.run([*IN_VM, "from spotcr_agent import nodes; nodes.unlock()"])
-    assert unlocked.returncode == 0, unlocked.stderr
+    unlock(backup)
     assert connect(peer, address, PORT) == "refused"
     # And an address outside the bridge's subnet is refused
     with pytest.raises(VmError, match="not a VM address"):
@@ -67,10 +53,10 @@ def test_a_node_restored_on_a_backup_with_its_address_keeps_its_connection_to_th
     storage.mkdir()
     steps = 60
     # Given node 0 serving and node 1 dialing it over one TCP connection, each run by its agent on its own VM
-    node0 = JobVM(bare_vm(), command=(sys.executable, PINGPONG, "serve", str(PORT), str(steps), "0.1"))
+    node0 = JobVM(bare_vm(), command=serve(steps))
     node0.agent("start")
     node1_vm = bare_vm(shared_storage=storage)
-    node1 = JobVM(node1_vm, command=(sys.executable, PINGPONG, "dial", node0.vm.address, str(PORT), str(steps), "0.1"))
+    node1 = JobVM(node1_vm, command=dial(node0.vm.address, steps))
     node1.agent("start")
     wait_for(lambda: len(node1.progress()) >= 5, what="node 1's progress")
 
@@ -80,8 +66,7 @@ def test_a_node_restored_on_a_backup_with_its_address_keeps_its_connection_to_th
     node1_vm.terminate()
     backup = JobVM(bare_vm(shared_storage=storage, takeover=address), generation=2, mode="restore")
     restored = backup.agent("restore", "2")
-    unlocked = backup.vm.run([*IN_VM, "from spotcr_agent import nodes; nodes.unlock()"])
-    assert unlocked.returncode == 0, unlocked.stderr
+    unlock(backup.vm)
 
     # Then the restored node carries on over the same connection and both nodes end as an uninterrupted run
     assert restored["checkpoint_id"] == outcome["checkpoint_id"]

@@ -1,4 +1,5 @@
-"""A node of a multi-node job: the lock on TCP between the job's nodes (docs/design/multinode.md).
+"""A node of a multi-node job: the lock on TCP between the job's nodes, and the coordinated checkpoint
+(docs/design/multinode.md).
 
 The lock drops TCP from the job's other nodes to this node's address. It serves twice:
 - A backup that takes over an interrupted node's private address boots locked: it must not answer the other
@@ -11,9 +12,24 @@ The lock drops TCP from the job's other nodes to this node's address. It serves 
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from spotcr_contracts.commands import checkpoint_id
+from spotcr_contracts.layout import run_prefix
+from spotcr_contracts.results import KINDS
+
+log = logging.getLogger(__name__)
 
 LOCK_CHAIN = "SPOTCR-NODE-LOCK"
+JOB_MANIFESTS = "nodes"  # <run prefix>nodes/<checkpoint id>.json: one per coordinated checkpoint
 
 
 class NodeError(RuntimeError):
@@ -55,3 +71,138 @@ def _run(iptables: str, rules: list[list[str]]) -> None:
         result = subprocess.run([iptables, "-w", *rule], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise NodeError(f"`{iptables} {' '.join(rule)}` failed: {result.stderr.strip()}")
+
+
+class Node(Protocol):
+    """One node's agent as the coordinator drives it (over the agents' port on EC2, `vm.run` in the rehearsal)."""
+
+    index: int
+    address: str
+
+    def lock(self) -> None:
+        """Lock TCP from the job's other nodes to this node's address."""
+
+    def dump(self, kind: str) -> str:
+        """Dump and commit this node's share (a periodic dump leaves it running); returns its checkpoint id."""
+
+    def unlock(self) -> None:
+        """Lift the lock."""
+
+
+class CheckpointFailed(RuntimeError):
+    """A node failed its step: the checkpoint fails on every node. `index` names the node, `step` the step."""
+
+    def __init__(self, index: int, step: str, reason: str) -> None:
+        super().__init__(f"node {index} failed to {step}: {reason}")
+        self.index = index
+        self.step = step
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class NodePart:
+    """One node's share of a coordinated checkpoint: the checkpoint its own store committed."""
+
+    index: int
+    address: str
+    checkpoint_id: str
+
+
+@dataclass(frozen=True)
+class JobManifest:
+    """A coordinated checkpoint of a job of N nodes; it exists once this is written, after every node's part."""
+
+    job_id: str
+    run_id: str
+    checkpoint_id: str
+    nodes: tuple[NodePart, ...]
+
+    def __post_init__(self) -> None:
+        indexes = [part.index for part in self.nodes]
+        if indexes != list(range(len(indexes))) or len(indexes) < 2:
+            raise ValueError(f"a job manifest names nodes 0..N-1 in order, N >= 2; got {indexes}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> JobManifest:
+        try:
+            parts = tuple(NodePart(**part) for part in value["nodes"])
+            return cls(value["job_id"], value["run_id"], value["checkpoint_id"], parts)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a job manifest: {error}") from error
+
+    def path(self, root: Path) -> Path:
+        return manifest_path(root, self.job_id, self.run_id, self.checkpoint_id)
+
+    def write(self, root: Path) -> None:
+        """Write it whole or not at all, under the run's prefix on the job's shared storage (node 0's for EBS)."""
+        path = self.path(root)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(self.to_json()))
+        partial.rename(path)
+
+
+def manifest_path(root: Path, job_id: str, run_id: str, checkpoint: str) -> Path:
+    return root / run_prefix(job_id, run_id) / JOB_MANIFESTS / f"{checkpoint}.json"
+
+
+def read_manifest(root: Path, job_id: str, run_id: str, checkpoint: str) -> JobManifest:
+    return JobManifest.from_json(json.loads(manifest_path(root, job_id, run_id, checkpoint).read_text()))
+
+
+def coordinated_checkpoint(
+    nodes: Sequence[Node],
+    *,
+    job_id: str,
+    run_id: str,
+    generation: int,
+    sequence: int,
+    kind: str,
+    commit: Callable[[JobManifest], None],
+    clock: Callable[[], float] = time.time,
+) -> JobManifest:
+    """Lock every node, then dump every node, then commit one job manifest naming every node's part.
+
+    No node dumps before every node is locked, and none is unlocked before every node has dumped (a final dump
+    leaves them locked for the restore): while sockets are dumped node after node no segment crosses between
+    nodes, so every pair of socket images agrees. A node that fails fails the checkpoint on all: no manifest is
+    committed, a periodic dump unlocks every node and the job runs on; raises CheckpointFailed naming the node.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    manifest_id = checkpoint_id(int(clock() * 1000), generation, kind, sequence)
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        try:
+            _on_every_node(pool, nodes, "lock", lambda node: node.lock())
+            parts = _on_every_node(pool, nodes, "dump", lambda node: node.dump(kind))
+        except CheckpointFailed as failed:
+            log.error("coordinated %s checkpoint %s failed: %s", kind, manifest_id, failed)
+            if kind == "periodic":
+                _on_every_node(pool, nodes, "unlock", lambda node: node.unlock())
+            raise
+        if kind == "periodic":
+            _on_every_node(pool, nodes, "unlock", lambda node: node.unlock())
+    parts_of = tuple(NodePart(node.index, node.address, part) for node, part in zip(nodes, parts, strict=True))
+    manifest = JobManifest(job_id, run_id, manifest_id, parts_of)
+    commit(manifest)
+    return manifest
+
+
+def _on_every_node(
+    pool: ThreadPoolExecutor, nodes: Sequence[Node], step: str, action: Callable[[Node], Any]
+) -> list[Any]:
+    """Run one step on every node at once; the first node (by index) that failed is raised once all are done."""
+    futures = [pool.submit(action, node) for node in nodes]
+    results = []
+    for node, future in zip(nodes, futures, strict=True):
+        try:
+            results.append(future.result())
+        except Exception as error:  # any node's failure, whatever it is, fails the step on all
+            failed = CheckpointFailed(node.index, step, str(error) or type(error).__name__)
+            for other in futures:
+                other.exception()  # every node has finished the step before anything else happens
+            raise failed from error
+    return results

@@ -1,0 +1,103 @@
+"""A coordinated checkpoint of a two-node job over TCP between bare local VMs, with the real CRIU and agents:
+one job manifest naming both nodes' parts, restorable on backups that take over both addresses; a node whose
+dump fails fails it on both, and the job runs on."""
+
+import threading
+import time
+
+import pytest
+from spotcr_agent.nodes import CheckpointFailed, JobManifest, coordinated_checkpoint, read_manifest
+
+from tests.agent.vm_agent import RUN_ID, JobVM
+from tests.support import wait_for
+
+from .support import AgentNode, dial, expected_progress, serve, unlock
+
+pytestmark = pytest.mark.criu
+
+
+def start_two_nodes(bare_vm, volumes, steps):
+    """Node 0 serves, node 1 dials it; each runs under its agent on its own VM, with its own volume (as EBS)."""
+    node0 = JobVM(bare_vm(shared_storage=volumes[0]), command=serve(steps))
+    node0.agent("start")
+    node1 = JobVM(bare_vm(shared_storage=volumes[1]), command=dial(node0.vm.address, steps))
+    node1.agent("start")
+    wait_for(lambda: len(node1.progress()) >= 5, what="node 1's progress")
+    return [AgentNode(0, node0), AgentNode(1, node1)]
+
+
+def dumps_apart(job_nodes):
+    """Node 1 dumps only once node 0 has dumped and 0.5 s more have passed: 5 steps of the job, had the lock not
+    stopped every segment between the nodes meanwhile (as a node with more memory to dump would be later)."""
+    dumped = threading.Event()
+    job_nodes[0].after_dump = dumped.set
+
+    def later():
+        assert dumped.wait(120), "node 0 did not dump"
+        time.sleep(0.5)
+
+    job_nodes[1].before_dump = later
+    return job_nodes
+
+
+def volumes_of(tmp_path):
+    volumes = [tmp_path / "node-0", tmp_path / "node-1"]
+    for volume in volumes:
+        volume.mkdir()
+    return volumes
+
+
+def coordinate(job_nodes, commit):
+    return coordinated_checkpoint(
+        job_nodes, job_id="job-1", run_id=RUN_ID, generation=1, sequence=1, kind="periodic", commit=commit
+    )
+
+
+def test_a_coordinated_checkpoint_restores_both_nodes_on_backups_with_their_addresses(bare_vm, tmp_path, criu_bin):
+    volumes = volumes_of(tmp_path)
+    steps = 100
+    # Given a two-node job talking over one TCP connection
+    job_nodes = start_two_nodes(bare_vm, volumes, steps)
+
+    # When a coordinated periodic checkpoint is taken, the job on both nodes runs on past it
+    manifest = coordinate(dumps_apart(job_nodes), commit=lambda manifest: manifest.write(volumes[0]))
+    assert not any(node.locked() for node in job_nodes)
+    at_checkpoint = len(job_nodes[1].job.progress())
+    wait_for(lambda: len(job_nodes[1].job.progress()) >= at_checkpoint + 5, what="progress after the checkpoint")
+    # And both nodes are lost; a backup for each takes over its address and restores its part of the checkpoint
+    for node in job_nodes:
+        node.job.vm.terminate()
+    stored = read_manifest(volumes[0], "job-1", RUN_ID, manifest.checkpoint_id)
+    assert [part.address for part in stored.nodes] == [node.address for node in job_nodes]
+    backups = []
+    for part, volume in zip(stored.nodes, volumes, strict=True):
+        backup = JobVM(bare_vm(shared_storage=volume, takeover=part.address), generation=2, mode="restore")
+        assert backup.agent("restore", "2", part.checkpoint_id)["checkpoint_id"] == part.checkpoint_id
+        backups.append(backup)
+    for backup in backups:  # only once every node is restored
+        unlock(backup.vm)
+
+    # Then both nodes carry on over their one connection and end as an uninterrupted run
+    for backup in backups:
+        assert backup.agent("wait-exit", "60")["exit_code"] == 0
+        assert backup.progress() == expected_progress(steps)
+
+
+def test_a_node_whose_dump_fails_fails_the_checkpoint_on_both_and_the_job_runs_on(bare_vm, tmp_path, criu_bin):
+    steps = 60
+    # Given a two-node job, and node 1's scratch disk full
+    job_nodes = start_two_nodes(bare_vm, volumes_of(tmp_path), steps)
+    job_nodes[1].job.agent_env["SPOTCR_TEST_FAULT"] = "full-disk"
+    committed: list[JobManifest] = []
+
+    # When a coordinated periodic checkpoint is taken
+    with pytest.raises(CheckpointFailed, match="node 1 failed to dump") as failed:
+        coordinate(job_nodes, commit=committed.append)
+
+    # Then no checkpoint exists, both nodes are unlocked, and the job runs on to the end as an uninterrupted run
+    assert "No space left on device" in failed.value.reason
+    assert committed == []
+    assert not any(node.locked() for node in job_nodes)
+    for node in job_nodes:
+        assert node.job.agent("wait-exit", "60")["exit_code"] == 0
+        assert node.job.progress() == expected_progress(steps)

@@ -1,0 +1,128 @@
+"""The coordinated checkpoint's order and failure rule, with nodes that record what they were asked (no VMs)."""
+
+import json
+import re
+import threading
+
+import pytest
+from spotcr_agent.nodes import CheckpointFailed, JobManifest, NodePart, coordinated_checkpoint, read_manifest
+
+
+class RecordingNode:
+    """A node that records each step in one shared log, and fails the step named in `fails`."""
+
+    def __init__(self, index, log, guard, fails=""):
+        self.index = index
+        self.address = f"198.18.7.{index + 2}"
+        self.log = log
+        self.guard = guard
+        self.fails = fails
+        self.is_locked = False
+
+    def _step(self, step):
+        with self.guard:
+            self.log.append((step, self.index))
+        if step == self.fails:
+            raise OSError(f"node {self.index} cannot {step}")
+
+    def lock(self):
+        self._step("lock")
+        self.is_locked = True
+
+    def dump(self, kind):
+        self._step("dump")
+        return f"170000000000{self.index}-g1-s4-{kind}"
+
+    def unlock(self):
+        self._step("unlock")
+        self.is_locked = False
+
+
+def nodes(count, fails=None):
+    log: list[tuple[str, int]] = []
+    guard = threading.Lock()
+    return [RecordingNode(i, log, guard, (fails or {}).get(i, "")) for i in range(count)], log
+
+
+def checkpoint(job_nodes, kind="periodic", commit=None):
+    committed: list[JobManifest] = []
+    manifest = coordinated_checkpoint(
+        job_nodes,
+        job_id="job-1",
+        run_id="r-1",
+        generation=1,
+        sequence=4,
+        kind=kind,
+        commit=commit or committed.append,
+        clock=lambda: 1_700_000_000.5,
+    )
+    return manifest, committed
+
+
+def steps(log):
+    return [step for step, _ in log]
+
+
+def test_no_node_dumps_before_every_node_is_locked_nor_is_unlocked_before_every_node_dumped():
+    # Given three nodes
+    job_nodes, log = nodes(3)
+    # When a periodic checkpoint is coordinated
+    manifest, committed = checkpoint(job_nodes)
+    # Then every lock comes before any dump, and every dump before any unlock
+    assert steps(log) == ["lock"] * 3 + ["dump"] * 3 + ["unlock"] * 3
+    assert {index for _, index in log} == {0, 1, 2}
+    # And one manifest names every node's part, in node order, under one id of the order's generation and sequence
+    assert committed == [manifest]
+    assert manifest.checkpoint_id == "1700000000500-g1-s4-periodic"
+    parts = tuple(NodePart(i, f"198.18.7.{i + 2}", f"170000000000{i}-g1-s4-periodic") for i in range(3))
+    assert manifest.nodes == parts
+
+
+def test_a_final_dump_leaves_every_node_locked_for_the_restore():
+    job_nodes, log = nodes(2)
+    checkpoint(job_nodes, kind="final")
+    assert steps(log) == ["lock", "lock", "dump", "dump"]
+    assert all(node.is_locked for node in job_nodes)
+
+
+@pytest.mark.parametrize("step", ["lock", "dump"])
+def test_a_node_that_fails_fails_the_checkpoint_on_all_and_a_periodic_dump_unlocks_every_node(step):
+    # Given node 1 of three fails a step
+    job_nodes, log = nodes(3, fails={1: step})
+    # When the checkpoint is coordinated
+    with pytest.raises(CheckpointFailed, match=f"node 1 failed to {step}: node 1 cannot {step}") as failed:
+        checkpoint(job_nodes, commit=lambda manifest: pytest.fail("a failed checkpoint committed a manifest"))
+    # Then no manifest exists, every node is unlocked, and no node dumped after a failed lock
+    assert (failed.value.index, failed.value.step) == (1, step)
+    assert not any(node.is_locked for node in job_nodes)
+    assert steps(log)[-3:] == ["unlock"] * 3
+    if step == "lock":
+        assert "dump" not in steps(log)
+
+
+def test_a_failed_final_dump_leaves_the_nodes_locked_for_the_recovery():
+    job_nodes, _ = nodes(2, fails={0: "dump"})
+    with pytest.raises(CheckpointFailed, match="node 0 failed to dump"):
+        checkpoint(job_nodes, kind="final")
+    assert all(node.is_locked for node in job_nodes)
+
+
+def test_a_job_manifest_is_written_whole_and_read_back(tmp_path):
+    job_nodes, _ = nodes(2)
+    manifest, _ = checkpoint(job_nodes, commit=lambda manifest: manifest.write(tmp_path))
+    path = tmp_path / "jobs/job-1/runs/r-1/nodes/1700000000500-g1-s4-periodic.json"
+    assert json.loads(path.read_text())["nodes"][1]["address"] == "198.18.7.3"
+    assert read_manifest(tmp_path, "job-1", "r-1", manifest.checkpoint_id) == manifest
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_a_job_manifest_names_nodes_0_to_n_minus_1_and_at_least_two():
+    part = NodePart(0, "198.18.7.2", "1700000000000-g1-s4-periodic")
+    with pytest.raises(ValueError, match=re.escape("nodes 0..N-1 in order, N >= 2; got [0]")):
+        JobManifest("job-1", "r-1", "1700000000500-g1-s4-periodic", (part,))
+    with pytest.raises(ValueError, match=re.escape("got [1, 0]")):
+        JobManifest("job-1", "r-1", "x", (NodePart(1, "a", "b"), part))
+    with pytest.raises(ValueError, match="not a job manifest"):
+        JobManifest.from_json({"job_id": "job-1", "nodes": []})
+    with pytest.raises(ValueError, match="kind must be one of periodic, final"):
+        checkpoint(nodes(2)[0], kind="pre-dump")
