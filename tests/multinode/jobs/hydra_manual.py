@@ -22,13 +22,13 @@ for line in mpiexec.stdout:
         break
     if line.startswith("HYDRA_LAUNCH: "):
         argv = shlex.split(line.removeprefix("HYDRA_LAUNCH: "))
-        proxy = int(argv[argv.index("--proxy-id") + 1])
-        if proxy == 0:
+        proxy_id = int(argv[argv.index("--proxy-id") + 1])
+        if proxy_id == 0:
             proxies.append(subprocess.Popen(argv))
         else:
-            with open(f"launch-{proxy}.txt.new", "w") as out:
+            with open(f"launch-{proxy_id}.txt.new", "w") as out:
                 out.write(shlex.join(argv) + "\n")
-            os.rename(f"launch-{proxy}.txt.new", f"launch-{proxy}.txt")
+            os.rename(f"launch-{proxy_id}.txt.new", f"launch-{proxy_id}.txt")
     else:
         sys.stdout.write(line)
 sys.stdout.write(mpiexec.stdout.read())
