@@ -101,3 +101,29 @@ def test_a_node_whose_dump_fails_fails_the_checkpoint_on_both_and_the_job_runs_o
     for node in job_nodes:
         assert node.job.agent("wait-exit", "60")["exit_code"] == 0
         assert node.job.progress() == expected_progress(steps)
+
+
+def test_a_final_dump_moves_the_warned_node_to_a_backup_and_restores_the_other_in_place(bare_vm, tmp_path, criu_bin):
+    volumes = volumes_of(tmp_path)
+    steps = 80
+    # Given a two-node job talking over one TCP connection
+    job_nodes = start_two_nodes(bare_vm, volumes, steps)
+
+    # When node 1 is warned: a coordinated final dump ends the job on both nodes and leaves both locked
+    manifest = coordinated_checkpoint(
+        job_nodes, job_id="job-1", run_id=RUN_ID, generation=1, sequence=1, kind="final", commit=lambda m: None
+    )
+    assert all(node.locked() for node in job_nodes)
+    # And node 1's VM goes; a backup takes over its address and restores its part, node 0 restores in place
+    job_nodes[1].job.vm.terminate()
+    moved = JobVM(bare_vm(shared_storage=volumes[1], takeover=job_nodes[1].address), generation=2, mode="restore")
+    in_place = JobVM(job_nodes[0].job.vm, generation=2, mode="restore")
+    for node, part in zip((in_place, moved), manifest.nodes, strict=True):
+        node.agent("restore", "2", part.checkpoint_id)
+    for node in (in_place, moved):
+        unlock(node.vm)
+
+    # Then both carry on over their one connection and end as an uninterrupted run
+    for node in (in_place, moved):
+        assert node.agent("wait-exit", "60")["exit_code"] == 0
+        assert node.progress() == expected_progress(steps)
