@@ -1,4 +1,5 @@
-/* A 2-rank MPI job: ranks swap 1 MiB each step and sum a checksum; rank 0 writes the result. */
+/* An MPI job of 2 or more ranks in a ring: each step a rank sends 1 MiB to the next and takes the previous one's,
+   then they sum a checksum; rank 0 writes the result. */
 #include <inttypes.h>
 #include <mpi.h>
 #include <stdio.h>
@@ -21,9 +22,9 @@ int main(int argc, char **argv) {
         result = fopen("result.txt", "w");
     }
     for (long i = 0; i < N; i++) mine[i] = (uint64_t)(i + 1) * (rank + 7);
-    int peer = (rank + 1) % size;
+    int next = (rank + 1) % size, previous = (rank + size - 1) % size;
     for (int step = 0; step < steps; step++) {
-        MPI_Sendrecv(mine, N, MPI_UINT64_T, peer, step, theirs, N, MPI_UINT64_T, peer, step, MPI_COMM_WORLD,
+        MPI_Sendrecv(mine, N, MPI_UINT64_T, next, step, theirs, N, MPI_UINT64_T, previous, step, MPI_COMM_WORLD,
                      MPI_STATUS_IGNORE);
         uint64_t local = 0;
         for (long i = 0; i < N; i++) {
