@@ -49,7 +49,14 @@ def volumes_of(tmp_path):
 
 def coordinate(job_nodes, commit):
     return coordinated_checkpoint(
-        job_nodes, job_id="job-1", run_id=RUN_ID, generation=1, sequence=1, kind="periodic", commit=commit
+        job_nodes,
+        job_id="job-1",
+        run_id=RUN_ID,
+        generation=1,
+        sequence=1,
+        kind="periodic",
+        commit=commit,
+        serial=job_nodes[0].job.vm.root / "coordinated.lock",
     )
 
 
@@ -111,7 +118,14 @@ def test_a_final_dump_moves_the_warned_node_to_a_backup_and_restores_the_other_i
 
     # When node 1 is warned: a coordinated final dump ends the job on both nodes and leaves both locked
     manifest = coordinated_checkpoint(
-        job_nodes, job_id="job-1", run_id=RUN_ID, generation=1, sequence=1, kind="final", commit=lambda m: None
+        job_nodes,
+        job_id="job-1",
+        run_id=RUN_ID,
+        generation=1,
+        sequence=1,
+        kind="final",
+        commit=lambda m: None,
+        serial=job_nodes[0].job.vm.root / "coordinated.lock",
     )
     assert all(node.locked() for node in job_nodes)
     # And node 1's VM goes; a backup takes over its address and restores its part, node 0 restores in place

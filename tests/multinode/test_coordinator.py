@@ -18,6 +18,7 @@ class RecordingNode:
         self.guard = guard
         self.fails = fails
         self.is_locked = False
+        self.before_dump = lambda: None  # a test's hook, to hold a dump in the middle
 
     def _step(self, step):
         with self.guard:
@@ -30,6 +31,7 @@ class RecordingNode:
         self.is_locked = True
 
     def dump(self, kind):
+        self.before_dump()
         self._step("dump")
         return f"170000000000{self.index}-g1-s4-{kind}"
 
@@ -44,7 +46,7 @@ def nodes(count, fails=None):
     return [RecordingNode(i, log, guard, (fails or {}).get(i, "")) for i in range(count)], log
 
 
-def checkpoint(job_nodes, kind="periodic", commit=None):
+def checkpoint(job_nodes, serial, kind="periodic", commit=None):
     committed: list[JobManifest] = []
     manifest = coordinated_checkpoint(
         job_nodes,
@@ -54,6 +56,7 @@ def checkpoint(job_nodes, kind="periodic", commit=None):
         sequence=4,
         kind=kind,
         commit=commit or committed.append,
+        serial=serial,
         clock=lambda: 1_700_000_000.5,
     )
     return manifest, committed
@@ -63,11 +66,11 @@ def steps(log):
     return [step for step, _ in log]
 
 
-def test_no_node_dumps_before_every_node_is_locked_nor_is_unlocked_before_every_node_dumped():
+def test_no_node_dumps_before_every_node_is_locked_nor_is_unlocked_before_every_node_dumped(tmp_path):
     # Given three nodes
     job_nodes, log = nodes(3)
     # When a periodic checkpoint is coordinated
-    manifest, committed = checkpoint(job_nodes)
+    manifest, committed = checkpoint(job_nodes, tmp_path / "serial")
     # Then every lock comes before any dump, and every dump before any unlock
     assert steps(log) == ["lock"] * 3 + ["dump"] * 3 + ["unlock"] * 3
     assert {index for _, index in log} == {0, 1, 2}
@@ -78,20 +81,20 @@ def test_no_node_dumps_before_every_node_is_locked_nor_is_unlocked_before_every_
     assert manifest.nodes == parts
 
 
-def test_a_final_dump_leaves_every_node_locked_for_the_restore():
+def test_a_final_dump_leaves_every_node_locked_for_the_restore(tmp_path):
     job_nodes, log = nodes(2)
-    checkpoint(job_nodes, kind="final")
+    checkpoint(job_nodes, tmp_path / "serial", kind="final")
     assert steps(log) == ["lock", "lock", "dump", "dump"]
     assert all(node.is_locked for node in job_nodes)
 
 
 @pytest.mark.parametrize("step", ["lock", "dump"])
-def test_a_node_that_fails_fails_the_checkpoint_on_all_and_a_periodic_dump_unlocks_every_node(step):
+def test_a_node_that_fails_fails_the_checkpoint_on_all_and_a_periodic_dump_unlocks_every_node(step, tmp_path):
     # Given node 1 of three fails a step
     job_nodes, log = nodes(3, fails={1: step})
     # When the checkpoint is coordinated
     with pytest.raises(CheckpointFailed, match=f"node 1 failed to {step}: node 1 cannot {step}") as failed:
-        checkpoint(job_nodes, commit=lambda manifest: pytest.fail("a failed checkpoint committed a manifest"))
+        checkpoint(job_nodes, tmp_path / "serial", commit=lambda manifest: pytest.fail("a failed one committed"))
     # Then no manifest exists, every node is unlocked, and no node dumped after a failed lock
     assert (failed.value.index, failed.value.step) == (1, step)
     assert not any(node.is_locked for node in job_nodes)
@@ -100,23 +103,23 @@ def test_a_node_that_fails_fails_the_checkpoint_on_all_and_a_periodic_dump_unloc
         assert "dump" not in steps(log)
 
 
-def test_a_failed_final_dump_leaves_the_nodes_locked_for_the_recovery():
+def test_a_failed_final_dump_leaves_the_nodes_locked_for_the_recovery(tmp_path):
     job_nodes, _ = nodes(2, fails={0: "dump"})
     with pytest.raises(CheckpointFailed, match="node 0 failed to dump"):
-        checkpoint(job_nodes, kind="final")
+        checkpoint(job_nodes, tmp_path / "serial", kind="final")
     assert all(node.is_locked for node in job_nodes)
 
 
 def test_a_job_manifest_is_written_whole_and_read_back(tmp_path):
     job_nodes, _ = nodes(2)
-    manifest, _ = checkpoint(job_nodes, commit=lambda manifest: manifest.write(tmp_path))
+    manifest, _ = checkpoint(job_nodes, tmp_path / "serial", commit=lambda manifest: manifest.write(tmp_path))
     path = tmp_path / "jobs/job-1/runs/r-1/nodes/1700000000500-g1-s4-periodic.json"
     assert json.loads(path.read_text())["nodes"][1]["address"] == "198.18.7.3"
     assert read_manifest(tmp_path, "job-1", "r-1", manifest.checkpoint_id) == manifest
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
-def test_a_job_manifest_names_nodes_0_to_n_minus_1_and_at_least_two():
+def test_a_job_manifest_names_nodes_0_to_n_minus_1_and_at_least_two(tmp_path):
     part = NodePart(0, "198.18.7.2", "1700000000000-g1-s4-periodic")
     with pytest.raises(ValueError, match=re.escape("nodes 0..N-1 in order, N >= 2; got [0]")):
         JobManifest("job-1", "r-1", "1700000000500-g1-s4-periodic", (part,))
@@ -125,4 +128,32 @@ def test_a_job_manifest_names_nodes_0_to_n_minus_1_and_at_least_two():
     with pytest.raises(ValueError, match="not a job manifest"):
         JobManifest.from_json({"job_id": "job-1", "nodes": []})
     with pytest.raises(ValueError, match="kind must be one of periodic, final"):
-        checkpoint(nodes(2)[0], kind="pre-dump")
+        checkpoint(nodes(2)[0], tmp_path / "serial", kind="pre-dump")
+
+
+def test_a_final_dump_ordered_during_a_periodic_one_waits_for_it_and_leaves_the_nodes_locked(tmp_path):
+    # Given a periodic checkpoint held in the middle of node 1's dump
+    job_nodes, log = nodes(2)
+    dumping, go_on = threading.Event(), threading.Event()
+
+    def hold():
+        dumping.set()
+        go_on.wait(10)
+
+    job_nodes[1].before_dump = hold
+    periodic = threading.Thread(target=checkpoint, args=(job_nodes, tmp_path / "serial"))
+    periodic.start()
+    assert dumping.wait(10)
+    # When node 1 is warned and the final dump is ordered meanwhile
+    job_nodes[1].before_dump = lambda: None
+    final = threading.Thread(target=checkpoint, args=(job_nodes, tmp_path / "serial"), kwargs={"kind": "final"})
+    final.start()
+    # Then it waits for the periodic one (a second lock now would be unlocked by the periodic one's end)
+    final.join(timeout=0.3)
+    assert final.is_alive() and steps(log) == ["lock", "lock", "dump"]
+    # And once that ends, it runs whole and leaves every node locked for the restore
+    go_on.set()
+    periodic.join(10)
+    final.join(10)
+    assert steps(log) == ["lock"] * 2 + ["dump"] * 2 + ["unlock"] * 2 + ["lock"] * 2 + ["dump"] * 2
+    assert all(node.is_locked for node in job_nodes)

@@ -44,7 +44,14 @@ def test_an_mpich_job_over_three_vms_survives_the_interruption_of_one(bare_vm, t
 
     # When node 2 is warned: a coordinated final dump ends the job on every node
     manifest = coordinated_checkpoint(
-        job_nodes, job_id="job-1", run_id=RUN_ID, generation=1, sequence=1, kind="final", commit=lambda m: None
+        job_nodes,
+        job_id="job-1",
+        run_id=RUN_ID,
+        generation=1,
+        sequence=1,
+        kind="final",
+        commit=lambda m: None,
+        serial=job_nodes[0].job.vm.root / "coordinated.lock",
     )
     # And its VM goes; a backup takes over its address and restores its part, the others restore in place
     warned = job_nodes[2]

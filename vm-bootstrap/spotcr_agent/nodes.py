@@ -26,6 +26,8 @@ from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.layout import run_prefix
 from spotcr_contracts.results import KINDS
 
+from .state import exclusive
+
 log = logging.getLogger(__name__)
 
 LOCK_CHAIN = "SPOTCR-NODE-LOCK"
@@ -162,6 +164,7 @@ def coordinated_checkpoint(
     sequence: int,
     kind: str,
     commit: Callable[[JobManifest], None],
+    serial: Path,
     clock: Callable[[], float] = time.time,
 ) -> JobManifest:
     """Lock every node, then dump every node, then commit one job manifest naming every node's part.
@@ -170,11 +173,14 @@ def coordinated_checkpoint(
     leaves them locked for the restore): while sockets are dumped node after node no segment crosses between
     nodes, so every pair of socket images agrees. A node that fails fails the checkpoint on all: no manifest is
     committed, a periodic dump unlocks every node and the job runs on; raises CheckpointFailed naming the node.
+
+    `serial` is the coordinator's lock file: one coordinated checkpoint at a time, so a final dump ordered while a
+    periodic one runs waits for it, and the periodic one's unlock never lands in the middle of the final dump.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    manifest_id = checkpoint_id(int(clock() * 1000), generation, kind, sequence)
-    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+    with exclusive(serial), ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        manifest_id = checkpoint_id(int(clock() * 1000), generation, kind, sequence)
         try:
             _on_every_node(pool, nodes, "lock", lambda node: node.lock())
             parts = _on_every_node(pool, nodes, "dump", lambda node: node.dump(kind))
@@ -185,9 +191,9 @@ def coordinated_checkpoint(
             raise
         if kind == "periodic":
             _on_every_node(pool, nodes, "unlock", lambda node: node.unlock())
-    parts_of = tuple(NodePart(node.index, node.address, part) for node, part in zip(nodes, parts, strict=True))
-    manifest = JobManifest(job_id, run_id, manifest_id, parts_of)
-    commit(manifest)
+        parts_of = tuple(NodePart(node.index, node.address, part) for node, part in zip(nodes, parts, strict=True))
+        manifest = JobManifest(job_id, run_id, manifest_id, parts_of)
+        commit(manifest)
     return manifest
 
 
