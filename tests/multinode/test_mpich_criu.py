@@ -16,7 +16,7 @@ from tests.workloads.build import build_all
 
 from .support import AgentNode, unlock
 
-pytestmark = pytest.mark.criu
+pytestmark = [pytest.mark.criu, pytest.mark.workload]
 
 HYDRA_MANUAL = str(Path(__file__).parent / "jobs" / "hydra_manual.py")
 NODES, STEPS, PACE_MS = 3, 100, 40
