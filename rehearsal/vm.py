@@ -4,7 +4,7 @@ Each VM sees its own `/var/lib/spotcr`, `/etc/spotcr`, `/opt/spotcr` and `/dev/d
 same paths as every other VM (CRIU restores need identical paths), its own empty `/tmp`, `/var/tmp`
 and `/dev/shm` (tmpfs in its private mount namespace), its own `/proc`, and its own network
 namespace with its own private address on a per-run bridge (`VmNetwork`): a backup has another address than
-its primary's, unless it takes over a gone VM's address (`address=`, a node of a multi-node job: see
+its primary's, unless it takes over a gone VM's address (`takeover=`, a node of a multi-node job: see
 docs/design/multinode.md). The local cloud and the VM's IMDS listen on the bridge's host address; inside
 the VM the IMDS answers at 169.254.169.254, as on EC2. Everything else is the host's read-only
 system, standing in for the AMI. Killing the namespace's PID 1 ends every process of the VM (and
