@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import boto3
+import pytest
 import zstandard
-from spotcr_agent.store import CheckpointStore
+from spotcr_agent.store import CheckpointStore, DirectoryBackend
 from spotcr_agent.store.chunking import Chunker, Chunking
 from spotcr_agent.store.store import FETCH_RANGE
 
@@ -29,7 +33,7 @@ class Counting:
         self.gets: list[str] = []
         self.ranges: list[tuple[str, int, int]] = []
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         self.puts.append(key)
         self.backend.put(key, data)
 
@@ -210,3 +214,33 @@ def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: Checkpoint
     assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 1)
     store.fetch(final.checkpoint_id, tmp_path / "restore")
     assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
+
+
+@pytest.mark.parametrize("mount", ["disk", "tmpfs"])
+@pytest.mark.parametrize("memory", ["page-aligned", "unaligned"])
+def test_a_directory_store_writes_a_pack_byte_for_byte_past_or_through_the_page_cache(
+    mount: str, memory: str, tmp_path: Path
+) -> None:
+    # Given a pack of 3 MiB and a partial block, in page-aligned memory (as the store fills packs: O_DIRECT for its
+    # whole blocks) or not (refused by O_DIRECT: the page cache), bound for a disk or tmpfs (O_DIRECT by its own
+    # rules, or none before Linux 6.6)
+    body = random_bytes(3 * MiB + 1234, seed=50)
+    if memory == "page-aligned":
+        buffer = mmap.mmap(-1, len(body))
+        buffer[:] = body
+        view = memoryview(buffer)
+    else:
+        view = memoryview(bytearray(b"x" + body))[1:]
+    root = Path(tempfile.mkdtemp(dir="/dev/shm")) if mount == "tmpfs" else tmp_path
+    try:
+        backend = DirectoryBackend(root)
+
+        # When it is put, and the store flushed
+        backend.put("run/chunks/packs/p1", view)
+        backend.flush()
+
+        # Then the object holds exactly those bytes
+        assert (root / "run/chunks/packs/p1").read_bytes() == body
+    finally:
+        if mount == "tmpfs":
+            shutil.rmtree(root)

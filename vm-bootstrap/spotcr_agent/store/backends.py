@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import os
 import threading
 import uuid
@@ -45,7 +47,7 @@ class Backend(Protocol):
         """Raise StoreUnavailable, naming the path or bucket, if objects cannot be written."""
         ...
 
-    def put(self, key: str, data: bytes) -> None: ...
+    def put(self, key: str, data: bytes | memoryview) -> None: ...
 
     def put_new(self, key: str, data: bytes) -> None:
         """Write only if the key does not exist yet (manifests are never overwritten)."""
@@ -68,6 +70,8 @@ class Backend(Protocol):
 
 WRITE_BLOCK = 1024 * 1024  # a pack is written to a file in writes of this size: on ext4 here (Linux 6.18) one 32 MiB
 # write() into a new file took 1.2-2.7 s per 256 MiB, 4 MiB writes up to 3 s, 1 MiB writes 0.13-0.44 s
+DIRECT_BLOCK = 4096  # O_DIRECT writes whole blocks of the device's size (512 or 4096) from memory aligned alike
+DIRECT_MIN = 1024 * 1024  # objects this large (packs) skip the page cache when their memory is page-aligned
 
 
 class DirectoryBackend:
@@ -75,6 +79,11 @@ class DirectoryBackend:
 
     One syncfs() of the mount before the manifest costs a fraction of an fsync per chunk (measured 2.4 s vs
     4.7-6.6 s for 1 GiB on ext4); the manifest itself gets its own fsync and a directory fsync.
+
+    A pack handed over in page-aligned memory (the store's pack buffers) is written with O_DIRECT, past the page
+    cache: 1 GiB of packs to ext4 here took 0.05 s of CPU and 0.7 s, durable, against 1.1-2.5 s of CPU (copying
+    into fresh page-cache pages) and 2.1-3.8 s buffered. Where the file system or the memory refuses it (tmpfs,
+    unaligned bytes) the same bytes are written through the page cache.
     """
 
     def __init__(self, root: Path) -> None:
@@ -91,7 +100,7 @@ class DirectoryBackend:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise StoreUnavailable(f"storage directory {self.root} is not writable")
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         path = self.root / key
         tmp = self._write_temp(path, data, sync=False)
         os.replace(tmp, path)
@@ -155,7 +164,7 @@ class DirectoryBackend:
         for directory in {p.parent for p in paths}:
             _fsync_dir(directory)
 
-    def _write_temp(self, path: Path, data: bytes, *, sync: bool) -> Path:
+    def _write_temp(self, path: Path, data: bytes | memoryview, *, sync: bool) -> Path:
         tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +175,8 @@ class DirectoryBackend:
             raise StoreUnavailable(f"cannot write under storage directory {path.parent}: {e.strerror or e}") from e
         try:
             view = memoryview(data)
+            if len(view) >= DIRECT_MIN:
+                view = view[_write_direct(fd, view[: len(view) - len(view) % DIRECT_BLOCK]) :]
             while view:
                 view = view[os.write(fd, view[:WRITE_BLOCK]) :]
             if sync:
@@ -176,6 +187,28 @@ class DirectoryBackend:
         finally:
             os.close(fd)
         return tmp
+
+
+def _write_direct(fd: int, view: memoryview) -> int:
+    """Write whole blocks of view with O_DIRECT, as far as the file system and view's memory allow; return how many
+    bytes were written. The descriptor is left without O_DIRECT, for the rest to go through the page cache."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return 0  # no O_DIRECT on this file system
+        raise
+    written = 0
+    try:
+        while written < len(view):
+            written += os.write(fd, view[written : written + WRITE_BLOCK])
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise  # EINVAL: memory or file system not aligned for O_DIRECT; the rest goes buffered
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return written
 
 
 def _syncfs(directory: Path) -> bool:
@@ -259,9 +292,9 @@ class S3Backend:
         except Exception as e:
             raise StoreUnavailable(f"S3 bucket {self.bucket} cannot be used: {_error_text(e)}") from e
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ChecksumAlgorithm=CHECKSUM)
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), ChecksumAlgorithm=CHECKSUM)
         except Exception as e:
             raise self._translate(e, key) from e
 
@@ -337,7 +370,7 @@ class Under:
     def check(self) -> None:
         self.backend.check()
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         self.backend.put(self.prefix + key, data)
 
     def put_new(self, key: str, data: bytes) -> None:

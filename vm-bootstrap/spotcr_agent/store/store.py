@@ -8,8 +8,9 @@ Layout under the bucket or mount root (<run> is `jobs/<job_id>/runs/<run_id>`, o
   <run>/commits/<checkpoint_id>               a commit in flight (removed once its manifest is written)
   <run>/sweeps/<uuid>                         a prune in flight (removed when it is done)
 
-Packs: a commit appends each new compressed chunk to the pack being filled and writes the pack once it holds
-PACK_SIZE bytes, up to PACKS_IN_FLIGHT packs at once, the last one when the commit's chunks are all in. The index
+Packs: a commit appends each new compressed chunk to the pack being filled and writes the pack once the next chunk
+would take it past PACK_SIZE bytes, up to PACKS_IN_FLIGHT packs at once, the last one when the commit's chunks are
+all in. The index
 is the manifest: each chunk names its pack, offset and stored length (ChunkRef), so a restore and the next commit
 read nothing but the manifest and one listing (no per-pack index object to write, read or lose). A pack is never
 rewritten; a pack id is random, so a retried commit never overwrites a pack a committed manifest uses. A restore
@@ -49,6 +50,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import queue
 import resource
 import stat
 import threading
@@ -97,7 +99,7 @@ GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (start
 SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
 SWEEP_POLL_S = 0.5
 DELETE_BATCH = 500
-PACK_SIZE = 32 * 1024 * 1024  # a pack is written once it holds this much: 32 PUTs per GiB of new data at most (S3
+PACK_SIZE = 32 * 1024 * 1024  # a pack holds at most this much: about 32 PUTs per GiB of new data (S3
 # charges per request; one chunk per object was about 800), each a single PUT, and 4 in flight keep 5 Gbit/s busy
 PACKS_IN_FLIGHT = 4  # packs being written at once: a commit holds at most 5 x PACK_SIZE of packs in memory
 FETCH_RANGE = 8 * 1024 * 1024  # a restore's ranged GETs of adjacent chunks stop at this size: parallel parts
@@ -613,7 +615,12 @@ class CheckpointStore:
 
 
 class _Packer:
-    """Appends compressed chunks to the pack being filled; writes each full pack on a thread of its own."""
+    """Copies compressed chunks into the pack being filled; writes each full pack on a thread of its own.
+
+    A pack is filled in a page-aligned buffer that is used again once its pack is written: PACKS_IN_FLIGHT + 1 of
+    them at most, touched once, instead of a fresh 32 MiB of memory for every pack (joining a pack's chunks into a
+    new bytes object cost more in page faults than the copy itself), and a directory store writes them past the
+    page cache (DirectoryBackend)."""
 
     def __init__(self, backend: Backend, prefix: str, size: int) -> None:
         self._backend = backend
@@ -623,17 +630,25 @@ class _Packer:
         self._slots = threading.BoundedSemaphore(PACKS_IN_FLIGHT)  # bounds memory: a full pack waits for a slot
         self._pool = ThreadPoolExecutor(PACKS_IN_FLIGHT, thread_name_prefix="spotcr-pack")
         self._writes: list[Future[float]] = []
-        self._pack, self._pieces, self._filled = uuid.uuid4().hex, list[bytes](), 0
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()  # buffers of written packs
+        self._pack, self._buffer, self._filled = uuid.uuid4().hex, self._take_buffer(), 0
         self.written = 0
         self.upload_s = 0.0
 
     def add(self, compressed: bytes) -> tuple[str, int]:
-        """Put a compressed chunk in the pack being filled; return that pack's id and the chunk's offset in it."""
+        """Put a compressed chunk in the pack being filled; return that pack's id and the chunk's offset in it. A
+        pack holds at most `size` bytes, unless one chunk alone is larger: that one is a pack of its own."""
         with self._lock:
+            if self._filled + len(compressed) > self._size:
+                self._seal()
+            if len(compressed) > self._size:
+                where = uuid.uuid4().hex, 0
+                self._send(where[0], compressed)
+                return where
             where = self._pack, self._filled
-            self._pieces.append(compressed)
+            self._buffer[self._filled : self._filled + len(compressed)] = compressed
             self._filled += len(compressed)
-            if self._filled >= self._size:
+            if self._filled == self._size:
                 self._seal()
         return where
 
@@ -651,21 +666,32 @@ class _Packer:
 
     def _seal(self) -> None:
         """Hand the pack being filled to a writer thread and start a new one (the caller holds the lock)."""
-        if not self._pieces:
+        if not self._filled:
             return
+        buffer, filled = self._buffer, self._filled
+        self._send(self._pack, memoryview(buffer)[:filled], buffer)
+        self._pack, self._buffer, self._filled = uuid.uuid4().hex, self._take_buffer(), 0
+
+    def _send(self, pack: str, body: bytes | memoryview, buffer: mmap.mmap | None = None) -> None:
         for write in self._writes:
             if write.done() and (error := write.exception()) is not None:
                 raise error
         self._slots.acquire()
-        key, body = f"{self._prefix}{PACKS}{self._pack}", b"".join(self._pieces)
-        self._pack, self._pieces, self._filled = uuid.uuid4().hex, [], 0
-        self._writes.append(self._pool.submit(self._write, key, body))
+        self._writes.append(self._pool.submit(self._write, f"{self._prefix}{PACKS}{pack}", body, buffer))
 
-    def _write(self, key: str, body: bytes) -> float:
+    def _take_buffer(self) -> mmap.mmap:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return mmap.mmap(-1, self._size)  # anonymous: page-aligned, and its pages are only used once written
+
+    def _write(self, key: str, body: bytes | memoryview, buffer: mmap.mmap | None) -> float:
         began = time.perf_counter()
         try:
             self._backend.put(key, body)
         finally:
+            if buffer is not None:
+                self._free.put(buffer)
             self._slots.release()
         return time.perf_counter() - began
 
