@@ -15,8 +15,10 @@ from typing import Any
 import boto3
 import pytest
 import zstandard
-from spotcr_agent.store import CheckpointStore, DirectoryBackend
+from spotcr_agent.store import CheckpointStore, CorruptCheckpoint, DirectoryBackend
+from spotcr_agent.store import store as store_module
 from spotcr_agent.store.chunking import Chunker, Chunking
+from spotcr_agent.store.manifest import CHUNK_HASHES
 from spotcr_agent.store.store import FETCH_RANGE
 
 from tests.localaws.vended import Enforced
@@ -135,27 +137,32 @@ def write_format_1(store: CheckpointStore, n: int, files: dict[str, bytes]) -> N
     store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(n)}.json", json.dumps(doc).encode())
 
 
-def test_a_store_written_before_packs_restores_and_its_chunks_are_reused(
+def test_a_store_written_before_packs_restores_and_prune_keeps_the_chunk_objects_it_uses(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    # Given a checkpoint committed in format 1 (a chunk per object)
-    old = random_bytes(3 * MiB, seed=43)
+    # Given two checkpoints committed in format 1 (a chunk per object, SHA-256 ids), the second one the first's
+    # memory plus a new file
+    old, new = random_bytes(3 * MiB, seed=43), random_bytes(MiB, seed=44)
     write_format_1(store, 1, {"images/pages-1.img": old})
+    write_format_1(store, 2, {"images/pages-1.img": old, "images/pages-44.img": new})
+    objects = {o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")}
 
-    # When this agent restores it, then commits the same memory plus a new file on top of it
+    # When this agent restores the first, then commits the same memory on top of the second
     store.fetch(checkpoint_id(1), tmp_path / "restore1")
     images(tmp_path / "img", 44)
     (tmp_path / "img/pages-1.img").write_bytes(old)
-    second = store.commit(tmp_path / "img", meta(2, parent=1))
+    third = store.commit(tmp_path / "img", meta(3, parent=2))
 
-    # Then the old checkpoint restores byte for byte, and the new one sends only the new file (into a pack)
-    # and keeps using the old chunk objects, which prune keeps while it does
+    # Then the old checkpoint restores byte for byte; the new one, whose chunks go by BLAKE3 ids, sends them all
+    # into packs as a fresh full checkpoint; and prune keeps the chunk objects the kept format-1 checkpoint uses
     assert (tmp_path / "restore1/images/pages-1.img").read_bytes() == old
-    reused = second.manifest.stored_chunks()
-    assert second.chunks_uploaded == sum(1 for c in reused.values() if c.pack is not None) < len(reused)
-    assert store.prune(keep=1, grace_seconds=0).deleted_checkpoints == [checkpoint_id(1)]
-    store.fetch(checkpoint_id(2), tmp_path / "restore2")
-    assert tree_bytes(tmp_path / "restore2/images") == {"pages-1.img": old, "pages-44.img": random_bytes(MiB, 44)}
+    assert third.manifest.hash == "blake3" and third.manifest.since_full == 0
+    assert all(c.pack is not None for c in third.manifest.stored_chunks().values())
+    assert store.prune(keep=2, grace_seconds=0).deleted_checkpoints == [checkpoint_id(1)]
+    assert {o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")} >= objects
+    for n in (2, 3):
+        store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
+        assert tree_bytes(tmp_path / f"restore{n}/images") == {"pages-1.img": old, "pages-44.img": new}
 
 
 def test_a_prune_while_a_commit_has_written_packs_but_no_manifest_deletes_nothing(
@@ -244,3 +251,27 @@ def test_a_directory_store_writes_a_pack_byte_for_byte_past_or_through_the_page_
     finally:
         if mount == "tmpfs":
             shutil.rmtree(root)
+
+
+def test_a_checkpoint_with_sha256_chunk_ids_restores_verified_by_them(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a packed checkpoint as format 2 wrote it (chunks named by SHA-256), and a copy naming one chunk wrongly
+    monkeypatch.setattr(store_module, "chunk_id", CHUNK_HASHES["sha256"])
+    content = random_bytes(3 * MiB, seed=51)
+    images(tmp_path / "img")
+    (tmp_path / "img/pages-1.img").write_bytes(content)
+    doc = json.loads(store.commit(tmp_path / "img", meta(1)).manifest.to_json())
+    chunks = doc["files"][0]["chunks"]
+    misnamed = [{**chunks[0], "hash": CHUNK_HASHES["sha256"](b"another chunk")}, *chunks[1:]]
+    for n, listed in ((2, chunks), (3, misnamed)):
+        files = [{**doc["files"][0], "chunks": listed}]
+        files[0]["digest"] = hashlib.sha256(b"".join(bytes.fromhex(c["hash"]) for c in listed)).hexdigest()
+        copy = doc | {"format": 2, "hash": "sha256", "checkpoint_id": checkpoint_id(n), "files": files}
+        store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(n)}.json", json.dumps(copy).encode())
+
+    # When this agent restores it, Then it restores byte for byte, each chunk checked against its SHA-256
+    store.fetch(checkpoint_id(2), tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == content
+    with pytest.raises(CorruptCheckpoint, match="does not match its hash"):
+        store.fetch(checkpoint_id(3), tmp_path / "restore3")

@@ -47,7 +47,6 @@ there (the older ones keep pointing at the damaged pack: a restore walks back no
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 import queue
@@ -73,6 +72,8 @@ from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import PAGE, Chunker, Chunking
 from .errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
 from .manifest import (
+    CHUNK_HASHES,
+    HASH_ALGORITHM,
     CheckpointMeta,
     ChunkRef,
     FileEntry,
@@ -82,6 +83,7 @@ from .manifest import (
     check_job_id,
     check_manifest_path,
     check_run_id,
+    chunk_id,
     fast_digest,
     file_digest,
 )
@@ -398,12 +400,12 @@ class CheckpointStore:
                 offset = 0
                 for chunk in entry.chunks:
                     if chunk.inline is not None:
-                        data = _verified(checkpoint_id, chunk, chunk.inline, entry.path, _decompressor())
+                        data = _verified(manifest, chunk, chunk.inline, entry.path)
                         os.pwrite(fd, data, offset)
                     else:
                         spots[chunk.hash].append((fd, offset, entry.path))
                     offset += chunk.size
-            self._download(checkpoint_id, stored, spots)
+            self._download(manifest, stored, spots)
             for entry in manifest.files:
                 os.fchmod(fds[entry.path], entry.mode & 0o7777)
         except BaseException:
@@ -508,7 +510,7 @@ class CheckpointStore:
 
     def _download(
         self,
-        checkpoint_id: str,
+        manifest: Manifest,
         stored: Mapping[str, ChunkRef],
         spots: Mapping[str, list[tuple[int, int, str]]],
     ) -> None:
@@ -517,7 +519,7 @@ class CheckpointStore:
 
         def place(chunk: ChunkRef, raw: bytes) -> None:
             fd, offset, path = spots[chunk.hash][0]
-            data = _verified(checkpoint_id, chunk, raw, path, _decompressor())
+            data = _verified(manifest, chunk, raw, path)
             for fd, offset, _ in spots[chunk.hash]:
                 os.pwrite(fd, data, offset)
 
@@ -533,7 +535,7 @@ class CheckpointStore:
                 where = f"pack {pack} holding " if pack else ""
                 path = spots[first.hash][0][2]
                 raise CorruptCheckpoint(
-                    checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
+                    manifest.checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
                 ) from None
             for chunk in chunks:
                 place(chunk, raw[chunk.offset - start : chunk.offset - start + chunk.stored])
@@ -578,6 +580,8 @@ class CheckpointStore:
         except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
             return {}, set(), 0, {}  # a manifest this agent cannot read only costs dedup, never correctness
         chunks = manifest.stored_chunks()
+        if manifest.hash != HASH_ALGORITHM:
+            return {}, set(), 0, {}  # its chunks go by other ids (SHA-256, before format 3): this commit sends all
         if not chunks:
             return {}, set(), manifest.since_full, {}
         # Rely only on chunks the store still holds: one listing (pack ids and format-1 chunk hashes), and a chunk
@@ -772,7 +776,7 @@ class _Uploader:
                     self.hash_s += time.perf_counter() - began
                     self.unchanged += 1
                 return there
-        digest = hashlib.sha256(data).hexdigest()
+        digest = chunk_id(data)
         hashed = time.perf_counter()
         with self._lock:
             self.hash_s += hashed - began
@@ -876,7 +880,7 @@ class _FileTail:
         if self._chunker.emitted == 0 and self._chunker.pending <= INLINE_MAX:
             for data in self._chunker.finish():
                 compressed = zstandard.ZstdCompressor(level=uploader.level).compress(data)
-                self._chunks.append(ChunkRef(hashlib.sha256(data).hexdigest(), len(data), compressed))
+                self._chunks.append(ChunkRef(chunk_id(data), len(data), compressed))
         else:
             self._hand_over(uploader, self._chunker.finish())
         self.mode = os.fstat(self._fd).st_mode & 0o7777
@@ -911,13 +915,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 _THREAD = threading.local()
 
 
-def _verified(checkpoint_id: str, chunk: ChunkRef, stored: bytes, path: str, dctx: zstandard.ZstdDecompressor) -> bytes:
-    """Decompress a stored chunk and check it is exactly the bytes the manifest names."""
+def _verified(manifest: Manifest, chunk: ChunkRef, stored: bytes, path: str) -> bytes:
+    """Decompress a stored chunk and check it is exactly the bytes the manifest names (by the manifest's hash)."""
+    checkpoint_id = manifest.checkpoint_id
     try:
-        data = dctx.decompress(stored, max_output_size=chunk.size)
+        data = _decompressor().decompress(stored, max_output_size=chunk.size)
     except zstandard.ZstdError as e:
         raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} is damaged or truncated ({e})") from e
-    if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.hash:
+    if len(data) != chunk.size or CHUNK_HASHES[manifest.hash](data) != chunk.hash:
         raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} does not match its hash")
     return data
 
