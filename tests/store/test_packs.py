@@ -8,6 +8,7 @@ import json
 import mmap
 import shutil
 import tempfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import boto3
 import pytest
 import zstandard
-from spotcr_agent.store import CheckpointStore, CorruptCheckpoint, DirectoryBackend
+from spotcr_agent.store import CheckpointStore, CorruptCheckpoint, DirectoryBackend, chunking
 from spotcr_agent.store import store as store_module
 from spotcr_agent.store.chunking import Chunker, Chunking
 from spotcr_agent.store.manifest import CHUNK_HASHES
@@ -203,7 +204,9 @@ def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_p
         assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
 
 
-def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: CheckpointStore, tmp_path: Path) -> None:
+def test_a_final_dump_finds_what_did_not_change_by_fast_digest(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a periodic checkpoint of 16 MiB, each chunk with its fast digest
     pages = bytearray(random_bytes(16 * MiB, seed=50))
     (tmp_path / "img").mkdir()
@@ -214,11 +217,20 @@ def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: Checkpoint
     # When one byte in the middle changes (same length, same place) and the final dump follows
     pages[8 * MiB] ^= 0xFF
     (tmp_path / "img/pages-1.img").write_bytes(pages)
+    scanned, crc32 = list[int](), zlib.crc32
+
+    def counted_crc32(sample: memoryview) -> int:
+        scanned.append(len(sample))
+        return crc32(sample)
+
+    monkeypatch.setattr(chunking.zlib, "crc32", counted_crc32)
     final = store.commit(tmp_path / "img", meta(2, parent=1, kind="final"))
 
-    # Then every other chunk was taken as the parent's by its place and fast digest, without SHA-256; the changed
-    # one was hashed and sent; and the final dump restores byte for byte
-    assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 1)
+    # Then every other chunk but the last (which ends where the file did, not at a boundary) was taken as the
+    # parent's by its place and fast digest, neither given a chunk id nor its pages scanned for a boundary; the
+    # changed one was cut, hashed and sent; and the final dump restores byte for byte
+    assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 2)
+    assert len(scanned) < 2 * Chunking().max_size // chunking.PAGE < len(pages) // chunking.PAGE
     store.fetch(final.checkpoint_id, tmp_path / "restore")
     assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
 

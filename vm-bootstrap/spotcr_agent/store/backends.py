@@ -273,6 +273,7 @@ class S3Backend:
                         retries={"mode": "standard", "max_attempts": 6},
                         connect_timeout=5,
                         read_timeout=60,
+                        s3={"payload_signing_enabled": False},
                     )
                     # AWS_ENDPOINT_URL (and the region, unless given) come from the environment, as boto3 reads them.
                     session = self._session or boto3.session.Session()

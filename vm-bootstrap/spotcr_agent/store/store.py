@@ -334,7 +334,7 @@ class CheckpointStore:
             compress_seconds=uploader.compress_s,
             upload_seconds=packer.upload_s,
             objects_uploaded=packer.written,
-            chunks_unchanged=uploader.unchanged,
+            chunks_unchanged=uploader.unchanged_chunks,
         )
 
     def _inherit(
@@ -591,7 +591,7 @@ class CheckpointStore:
         at = {}
         for entry in manifest.files:
             offset = 0
-            for chunk in entry.chunks:
+            for chunk in entry.chunks[:-1]:  # the last one ends where the file did, not where a boundary is
                 if chunk.fast is not None and chunk.hash in known:
                     at[entry.path, offset] = chunk
                 offset += chunk.size
@@ -732,7 +732,7 @@ class _Uploader:
         self.bytes_changed = 0
         self.read_s = 0.0  # added to by the reading thread (_FileTail.pump)
         self.hash_s = self.compress_s = 0.0
-        self.unchanged = 0  # chunks found unchanged by their fast digest, without SHA-256
+        self.unchanged_chunks = 0  # chunks found unchanged by their fast digest, without a chunk id
 
     def __enter__(self) -> _Uploader:
         return self
@@ -750,6 +750,20 @@ class _Uploader:
             return chunk
         located = self._located[chunk.hash]
         return located if located.fast or not chunk.fast else replace(located, fast=chunk.fast)
+
+    @property
+    def has_parent(self) -> bool:
+        return bool(self._parent_at)
+
+    def unchanged(self, path: str, offset: int, view: memoryview) -> ChunkRef | None:
+        """The parent's chunk at `offset` of `path` if view starts with the same bytes (its length and fast digest),
+        found while the file is cut: neither its pages scanned for a boundary nor the chunk handed to a worker."""
+        there = self._parent_at.get((path, offset))
+        if there is None or there.size > len(view) or fast_digest(view[: there.size]) != there.fast:
+            return None
+        with self._lock:
+            self.unchanged_chunks += 1
+        return there
 
     def submit(self, data: bytes | memoryview, path: str, offset: int) -> Future[ChunkRef]:
         """Store the chunk at `offset` of file `path` (unless the store holds it); its ChunkRef once done."""
@@ -774,7 +788,7 @@ class _Uploader:
             if there is not None and there.size == len(data) and there.fast == fast:
                 with self._lock:
                     self.hash_s += time.perf_counter() - began
-                    self.unchanged += 1
+                    self.unchanged_chunks += 1
                 return there
         digest = chunk_id(data)
         hashed = time.perf_counter()
@@ -827,11 +841,25 @@ class _FileTail:
         self._chunker = Chunker(chunking)
         self._chunks: list[Future[ChunkRef] | ChunkRef] = []
         self._handed = 0  # bytes handed to the uploader: where the next chunk starts
+        self._same: dict[int, ChunkRef] = {}  # the parent's chunks found unchanged while cutting, by offset
         self.size = 0
+
+    def _feed(self, uploader: _Uploader, data: bytes | memoryview) -> list[bytes | memoryview]:
+        """Cut data into chunks; a chunk found to be the parent's at the same place is taken whole, unscanned."""
+
+        def known(offset: int, view: memoryview) -> int:
+            there = uploader.unchanged(self.path, offset, view)
+            if there is None:
+                return 0
+            self._same[offset] = there
+            return there.size
+
+        return self._chunker.feed(data, known if uploader.has_parent else None)
 
     def _hand_over(self, uploader: _Uploader, chunks: list[bytes | memoryview]) -> None:
         for chunk in chunks:
-            self._chunks.append(uploader.submit(chunk, self.path, self._handed))
+            same = self._same.pop(self._handed, None)
+            self._chunks.append(same or uploader.submit(chunk, self.path, self._handed))
             self._handed += len(chunk)
 
     def pump(self, uploader: _Uploader) -> int:
@@ -846,7 +874,7 @@ class _FileTail:
                 uploader.read_s += time.perf_counter() - began
                 break
             read += len(block)
-            chunks = self._chunker.feed(block)
+            chunks = self._feed(uploader, block)
             uploader.read_s += time.perf_counter() - began
             self._hand_over(uploader, chunks)
         self.size += read
@@ -866,7 +894,7 @@ class _FileTail:
             return 0
         start = self.size - self.size % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS)
-        chunks = self._chunker.feed(memoryview(mapping)[self.size - start :])
+        chunks = self._feed(uploader, memoryview(mapping)[self.size - start :])
         uploader.read_s += time.perf_counter() - began
         self._hand_over(uploader, chunks)
         added, self.size = end - self.size, end
