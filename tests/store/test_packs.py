@@ -192,16 +192,22 @@ def test_a_prune_while_a_commit_has_written_packs_but_no_manifest_deletes_nothin
 
 
 def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_path: Path) -> None:
-    # Given a store in S3
+    # Given a store in S3 (over plain http here, where botocore signs a SHA-256 of each body unless told not to)
     store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+    signed: list[bytes] = []
+    store.backend.client.meta.events.register(  # type: ignore[attr-defined]
+        "before-send.s3.PutObject", lambda request, **_: signed.append(request.headers["x-amz-content-sha256"])
+    )
 
     # When a checkpoint is committed
     store.commit(images(tmp_path / "img", 1), meta(1))
 
-    # Then S3 was told to verify its pack and manifest by CRC32 (cheap), not by a SHA-256 of the body
+    # Then S3 was told to verify its pack and manifest by CRC32 (cheap), not by a SHA-256 of the body, and no
+    # body was hashed for the request's signature either
     for key in (f"chunks/packs/{store.load(checkpoint_id(1)).packs()[0]}", f"checkpoints/{checkpoint_id(1)}.json"):
         head = boto3.client("s3").head_object(Bucket=s3_iam.bucket, Key=run_keys(store) + key, ChecksumMode="ENABLED")
         assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
+    assert signed and set(signed) == {b"UNSIGNED-PAYLOAD"}
 
 
 def test_a_final_dump_finds_what_did_not_change_by_fast_digest(
