@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import io
 import os
 import threading
 import uuid
@@ -295,8 +296,9 @@ class S3Backend:
             raise StoreUnavailable(f"S3 bucket {self.bucket} cannot be used: {_error_text(e)}") from e
 
     def put(self, key: str, data: bytes | memoryview) -> None:
+        body = data if isinstance(data, bytes) else _ViewReader(data)
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), ChecksumAlgorithm=CHECKSUM)
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ChecksumAlgorithm=CHECKSUM)
         except Exception as e:
             raise self._translate(e, key) from e
 
@@ -356,6 +358,43 @@ class S3Backend:
         if code in ("NoSuchBucket", "AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return StoreUnavailable(f"S3 bucket {self.bucket} cannot be used ({code}) at {self.describe(key)}")
         return StoreError(f"S3 request for {self.describe(key)} failed: {_error_text(error)}")
+
+
+class _ViewReader(io.RawIOBase):
+    """A pack's memory as the file botocore reads (its CRC32, then the request body) and seeks in: a copy of the
+    whole pack into fresh memory took as long as 4 pack writers sending it, here, in page faults alone."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._at = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._at + size)
+        data = bytes(self._view[self._at : end])
+        self._at = max(self._at, end)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 class Under:
