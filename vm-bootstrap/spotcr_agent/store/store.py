@@ -549,12 +549,15 @@ class CheckpointStore:
                 future.result()
 
     def _pump_images(self, image_dir: Path, tails: dict[str, _FileTail], uploader: _Uploader) -> int:
-        """Open image files that appeared and read what was added to each; return the bytes read."""
+        """Open image files that appeared and read what was added to each; return the bytes read. Called every
+        POLL_SECONDS while CRIU writes: a file already open costs a string lookup here, not a Path."""
         for directory, _, names in os.walk(image_dir):
+            under = os.path.relpath(directory, image_dir)
+            prefix = "images/" if under == "." else f"images/{Path(under).as_posix()}/"
             for name in names:
-                source = Path(directory) / name
-                path = "images/" + source.relative_to(image_dir).as_posix()
+                path = prefix + name
                 if path not in tails:
+                    source = Path(directory) / name
                     with contextlib.suppress(FileNotFoundError):
                         if stat.S_ISREG(source.lstat().st_mode):
                             tails[path] = _FileTail(path, source, self.chunking, mapped=True)
