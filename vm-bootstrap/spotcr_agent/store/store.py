@@ -10,12 +10,11 @@ Layout under the bucket or mount root (<run> is `jobs/<job_id>/runs/<run_id>`, o
 
 Packs: a commit appends each new compressed chunk to the pack being filled and writes the pack once the next chunk
 would take it past PACK_SIZE bytes, up to PACKS_IN_FLIGHT packs at once, the last one when the commit's chunks are
-all in. The index
-is the manifest: each chunk names its pack, offset and stored length (ChunkRef), so a restore and the next commit
-read nothing but the manifest and one listing (no per-pack index object to write, read or lose). A pack is never
-rewritten; a pack id is random, so a retried commit never overwrites a pack a committed manifest uses. A restore
-reads the chunks it needs by ranged GETs of adjacent chunks (FETCH_RANGE at most), never a pack's dead bytes.
-A pack is "held" while its object exists, as a format-1 chunk is while its object does.
+all in. The index is the manifest: each chunk names its pack, offset and stored length (ChunkRef), so a restore and
+the next commit read nothing but the manifest and one listing (no per-pack index object to write, read or lose).
+A pack is never rewritten; a pack id is random, so a retried commit never overwrites a pack a committed manifest
+uses. A restore reads the chunks it needs by ranged GETs of adjacent chunks (FETCH_RANGE at most), never a pack's
+dead bytes. A pack is "held" while its object exists, as a format-1 chunk is while its object does.
 
 One run never sees another's checkpoints: a job name reused after COMPLETED or FAILED is a new run (a new
 spotcr:run), whose listing, restore walk, parents and prune cover only its own prefix; a manifest that names
