@@ -98,18 +98,19 @@ else
     [[ " $AGENT_SERVICES " == *" $(basename "$dir") "* ]] || rm -rf "$dir"
   done
   rm -f "$python_dir.new"/zstandard/_cffi.*.so "$python_dir.new"/zstandard/backend_cffi.py
-  # The GPU image (Ubuntu 24.04) runs python3.12: zstandard's and xxhash's C modules for it too, beside 3.11's
-  # (the names differ).
+  # The GPU image (Ubuntu 24.04) runs python3.12: zstandard's, xxhash's and blake3's compiled modules for it too,
+  # beside 3.11's (the names differ).
   for version in $EXTRA_PYTHONS; do
     "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
       --platform "manylinux2014_$(uname -m)" --python-version "$version" --implementation cp \
-      --target "$python_dir.new/.cp$version" $(grep -E '^(zstandard|xxhash)==' "$HERE/requirements.txt")
+      --target "$python_dir.new/.cp$version" $(grep -E '^(zstandard|xxhash|blake3)==' "$HERE/requirements.txt")
     cp "$python_dir.new/.cp$version"/zstandard/backend_c.cpython-*.so "$python_dir.new/zstandard/"
     cp "$python_dir.new/.cp$version"/xxhash/_xxhash.cpython-*.so "$python_dir.new/xxhash/"
+    cp "$python_dir.new/.cp$version"/blake3/blake3.cpython-*.so "$python_dir.new/blake3/"
     rm -rf "$python_dir.new/.cp$version"
   done
-  strip --strip-unneeded "$python_dir.new"/zstandard/*.so "$python_dir.new"/xxhash/*.so  # zstandard's debug
-  # symbols are 10 of its 11 MB
+  # zstandard's debug symbols are 10 of its 11 MB
+  strip --strip-unneeded "$python_dir.new"/zstandard/*.so "$python_dir.new"/xxhash/*.so "$python_dir.new"/blake3/*.so
   rm -rf "$python_dir" && mv "$python_dir.new" "$python_dir"
   log "$python_dir ($(du -sh "$python_dir" | cut -f1))"
 fi

@@ -110,7 +110,7 @@ class BrokenBackend(DirectoryBackend):
         super().__init__(root)
         self.allowed = allowed
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         if self.allowed <= 0:
             raise StoreUnavailable(f"access denied writing {key}")
         self.allowed -= 1

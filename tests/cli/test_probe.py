@@ -255,7 +255,7 @@ def test_probe_on_a_job_vm_writes_only_under_its_runs_probe_prefix(tmp_path, buc
     touched: list[str] = []
 
     class Recorded(S3Backend):
-        def put(self, key: str, data: bytes) -> None:
+        def put(self, key: str, data: bytes | memoryview) -> None:
             touched.append(key)
             super().put(key, data)
 

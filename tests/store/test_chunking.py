@@ -56,3 +56,33 @@ def test_a_mapped_file_fed_in_views_gives_the_same_chunks_without_copying_them()
     assert out == whole
     inside = [c for c in out[:-1] if isinstance(c, memoryview)]
     assert inside and all(c.obj is data for c in inside)  # chunks within one block are views of it, not copies
+
+
+def test_chunks_known_to_start_somewhere_are_taken_whole_and_the_rest_cut_as_before() -> None:
+    # Given a file's chunks, cut by scanning its pages
+    data = random_bytes(12 * MiB, seed=5) + bytes(2 * MiB)
+    whole = chunk(data, [], Chunking())
+    starts, offset = {}, 0
+    for piece in whole:
+        starts[offset] = len(piece)
+        offset += len(piece)
+
+    # When it is cut again, streamed, with every other of those chunks known where it starts (the last one aside:
+    # the end of the file cut it)
+    known_here = {start: size for n, (start, size) in enumerate(list(starts.items())[:-1]) if n % 2 == 0}
+    asked: list[int] = []
+
+    def known(position: int, view: memoryview) -> int:
+        asked.append(position)
+        size = known_here.get(position, 0)
+        return size if size <= len(view) else 0
+
+    chunker, out, offset = Chunker(Chunking()), list[bytes | memoryview](), 0
+    for size in (3 * MiB + PAGE, 5 * MiB, len(data)):
+        out += chunker.feed(data[offset : offset + size], known)
+        offset += size
+    out += chunker.finish()
+
+    # Then the chunks are the same, and known() was asked at chunk starts only
+    assert out == whole
+    assert set(asked) <= set(starts) and len(asked) > len(known_here) > 1

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import shutil
+import tempfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import boto3
+import pytest
 import zstandard
-from spotcr_agent.store import CheckpointStore
+from spotcr_agent.store import CheckpointStore, CorruptCheckpoint, DirectoryBackend, chunking
+from spotcr_agent.store import store as store_module
 from spotcr_agent.store.chunking import Chunker, Chunking
+from spotcr_agent.store.manifest import CHUNK_HASHES
 from spotcr_agent.store.store import FETCH_RANGE
 
 from tests.localaws.vended import Enforced
@@ -29,7 +36,7 @@ class Counting:
         self.gets: list[str] = []
         self.ranges: list[tuple[str, int, int]] = []
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
         self.puts.append(key)
         self.backend.put(key, data)
 
@@ -131,27 +138,32 @@ def write_format_1(store: CheckpointStore, n: int, files: dict[str, bytes]) -> N
     store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(n)}.json", json.dumps(doc).encode())
 
 
-def test_a_store_written_before_packs_restores_and_its_chunks_are_reused(
+def test_a_store_written_before_packs_restores_and_prune_keeps_the_chunk_objects_it_uses(
     store: CheckpointStore, tmp_path: Path
 ) -> None:
-    # Given a checkpoint committed in format 1 (a chunk per object)
-    old = random_bytes(3 * MiB, seed=43)
+    # Given two checkpoints committed in format 1 (a chunk per object, SHA-256 ids), the second one the first's
+    # memory plus a new file
+    old, new = random_bytes(3 * MiB, seed=43), random_bytes(MiB, seed=44)
     write_format_1(store, 1, {"images/pages-1.img": old})
+    write_format_1(store, 2, {"images/pages-1.img": old, "images/pages-44.img": new})
+    objects = {o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")}
 
-    # When this agent restores it, then commits the same memory plus a new file on top of it
+    # When this agent restores the first, then commits the same memory on top of the second
     store.fetch(checkpoint_id(1), tmp_path / "restore1")
     images(tmp_path / "img", 44)
     (tmp_path / "img/pages-1.img").write_bytes(old)
-    second = store.commit(tmp_path / "img", meta(2, parent=1))
+    third = store.commit(tmp_path / "img", meta(3, parent=2))
 
-    # Then the old checkpoint restores byte for byte, and the new one sends only the new file (into a pack)
-    # and keeps using the old chunk objects, which prune keeps while it does
+    # Then the old checkpoint restores byte for byte; the new one, whose chunks go by BLAKE3 ids, sends them all
+    # into packs as a fresh full checkpoint; and prune keeps the chunk objects the kept format-1 checkpoint uses
     assert (tmp_path / "restore1/images/pages-1.img").read_bytes() == old
-    reused = second.manifest.stored_chunks()
-    assert second.chunks_uploaded == sum(1 for c in reused.values() if c.pack is not None) < len(reused)
-    assert store.prune(keep=1, grace_seconds=0).deleted_checkpoints == [checkpoint_id(1)]
-    store.fetch(checkpoint_id(2), tmp_path / "restore2")
-    assert tree_bytes(tmp_path / "restore2/images") == {"pages-1.img": old, "pages-44.img": random_bytes(MiB, 44)}
+    assert third.manifest.hash == "blake3" and third.manifest.since_full == 0
+    assert all(c.pack is not None for c in third.manifest.stored_chunks().values())
+    assert store.prune(keep=2, grace_seconds=0).deleted_checkpoints == [checkpoint_id(1)]
+    assert {o.key for o in store.backend.scan(f"{run_keys(store)}chunks/")} >= objects
+    for n in (2, 3):
+        store.fetch(checkpoint_id(n), tmp_path / f"restore{n}")
+        assert tree_bytes(tmp_path / f"restore{n}/images") == {"pages-1.img": old, "pages-44.img": new}
 
 
 def test_a_prune_while_a_commit_has_written_packs_but_no_manifest_deletes_nothing(
@@ -180,19 +192,27 @@ def test_a_prune_while_a_commit_has_written_packs_but_no_manifest_deletes_nothin
 
 
 def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_path: Path) -> None:
-    # Given a store in S3
+    # Given a store in S3 (over plain http here, where botocore signs a SHA-256 of each body unless told not to)
     store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+    signed: list[bytes] = []
+    store.backend.client.meta.events.register(  # type: ignore[attr-defined]
+        "before-send.s3.PutObject", lambda request, **_: signed.append(request.headers["x-amz-content-sha256"])
+    )
 
     # When a checkpoint is committed
     store.commit(images(tmp_path / "img", 1), meta(1))
 
-    # Then S3 was told to verify its pack and manifest by CRC32 (cheap), not by a SHA-256 of the body
+    # Then S3 was told to verify its pack and manifest by CRC32 (cheap), not by a SHA-256 of the body, and no
+    # body was hashed for the request's signature either
     for key in (f"chunks/packs/{store.load(checkpoint_id(1)).packs()[0]}", f"checkpoints/{checkpoint_id(1)}.json"):
         head = boto3.client("s3").head_object(Bucket=s3_iam.bucket, Key=run_keys(store) + key, ChecksumMode="ENABLED")
         assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
+    assert signed and set(signed) == {b"UNSIGNED-PAYLOAD"}
 
 
-def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: CheckpointStore, tmp_path: Path) -> None:
+def test_a_final_dump_finds_what_did_not_change_by_fast_digest(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a periodic checkpoint of 16 MiB, each chunk with its fast digest
     pages = bytearray(random_bytes(16 * MiB, seed=50))
     (tmp_path / "img").mkdir()
@@ -203,10 +223,73 @@ def test_a_final_dump_finds_what_did_not_change_by_fast_digest(store: Checkpoint
     # When one byte in the middle changes (same length, same place) and the final dump follows
     pages[8 * MiB] ^= 0xFF
     (tmp_path / "img/pages-1.img").write_bytes(pages)
+    scanned, crc32 = list[int](), zlib.crc32
+
+    def counted_crc32(sample: memoryview) -> int:
+        scanned.append(len(sample))
+        return crc32(sample)
+
+    monkeypatch.setattr(chunking.zlib, "crc32", counted_crc32)
     final = store.commit(tmp_path / "img", meta(2, parent=1, kind="final"))
 
-    # Then every other chunk was taken as the parent's by its place and fast digest, without SHA-256; the changed
-    # one was hashed and sent; and the final dump restores byte for byte
-    assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 1)
+    # Then every other chunk but the last (which ends where the file did, not at a boundary) was taken as the
+    # parent's by its place and fast digest, neither given a chunk id nor its pages scanned for a boundary; the
+    # changed one was cut, hashed and sent; and the final dump restores byte for byte
+    assert (final.chunks_uploaded, final.chunks_unchanged) == (1, final.chunks_total - 2)
+    assert len(scanned) < 2 * Chunking().max_size // chunking.PAGE < len(pages) // chunking.PAGE
     store.fetch(final.checkpoint_id, tmp_path / "restore")
     assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
+
+
+@pytest.mark.parametrize("mount", ["disk", "tmpfs"])
+@pytest.mark.parametrize("memory", ["page-aligned", "unaligned"])
+def test_a_directory_store_writes_a_pack_byte_for_byte_past_or_through_the_page_cache(
+    mount: str, memory: str, tmp_path: Path
+) -> None:
+    # Given a pack of 3 MiB and a partial block, in page-aligned memory (as the store fills packs: O_DIRECT for its
+    # whole blocks) or not (refused by O_DIRECT: the page cache), bound for a disk or tmpfs (O_DIRECT by its own
+    # rules, or none before Linux 6.6)
+    body = random_bytes(3 * MiB + 1234, seed=50)
+    if memory == "page-aligned":
+        buffer = mmap.mmap(-1, len(body))
+        buffer[:] = body
+        view = memoryview(buffer)
+    else:
+        view = memoryview(bytearray(b"x" + body))[1:]
+    root = Path(tempfile.mkdtemp(dir="/dev/shm")) if mount == "tmpfs" else tmp_path
+    try:
+        backend = DirectoryBackend(root)
+
+        # When it is put, and the store flushed
+        backend.put("run/chunks/packs/p1", view)
+        backend.flush()
+
+        # Then the object holds exactly those bytes
+        assert (root / "run/chunks/packs/p1").read_bytes() == body
+    finally:
+        if mount == "tmpfs":
+            shutil.rmtree(root)
+
+
+def test_a_checkpoint_with_sha256_chunk_ids_restores_verified_by_them(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a packed checkpoint as format 2 wrote it (chunks named by SHA-256), and a copy naming one chunk wrongly
+    monkeypatch.setattr(store_module, "chunk_id", CHUNK_HASHES["sha256"])
+    content = random_bytes(3 * MiB, seed=51)
+    images(tmp_path / "img")
+    (tmp_path / "img/pages-1.img").write_bytes(content)
+    doc = json.loads(store.commit(tmp_path / "img", meta(1)).manifest.to_json())
+    chunks = doc["files"][0]["chunks"]
+    misnamed = [{**chunks[0], "hash": CHUNK_HASHES["sha256"](b"another chunk")}, *chunks[1:]]
+    for n, listed in ((2, chunks), (3, misnamed)):
+        files = [{**doc["files"][0], "chunks": listed}]
+        files[0]["digest"] = hashlib.sha256(b"".join(bytes.fromhex(c["hash"]) for c in listed)).hexdigest()
+        copy = doc | {"format": 2, "hash": "sha256", "checkpoint_id": checkpoint_id(n), "files": files}
+        store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(n)}.json", json.dumps(copy).encode())
+
+    # When this agent restores it, Then it restores byte for byte, each chunk checked against its SHA-256
+    store.fetch(checkpoint_id(2), tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == content
+    with pytest.raises(CorruptCheckpoint, match="does not match its hash"):
+        store.fetch(checkpoint_id(3), tmp_path / "restore3")

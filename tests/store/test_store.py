@@ -83,7 +83,7 @@ def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: Check
 
     assert [m.checkpoint_id for m in listed] == [checkpoint_id(2, kind="final"), checkpoint_id(1)]
     newest = listed[0]
-    assert (newest.format, newest.job_id, newest.generation, newest.kind) == (2, store.job_id, 1, "final")
+    assert (newest.format, newest.job_id, newest.generation, newest.kind) == (3, store.job_id, 1, "final")
     assert newest.parent == checkpoint_id(1)
     assert (newest.criu_version, newest.kernel, newest.arch) == ("4.1.1", "6.18.0", "x86_64")
     assert newest.cpu_flags == ("sse4_2", "avx2")
@@ -92,7 +92,7 @@ def test_manifest_records_the_checkpoint_and_is_listed_newest_first(store: Check
     assert (listed[1].compression, newest.compression) == ("zstd-1", "zstd--1")
     assert newest.created_at.endswith("+00:00")
     raw = json.loads(store.backend.get(f"{run_keys(store)}checkpoints/{newest.checkpoint_id}.json"))
-    assert raw["format"] == 2
+    assert raw["format"] == 3
     assert {"path", "size", "mode", "digest", "chunks"} <= set(raw["files"][0])
 
 
@@ -199,10 +199,10 @@ def test_newer_manifest_format_is_refused_by_version(store: CheckpointStore, tmp
     write_images(images, b"x" * 10)
     result = store.commit(images, meta(1))
     doc = json.loads(result.manifest.to_json())
-    doc |= {"format": 3, "checkpoint_id": checkpoint_id(2)}
+    doc |= {"format": 4, "checkpoint_id": checkpoint_id(2)}
     store.backend.put_new(f"{run_keys(store)}checkpoints/{checkpoint_id(2)}.json", json.dumps(doc).encode())
 
-    with pytest.raises(UnsupportedManifest, match="format 3"):
+    with pytest.raises(UnsupportedManifest, match="format 4"):
         store.fetch(checkpoint_id(2), tmp_path / "restore")
     with pytest.raises(UnsupportedManifest):
         store.checkpoints()

@@ -6,20 +6,29 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+import blake3
 import xxhash
 from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN
 from spotcr_contracts.tags import JOB_ID_PATTERN, RUN_ID_PATTERN
 
 from .errors import CorruptCheckpoint, UnsupportedManifest
 
-FORMAT_VERSION = 2  # 2: chunks live in packs (ChunkRef.pack); 1: each chunk its own object, still read
-READABLE_FORMATS = (1, 2)
-HASH_ALGORITHM = "sha256"
+FORMAT_VERSION = 3  # 3: chunk ids by BLAKE3; 2: chunks live in packs (ChunkRef.pack); 1: each chunk its own object
+READABLE_FORMATS = (1, 2, 3)
+# A chunk's id: a cryptographic hash of its raw bytes, named by the manifest's `hash`. New checkpoints use BLAKE3,
+# 5 GiB/s a core here (AVX-512) against SHA-256's 1.1: on 2 cores SHA-256 alone took as long as CRIU's whole dump
+# of the same memory. Checkpoints with SHA-256 ids (formats 1 and 2) are still read and verified by theirs.
+CHUNK_HASHES: Mapping[str, Callable[[bytes | memoryview], str]] = {
+    "blake3": lambda data: blake3.blake3(data).hexdigest(),
+    "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+}
+HASH_ALGORITHM = "blake3"
+chunk_id = CHUNK_HASHES[HASH_ALGORITHM]
 KINDS = ("periodic", "final")
 
 _CHECKPOINT_ID = re.compile(CHECKPOINT_ID_PATTERN)
@@ -126,7 +135,7 @@ class FileEntry:
     path: str  # images/<name> or workdir/<name>
     size: int
     mode: int
-    digest: str  # sha256 over the file's chunk hashes in order: with every chunk verified, it pins the whole file
+    digest: str  # sha256 over the file's chunk ids in order: with every chunk verified, it pins the whole file
     chunks: tuple[ChunkRef, ...]
 
     def to_dict(self, packs: Mapping[str, int]) -> dict[str, Any]:
@@ -141,7 +150,7 @@ class FileEntry:
 
 def fast_digest(data: bytes | memoryview) -> str:
     """A cheap check that a chunk at the same file, offset and length as in the parent checkpoint is unchanged:
-    XXH3's 128-bit hash of the chunk (32 hex digits), about ten times SHA-256's speed here (xxhash, C).
+    XXH3's 128-bit hash of the chunk (32 hex digits), 10 GiB/s a core here: twice BLAKE3's, nine times SHA-256's.
 
     Collision risk: a changed chunk passes for unchanged only if its 128-bit hash matches the parent's, about
     2^-128 per changed chunk for a hash of XXH3's quality: a 64 GiB job rewriting 5% between checkpoints (about
@@ -269,8 +278,9 @@ class Manifest:
             raise CorruptCheckpoint(checkpoint_id, "manifest lists a file path twice")
         if manifest.checkpoint_id != checkpoint_id:
             raise CorruptCheckpoint(checkpoint_id, f"manifest names checkpoint {manifest.checkpoint_id}")
-        if manifest.hash != HASH_ALGORITHM:
-            raise CorruptCheckpoint(checkpoint_id, f"manifest uses hash {manifest.hash!r}, expected {HASH_ALGORITHM}")
+        if manifest.hash not in CHUNK_HASHES:
+            known = ", ".join(CHUNK_HASHES)
+            raise CorruptCheckpoint(checkpoint_id, f"manifest uses hash {manifest.hash!r}, not one of {known}")
         return manifest
 
 
@@ -310,7 +320,7 @@ def _file_from_dict(doc: Mapping[str, Any], packs: Sequence[str]) -> FileEntry:
 def _chunk_from_dict(doc: Mapping[str, Any], packs: Sequence[str]) -> ChunkRef:
     digest = str(doc["hash"])
     if not _HASH.fullmatch(digest):
-        raise ValueError(f"chunk hash {digest!r} is not a sha256 hex digest")
+        raise ValueError(f"chunk id {digest!r} is not 64 hex digits")
     inline = doc.get("inline")
     size = int(doc["size"])
     if size < 0:

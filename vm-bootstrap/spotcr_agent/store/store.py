@@ -8,13 +8,13 @@ Layout under the bucket or mount root (<run> is `jobs/<job_id>/runs/<run_id>`, o
   <run>/commits/<checkpoint_id>               a commit in flight (removed once its manifest is written)
   <run>/sweeps/<uuid>                         a prune in flight (removed when it is done)
 
-Packs: a commit appends each new compressed chunk to the pack being filled and writes the pack once it holds
-PACK_SIZE bytes, up to PACKS_IN_FLIGHT packs at once, the last one when the commit's chunks are all in. The index
-is the manifest: each chunk names its pack, offset and stored length (ChunkRef), so a restore and the next commit
-read nothing but the manifest and one listing (no per-pack index object to write, read or lose). A pack is never
-rewritten; a pack id is random, so a retried commit never overwrites a pack a committed manifest uses. A restore
-reads the chunks it needs by ranged GETs of adjacent chunks (FETCH_RANGE at most), never a pack's dead bytes.
-A pack is "held" while its object exists, as a format-1 chunk is while its object does.
+Packs: a commit appends each new compressed chunk to the pack being filled and writes the pack once the next chunk
+would take it past PACK_SIZE bytes, up to PACKS_IN_FLIGHT packs at once, the last one when the commit's chunks are
+all in. The index is the manifest: each chunk names its pack, offset and stored length (ChunkRef), so a restore and
+the next commit read nothing but the manifest and one listing (no per-pack index object to write, read or lose).
+A pack is never rewritten; a pack id is random, so a retried commit never overwrites a pack a committed manifest
+uses. A restore reads the chunks it needs by ranged GETs of adjacent chunks (FETCH_RANGE at most), never a pack's
+dead bytes. A pack is "held" while its object exists, as a format-1 chunk is while its object does.
 
 One run never sees another's checkpoints: a job name reused after COMPLETED or FAILED is a new run (a new
 spotcr:run), whose listing, restore walk, parents and prune cover only its own prefix; a manifest that names
@@ -46,9 +46,9 @@ there (the older ones keep pointing at the damaged pack: a restore walks back no
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
+import queue
 import resource
 import stat
 import threading
@@ -71,6 +71,8 @@ from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import PAGE, Chunker, Chunking
 from .errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
 from .manifest import (
+    CHUNK_HASHES,
+    HASH_ALGORITHM,
     CheckpointMeta,
     ChunkRef,
     FileEntry,
@@ -80,6 +82,7 @@ from .manifest import (
     check_job_id,
     check_manifest_path,
     check_run_id,
+    chunk_id,
     fast_digest,
     file_digest,
 )
@@ -97,7 +100,7 @@ GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (start
 SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
 SWEEP_POLL_S = 0.5
 DELETE_BATCH = 500
-PACK_SIZE = 32 * 1024 * 1024  # a pack is written once it holds this much: 32 PUTs per GiB of new data at most (S3
+PACK_SIZE = 32 * 1024 * 1024  # a pack holds at most this much: about 32 PUTs per GiB of new data (S3
 # charges per request; one chunk per object was about 800), each a single PUT, and 4 in flight keep 5 Gbit/s busy
 PACKS_IN_FLIGHT = 4  # packs being written at once: a commit holds at most 5 x PACK_SIZE of packs in memory
 FETCH_RANGE = 8 * 1024 * 1024  # a restore's ranged GETs of adjacent chunks stop at this size: parallel parts
@@ -330,7 +333,7 @@ class CheckpointStore:
             compress_seconds=uploader.compress_s,
             upload_seconds=packer.upload_s,
             objects_uploaded=packer.written,
-            chunks_unchanged=uploader.unchanged,
+            chunks_unchanged=uploader.unchanged_chunks,
         )
 
     def _inherit(
@@ -396,12 +399,12 @@ class CheckpointStore:
                 offset = 0
                 for chunk in entry.chunks:
                     if chunk.inline is not None:
-                        data = _verified(checkpoint_id, chunk, chunk.inline, entry.path, _decompressor())
+                        data = _verified(manifest, chunk, chunk.inline, entry.path)
                         os.pwrite(fd, data, offset)
                     else:
                         spots[chunk.hash].append((fd, offset, entry.path))
                     offset += chunk.size
-            self._download(checkpoint_id, stored, spots)
+            self._download(manifest, stored, spots)
             for entry in manifest.files:
                 os.fchmod(fds[entry.path], entry.mode & 0o7777)
         except BaseException:
@@ -506,7 +509,7 @@ class CheckpointStore:
 
     def _download(
         self,
-        checkpoint_id: str,
+        manifest: Manifest,
         stored: Mapping[str, ChunkRef],
         spots: Mapping[str, list[tuple[int, int, str]]],
     ) -> None:
@@ -515,7 +518,7 @@ class CheckpointStore:
 
         def place(chunk: ChunkRef, raw: bytes) -> None:
             fd, offset, path = spots[chunk.hash][0]
-            data = _verified(checkpoint_id, chunk, raw, path, _decompressor())
+            data = _verified(manifest, chunk, raw, path)
             for fd, offset, _ in spots[chunk.hash]:
                 os.pwrite(fd, data, offset)
 
@@ -531,7 +534,7 @@ class CheckpointStore:
                 where = f"pack {pack} holding " if pack else ""
                 path = spots[first.hash][0][2]
                 raise CorruptCheckpoint(
-                    checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
+                    manifest.checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
                 ) from None
             for chunk in chunks:
                 place(chunk, raw[chunk.offset - start : chunk.offset - start + chunk.stored])
@@ -545,12 +548,15 @@ class CheckpointStore:
                 future.result()
 
     def _pump_images(self, image_dir: Path, tails: dict[str, _FileTail], uploader: _Uploader) -> int:
-        """Open image files that appeared and read what was added to each; return the bytes read."""
+        """Open image files that appeared and read what was added to each; return the bytes read. Called every
+        POLL_SECONDS while CRIU writes: a file already open costs a string lookup here, not a Path."""
         for directory, _, names in os.walk(image_dir):
+            under = os.path.relpath(directory, image_dir)
+            prefix = "images/" if under == "." else f"images/{Path(under).as_posix()}/"
             for name in names:
-                source = Path(directory) / name
-                path = "images/" + source.relative_to(image_dir).as_posix()
+                path = prefix + name
                 if path not in tails:
+                    source = Path(directory) / name
                     with contextlib.suppress(FileNotFoundError):
                         if stat.S_ISREG(source.lstat().st_mode):
                             tails[path] = _FileTail(path, source, self.chunking, mapped=True)
@@ -576,6 +582,8 @@ class CheckpointStore:
         except (CorruptCheckpoint, UnsupportedManifest, CheckpointNotFound):
             return {}, set(), 0, {}  # a manifest this agent cannot read only costs dedup, never correctness
         chunks = manifest.stored_chunks()
+        if manifest.hash != HASH_ALGORITHM:
+            return {}, set(), 0, {}  # its chunks go by other ids (SHA-256, before format 3): this commit sends all
         if not chunks:
             return {}, set(), manifest.since_full, {}
         # Rely only on chunks the store still holds: one listing (pack ids and format-1 chunk hashes), and a chunk
@@ -585,7 +593,7 @@ class CheckpointStore:
         at = {}
         for entry in manifest.files:
             offset = 0
-            for chunk in entry.chunks:
+            for chunk in entry.chunks[:-1]:  # the last one ends where the file did, not where a boundary is
                 if chunk.fast is not None and chunk.hash in known:
                     at[entry.path, offset] = chunk
                 offset += chunk.size
@@ -613,7 +621,12 @@ class CheckpointStore:
 
 
 class _Packer:
-    """Appends compressed chunks to the pack being filled; writes each full pack on a thread of its own."""
+    """Copies compressed chunks into the pack being filled; writes each full pack on a thread of its own.
+
+    A pack is filled in a page-aligned buffer that is used again once its pack is written: PACKS_IN_FLIGHT + 1 of
+    them at most, touched once, instead of a fresh 32 MiB of memory for every pack (joining a pack's chunks into a
+    new bytes object cost more in page faults than the copy itself), and a directory store writes them past the
+    page cache (DirectoryBackend)."""
 
     def __init__(self, backend: Backend, prefix: str, size: int) -> None:
         self._backend = backend
@@ -623,17 +636,25 @@ class _Packer:
         self._slots = threading.BoundedSemaphore(PACKS_IN_FLIGHT)  # bounds memory: a full pack waits for a slot
         self._pool = ThreadPoolExecutor(PACKS_IN_FLIGHT, thread_name_prefix="spotcr-pack")
         self._writes: list[Future[float]] = []
-        self._pack, self._pieces, self._filled = uuid.uuid4().hex, list[bytes](), 0
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()  # buffers of written packs
+        self._pack, self._buffer, self._filled = uuid.uuid4().hex, self._take_buffer(), 0
         self.written = 0
         self.upload_s = 0.0
 
     def add(self, compressed: bytes) -> tuple[str, int]:
-        """Put a compressed chunk in the pack being filled; return that pack's id and the chunk's offset in it."""
+        """Put a compressed chunk in the pack being filled; return that pack's id and the chunk's offset in it. A
+        pack holds at most `size` bytes, unless one chunk alone is larger: that one is a pack of its own."""
         with self._lock:
+            if self._filled + len(compressed) > self._size:
+                self._seal()
+            if len(compressed) > self._size:
+                where = uuid.uuid4().hex, 0
+                self._send(where[0], compressed)
+                return where
             where = self._pack, self._filled
-            self._pieces.append(compressed)
+            self._buffer[self._filled : self._filled + len(compressed)] = compressed
             self._filled += len(compressed)
-            if self._filled >= self._size:
+            if self._filled == self._size:
                 self._seal()
         return where
 
@@ -651,21 +672,32 @@ class _Packer:
 
     def _seal(self) -> None:
         """Hand the pack being filled to a writer thread and start a new one (the caller holds the lock)."""
-        if not self._pieces:
+        if not self._filled:
             return
+        buffer, filled = self._buffer, self._filled
+        self._send(self._pack, memoryview(buffer)[:filled], buffer)
+        self._pack, self._buffer, self._filled = uuid.uuid4().hex, self._take_buffer(), 0
+
+    def _send(self, pack: str, body: bytes | memoryview, buffer: mmap.mmap | None = None) -> None:
         for write in self._writes:
             if write.done() and (error := write.exception()) is not None:
                 raise error
         self._slots.acquire()
-        key, body = f"{self._prefix}{PACKS}{self._pack}", b"".join(self._pieces)
-        self._pack, self._pieces, self._filled = uuid.uuid4().hex, [], 0
-        self._writes.append(self._pool.submit(self._write, key, body))
+        self._writes.append(self._pool.submit(self._write, f"{self._prefix}{PACKS}{pack}", body, buffer))
 
-    def _write(self, key: str, body: bytes) -> float:
+    def _take_buffer(self) -> mmap.mmap:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return mmap.mmap(-1, self._size)  # anonymous: page-aligned, and its pages are only used once written
+
+    def _write(self, key: str, body: bytes | memoryview, buffer: mmap.mmap | None) -> float:
         began = time.perf_counter()
         try:
             self._backend.put(key, body)
         finally:
+            if buffer is not None:
+                self._free.put(buffer)
             self._slots.release()
         return time.perf_counter() - began
 
@@ -702,7 +734,7 @@ class _Uploader:
         self.bytes_changed = 0
         self.read_s = 0.0  # added to by the reading thread (_FileTail.pump)
         self.hash_s = self.compress_s = 0.0
-        self.unchanged = 0  # chunks found unchanged by their fast digest, without SHA-256
+        self.unchanged_chunks = 0  # chunks found unchanged by their fast digest, without a chunk id
 
     def __enter__(self) -> _Uploader:
         return self
@@ -720,6 +752,20 @@ class _Uploader:
             return chunk
         located = self._located[chunk.hash]
         return located if located.fast or not chunk.fast else replace(located, fast=chunk.fast)
+
+    @property
+    def has_parent(self) -> bool:
+        return bool(self._parent_at)
+
+    def unchanged(self, path: str, offset: int, view: memoryview) -> ChunkRef | None:
+        """The parent's chunk at `offset` of `path` if view starts with the same bytes (its length and fast digest),
+        found while the file is cut: neither its pages scanned for a boundary nor the chunk handed to a worker."""
+        there = self._parent_at.get((path, offset))
+        if there is None or there.size > len(view) or fast_digest(view[: there.size]) != there.fast:
+            return None
+        with self._lock:
+            self.unchanged_chunks += 1
+        return there
 
     def submit(self, data: bytes | memoryview, path: str, offset: int) -> Future[ChunkRef]:
         """Store the chunk at `offset` of file `path` (unless the store holds it); its ChunkRef once done."""
@@ -744,9 +790,9 @@ class _Uploader:
             if there is not None and there.size == len(data) and there.fast == fast:
                 with self._lock:
                     self.hash_s += time.perf_counter() - began
-                    self.unchanged += 1
+                    self.unchanged_chunks += 1
                 return there
-        digest = hashlib.sha256(data).hexdigest()
+        digest = chunk_id(data)
         hashed = time.perf_counter()
         with self._lock:
             self.hash_s += hashed - began
@@ -797,11 +843,25 @@ class _FileTail:
         self._chunker = Chunker(chunking)
         self._chunks: list[Future[ChunkRef] | ChunkRef] = []
         self._handed = 0  # bytes handed to the uploader: where the next chunk starts
+        self._same: dict[int, ChunkRef] = {}  # the parent's chunks found unchanged while cutting, by offset
         self.size = 0
+
+    def _feed(self, uploader: _Uploader, data: bytes | memoryview) -> list[bytes | memoryview]:
+        """Cut data into chunks; a chunk found to be the parent's at the same place is taken whole, unscanned."""
+
+        def known(offset: int, view: memoryview) -> int:
+            there = uploader.unchanged(self.path, offset, view)
+            if there is None:
+                return 0
+            self._same[offset] = there
+            return there.size
+
+        return self._chunker.feed(data, known if uploader.has_parent else None)
 
     def _hand_over(self, uploader: _Uploader, chunks: list[bytes | memoryview]) -> None:
         for chunk in chunks:
-            self._chunks.append(uploader.submit(chunk, self.path, self._handed))
+            same = self._same.pop(self._handed, None)
+            self._chunks.append(same or uploader.submit(chunk, self.path, self._handed))
             self._handed += len(chunk)
 
     def pump(self, uploader: _Uploader) -> int:
@@ -816,7 +876,7 @@ class _FileTail:
                 uploader.read_s += time.perf_counter() - began
                 break
             read += len(block)
-            chunks = self._chunker.feed(block)
+            chunks = self._feed(uploader, block)
             uploader.read_s += time.perf_counter() - began
             self._hand_over(uploader, chunks)
         self.size += read
@@ -836,7 +896,7 @@ class _FileTail:
             return 0
         start = self.size - self.size % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS)
-        chunks = self._chunker.feed(memoryview(mapping)[self.size - start :])
+        chunks = self._feed(uploader, memoryview(mapping)[self.size - start :])
         uploader.read_s += time.perf_counter() - began
         self._hand_over(uploader, chunks)
         added, self.size = end - self.size, end
@@ -850,7 +910,7 @@ class _FileTail:
         if self._chunker.emitted == 0 and self._chunker.pending <= INLINE_MAX:
             for data in self._chunker.finish():
                 compressed = zstandard.ZstdCompressor(level=uploader.level).compress(data)
-                self._chunks.append(ChunkRef(hashlib.sha256(data).hexdigest(), len(data), compressed))
+                self._chunks.append(ChunkRef(chunk_id(data), len(data), compressed))
         else:
             self._hand_over(uploader, self._chunker.finish())
         self.mode = os.fstat(self._fd).st_mode & 0o7777
@@ -885,13 +945,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 _THREAD = threading.local()
 
 
-def _verified(checkpoint_id: str, chunk: ChunkRef, stored: bytes, path: str, dctx: zstandard.ZstdDecompressor) -> bytes:
-    """Decompress a stored chunk and check it is exactly the bytes the manifest names."""
+def _verified(manifest: Manifest, chunk: ChunkRef, stored: bytes, path: str) -> bytes:
+    """Decompress a stored chunk and check it is exactly the bytes the manifest names (by the manifest's hash)."""
+    checkpoint_id = manifest.checkpoint_id
     try:
-        data = dctx.decompress(stored, max_output_size=chunk.size)
+        data = _decompressor().decompress(stored, max_output_size=chunk.size)
     except zstandard.ZstdError as e:
         raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} is damaged or truncated ({e})") from e
-    if len(data) != chunk.size or hashlib.sha256(data).hexdigest() != chunk.hash:
+    if len(data) != chunk.size or CHUNK_HASHES[manifest.hash](data) != chunk.hash:
         raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} does not match its hash")
     return data
 
