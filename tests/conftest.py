@@ -19,6 +19,17 @@ from rehearsal.vm import bare_vm as rehearsal_bare_vm
 # The tests are a test build, as `make test` says too: the agent asset may carry the EFS helper's stand-in.
 os.environ.setdefault("SPOTCR_EFS_UTILS", "stand-in")
 
+# Tests that boot local VMs or run CRIU share the host's namespaces and bridges and wait on timed notices: they carry
+# the mark `vms`, and `make test` runs them one after another in one pytest process beside another that runs the rest.
+VM_MARKS = {"criu", "e2e", "faults", "workload", "tracked", "gpu"}
+VM_FIXTURES = {"criu_bin", "vm_network", "bare_vm", "cloud", "shared_cloud"}
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    marks = {mark.name for mark in item.iter_markers()}
+    if marks & VM_MARKS or VM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.vms)
+
 
 @pytest.fixture(scope="session")
 def criu_bin() -> str:

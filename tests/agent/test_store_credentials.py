@@ -85,7 +85,9 @@ def test_the_answer_that_the_job_ended_is_final_never_waited_on() -> None:
 
 
 @pytest.mark.parametrize(
-    "body", [b"not json", b"{}", _answer("AKIDOTHER", timedelta(hours=1), job="someone-else")], ids=str
+    "body",
+    [b"not json", b"{}", _answer("AKIDOTHER", timedelta(hours=1), job="someone-else")],
+    ids=["not-json", "empty", "another-job"],
 )
 def test_an_answer_that_is_not_this_jobs_credentials_is_an_error(body: bytes) -> None:
     with pytest.raises(store_credentials.StoreCredentialsError, match=JOB):
