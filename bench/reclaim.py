@@ -50,9 +50,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from spotcr_functions.config import ENV
 
     from rehearsal import wave
+    from rehearsal.controlplane import MOTO_CONFIG, ControlPlane
     from rehearsal.localaws.throttle import Limits
     from rehearsal.simagent import AgentTiming, SimulatedAgents
-    from tests.workflow.harness import MOTO_CONFIG, ControlPlane
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr)

@@ -1,12 +1,12 @@
 """Simulated agents: the VMs of a wave that do not exist, answering the control plane as the real agent would.
 
 A wave of a hundred jobs does not fit one machine as real VMs. For the VMs that are not real, a `SimulatedAgents`
-watches the ControlPlane's in-process moto (tests/workflow/harness.py) and plays each agent's part through the
-harness's own paths, after the delays a real VM takes:
+watches the ControlPlane's in-process moto (rehearsal/controlplane.py) and plays each agent's part through the
+control plane's own paths, after the delays a real VM takes:
 - a final-dump command sent to a job's instance is answered `dump_s` later (one result line on stdout, SSM's
-  status-change event, the agent's CheckpointCompleted: harness.finish_checkpoint);
+  status-change event, the agent's CheckpointCompleted: controlplane.finish_checkpoint);
 - a backup instance spotcr launched reports AgentReady in restore mode `boot_s` after its launch;
-- a restore command is answered `restore_s` later (harness.finish_restore).
+- a restore command is answered `restore_s` later (controlplane.finish_restore).
 Like a real agent, it knows its run and the restore attempt it answers (from its tags and the command), so it asks
 AWS nothing: under AWS's rate limits (rehearsal/localaws/throttle.py) only the control plane's calls count. It also
 notes when each of these happened, per job, for the benchmark's figures.
@@ -29,8 +29,8 @@ from moto.ssm.models import Command as MotoCommand
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
 
+from rehearsal import controlplane
 from rehearsal.localaws import ACCOUNT, REGION, wrap
-from tests.workflow import harness
 
 LIVE_STATES = {"pending", "running"}
 
@@ -143,7 +143,7 @@ class SimulatedAgents:
     def _take_backups(self) -> None:
         """Backups spotcr launched (spotcr:mode restore) since the last look: each boots, then reports ready."""
         now = time.time()
-        with harness._MOTO:
+        with controlplane._MOTO:
             instances = [i for r in ec2_backends[ACCOUNT][REGION].reservations.values() for i in r.instances]
             launched = [
                 (i.id, i.get_tags()) for i in instances if i.id not in self._seen_instances and i.state in LIVE_STATES
@@ -160,7 +160,7 @@ class SimulatedAgents:
                 labels[tag_names.JOB],
                 instance_id,
                 int(labels[tag_names.GENERATION]),
-                harness.now_iso(),
+                controlplane.now_iso(),
                 run_id=labels.get(tag_names.RUN, ""),
                 mode="restore",
             )
@@ -169,7 +169,7 @@ class SimulatedAgents:
     @staticmethod
     def _ready(ready: events.AgentReady) -> Callable[[], None]:
         def report() -> None:
-            harness.route(harness.agent_event(ready))
+            controlplane.route(controlplane.agent_event(ready))
 
         return report
 
@@ -179,12 +179,12 @@ class SimulatedAgents:
             checkpoint = commands.checkpoint_id(
                 int(time.time() * 1000), generation, "final", int(parameters["Sequence"])
             )
-            harness.finish_checkpoint(
+            controlplane.finish_checkpoint(
                 events.CheckpointCompleted(
                     parameters["JobId"],
                     instance_id,
                     generation,
-                    harness.now_iso(),
+                    controlplane.now_iso(),
                     run_id=parameters["RunId"],
                     checkpoint_id=checkpoint,
                     kind="final",
@@ -196,12 +196,12 @@ class SimulatedAgents:
 
     def _restore(self, instance_id: str, parameters: dict[str, str]) -> Callable[[], None]:
         def restore() -> None:
-            harness.finish_restore(
+            controlplane.finish_restore(
                 events.RestoreCompleted(
                     parameters["JobId"],
                     instance_id,
                     int(parameters["Generation"]),
-                    harness.now_iso(),
+                    controlplane.now_iso(),
                     run_id=parameters["RunId"],
                     checkpoint_id=parameters["CheckpointId"],
                     attempt=parameters["Attempt"],

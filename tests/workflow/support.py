@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spotcr_contracts import events
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     checkpoint_id,

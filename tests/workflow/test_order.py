@@ -8,7 +8,7 @@ from spotcr_contracts import commands, events
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     ec2_event,

@@ -13,7 +13,7 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     ec2_event,

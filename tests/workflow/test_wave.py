@@ -5,8 +5,8 @@ from __future__ import annotations
 from spotcr_functions.models import Status
 
 from rehearsal import wave
+from rehearsal.controlplane import ControlPlane
 from rehearsal.simagent import AgentTiming, SimulatedAgents
-from tests.workflow.harness import ControlPlane
 
 JOBS = 20
 

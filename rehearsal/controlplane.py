@@ -1,4 +1,4 @@
-"""Test-only: one moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
+"""One moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
 
 The local AWS of rehearsal/localaws with no VMs: the same stack, Lambda, SSM, fleet, Step Functions and IAM as
 the rehearsal's LocalCloud. moto's Step Functions engine runs the real ASL; its Lambda invocations land in
@@ -38,9 +38,9 @@ from rehearsal.iam import enforce, principals
 from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
 from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
-from tests.support import wait_for
+from rehearsal.polling import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EVENTS = ROOT / "tests" / "events"
 ASL = stack.ASL_PATH
 FUNCTION_PREFIX = "spotcr-"
