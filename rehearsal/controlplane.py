@@ -342,20 +342,37 @@ def _run_tag(instance_id: str) -> str:
     return tags.get(tag_names.RUN, "")
 
 
-def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """Deliver an event as EventBridge would: to every catalog function whose rule pattern matches it."""
-    delivered = []
+def targets(event: Mapping[str, Any]) -> list[str]:
+    """The catalog functions EventBridge delivers the event to: those whose rule pattern matches it."""
     on_agent_bus = event.get("source") == events.SOURCE
     state_machine_arn = os.environ.get(ENV["recovery_state_machine_arn"], "")
+    matched = []
     for function in catalog.FUNCTIONS:
         for rule in function.rules:
             pattern = rule.pattern_for(state_machine_arn)
             if pattern is None or rule.agent_bus != on_agent_bus:
                 continue
             if EventPattern.load(json.dumps(pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
-                result = FUNCTIONS.call(function.name, json.loads(json.dumps(event)))
-                delivered.append((function.name, result))
-    return delivered
+                matched.append(function.name)
+    return matched
+
+
+def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Deliver an event to every function whose rule matches it, one after the other, and return what each did (an
+    error raised): the test in EventBridge's and Lambda's place."""
+    return [(name, FUNCTIONS.call(name, json.loads(json.dumps(event)))) for name in targets(event)]
+
+
+def deliver(queue: awslambda.EventQueue, event: Mapping[str, Any]) -> None:
+    """Deliver an event as EventBridge does: an asynchronous invocation of every function whose rule matches it,
+    through Lambda's event queue (its retries: awslambda.EventQueue)."""
+    for name in targets(event):
+        queue.submit(name, json.loads(json.dumps(event)))
+
+
+def event_queue(retries: awslambda.AsyncRetries | None = None) -> awslambda.EventQueue:
+    """Lambda's event queue for the stack's functions (its retries as AWS's, unless given)."""
+    return awslambda.EventQueue(FUNCTIONS.attempt, retries or awslambda.AsyncRetries())
 
 
 class ControlPlane:

@@ -44,7 +44,7 @@ class WaveResult:
     stuck: list[str] = field(default_factory=list)  # its workflow still running when the wave's time was up
     live_copies: dict[str, list[str]] = field(default_factory=dict)  # job -> its live instances, where more than one
     leaks: list[str] = field(default_factory=list)
-    agent_errors: list[str] = field(default_factory=list)  # events the functions failed: a warning, an answer
+    agent_errors: list[str] = field(default_factory=list)  # events Lambda dropped after its retries; answers refused
     seconds: float = 0.0  # first warning to the last workflow's end
     throttles: dict[str, Any] = field(default_factory=dict)  # the throttle Meter's report, when limits applied
 
@@ -82,21 +82,15 @@ def run_wave(
     progress: Callable[[str], None] = lambda _line: None,
 ) -> WaveResult:
     """Warn every job's instance within `warn_within_s` (evenly spread; each delivered on time, as EventBridge
-    delivers to Lambda, which runs them side by side up to its concurrency: the throttle's, when `limits` set it),
-    then wait up to `timeout_s` for every workflow to end.
-    With `limits`, AWS's rate limits apply from the first warning until every workflow ended (not to the reads of
-    the end state after)."""
+    delivers to Lambda's event queue, the agents' queue: `agents.events`), then wait up to `timeout_s` for every
+    workflow to end and for every event to run or be dropped.
+    With `limits`, AWS's rate limits apply from the first warning until then (not to the reads of the end state)."""
     warned: dict[str, float] = {}
-
-    refused: list[str] = []
 
     def warn(job_id: str, at: float) -> None:
         time.sleep(max(0.0, at - time.time()))
         warned[job_id] = time.time()
-        try:
-            controlplane.route(controlplane.ec2_event("spot-interruption-warning", instances[job_id]))
-        except Exception as error:  # the handler failed the warning: the wave reports it (Lambda would retry)
-            refused.append(f"{job_id}: the interruption handler failed: {type(error).__name__}: {error}")
+        controlplane.deliver(agents.events, controlplane.ec2_event("spot-interruption-warning", instances[job_id]))
 
     before = find_leaks()
     with contextlib.ExitStack() as throttled:
@@ -110,6 +104,7 @@ def run_wave(
         progress(f"{len(warned)} warnings delivered over {result.warned_over_s:.1f} s")
         executions = _wait_for_workflows(plane, len(instances), start + timeout_s, progress)
         result.seconds = time.time() - start
+        agents.events.join()
     result.throttles = meter.report() if meter else {}
     for job_id, primary in instances.items():
         times = agents.job(job_id)
@@ -121,7 +116,7 @@ def run_wave(
         if stopped is not None:
             result.to_running_again[job_id] = stopped - warned[job_id]
     result.leaks = _leaks(plane, instances, before)
-    result.agent_errors = refused + agents.errors
+    result.agent_errors = agents.events.dropped + agents.errors
     return result
 
 
