@@ -217,7 +217,7 @@ def _pending_checkpoint(instance_id: str, kind: str = "") -> list[tuple[Any, dic
 def finish_checkpoint(report: events.CheckpointCompleted | events.CheckpointFailed) -> list[tuple[str, Any]]:
     """The VM's dump ends: its command's result is in SSM, SSM's status-change event is delivered, and the agent's
     own event (telemetry) too. A periodic dump with no order pending on its instance was ordered earlier: the
-    checkpoint command is sent first, as the scheduler sent it (tests of ordering use order_periodic)."""
+    checkpoint command is sent first, as the scheduler sent it (tests of ordering order it first)."""
     if report.kind == "periodic" and not _pending_checkpoint(report.instance_id, "periodic"):
         parameters = {
             "JobId": [report.job_id],
@@ -583,23 +583,3 @@ def now_iso() -> str:
 
 def checkpoint_id(kind: str, generation: int, at_ms: int | None = None, sequence: int | None = None) -> str:
     return commands.checkpoint_id(at_ms or int(time.time() * 1000), generation, kind, sequence)
-
-
-def ordered_sequence(plane: ControlPlane, instance_id: str, kind: str) -> int:
-    """The sequence of the newest dump of this kind ordered to this instance (the command's Sequence)."""
-    sent = [
-        c
-        for c in plane.sent_commands("checkpoint")
-        if c["instances"] == [instance_id] and c["parameters"]["Kind"] == kind
-    ]
-    return int(sent[-1]["parameters"]["Sequence"])
-
-
-def order_periodic(plane: ControlPlane, job_id: str, instance_id: str) -> int:
-    """The scheduler orders the job's periodic dump (made due now); returns the order's sequence."""
-    table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
-    table.update_item(
-        Key={"job_id": job_id}, UpdateExpression="SET next_checkpoint_at = :due", ExpressionAttributeValues={":due": 0}
-    )
-    assert invoke_function("scheduler", load_event("scheduled-event"))["ordered"] == [job_id]
-    return ordered_sequence(plane, instance_id, "periodic")

@@ -40,10 +40,10 @@ from rehearsal.controlplane import (
     invoke_function,
     load_event,
     now_iso,
-    ordered_sequence,
     route,
 )
 from rehearsal.localaws.ssm import command_ended_detail
+from tests.workflow.support import ordered_sequence
 
 pytestmark = pytest.mark.claim("Facts come from authenticated sources")
 

@@ -16,10 +16,9 @@ from rehearsal.controlplane import (
     finish_checkpoint,
     finish_restore,
     now_iso,
-    order_periodic,
-    ordered_sequence,
     route,
 )
+from tests.workflow.support import order_periodic, ordered_sequence
 
 pytestmark = pytest.mark.claim("Attempts and order")
 

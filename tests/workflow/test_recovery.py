@@ -20,10 +20,9 @@ from rehearsal.controlplane import (
     finish_exit,
     finish_restore,
     now_iso,
-    order_periodic,
     route,
 )
-from tests.workflow.support import NO_CAPACITY, commit, recover
+from tests.workflow.support import NO_CAPACITY, commit, order_periodic, recover
 
 
 def _no_capacity_in(plane: ControlPlane, subnet_id: str) -> list[tuple[str, str, str]]:
