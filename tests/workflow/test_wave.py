@@ -16,7 +16,7 @@ JOBS = 20
 TIMING = AgentTiming(dump_s=0.5, boot_s=0.2, restore_s=0.2)
 # A backup's agent reports ready only after the recovery recorded the backup (it ignores any other VM): in AWS a
 # boot takes far longer than that write; under throttles the write may take seconds (its SDK retries).
-THROTTLED_TIMING = AgentTiming(dump_s=0.5, boot_s=3.0, restore_s=0.2)
+THROTTLED_TIMING = AgentTiming(dump_s=0.5, boot_s=8.0, restore_s=0.2)
 # Lambda's retries of a failed event, 1 and 2 minutes later on AWS, here 1 and 2 seconds (its throttle retries as AWS).
 RETRIES = AsyncRetries(error_waits_s=(1.0, 2.0))
 # Every bucket on the recovery path set low on purpose: a few tokens, refilled at about the rate twenty recoveries
