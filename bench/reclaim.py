@@ -49,10 +49,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from spotcr_contracts.settings import FunctionSettings
     from spotcr_functions.config import ENV
 
-    from rehearsal import wave
+    from rehearsal import controlplane, wave
     from rehearsal.localaws.throttle import Limits
     from rehearsal.simagent import AgentTiming, SimulatedAgents
-    from tests.workflow.harness import MOTO_CONFIG, ControlPlane
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr)
@@ -61,10 +60,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     timing = AgentTiming(dump_s=args.dump_s, boot_s=args.boot_s, restore_s=args.restore_s)
     # Handlers print their EMF metrics to stdout: keep them out of the figures.
     with (
-        mock_aws(config=MOTO_CONFIG),
+        mock_aws(config=controlplane.MOTO_CONFIG),
         contextlib.redirect_stdout(io.StringIO()),
-        ControlPlane(deployed["final_dump_wait_s"], deployed["restore_wait_s"]) as plane,
-        SimulatedAgents(timing) as agents,
+        controlplane.ControlPlane(deployed["final_dump_wait_s"], deployed["restore_wait_s"]) as plane,
+        controlplane.event_queue() as queue,
+        SimulatedAgents(queue, timing) as agents,
     ):
         # The deployed default, not the workflow tests' 30 s: a wave's backups queue behind each other's launches.
         os.environ[ENV["backup_ready_wait_s"]] = str(deployed["backup_ready_wait_s"])

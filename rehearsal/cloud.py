@@ -18,7 +18,7 @@ real ASL). The rehearsal adds, in-process and only here:
   FIS's two minutes);
 - CloudFormation: a stack named like the rehearsal's resources whose outputs are the real stack's, so the
   `spotcr` command reads it with `--stack` as it reads a deployed one.
-What the workflow tests' control plane (tests/workflow/harness.py) does too is in rehearsal/localaws, shared.
+What the workflow tests' control plane (rehearsal/controlplane.py) does too is in rehearsal/localaws, shared.
 """
 
 from __future__ import annotations

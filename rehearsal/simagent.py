@@ -1,12 +1,13 @@
 """Simulated agents: the VMs of a wave that do not exist, answering the control plane as the real agent would.
 
 A wave of a hundred jobs does not fit one machine as real VMs. For the VMs that are not real, a `SimulatedAgents`
-watches the ControlPlane's in-process moto (tests/workflow/harness.py) and plays each agent's part through the
-harness's own paths, after the delays a real VM takes:
+watches the ControlPlane's in-process moto (rehearsal/controlplane.py) and plays each agent's part through the
+control plane's own paths, after the delays a real VM takes:
 - a final-dump command sent to a job's instance is answered `dump_s` later (one result line on stdout, SSM's
-  status-change event, the agent's CheckpointCompleted: harness.finish_checkpoint);
+  status-change event, the agent's CheckpointCompleted);
 - a backup instance spotcr launched reports AgentReady in restore mode `boot_s` after its launch;
-- a restore command is answered `restore_s` later (harness.finish_restore).
+- a restore command is answered `restore_s` later (its result line, SSM's event, the agent's RestoreCompleted).
+Every event goes through EventBridge to Lambda's event queue (`events`: asynchronous, retried as Lambda retries).
 Like a real agent, it knows its run and the restore attempt it answers (from its tags and the command), so it asks
 AWS nothing: under AWS's rate limits (rehearsal/localaws/throttle.py) only the control plane's calls count. It also
 notes when each of these happened, per job, for the benchmark's figures.
@@ -29,8 +30,8 @@ from moto.ssm.models import Command as MotoCommand
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
 
-from rehearsal.localaws import ACCOUNT, REGION, wrap
-from tests.workflow import harness
+from rehearsal import controlplane
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, wrap
 
 LIVE_STATES = {"pending", "running"}
 
@@ -56,15 +57,22 @@ class JobTimes:
     final_dump_ordered: float | None = None
     backup_launched: float | None = None
     restore_ordered: float | None = None
-    restored: float | None = None
     backups: list[str] = field(default_factory=list)
 
 
 class SimulatedAgents:
-    """The agents of every VM in a ControlPlane's account (use as a context manager inside the plane). Answers run
-    on `workers` threads, as independent VMs answer at once; errors in an answer are kept in `errors`."""
+    """The agents of every VM in a ControlPlane's account (use as a context manager inside the plane), their events
+    delivered through `events`. Answers run on `workers` threads, as independent VMs answer at once; errors in an
+    answer are kept in `errors`."""
 
-    def __init__(self, timing: AgentTiming = AgentTiming(), workers: int = 4, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        events: awslambda.EventQueue,
+        timing: AgentTiming = AgentTiming(),
+        workers: int = 4,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.events = events
         self.timing = timing
         self.jobs: dict[str, JobTimes] = {}
         self.errors: list[str] = []
@@ -74,7 +82,7 @@ class SimulatedAgents:
         self._sent: list[tuple[float, Any]] = []  # (time, moto command) as SendCommand made them
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
-        self._seen_instances: set[str] = set()
+        self._seen_instances: set[str] = set()  # tagged with their job: read once
         self._stop = threading.Event()
         self._patches = contextlib.ExitStack()
 
@@ -143,16 +151,17 @@ class SimulatedAgents:
     def _take_backups(self) -> None:
         """Backups spotcr launched (spotcr:mode restore) since the last look: each boots, then reports ready."""
         now = time.time()
-        with harness._MOTO:
+        with controlplane._MOTO:
             instances = [i for r in ec2_backends[ACCOUNT][REGION].reservations.values() for i in r.instances]
             launched = [
                 (i.id, i.get_tags()) for i in instances if i.id not in self._seen_instances and i.state in LIVE_STATES
             ]
         for instance_id, tag_list in launched:
             labels = {tag["key"]: tag["value"] for tag in tag_list}
+            if tag_names.JOB in labels:
+                self._seen_instances.add(instance_id)
             if labels.get(tag_names.MODE) != "restore":
                 continue  # the user's own VM (its agent played by whoever started the job), or not tagged yet
-            self._seen_instances.add(instance_id)
             job = self.job(labels[tag_names.JOB])
             job.backup_launched = job.backup_launched or now
             job.backups.append(instance_id)
@@ -160,16 +169,18 @@ class SimulatedAgents:
                 labels[tag_names.JOB],
                 instance_id,
                 int(labels[tag_names.GENERATION]),
-                harness.now_iso(),
+                controlplane.now_iso(),
                 run_id=labels.get(tag_names.RUN, ""),
                 mode="restore",
             )
             self._schedule(now + self.timing.boot_s, self._ready(ready))
 
-    @staticmethod
-    def _ready(ready: events.AgentReady) -> Callable[[], None]:
+    def _send(self, event: dict[str, Any]) -> None:
+        controlplane.deliver(self.events, event)
+
+    def _ready(self, ready: events.AgentReady) -> Callable[[], None]:
         def report() -> None:
-            harness.route(harness.agent_event(ready))
+            self._send(controlplane.agent_event(ready))
 
         return report
 
@@ -179,36 +190,40 @@ class SimulatedAgents:
             checkpoint = commands.checkpoint_id(
                 int(time.time() * 1000), generation, "final", int(parameters["Sequence"])
             )
-            harness.finish_checkpoint(
-                events.CheckpointCompleted(
-                    parameters["JobId"],
-                    instance_id,
-                    generation,
-                    harness.now_iso(),
-                    run_id=parameters["RunId"],
-                    checkpoint_id=checkpoint,
-                    kind="final",
-                    seconds=self.timing.dump_s,
-                )
+            report = events.CheckpointCompleted(
+                parameters["JobId"],
+                instance_id,
+                generation,
+                controlplane.now_iso(),
+                run_id=parameters["RunId"],
+                checkpoint_id=checkpoint,
+                kind="final",
+                seconds=self.timing.dump_s,
             )
+            with controlplane._MOTO:
+                ended = controlplane.end_checkpoint_command(report)
+            if ended:
+                self._send(ended[1])
+            self._send(controlplane.agent_event(report))
 
         return commit
 
     def _restore(self, instance_id: str, parameters: dict[str, str]) -> Callable[[], None]:
         def restore() -> None:
-            harness.finish_restore(
-                events.RestoreCompleted(
-                    parameters["JobId"],
-                    instance_id,
-                    int(parameters["Generation"]),
-                    harness.now_iso(),
-                    run_id=parameters["RunId"],
-                    checkpoint_id=parameters["CheckpointId"],
-                    attempt=parameters["Attempt"],
-                    seconds=self.timing.restore_s,
-                    pid=4242,
-                )
+            answer = events.RestoreCompleted(
+                parameters["JobId"],
+                instance_id,
+                int(parameters["Generation"]),
+                controlplane.now_iso(),
+                run_id=parameters["RunId"],
+                checkpoint_id=parameters["CheckpointId"],
+                attempt=parameters["Attempt"],
+                seconds=self.timing.restore_s,
+                pid=4242,
             )
-            self.job(parameters["JobId"]).restored = time.time()
+            with controlplane._MOTO:
+                _, ended = controlplane.end_restore_command(answer)
+            self._send(ended)
+            self._send(controlplane.agent_event(answer))
 
         return restore

@@ -1,7 +1,7 @@
 """A wave of spot interruptions: N jobs warned within seconds, recovered by one control plane at once.
 
 When a capacity pool runs dry, every instance in it gets its warning within seconds. `run_wave` plays that against
-a ControlPlane (tests/workflow/harness.py, the real handlers and ASL on the local AWS) whose VMs are simulated agents
+a ControlPlane (rehearsal/controlplane.py, the real handlers and ASL on the local AWS) whose VMs are simulated agents
 (rehearsal/simagent.py): it registers the jobs through the real register path (launch, EC2's state change, the
 agent's JobStarted), delivers every warning through EventBridge's routing within `warn_within_s`, waits for every
 workflow to end, then reads the wave's end state: recovered, failed, stuck, two live copies, leaks.
@@ -22,11 +22,10 @@ import boto3
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
 
-from rehearsal import leaks
+from rehearsal import controlplane, leaks
 from rehearsal.localaws import REGION
 from rehearsal.localaws import throttle as rate_limits
 from rehearsal.simagent import SimulatedAgents
-from tests.workflow import harness
 
 LIVE_STATES = ("pending", "running")
 
@@ -45,7 +44,7 @@ class WaveResult:
     stuck: list[str] = field(default_factory=list)  # its workflow still running when the wave's time was up
     live_copies: dict[str, list[str]] = field(default_factory=dict)  # job -> its live instances, where more than one
     leaks: list[str] = field(default_factory=list)
-    agent_errors: list[str] = field(default_factory=list)  # events the functions failed: a warning, an answer
+    agent_errors: list[str] = field(default_factory=list)  # events Lambda dropped after its retries; answers refused
     seconds: float = 0.0  # first warning to the last workflow's end
     throttles: dict[str, Any] = field(default_factory=dict)  # the throttle Meter's report, when limits applied
 
@@ -65,7 +64,7 @@ def spread(values: dict[str, float]) -> dict[str, float]:
     return {"p50": statistics.median(ordered), "p99": p99, "max": ordered[-1]}
 
 
-def register(plane: harness.ControlPlane, count: int, prefix: str = "wave") -> dict[str, str]:
+def register(plane: controlplane.ControlPlane, count: int, prefix: str = "wave") -> dict[str, str]:
     """`count` running jobs, registered as `spotcr submit` does; job id -> its instance."""
     if count < 1:
         raise ValueError(f"a wave needs at least one job, not {count}")
@@ -73,7 +72,7 @@ def register(plane: harness.ControlPlane, count: int, prefix: str = "wave") -> d
 
 
 def run_wave(
-    plane: harness.ControlPlane,
+    plane: controlplane.ControlPlane,
     agents: SimulatedAgents,
     instances: dict[str, str],
     *,
@@ -83,21 +82,15 @@ def run_wave(
     progress: Callable[[str], None] = lambda _line: None,
 ) -> WaveResult:
     """Warn every job's instance within `warn_within_s` (evenly spread; each delivered on time, as EventBridge
-    delivers to Lambda, which runs them side by side up to its concurrency: the throttle's, when `limits` set it),
-    then wait up to `timeout_s` for every workflow to end.
-    With `limits`, AWS's rate limits apply from the first warning until every workflow ended (not to the reads of
-    the end state after)."""
+    delivers to Lambda's event queue, the agents' queue: `agents.events`), then wait up to `timeout_s` for every
+    workflow to end and for every event to run or be dropped.
+    With `limits`, AWS's rate limits apply from the first warning until then (not to the reads of the end state)."""
     warned: dict[str, float] = {}
-
-    refused: list[str] = []
 
     def warn(job_id: str, at: float) -> None:
         time.sleep(max(0.0, at - time.time()))
         warned[job_id] = time.time()
-        try:
-            harness.route(harness.ec2_event("spot-interruption-warning", instances[job_id]))
-        except Exception as error:  # the handler failed the warning: the wave reports it (Lambda would retry)
-            refused.append(f"{job_id}: the interruption handler failed: {type(error).__name__}: {error}")
+        controlplane.deliver(agents.events, controlplane.ec2_event("spot-interruption-warning", instances[job_id]))
 
     before = find_leaks()
     with contextlib.ExitStack() as throttled:
@@ -111,6 +104,7 @@ def run_wave(
         progress(f"{len(warned)} warnings delivered over {result.warned_over_s:.1f} s")
         executions = _wait_for_workflows(plane, len(instances), start + timeout_s, progress)
         result.seconds = time.time() - start
+        agents.events.join()
     result.throttles = meter.report() if meter else {}
     for job_id, primary in instances.items():
         times = agents.job(job_id)
@@ -122,12 +116,12 @@ def run_wave(
         if stopped is not None:
             result.to_running_again[job_id] = stopped - warned[job_id]
     result.leaks = _leaks(plane, instances, before)
-    result.agent_errors = refused + agents.errors
+    result.agent_errors = agents.events.dropped + agents.errors
     return result
 
 
 def _wait_for_workflows(
-    plane: harness.ControlPlane, count: int, deadline: float, progress: Callable[[str], None]
+    plane: controlplane.ControlPlane, count: int, deadline: float, progress: Callable[[str], None]
 ) -> dict[str, dict[str, Any]]:
     """job id -> its recovery workflow's execution, once all `count` have ended or the deadline passed."""
     paginator = plane.sfn.get_paginator("list_executions")
@@ -143,7 +137,7 @@ def _wait_for_workflows(
 
 
 def _end_state(
-    plane: harness.ControlPlane,
+    plane: controlplane.ControlPlane,
     result: WaveResult,
     job_id: str,
     primary: str,
@@ -170,7 +164,7 @@ def _end_state(
     return None
 
 
-def _live_instances(plane: harness.ControlPlane, job_id: str) -> list[str]:
+def _live_instances(plane: controlplane.ControlPlane, job_id: str) -> list[str]:
     filters = [
         {"Name": f"tag:{tag_names.JOB}", "Values": [job_id]},
         {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
@@ -183,7 +177,7 @@ def find_leaks() -> list[leaks.Leak]:
     return leaks.find_leaks(lambda service: boto3.client(service, region_name=REGION))
 
 
-def _leaks(plane: harness.ControlPlane, instances: dict[str, str], before: list[leaks.Leak]) -> list[str]:
+def _leaks(plane: controlplane.ControlPlane, instances: dict[str, str], before: list[leaks.Leak]) -> list[str]:
     """What leaks.find_leaks names that was not there before the wave, less what the running jobs hold: their
     instance, its volumes, their access point."""
     held = {leak.resource_id for leak in before}

@@ -104,7 +104,7 @@ def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
 def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord | None:
     if record.status not in ACTIVE:
         return None
-    return deps.registry.bump_generation(record.job_id, instance_id, record.generation, at)
+    return deps.registry.bump_generation(record.job_id, instance_id, record.generation, at, read=record)
 
 
 def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, Any]:

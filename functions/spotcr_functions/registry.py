@@ -227,15 +227,19 @@ class Registry:
 
     # Fencing (rule 1).
 
-    def bump_generation(self, job_id: str, instance_id: str, generation: int, at: str) -> JobRecord | None:
+    def bump_generation(
+        self, job_id: str, instance_id: str, generation: int, at: str, read: JobRecord | None = None
+    ) -> JobRecord | None:
         """The fencing write: generation+1 once per interrupted instance, only while that instance is current.
 
         An early final dump (the agent took it on its own IMDS notice and it was recorded before this write) is
         kept: its arrival moves to the new generation, so recovery restores it at once instead of waiting for a
         final dump that was already taken. The write is conditional on the arrival it read, and re-read on a race.
+        `read`: the record as the caller just read it consistently (the first try writes from it, one GetItem less
+        before the final dump is ordered); a failed condition re-reads it.
         """
         for _ in range(5):
-            record = self.get(job_id)
+            record, read = read or self.get(job_id), None
             if record is None or record.instance_id != instance_id or record.generation != generation:
                 return None
             if record.status not in ACTIVE or record.recovering_from == instance_id:

@@ -1,7 +1,7 @@
 """The one local AWS: moto, plus what moto does not do, done as AWS does it, split by service.
 
 Two ways to run it share these modules: `rehearsal.cloud.LocalCloud` (moto's server, real local VMs: the rehearsal
-and the fault suite) and `tests.workflow.harness.ControlPlane` (moto in-process, no VMs: the workflow tests).
+and the fault suite) and `rehearsal.controlplane.ControlPlane` (moto in-process, no VMs: the workflow tests).
 - `awslambda`: invoking a function runs its catalog handler in-process, signed as the function's role;
 - `ssm`: commands go to their InstanceIds only; managed instances; SSM's command status-change event;
 - `fleet`: CreateFleet tags its instances as RunInstances does, and reports refused launches in Errors;

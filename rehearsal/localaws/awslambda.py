@@ -1,14 +1,18 @@
 """Lambda: invoking one of the stack's functions runs its catalog handler in this process, as the Lambda runtime
-would, with its AWS calls signed as the function's role (enforced by rehearsal/iam/enforce.py)."""
+would, with its AWS calls signed as the function's role (enforced by rehearsal/iam/enforce.py); and Lambda's event
+queue, which runs asynchronous invocations (EventBridge's deliveries) and retries them as Lambda does."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
+import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +66,11 @@ class Functions:
         with enforce.acting_as(enforce.function_key(function.name)):
             return handler(payload, context)
 
+    def attempt(self, name: str, payload: Any) -> Any:
+        """One try of an asynchronous invocation (EventQueue's): as `call`, but under a concurrency limit
+        (rehearsal/localaws/throttle.py) TooManyRequests when no slot is free, where `call` would wait."""
+        return self.call(name, payload)
+
     def catalog_name(self, function: str) -> str:
         """The catalog name of a deployed function, given by name or ARN (a qualifier dropped)."""
         name = function.rsplit(":function:", maxsplit=1)[-1].split(":", maxsplit=1)[0]
@@ -93,3 +102,99 @@ class Functions:
             return self.invoke(function_name, body, response_headers)
 
         wrap(patches, LambdaSimpleBackend, "invoke", lambda _original: invoke)
+
+
+class TooManyRequests(Exception):
+    """Lambda refused an invocation: the account's concurrency is all in use (429 TooManyRequestsException)."""
+
+
+@dataclass(frozen=True)
+class AsyncRetries:
+    """How Lambda's event queue retries an asynchronous invocation (AWS Lambda Developer Guide, "How Lambda handles
+    errors and retries with asynchronous invocation"): a throttled one goes back to the queue and is tried again,
+    1 s later at first, the interval doubling up to 5 minutes, for up to 6 hours (the maximum event age); a function
+    error is retried twice, 1 minute then 2 minutes later. `scaled(f)` multiplies every wait (a test's minutes)."""
+
+    throttle_first_s: float = 1.0
+    throttle_max_s: float = 300.0
+    max_age_s: float = 6 * 3600.0
+    error_waits_s: tuple[float, ...] = (60.0, 120.0)
+
+    def scaled(self, factor: float) -> AsyncRetries:
+        if factor <= 0:
+            raise ValueError(f"a scale factor must be positive, not {factor}")
+        return dataclasses.replace(
+            self,
+            throttle_first_s=self.throttle_first_s * factor,
+            throttle_max_s=self.throttle_max_s * factor,
+            max_age_s=self.max_age_s * factor,
+            error_waits_s=tuple(wait * factor for wait in self.error_waits_s),
+        )
+
+
+class EventQueue:
+    """Lambda's asynchronous invocation: `submit` returns at once and the event runs on a thread of its own, tried
+    again as `retries` says; an event given up is kept in `dropped` (Lambda would send it to the function's
+    on-failure destination). Use as a context manager: leaving waits for every event to run or be dropped."""
+
+    def __init__(
+        self,
+        run: Callable[[str, Any], Any],
+        retries: AsyncRetries = AsyncRetries(),
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.retries = retries
+        self.dropped: list[str] = []
+        self.errors_retried = 0  # function errors the queue retried
+        self._run = run
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> EventQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.join()
+
+    def submit(self, function: str, payload: Any) -> None:
+        thread = threading.Thread(target=self._invoke, args=(function, payload), name=f"event-{function}", daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        """Wait for every event submitted so far (and those their runs submit) to run or be dropped."""
+        while True:
+            with self._lock:
+                running = [thread for thread in self._threads if thread.is_alive()]
+                self._threads = running
+            if not running:
+                return
+            for thread in running:
+                thread.join()
+
+    def _invoke(self, function: str, payload: Any) -> None:
+        age, wait, errors = 0.0, self.retries.throttle_first_s, 0
+        while True:
+            try:
+                self._run(function, payload)
+                return
+            except TooManyRequests:
+                if age + wait > self.retries.max_age_s:
+                    self._drop(f"{function}: throttled for {age:g} s, past the event's maximum age")
+                    return
+                self._sleep(wait)
+                age, wait = age + wait, min(wait * 2, self.retries.throttle_max_s)
+            except Exception as error:  # a function error: retried, then dropped
+                if errors == len(self.retries.error_waits_s):
+                    self._drop(f"{function}: failed {errors + 1} times, last: {type(error).__name__}: {error}")
+                    return
+                with self._lock:
+                    self.errors_retried += 1
+                self._sleep(self.retries.error_waits_s[errors])
+                age, errors = age + self.retries.error_waits_s[errors], errors + 1
+
+    def _drop(self, why: str) -> None:
+        with self._lock:
+            self.dropped.append(why)

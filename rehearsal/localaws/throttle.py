@@ -12,7 +12,8 @@ Interface (the wave benchmark and the workflow tests use it):
 - `Meter.calls[(service, operation)]`: requests that reached the bucket check; `Meter.throttled[...]`: those refused;
   `Meter.retried[...]`: requests that passed as an SDK retry (botocore's `amz-sdk-request: attempt=N`, N > 1),
   i.e. throttles (or other errors) the caller's retries absorbed; `Meter.queued[function]`: asynchronous Lambda
-  invocations that waited for concurrency; `Meter.delayed_transitions`: state transitions that waited for a token.
+  invocations refused for concurrency and put back in Lambda's event queue (or a test's synchronous delivery that
+  waited for a slot); `Meter.delayed_transitions`: state transitions that waited for a token.
   `Meter.report()` gives all of it as plain data. Service and operation are as moto names them: botocore's service
   name (`ec2`, `ssm`, `stepfunctions`, `events`, `dynamodb`, `lambda`) and the API action (`CreateTags`).
 
@@ -27,8 +28,9 @@ What is modelled, and how AWS fails each call over its limit:
 - Step Functions state transitions: AWS delays, not fails, a throttled transition; here the engine waits for a token.
 - Lambda: at most `lambda_concurrency` invocations run at once (the account quota). A synchronous Invoke (Step
   Functions' Task states) over it fails with HTTP 429 `TooManyRequestsException` (Reason
-  ConcurrentInvocationLimitExceeded); an asynchronous one (EventBridge's deliveries) waits in Lambda's event queue,
-  which retries throttled events for up to 6 hours, so here it waits for a free slot. The per-function scaling rate
+  ConcurrentInvocationLimitExceeded); an asynchronous one (EventBridge's deliveries: `Functions.attempt`, tried by
+  `awslambda.EventQueue`) goes back to Lambda's event queue, which tries it again with backoff for up to 6 hours.
+  A test's own synchronous delivery (`Functions.call`) waits for a free slot. The per-function scaling rate
   (1,000 more every 10 s) is not modelled: the account quota binds first.
 An operation with no row here is not throttled (S3, SNS, STS, EFS: off the recovery path, or far above its rate).
 Every caller counts, the test's own calls too: AWS throttles per account and Region, whoever calls.
@@ -333,12 +335,12 @@ class Throttle:
             self.sleep(wait)
 
     def enter_function(self, function: str, wait: bool) -> bool:
-        """One more invocation running; False (sync only) if the account's concurrency is all in use."""
+        """One more invocation running; False if the account's concurrency is all in use (unless `wait`: then it
+        waits for a free slot, as the test's own synchronous deliveries do)."""
         limit = self.limits.lambda_concurrency
         with self._lock:
             if limit is not None and self._running >= limit:
                 if not wait:
-                    self.meter.throttled[("lambda", "Invoke")] += 1
                     return False
                 self.meter.queued[function] += 1
                 while self._running >= limit:
@@ -407,16 +409,35 @@ def install(
 
         return metered
 
+    def holding_a_slot(run: Callable[[], Any], function: str, refused: Callable[[], Exception]) -> Any:
+        if not throttle.enter_function(function, wait=False):
+            raise refused()
+        token = _holding_slot.set(True)
+        try:
+            return run()
+        finally:
+            _holding_slot.reset(token)
+            throttle.leave_function()
+
     def invoke(original: Any) -> Any:
+        def refused() -> Exception:
+            throttle.meter.throttled[("lambda", "Invoke")] += 1
+            return Throttled("lambda", "rest-json")
+
         def metered(functions: Any, function: str, body: Any, response_headers: dict[str, str]) -> bytes:
-            if not throttle.enter_function(function, wait=False):
-                raise Throttled("lambda", "rest-json")
-            token = _holding_slot.set(True)
-            try:
-                return bytes(original(functions, function, body, response_headers))
-            finally:
-                _holding_slot.reset(token)
-                throttle.leave_function()
+            return bytes(
+                holding_a_slot(lambda: original(functions, function, body, response_headers), function, refused)
+            )
+
+        return metered
+
+    def attempt(original: Any) -> Any:
+        def metered(functions: Any, name: str, payload: Any) -> Any:
+            def refused() -> Exception:
+                throttle.meter.queued[name] += 1
+                return awslambda.TooManyRequests(f"{name}: the account's Lambda concurrency is all in use")
+
+            return holding_a_slot(lambda: original(functions, name, payload), name, refused)
 
         return metered
 
@@ -435,5 +456,6 @@ def install(
     wrap(patches, ActionAuthenticatorMixin, "_authenticate_and_authorize_normal_action", authorize)
     wrap(patches, CommonStateField, "_eval_body", eval_body)
     wrap(patches, awslambda.Functions, "invoke", invoke)
+    wrap(patches, awslambda.Functions, "attempt", attempt)
     wrap(patches, awslambda.Functions, "call", call)
     return throttle.meter

@@ -6,9 +6,9 @@ import pytest
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
 
+from rehearsal.controlplane import ControlPlane
 from tests.functions.support import JOB_ROLE, STORE_ROLE_ARN
 from tests.workflow.conftest import aws_env, plane
-from tests.workflow.harness import ControlPlane
 
 __all__ = ["aws_env", "plane"]
 

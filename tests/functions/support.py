@@ -6,7 +6,7 @@ import copy
 import json
 from typing import Any
 
-from tests.workflow.harness import ACCOUNT, EVENTS, invoke_function
+from rehearsal.controlplane import ACCOUNT, EVENTS, invoke_function
 
 SAMPLE = json.loads((EVENTS / "function-url" / "request-aws-iam.json").read_text())
 JOB_ROLE = "spotcr-JobRole-1A2B3C4D5E6F"

@@ -19,8 +19,8 @@ from spotcr_functions.config import ENV, Settings
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import Status
 
+from rehearsal.controlplane import REGION, ControlPlane, agent_event, ec2_event, finish_exit, now_iso, route
 from tests.functions.support import BUCKET, answer, instance_session, request
-from tests.workflow.harness import REGION, ControlPlane, agent_event, ec2_event, finish_exit, now_iso, route
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.gpus import Gpus, matching_fallbacks
 
-from tests.workflow.harness import ControlPlane, agent_event, ec2_event, now_iso, route
+from rehearsal.controlplane import ControlPlane, agent_event, ec2_event, now_iso, route
 from tests.workflow.support import NO_CAPACITY
 
 A10G = Gpus("NVIDIA", "A10G", 1)

@@ -17,7 +17,7 @@ from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 from spotcr_functions.observability import Metric
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     EVENTS,
     ControlPlane,
     agent_event,

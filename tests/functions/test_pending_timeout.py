@@ -14,7 +14,7 @@ from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     EVENTS,
     REGION,
     ControlPlane,

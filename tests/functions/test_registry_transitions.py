@@ -193,6 +193,16 @@ def test_a_fence_keeps_an_early_final_dump_at_the_new_generation(registry: Regis
     assert bumped is not None and bumped.arrival("final-dump") == {**arrival, "generation": 3}
 
 
+def test_a_fence_from_a_record_read_before_an_early_final_dump_re_reads_and_keeps_it(registry: Registry) -> None:
+    # Given the record as the warning's handler read it, then the agent's early final dump recorded
+    read = job(registry)
+    arrival = {"generation": 2, "output": {"instance_id": "i-1", "checkpoint_id": "final"}}
+    registry.update("job-1", {"event_final_dump": arrival})
+    # When the fence writes from what it read, its condition fails; it re-reads and keeps the dump
+    bumped = registry.bump_generation("job-1", "i-1", 2, AT, read=read)
+    assert bumped is not None and bumped.arrival("final-dump") == {**arrival, "generation": 3}
+
+
 def test_a_lost_backup_fences_the_job_only_while_it_is_the_backup(registry: Registry) -> None:
     seen = recovering(registry, handover_volume_id="vol-2")
     bumped = registry.bump_backup(seen, AT)

@@ -10,7 +10,7 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     checkpoint_id,

@@ -18,8 +18,8 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions import store_access
 from spotcr_functions.models import Status
 
+from rehearsal.controlplane import ACCOUNT, EVENTS, REGION, ControlPlane, ec2_event, invoke_function, route
 from tests.functions.support import BUCKET, JOB_ROLE, SAMPLE, STORE_ROLE_ARN, answer, instance_session, request
-from tests.workflow.harness import ACCOUNT, EVENTS, REGION, ControlPlane, ec2_event, invoke_function, route
 
 API_SAMPLE = json.loads((EVENTS / "api-gateway" / "rest-request-aws-iam.json").read_text())
 

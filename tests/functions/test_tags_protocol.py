@@ -6,7 +6,7 @@ import boto3
 import pytest
 from spotcr_contracts import tags
 
-from tests.workflow.harness import ControlPlane, ec2_event, route
+from rehearsal.controlplane import ControlPlane, ec2_event, route
 
 BASE = {tags.JOB: "j-1", tags.COMMAND: "/opt/job/run"}
 

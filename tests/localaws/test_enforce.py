@@ -14,9 +14,9 @@ import pytest
 from botocore.exceptions import ClientError
 from spotcr_contracts import tags as tag_names
 
+from rehearsal.controlplane import ACCOUNT, REGION, ControlPlane, ec2_event, function_key, route
 from rehearsal.iam import enforce
 from tests.workflow.conftest import aws_env, plane
-from tests.workflow.harness import ACCOUNT, REGION, ControlPlane, ec2_event, function_key, route
 
 __all__ = ["aws_env", "plane"]  # the workflow tests' control plane, IAM enforced
 

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 from moto import mock_aws
 
-from tests.workflow.harness import MOTO_CONFIG, REGION, ControlPlane
+from rehearsal.controlplane import MOTO_CONFIG, REGION, ControlPlane
 
 
 @pytest.fixture

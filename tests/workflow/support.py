@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import boto3
 from spotcr_contracts import events
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
+    REGION,
     ControlPlane,
     agent_event,
     checkpoint_id,
     finish_checkpoint,
     finish_restore,
+    invoke_function,
+    load_event,
     now_iso,
-    ordered_sequence,
     route,
 )
 
@@ -62,3 +65,23 @@ def recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | N
     finish_restore(completed)
     assert plane.wait_for_execution()["status"] == "SUCCEEDED"
     return backup
+
+
+def ordered_sequence(plane: ControlPlane, instance_id: str, kind: str) -> int:
+    """The sequence of the newest dump of this kind ordered to this instance (the command's Sequence)."""
+    sent = [
+        c
+        for c in plane.sent_commands("checkpoint")
+        if c["instances"] == [instance_id] and c["parameters"]["Kind"] == kind
+    ]
+    return int(sent[-1]["parameters"]["Sequence"])
+
+
+def order_periodic(plane: ControlPlane, job_id: str, instance_id: str) -> int:
+    """The scheduler orders the job's periodic dump (made due now); returns the order's sequence."""
+    table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
+    table.update_item(
+        Key={"job_id": job_id}, UpdateExpression="SET next_checkpoint_at = :due", ExpressionAttributeValues={":due": 0}
+    )
+    assert invoke_function("scheduler", load_event("scheduled-event"))["ordered"] == [job_id]
+    return ordered_sequence(plane, instance_id, "periodic")

@@ -7,7 +7,7 @@ import re
 
 from spotcr_functions import catalog
 
-from tests.workflow.harness import ASL
+from rehearsal.controlplane import ASL
 
 KINDS = ("function:", "table:", "topic:", "document:", "launch-template", "bus", "bucket")
 

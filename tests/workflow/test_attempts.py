@@ -8,7 +8,7 @@ import pytest
 from spotcr_contracts import events
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     checkpoint_id,

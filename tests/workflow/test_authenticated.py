@@ -22,8 +22,7 @@ from spotcr_functions import catalog, recovery
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from rehearsal.localaws.ssm import command_ended_detail
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ACCOUNT,
     REGION,
     ControlPlane,
@@ -41,9 +40,10 @@ from tests.workflow.harness import (
     invoke_function,
     load_event,
     now_iso,
-    ordered_sequence,
     route,
 )
+from rehearsal.localaws.ssm import command_ended_detail
+from tests.workflow.support import ordered_sequence
 
 pytestmark = pytest.mark.claim("Facts come from authenticated sources")
 

@@ -20,7 +20,7 @@ from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import InterruptionWarning, RecoveryEnded, Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     EVENTS,
     ControlPlane,
     agent_event,

@@ -7,7 +7,7 @@ from spotcr_contracts import events
 from spotcr_functions import cloud
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import ControlPlane, answer_exit, ec2_event, finish_exit, now_iso, route
+from rehearsal.controlplane import ControlPlane, answer_exit, ec2_event, finish_exit, now_iso, route
 from tests.workflow.support import commit, recover
 
 RESULT = "s3://spotcr-checkpoints/jobs/{job}/result/manifest.json"

@@ -12,7 +12,7 @@ from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
 from spotcr_functions.handlers import _edge
 
-from tests.workflow.harness import ControlPlane, ec2_event, route
+from rehearsal.controlplane import ControlPlane, ec2_event, route
 from tests.workflow.support import NO_CAPACITY
 
 NEW_USER_DATA = b"#!/bin/sh\n# the agent asset of the upgraded stack\n"

@@ -16,7 +16,7 @@ from spotcr_functions import recovery
 from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     checkpoint_id,

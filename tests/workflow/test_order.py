@@ -8,7 +8,7 @@ from spotcr_contracts import commands, events
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     ec2_event,
@@ -16,10 +16,9 @@ from tests.workflow.harness import (
     finish_checkpoint,
     finish_restore,
     now_iso,
-    order_periodic,
-    ordered_sequence,
     route,
 )
+from tests.workflow.support import order_periodic, ordered_sequence
 
 pytestmark = pytest.mark.claim("Attempts and order")
 

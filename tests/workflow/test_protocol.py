@@ -14,7 +14,7 @@ from spotcr_functions import recovery
 from spotcr_functions.models import Status
 from spotcr_functions.registry import Registry
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     EVENTS,
     MOTO_CONFIG,
     ControlPlane,

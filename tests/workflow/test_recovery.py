@@ -13,17 +13,16 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from tests.workflow.harness import (
+from rehearsal.controlplane import (
     ControlPlane,
     agent_event,
     ec2_event,
     finish_exit,
     finish_restore,
     now_iso,
-    order_periodic,
     route,
 )
-from tests.workflow.support import NO_CAPACITY, commit, recover
+from tests.workflow.support import NO_CAPACITY, commit, order_periodic, recover
 
 
 def _no_capacity_in(plane: ControlPlane, subnet_id: str) -> list[tuple[str, str, str]]:

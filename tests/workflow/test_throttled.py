@@ -12,9 +12,9 @@ from spotcr_functions.cloud import Cloud
 from spotcr_functions.handlers import interruption
 from spotcr_functions.models import Status
 
+from rehearsal.controlplane import ControlPlane, ec2_event, route
 from rehearsal.localaws.throttle import STATE_TRANSITION, Limits, Rate
 from tests.support import wait_for
-from tests.workflow.harness import ControlPlane, ec2_event, route
 from tests.workflow.support import commit, recover
 
 # Per path, the buckets set low: one token, refilled every half second or so (SendCommand: every 5 s, the time between

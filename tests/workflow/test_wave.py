@@ -2,30 +2,96 @@
 
 from __future__ import annotations
 
+import pytest
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
-from rehearsal import wave
+from rehearsal import controlplane, wave
+from rehearsal.controlplane import ControlPlane
+from rehearsal.localaws.awslambda import AsyncRetries
+from rehearsal.localaws.throttle import STATE_TRANSITION, Limits, Rate
 from rehearsal.simagent import AgentTiming, SimulatedAgents
-from tests.workflow.harness import ControlPlane
 
 JOBS = 20
+TIMING = AgentTiming(dump_s=0.5, boot_s=0.2, restore_s=0.2)
+# A backup's agent reports ready only after the recovery recorded the backup (it ignores any other VM): in AWS a
+# boot takes far longer than that write; under throttles the write may take seconds (its SDK retries).
+THROTTLED_TIMING = AgentTiming(dump_s=0.5, boot_s=8.0, restore_s=0.2)
+# Lambda's retries of a failed event, 1 and 2 minutes later on AWS, here 1 and 2 seconds (its throttle retries as AWS).
+RETRIES = AsyncRetries(error_waits_s=(1.0, 2.0))
+# Every bucket on the recovery path set low on purpose: a few tokens, refilled at about the rate twenty recoveries
+# need, so that the wave's bursts (twenty warnings, twenty final dumps, twenty launches) are throttled on every path.
+LOW = {
+    "dynamodb:<reads>": Rate(4, 15),
+    "dynamodb:<writes>": Rate(4, 15),
+    "ec2:<mutating>": Rate(1, 3),
+    "ec2:<non-mutating>": Rate(2, 6),
+    "ec2:TerminateInstances": Rate(1, 3),
+    "ssm:SendCommand": Rate(2, 4),
+    "ssm:GetCommandInvocation": Rate(2, 4),
+    "stepfunctions:StartExecution": Rate(1, 2),
+    "stepfunctions:SendTaskSuccess": Rate(2, 4),
+    STATE_TRANSITION: Rate(5, 30),
+}
+CONCURRENCY = 12
+# The APIs the wave must have met a throttle on: each a retry path (the SDK's retries, then the workflow's Retry or
+# Lambda's event queue).
+THROTTLED_APIS = {
+    "dynamodb:GetItem",
+    "dynamodb:UpdateItem",
+    "ec2:CreateFleet",
+    "ssm:SendCommand",
+    "stepfunctions:StartExecution",
+    "stepfunctions:SendTaskSuccess",
+}
+
+
+def _assert_all_recovered_once(plane: ControlPlane, agents: SimulatedAgents, result: wave.WaveResult) -> None:
+    assert (result.failed, result.stuck, result.live_copies, result.leaks, result.agent_errors) == ({}, [], {}, [], [])
+    assert sorted(result.recovered) == sorted(result.jobs)
+    for job_id in result.jobs:
+        job = plane.job(job_id)
+        assert (job.status, job.generation) == (Status.RUNNING, 1)
+        assert agents.job(job_id).backups == [job.instance_id]
+        assert job.checkpoint_id and job.checkpoint_id.endswith("-final")
+    assert len(plane.sent_commands("checkpoint", kind="final")) == JOBS
+    assert len(result.to_final_dump_command) == len(result.to_running_again) == JOBS
 
 
 def test_a_wave_of_twenty_jobs_all_recover_once(plane: ControlPlane) -> None:
     # Given twenty running jobs whose VMs are simulated agents
-    with SimulatedAgents(AgentTiming(dump_s=0.5, boot_s=0.2, restore_s=0.2)) as agents:
+    with controlplane.event_queue(RETRIES) as queue, SimulatedAgents(queue, TIMING) as agents:
         instances = wave.register(plane, JOBS)
 
         # When every one of them is warned within a second
         result = wave.run_wave(plane, agents, instances, warn_within_s=1.0, timeout_s=120.0)
 
     # Then every job runs again on its one backup, from its final dump, and nothing else is left
-    assert (result.failed, result.stuck, result.live_copies, result.leaks, result.agent_errors) == ({}, [], {}, [], [])
-    assert sorted(result.recovered) == sorted(instances)
+    _assert_all_recovered_once(plane, agents, result)
     for job_id, primary in instances.items():
-        job = plane.job(job_id)
-        assert (job.status, job.generation) == (Status.RUNNING, 1)
-        assert agents.job(job_id).backups == [job.instance_id] != [primary]
-        assert job.checkpoint_id and job.checkpoint_id.endswith("-final")
-    assert len(plane.sent_commands("checkpoint", kind="final")) == JOBS
-    assert len(result.to_final_dump_command) == len(result.to_running_again) == JOBS
+        assert plane.job(job_id).instance_id != primary
+
+
+def test_a_wave_throttled_on_every_path_still_recovers_every_job_once(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given twenty running jobs, and AWS's rate limits set low on every API of the recovery path; the recovery's
+    # waits as deployed (minutes: throttled steps wait out their backoff inside them, not the workflow tests' 30 s)
+    for name, seconds in {"final_dump_wait_s": 110, "backup_ready_wait_s": 900, "restore_wait_s": 900}.items():
+        monkeypatch.setenv(ENV[name], str(seconds))
+    limits = Limits.aws().only([]).override(LOW, lambda_concurrency=CONCURRENCY)
+    with controlplane.event_queue(RETRIES) as queue, SimulatedAgents(queue, THROTTLED_TIMING) as agents:
+        instances = wave.register(plane, JOBS)
+
+        # When every one of them is warned within a second
+        result = wave.run_wave(plane, agents, instances, warn_within_s=1.0, timeout_s=120.0, limits=limits)
+
+    # Then every API met its limit and every throttle was absorbed: the SDK's retries, the workflow's Retry on a
+    # step Lambda refused, Lambda's event queue, the state transitions' delays; and every job recovered once
+    meter = result.throttles
+    assert {api for api, n in meter["throttled"].items() if n > 0} >= THROTTLED_APIS, meter["throttled"]
+    assert {api for api, n in meter["retried"].items() if n > 0} >= THROTTLED_APIS, meter["retried"]
+    assert meter["throttled"].get("lambda:Invoke", 0) > 0, meter
+    assert sum(meter["lambda_queued"].values()) > 0, meter
+    assert meter["delayed_state_transitions"] > 0, meter
+    _assert_all_recovered_once(plane, agents, result)

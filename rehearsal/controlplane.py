@@ -1,4 +1,4 @@
-"""Test-only: one moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
+"""One moto account holding spotcr's control plane, with the catalog's real handlers run in-process.
 
 The local AWS of rehearsal/localaws with no VMs: the same stack, Lambda, SSM, fleet, Step Functions and IAM as
 the rehearsal's LocalCloud. moto's Step Functions engine runs the real ASL; its Lambda invocations land in
@@ -8,6 +8,7 @@ events (no VM runs one).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -38,9 +39,9 @@ from rehearsal.iam import enforce, principals
 from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
 from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
-from tests.support import wait_for
+from rehearsal.polling import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EVENTS = ROOT / "tests" / "events"
 ASL = stack.ASL_PATH
 FUNCTION_PREFIX = "spotcr-"
@@ -55,9 +56,59 @@ invoke_function = FUNCTIONS.call
 function_arn = FUNCTIONS.arn
 function_key = enforce.function_key
 
+
+class FairLock:
+    """A re-entrant lock handed over in the order it was asked for. A plain RLock lets a newcomer take it ahead of
+    threads that waited long: in a wave of hundreds of requests some waited past a minute while others went
+    through, which AWS, serving unrelated calls side by side, never does."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting: collections.deque[tuple[int, threading.Event]] = collections.deque()
+
+    def acquire(self, timeout: float = -1) -> bool:
+        me = threading.get_ident()
+        with self._mutex:
+            if self._owner == me or (self._owner is None and not self._waiting):
+                self._owner, self._depth = me, self._depth + 1
+                return True
+            turn = (me, threading.Event())
+            self._waiting.append(turn)
+        if turn[1].wait(None if timeout < 0 else timeout):
+            return True
+        with self._mutex:
+            if self._owner == me:  # handed over just as the wait timed out
+                return True
+            self._waiting.remove(turn)
+            return False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("FairLock released by a thread that does not hold it")
+            self._depth -= 1
+            if self._depth:
+                return
+            if self._waiting:
+                self._owner, event = self._waiting.popleft()
+                self._depth = 1
+                event.set()
+            else:
+                self._owner = None
+
+    def __enter__(self) -> FairLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 # In-process moto is not thread-safe, and the workflow engine runs in threads of its own: one request at a time.
 # Re-entrant, since a request may call out (a Lambda invoke aside, which runs outside the lock) and nest another.
-_MOTO = threading.RLock()
+_MOTO = FairLock()
 _LAMBDA_INVOKE = re.compile(r"^https://lambda\.[^/]+/[^/]+/functions/[^/]+/invocations")
 
 
@@ -217,7 +268,7 @@ def _pending_checkpoint(instance_id: str, kind: str = "") -> list[tuple[Any, dic
 def finish_checkpoint(report: events.CheckpointCompleted | events.CheckpointFailed) -> list[tuple[str, Any]]:
     """The VM's dump ends: its command's result is in SSM, SSM's status-change event is delivered, and the agent's
     own event (telemetry) too. A periodic dump with no order pending on its instance was ordered earlier: the
-    checkpoint command is sent first, as the scheduler sent it (tests of ordering use order_periodic)."""
+    checkpoint command is sent first, as the scheduler sent it (tests of ordering order it first)."""
     if report.kind == "periodic" and not _pending_checkpoint(report.instance_id, "periodic"):
         parameters = {
             "JobId": [report.job_id],
@@ -342,20 +393,37 @@ def _run_tag(instance_id: str) -> str:
     return tags.get(tag_names.RUN, "")
 
 
-def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """Deliver an event as EventBridge would: to every catalog function whose rule pattern matches it."""
-    delivered = []
+def targets(event: Mapping[str, Any]) -> list[str]:
+    """The catalog functions EventBridge delivers the event to: those whose rule pattern matches it."""
     on_agent_bus = event.get("source") == events.SOURCE
     state_machine_arn = os.environ.get(ENV["recovery_state_machine_arn"], "")
+    matched = []
     for function in catalog.FUNCTIONS:
         for rule in function.rules:
             pattern = rule.pattern_for(state_machine_arn)
             if pattern is None or rule.agent_bus != on_agent_bus:
                 continue
             if EventPattern.load(json.dumps(pattern)).matches_event(dict(event)):  # type: ignore[arg-type]
-                result = FUNCTIONS.call(function.name, json.loads(json.dumps(event)))
-                delivered.append((function.name, result))
-    return delivered
+                matched.append(function.name)
+    return matched
+
+
+def route(event: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Deliver an event to every function whose rule matches it, one after the other, and return what each did (an
+    error raised): the test in EventBridge's and Lambda's place."""
+    return [(name, FUNCTIONS.call(name, json.loads(json.dumps(event)))) for name in targets(event)]
+
+
+def deliver(queue: awslambda.EventQueue, event: Mapping[str, Any]) -> None:
+    """Deliver an event as EventBridge does: an asynchronous invocation of every function whose rule matches it,
+    through Lambda's event queue (its retries: awslambda.EventQueue)."""
+    for name in targets(event):
+        queue.submit(name, json.loads(json.dumps(event)))
+
+
+def event_queue(retries: awslambda.AsyncRetries | None = None) -> awslambda.EventQueue:
+    """Lambda's event queue for the stack's functions (its retries as AWS's, unless given)."""
+    return awslambda.EventQueue(FUNCTIONS.attempt, retries or awslambda.AsyncRetries())
 
 
 class ControlPlane:
@@ -566,23 +634,3 @@ def now_iso() -> str:
 
 def checkpoint_id(kind: str, generation: int, at_ms: int | None = None, sequence: int | None = None) -> str:
     return commands.checkpoint_id(at_ms or int(time.time() * 1000), generation, kind, sequence)
-
-
-def ordered_sequence(plane: ControlPlane, instance_id: str, kind: str) -> int:
-    """The sequence of the newest dump of this kind ordered to this instance (the command's Sequence)."""
-    sent = [
-        c
-        for c in plane.sent_commands("checkpoint")
-        if c["instances"] == [instance_id] and c["parameters"]["Kind"] == kind
-    ]
-    return int(sent[-1]["parameters"]["Sequence"])
-
-
-def order_periodic(plane: ControlPlane, job_id: str, instance_id: str) -> int:
-    """The scheduler orders the job's periodic dump (made due now); returns the order's sequence."""
-    table = boto3.resource("dynamodb", region_name=REGION).Table("spotcr-jobs")
-    table.update_item(
-        Key={"job_id": job_id}, UpdateExpression="SET next_checkpoint_at = :due", ExpressionAttributeValues={":due": 0}
-    )
-    assert invoke_function("scheduler", load_event("scheduled-event"))["ordered"] == [job_id]
-    return ordered_sequence(plane, instance_id, "periodic")
