@@ -23,6 +23,7 @@ from spotcr_agent.lazy import PAGES_IMAGE
 from spotcr_agent.restore import Restorer
 from spotcr_agent.state import StateFile, exclusive
 from spotcr_agent.store import CheckpointMeta, CheckpointStore, DirectoryBackend, StoreUnavailable
+from spotcr_agent.store import store as store_module
 
 from tests.support import wait_for
 
@@ -91,9 +92,11 @@ def images(tmp_path_factory):
 
 
 @pytest.fixture
-def world(tmp_path, images):
+def world(tmp_path, images, monkeypatch):
     """Two checkpoints of the same images in a store whose newest one's middle reads can fail; a Restorer."""
     images_dir, work = images
+    # One chunk per read: a read of the middle never takes in a chunk from either end, which CRIU needs first
+    monkeypatch.setattr(store_module, "FETCH_RANGE", 1)
     criu = Criu()
     host = read_host(criu.version())
     (tmp_path / "store").mkdir()

@@ -476,7 +476,7 @@ class LazyRestore:
             server.start()
             daemon = self._start_daemon(server.port)
             self.source.start()
-            pid = self._restore(restore_argv(self.log_dir), daemon, server)
+            pid = self._restore(restore_argv(self.log_dir))
             self.times.running_at = time.monotonic()
             self.on_running(pid)
             self._wait_for_pages(daemon, server)
@@ -523,16 +523,12 @@ class LazyRestore:
             os.close(read)
         return daemon
 
-    def _restore(self, argv: list[str], daemon: subprocess.Popen[bytes], server: PageServer) -> int:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        while process.poll() is None:
-            if server.failed.is_set():
-                raise _failure(server)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(0.05)
-        stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
-        if process.returncode != 0:
-            raise failure("restore", self.log_dir / "restore.log", stderr)
+    def _restore(self, argv: list[str]) -> int:
+        """`criu restore --lazy-pages`: returns once the tree runs. A page-server failure meanwhile is acted on
+        after it returns, when the job's PID is known (the tasks touch no lazy page before they resume)."""
+        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise failure("restore", self.log_dir / "restore.log", result.stderr)
         return int((self.log_dir / "restore.pid").read_text().strip())
 
     def _wait_for_pages(self, daemon: subprocess.Popen[bytes], server: PageServer) -> None:
