@@ -114,6 +114,8 @@ def main(argv: list[str]) -> int:
         return 2
     recoveries = ", ".join(f"{s:.1f} s" for s in outcome.recoveries_s)
     print(f"warning to running again: {recoveries}")
+    if outcome.all_pages_s != outcome.recoveries_s:
+        print(f"warning to its last page in (restored lazily): {', '.join(f'{s:.1f} s' for s in outcome.all_pages_s)}")
     if outcome.identical:
         print(f"OK: the interrupted job's {options.result_file} equals the uninterrupted run's, byte for byte")
         return 0

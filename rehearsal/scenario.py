@@ -85,6 +85,8 @@ class Outcome:
     final_dumps: list[dict[str, Any]] = field(default_factory=list)
     restored_from: list[str] = field(default_factory=list)  # the checkpoint each interruption's restore used
     newest_periodic: list[str] = field(default_factory=list)  # the newest recorded periodic one at each interruption
+    # Warning to the job's last page in, per interruption: later than running again when restored lazily.
+    all_pages_s: list[float] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -161,26 +163,7 @@ class Watcher:
                     {"checkpoint_id": event.checkpoint_id, "seconds": event.seconds, "bytes": event.bytes_total}
                 )
         elif isinstance(event, agent_events.RestoreCompleted):
-            say.span(
-                vm,
-                "restore",
-                max(0.0, now - event.seconds),
-                now,
-                f"job restored on {vm} from {event.checkpoint_id} in {event.seconds:.2f} s",
-            )
-            self._running_since[vm] = now
-            if event.skipped:
-                say.say(f"  newer checkpoints skipped: {event.skipped}")
-            newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
-            if newest and not event.checkpoint_id:
-                say.say(f"! started from the beginning although final dump {newest} is committed (not restorable)")
-            elif newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
-                lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
-                say.say(
-                    f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
-                    f"{lost:.1f} s of work redone"
-                )
-                self.work_redone_s.append(lost)
+            self._show_restore(event, vm, now)
         elif isinstance(event, agent_events.JobExited):
             self._end_execution(vm, now)
             say.say(f"job {event.job_id} finished on {vm} with exit code {event.exit_code} (the agent says)")
@@ -190,6 +173,32 @@ class Watcher:
             event, (agent_events.CheckpointFailed, agent_events.RestoreFailed, agent_events.BootstrapFailed)
         ):
             say.point(vm, "failure", f"! {event.DETAIL_TYPE} on {vm}: {json.dumps(event.detail())}")
+
+    def _show_restore(self, event: agent_events.RestoreCompleted, vm: str, now: float) -> None:
+        say = self.timeline
+        running = now - event.seconds + event.running_seconds if event.lazy else now
+        say.span(
+            vm,
+            "restore",
+            max(0.0, now - event.seconds),
+            running,
+            f"job restored on {vm} from {event.checkpoint_id}: running again in {running - now + event.seconds:.2f} s",
+        )
+        if event.lazy:
+            say.span(vm, "lazy-pages", running, now, f"its last page in {event.seconds:.2f} s after the order")
+        self._running_since[vm] = running
+        if event.skipped:
+            say.say(f"  newer checkpoints skipped: {event.skipped}")
+        newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
+        if newest and not event.checkpoint_id:
+            say.say(f"! started from the beginning although final dump {newest} is committed (not restorable)")
+        elif newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
+            lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
+            say.say(
+                f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
+                f"{lost:.1f} s of work redone"
+            )
+            self.work_redone_s.append(lost)
 
     def _end_execution(self, vm: str, end: float) -> None:
         start = self._running_since.pop(vm, None)
@@ -422,6 +431,7 @@ class Rehearsal:
         self.cloud = cloud
         self._vms_before = set(cloud.vms)
         self.recoveries_s: list[float] = []
+        self.all_pages_s: list[float] = []
         self.restored_from: list[str] = []
         self.newest_periodic: list[str] = []
         self.outcome: Outcome | None = None
@@ -509,6 +519,7 @@ class Rehearsal:
             self.watcher.final_dumps,
             self.restored_from,
             self.newest_periodic,
+            self.all_pages_s,
         )
         (self.run_dir / "result").write_bytes(result)
         (self.run_dir / "result.reference").write_bytes(expected)
@@ -534,10 +545,13 @@ class Rehearsal:
             f"the job to be restored after interruption {number}",
             lambda: self._recovery_health(number),
         )
-        recovery = self.timeline.now() - warned
+        all_pages = self.timeline.now() - warned
+        lazy_tail = restored.seconds - restored.running_seconds if restored.lazy else 0.0
         if self.upgrade is not None:
             self._check_upgraded(restored.instance_id)
+        recovery = all_pages - lazy_tail
         self.recoveries_s.append(round(recovery, 2))
+        self.all_pages_s.append(round(all_pages, 2))
         self.restored_from.append(restored.checkpoint_id)
         self.newest_periodic.append(newest)
         if self.options.missed_warning:
@@ -807,6 +821,7 @@ class Rehearsal:
             "interruptions": self.options.interruptions,
             "notice_s": self.options.notice_s,
             "warning_to_running_s": self.recoveries_s,
+            "warning_to_all_pages_s": self.all_pages_s,
             "final_dumps": self.watcher.final_dumps,
             "work_redone_s": self.watcher.work_redone_s,
             "boot_to_ready_s": self.watcher.boot_to_ready_s,

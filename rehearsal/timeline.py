@@ -21,6 +21,7 @@ SPAN_COLOURS = {
     "final-dump": "#e53935",
     "periodic-dump": "#1e88e5",
     "restore": "#8e24aa",
+    "lazy-pages": "#ce93d8",  # the job runs again while its memory still arrives
 }
 POINT_STYLES = {
     "checkpoint": ("|", "#1e88e5"),
@@ -125,7 +126,7 @@ def draw(data: dict[str, Any], path: Path, title: str) -> None:
         y = len(vms) - 1 - row
         if mark["end"] is not None and mark["kind"] in SPAN_COLOURS:
             width = max(mark["end"] - mark["at"], end_of_run / 400)
-            inner = mark["kind"] in ("final-dump", "periodic-dump", "restore")
+            inner = mark["kind"] in ("final-dump", "periodic-dump", "restore", "lazy-pages")
             axes.broken_barh(
                 [(mark["at"], width)],
                 (y - height / 2 + (0.12 if inner else 0), height - (0.24 if inner else 0)),

@@ -40,6 +40,7 @@ def job_tags(
     tcp: str | None,
     restart_from_scratch: bool | None,
     result: str | None = None,
+    lazy_restore: bool | None = None,
 ) -> dict[str, str]:
     """The tags of a job, checked exactly as the control plane and the agent check them (InvalidJobTags names it)."""
     values = {
@@ -53,6 +54,7 @@ def job_tags(
         tags.TCP: tcp,
         tags.RESTART_FROM_SCRATCH: None if restart_from_scratch is None else str(restart_from_scratch).lower(),
         tags.RESULT: result,
+        tags.LAZY_RESTORE: None if lazy_restore is None else str(lazy_restore).lower(),
     }
     chosen = {key: value for key, value in values.items() if value is not None}
     if command is not None and spec is not None:

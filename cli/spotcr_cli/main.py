@@ -117,6 +117,13 @@ def _add_submit(commands: Any) -> None:
         const=False,
         help="fail the job instead of starting it over when no checkpoint can be restored",
     )
+    submit.add_argument(
+        "--no-lazy-restore",
+        dest="lazy_restore",
+        action="store_const",
+        const=False,
+        help="a backup downloads the whole checkpoint before the job runs again (by default its memory follows)",
+    )
     submit.add_argument("--instance-type", help="instance type to launch (required unless --instance)")
     submit.add_argument("--on-demand", action="store_true", help="launch on demand instead of spot")
     submit.add_argument(
@@ -165,6 +172,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         tcp=args.tcp,
         restart_from_scratch=args.restart_from_scratch,
+        lazy_restore=args.lazy_restore,
         result=args.result,
     )
     if args.instance and (args.instance_type or args.on_demand):

@@ -122,9 +122,11 @@ class RestoreCompleted(AgentEvent):
     DETAIL_TYPE: ClassVar[str] = "RestoreCompleted"
     checkpoint_id: str = ""
     attempt: str = ""  # the restore command's Attempt this answers (empty: a restore run by hand)
-    seconds: float = 0.0
+    seconds: float = 0.0  # until the job's last page was in
     pid: int = 0
     skipped: str = ""  # why newer checkpoints were not restored (corrupt, incompatible); empty if none were
+    running_seconds: float = 0.0  # until the job ran again: earlier than `seconds` when `lazy`
+    lazy: bool = False
 
 
 @dataclass(frozen=True)

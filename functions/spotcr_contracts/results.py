@@ -103,6 +103,10 @@ class RestoreResult:
     skipped: str = ""  # why newer checkpoints were not restored (corrupt, incompatible); empty if none were
     error: str = ""
     stale: bool = False
+    # From the order to the job running again; `seconds` runs until its last page was in (later when `lazy`: its
+    # memory arrived while it ran).
+    running_seconds: float = 0.0
+    lazy: bool = False
 
     def to_line(self) -> str:
         return _line(self.ok, self)

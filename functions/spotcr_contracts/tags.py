@@ -25,6 +25,9 @@ TCP = "spotcr:tcp"
 # Files, relative to the work dir and comma-separated, the job must leave: without them its end is not a success.
 RESULT = "spotcr:result"
 RESTART_FROM_SCRATCH = "spotcr:restart-from-scratch"  # true (default) | false: with no checkpoint, start over
+# true (default) | false: a backup runs the job again before its memory has arrived, where its kernel can
+# (userfaultfd); false: it downloads the whole checkpoint first.
+LAZY_RESTORE = "spotcr:lazy-restore"
 # Seconds of the two-minute notice the agent's plan keeps free: periodic dumps come often enough that the predicted
 # final dump takes at most the notice less this.
 DEADLINE_MARGIN = "spotcr:deadline-margin"
@@ -56,6 +59,7 @@ USER_TAGS = (
     RESULT,
     RESTART_FROM_SCRATCH,
     DEADLINE_MARGIN,
+    LAZY_RESTORE,
 )
 RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 # A job's name (spotcr:job), its id everywhere: safe as an S3 prefix, an STS session tag value and a store name.
@@ -116,6 +120,7 @@ class JobSpec:
     generation: int = 0
     tcp: str = DEFAULT_TCP
     restart_from_scratch: bool = True
+    lazy_restore: bool = True
     deadline_margin_s: int = DEFAULT_DEADLINE_MARGIN_S
     run_id: str = ""  # spotcr:run, set by spotcr once the job is registered (empty on a user's instance before)
     result_files: tuple[str, ...] = ()  # spotcr:result
@@ -144,6 +149,8 @@ class JobSpec:
             tags[TCP] = self.tcp
         if not self.restart_from_scratch:
             tags[RESTART_FROM_SCRATCH] = "false"
+        if not self.lazy_restore:
+            tags[LAZY_RESTORE] = "false"
         if self.deadline_margin_s != DEFAULT_DEADLINE_MARGIN_S:
             tags[DEADLINE_MARGIN] = str(self.deadline_margin_s)
         if self.run_id:
@@ -203,6 +210,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     if workdir is not None and (problem := workdir_problem(workdir)):
         raise InvalidJobTags(WORKDIR, problem)
     restart = _parse_bool(tags, RESTART_FROM_SCRATCH, default=True)
+    lazy_restore = _parse_bool(tags, LAZY_RESTORE, default=True)
     margin = _parse_int(tags, DEADLINE_MARGIN, DEFAULT_DEADLINE_MARGIN_S, 0, MAX_DEADLINE_MARGIN_S)
     run_id = _parse_run(tags)
     result_files = parse_result_files(tags[RESULT]) if RESULT in tags else ()
@@ -219,6 +227,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         generation=generation,
         tcp=tcp,
         restart_from_scratch=restart,
+        lazy_restore=lazy_restore,
         deadline_margin_s=margin,
         run_id=run_id,
         result_files=result_files,

@@ -14,7 +14,7 @@ from .vm_agent import JobVM, reference_output
 pytestmark = [pytest.mark.criu, pytest.mark.usefixtures("criu_available")]
 
 
-def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agent_env=None):
+def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agent_env=None, backup_config=None):
     expected = reference_output(bare_vm, compute_command(megabytes, steps, 0))
     # Given a job running on the primary VM
     primary = JobVM(
@@ -34,11 +34,14 @@ def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agen
     primary.vm.terminate()
     backup_vm = bare_vm(shared_storage=storage)
     assert backup_vm.address != primary.vm.address
-    backup = JobVM(backup_vm, generation=2, mode="restore", agent_env=agent_env)
+    backup = JobVM(backup_vm, generation=2, mode="restore", agent_env=agent_env, **(backup_config or {}))
     restored = backup.agent("restore", "2")
 
-    # Then the job continues from the checkpoint there and ends as an uninterrupted run
+    # Then the job continues from the checkpoint there and ends as an uninterrupted run; it ran again before its
+    # memory had all arrived (lazily) unless the job says not to
     assert restored["checkpoint_id"] == outcome["checkpoint_id"]
+    assert restored["lazy"] == (backup_config or {}).get("lazy_restore", True)
+    assert restored["running_seconds"] <= restored["seconds"]
     assert backup.agent("wait-exit", "60")["exit_code"] == 0
     progress, stdout = expected
     assert (backup.workdir / "progress.log").read_text() == progress
@@ -59,6 +62,10 @@ def test_periodic_checkpoint_restores_on_a_directory_store(bare_vm, storage):
 
 def test_final_dump_restores_on_a_directory_store(bare_vm, storage):
     _interrupt_and_restore(bare_vm, storage, "final")
+
+
+def test_a_job_tagged_off_lazy_restore_is_restored_whole(bare_vm, storage):
+    _interrupt_and_restore(bare_vm, storage, "final", megabytes=32, backup_config={"lazy_restore": False})
 
 
 @pytest.fixture

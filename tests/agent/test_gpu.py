@@ -4,6 +4,7 @@ manifest's GPU record and the restore's refusal before any image is downloaded. 
 import os
 import re
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -335,9 +336,9 @@ class _CountingStore:
     def __getattr__(self, name: str) -> object:
         return getattr(self.store, name)
 
-    def fetch(self, checkpoint_id: str, dest: Path) -> Manifest:
+    def fetch(self, checkpoint_id: str, dest: Path, later: Collection[str] = ()) -> Manifest:
         self.fetched.append(checkpoint_id)
-        return self.store.fetch(checkpoint_id, dest)
+        return self.store.fetch(checkpoint_id, dest, later)
 
 
 def test_a_machine_without_the_gpu_refuses_the_restore_before_downloading_images(tmp_path, machine):

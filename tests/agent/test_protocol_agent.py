@@ -161,7 +161,7 @@ class _WalkStore:
         self._outage()
         return SimpleNamespace(criu_version="4.1.1", arch="x86_64", cpu_flags=("sse2",), open_files=(), gpu=None)
 
-    def fetch(self, checkpoint_id, dest):
+    def fetch(self, checkpoint_id, dest, later=()):
         self._outage()
         self.fetched.append(checkpoint_id)
         fate = self.fates[checkpoint_id]
@@ -176,6 +176,9 @@ class _WalkStore:
 class _FakeCriu:
     def restore(self, images, logs, **options):
         return os.getpid()
+
+    def supports(self, feature):
+        return False  # no userfaultfd: whole images, as these tests count the checkpoints' downloads
 
 
 def _restorer(tmp_path, store, clock):
@@ -417,6 +420,9 @@ class _CriuWithoutTheMount:
     def restore(self, images, logs, **options):
         log = "(00.004210) Error (criu/mount.c:3131): mnt: No mapping for 125:(null) mountpoint\n"
         raise CriuError("restore", "mnt: No mapping for 125:(null) mountpoint", log.strip(), log)
+
+    def supports(self, feature):
+        return False
 
 
 @pytest.mark.claim("A mount the backup lacks ends in a start from scratch, not FAILED")

@@ -44,7 +44,7 @@ def _given_the_vectors_outcome(monkeypatch, config, line: dict) -> None:
     def restore(self, generation, checkpoint_id=None, attempt="", sequence=None):
         if not line["ok"]:
             raise RuntimeError(line["error"])
-        figures = {k: line[k] for k in ("checkpoint_id", "seconds", "pid", "skipped")}
+        figures = {k: line[k] for k in ("checkpoint_id", "seconds", "pid", "skipped", "running_seconds", "lazy")}
         return RestoreOutcome(**figures, generation=generation)
 
     monkeypatch.setattr(Agent, "checkpoint", checkpoint)

@@ -293,6 +293,7 @@ class Agent:
                 criu=self.criu,
                 host=self.host,
                 tcp=self.config.tcp,
+                lazy=self.config.lazy_restore,
             )
             try:
                 outcome = restorer.restore(generation, checkpoint_id)
@@ -327,6 +328,8 @@ class Agent:
             seconds=outcome.seconds,
             pid=outcome.pid,
             skipped=outcome.skipped[:1000],
+            running_seconds=outcome.running_seconds,
+            lazy=outcome.lazy,
         )
         return outcome
 

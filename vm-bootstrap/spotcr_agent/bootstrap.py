@@ -116,6 +116,7 @@ def _config(
         "interval_s": job.interval_s,
         "tcp": job.tcp,
         "restart_from_scratch": job.restart_from_scratch,
+        "lazy_restore": job.lazy_restore,
         "deadline_margin_s": job.deadline_margin_s,
         "state_dir": state_dir,
         "imds_endpoint": environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT),

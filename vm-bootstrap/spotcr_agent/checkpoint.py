@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,7 +45,7 @@ from .criu import Criu, CriuError, dump_stats
 from .host import HostInfo
 from .runner import JobFiles, checkpointable_problem, job_alive, open_files, stop_job
 from .state import AgentState, FinalDump, StateFile, admit, exclusive, pid_alive
-from .store import Backend, CheckpointMeta, CommitResult, Manifest
+from .store import Backend, CheckpointMeta, ChunkRef, CommitResult, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,9 @@ class Store(Protocol):
 
     def load(self, checkpoint_id: str) -> Manifest: ...
 
-    def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest: ...
+    def fetch(self, checkpoint_id: str, dest_dir: Path, later: Collection[str] = ()) -> Manifest: ...
+
+    def read_chunks(self, checkpoint_id: str, chunks: list[ChunkRef], path: str) -> list[bytes]: ...
 
     def prune(self, keep: int) -> Any: ...
 

@@ -255,6 +255,8 @@ def _restore(agent: Agent, args: argparse.Namespace) -> int:
         seconds=outcome.seconds,
         pid=outcome.pid,
         skipped=outcome.skipped,
+        running_seconds=outcome.running_seconds,
+        lazy=outcome.lazy,
     )
     _say(restored)
     return OK

@@ -79,6 +79,7 @@ class AgentConfig:
     image_dirs: tuple[str, ...] = IMAGE_DIRS  # the AMI's system: checked at restore, never carried
     local_files_limit_mb: int = DEFAULT_LOCAL_FILES_LIMIT_MB  # a checkpoint fails, naming the biggest, above this
     restart_from_scratch: bool = True  # with no restorable checkpoint, a backup starts the job over
+    lazy_restore: bool = True  # spotcr:lazy-restore: the job runs again before its memory has arrived (lazy.py)
     notice_s: int = AWS_NOTICE_S  # the interruption notice the final dump must fit in
     deadline_margin_s: int = DEFAULT_MARGIN_S  # spotcr:deadline-margin: kept free of the notice by the plan
 

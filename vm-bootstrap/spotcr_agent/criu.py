@@ -21,6 +21,8 @@ DUMP_OPTIONS = ("--tcp-established", "--link-remap")
 DEFAULT_GHOST_LIMIT_MB = 1024
 # Memory tracking (soft-dirty bits, CONFIG_MEM_SOFT_DIRTY): pre-dumps and incremental dumps need it.
 MEM_DIRTY_TRACK = "mem_dirty_track"
+# userfaultfd with fork and remap events: what `criu restore --lazy-pages` needs (lazy.py).
+LAZY_PAGES = "uffd-noncoop"
 # A pre-dump reads the job's pages with process_vm_readv after it thaws, instead of pinning them in pipes while
 # frozen (splice): a shorter freeze, measured 0.15-0.35 s against 0.35-0.95 s for 512 MiB on Debian's 6.1 kernel.
 PRE_DUMP_MODE = "read"
@@ -232,20 +234,31 @@ class Criu:
         log_dir.mkdir(parents=True, exist_ok=True)
         pidfile = log_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
-        argv = self.restore_argv(images_dir, log_dir, tcp_close=tcp_close, libdir=libdir)
-        if reset:
-            argv += ["--action-script", str(_reset_script(log_dir / "reset.sh", reset))]
+        argv = self.restore_argv(images_dir, log_dir, tcp_close=tcp_close, libdir=libdir, reset=reset)
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise failure("restore", log_dir / "restore.log", result.stderr)
         return int(pidfile.read_text().strip())
 
     def restore_argv(
-        self, images_dir: Path, log_dir: Path, *, tcp_close: bool = False, libdir: Path | None = None
+        self,
+        images_dir: Path,
+        log_dir: Path,
+        *,
+        tcp_close: bool = False,
+        libdir: Path | None = None,
+        reset: Sequence[str] = (),
+        lazy: bool = False,
     ) -> list[str]:
+        """The options are restore's; lazy: the job's anonymous memory comes from a `criu lazy-pages` daemon
+        listening in log_dir (lazy.py)."""
         argv = [self.binary, "restore", "-d", "-D", str(images_dir), "-W", str(log_dir), "-o", "restore.log"]
         tcp = "--tcp-close" if tcp_close else "--tcp-established"
         argv += [*COMMON_OPTIONS, tcp, *mounts.restore_options(), "--pidfile", str(log_dir / "restore.pid")]
+        if reset:
+            argv += ["--action-script", str(_reset_script(log_dir / "reset.sh", reset))]
+        if lazy:
+            argv.append("--lazy-pages")
         return argv + gpu.criu_options(libdir)
 
 
@@ -267,11 +280,11 @@ def dump_stats(work_dir: Path) -> DumpStats | None:
     try:
         data = (work_dir / "stats-dump.img").read_bytes()
         (size,) = struct.unpack_from("<I", data, 8)
-        entry = _protobuf_fields(data[12 : 12 + size])
+        entry = protobuf_fields(data[12 : 12 + size])
         dump = entry.get(1)
         if not isinstance(dump, bytes):
             return None
-        fields = _protobuf_fields(dump)
+        fields = protobuf_fields(dump)
         values = [fields.get(n, 0) for n in (2, 5, 6, 7)]
         if not all(isinstance(v, int) for v in values):
             return None
@@ -281,7 +294,7 @@ def dump_stats(work_dir: Path) -> DumpStats | None:
     return DumpStats(frozen_us / 1e6, scanned, skipped, written)
 
 
-def _protobuf_fields(data: bytes) -> dict[int, int | bytes]:
+def protobuf_fields(data: bytes) -> dict[int, int | bytes]:
     """The top-level fields of a protobuf message: varints as ints, length-delimited ones as bytes."""
     fields: dict[int, int | bytes] = {}
     offset = 0

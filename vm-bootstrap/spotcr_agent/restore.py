@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,14 @@ from spotcr_contracts.commands import checkpoint_order
 from spotcr_contracts.tags import DEFAULT_TCP
 
 from . import aliases, carry, gpu, mounts
+from . import lazy as lazy_restore
 from .carry import Entry
 from .checkpoint import Store
-from .criu import Criu, CriuError
+from .criu import LAZY_PAGES, Criu, CriuError
 from .host import HostInfo
 from .runner import job_alive, process_start_time
 from .state import StateFile, admit, exclusive
-from .store import Manifest
+from .store import FileEntry, Manifest
 from .store.errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class RestoreOutcome:
     seconds: float
     pid: int
     skipped: str = ""  # why newer checkpoints were not restored; empty when the first choice was
+    # From the order to the job running again; `seconds` runs to its last page in, later for a lazy restore.
+    running_seconds: float = 0.0
+    lazy: bool = False  # its memory arrived after it ran again (lazy.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,6 +202,9 @@ class Restorer:
     backoff_s: tuple[float, ...] = STORE_BACKOFF_S
     gpus: Callable[[], gpu.Machine] = gpu.read_machine  # this machine's GPUs, read only for a GPU checkpoint
     sleep: Callable[[float], None] = time.sleep
+    lazy: bool = True  # AgentConfig.lazy_restore: lazily where CRIU and the kernel can (lazy.py)
+    on_running: Callable[[int], None] = lambda pid: None  # a lazy restore's job runs, pages still to come (tests)
+    _times: dict[str, lazy_restore.LazyTimes] = field(default_factory=dict)  # per checkpoint, its last attempt
 
     def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
         started = time.monotonic()
@@ -240,12 +247,16 @@ class Restorer:
                     state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
                 if failures:
                     log.warning("restored the older checkpoint %s because %s", candidate, "; ".join(failures))
+                seconds = time.monotonic() - started
+                times = self._times.get(candidate)
                 return RestoreOutcome(
                     checkpoint_id=candidate,
                     generation=generation,
-                    seconds=round(time.monotonic() - started, 3),
+                    seconds=round(seconds, 3),
                     pid=pid,
                     skipped="; ".join(failures),
+                    running_seconds=round(times.running_at - started, 3) if times else round(seconds, 3),
+                    lazy=times is not None,
                 )
         if not candidates:
             raise RestoreError(f"job {self.job_id} has no committed checkpoint", nothing_restorable=True)
@@ -289,7 +300,10 @@ class Restorer:
             manifest = self.store.load(checkpoint_id)
             check_compatible(manifest, host)
             libdir = check_gpus(manifest, self.gpus, self.criu)
-            manifest = self.store.fetch(checkpoint_id, dest)
+            self._times.pop(checkpoint_id, None)
+            pages = self._lazy_pages(manifest, libdir)
+            manifest = self.store.fetch(checkpoint_id, dest, later={entry.path for entry in pages})
+            images = self._lazy_images(checkpoint_id, dest, pages)
             record = _record(dest)
             if record is not None:
                 check_mounts(record)
@@ -312,13 +326,13 @@ class Restorer:
                 )
             elif reset:
                 log.info("connections from the old VM's address to peers outside the job are reset: %s", reset)
-            pid = self.criu.restore(
-                dest / "images",
-                self.scratch_dir / f"restore-{checkpoint_id}.logs",
-                tcp_close=tcp_close,
-                reset=reset,
-                libdir=libdir,
-            )
+            log_dir = self.scratch_dir / f"restore-{checkpoint_id}.logs"
+            if images is None:
+                pid = self.criu.restore(dest / "images", log_dir, tcp_close=tcp_close, reset=reset, libdir=libdir)
+            else:
+                pid = self._restore_lazily(
+                    checkpoint_id, dest / "images", log_dir, pages, images, tcp_close=tcp_close, reset=reset
+                )
             created, kept = [], []
             return pid
         finally:
@@ -326,6 +340,63 @@ class Restorer:
             if kept:
                 aliases.release(self.state.dir)  # a failed restore leaves no alias behind
             shutil.rmtree(dest, ignore_errors=True)
+
+    def _lazy_pages(self, manifest: Manifest, libdir: Path | None) -> list[FileEntry]:
+        """The pages images a lazy restore leaves for later; none where the job's restore is not lazy (turned off,
+        a kernel without userfaultfd, GPU state: the CUDA plugin restores device memory from host pages)."""
+        if not self.lazy or libdir is not None or not self.criu.supports(LAZY_PAGES):
+            return []
+        return [
+            entry
+            for entry in manifest.files
+            if lazy_restore.PAGES_IMAGE.fullmatch(entry.path) and all(c.inline is None for c in entry.chunks)
+        ]
+
+    def _lazy_images(self, checkpoint_id: str, dest: Path, pages: list[FileEntry]) -> lazy_restore.Images | None:
+        """What the lazy restore serves, or None for a restore of whole images (then the pages are fetched now)."""
+        if not pages:
+            return None
+        try:
+            return lazy_restore.Images.read(dest / "images")
+        except lazy_restore.LazyUnsupported as why:
+            log.info("checkpoint %s is restored whole: %s", checkpoint_id, why)
+        self.store.fetch(checkpoint_id, dest)
+        return None
+
+    def _restore_lazily(
+        self,
+        checkpoint_id: str,
+        images_dir: Path,
+        log_dir: Path,
+        pages: list[FileEntry],
+        images: lazy_restore.Images,
+        *,
+        tcp_close: bool,
+        reset: list[str],
+    ) -> int:
+        """The job runs again once its process tree is rebuilt; this returns once its last page is in (lazy.py)."""
+        source = lazy_restore.StorePages(self.store, checkpoint_id, pages, images_dir)
+        try:
+            for image, ranges in images.eager.items():
+                for offset, length in ranges:
+                    source.ensure(image, offset, length)
+        except BaseException:
+            source.close()
+            raise
+        restore = lazy_restore.LazyRestore(self.criu, images_dir, log_dir, source, images, on_running=self.on_running)
+        pid = restore.run(
+            lambda logs: self.criu.restore_argv(images_dir, logs, tcp_close=tcp_close, reset=reset, lazy=True)
+        )
+        self._times[checkpoint_id] = restore.times
+        log.info(
+            "checkpoint %s restored lazily: the job ran again %.2f s after CRIU began, its last page of %.0f MiB "
+            "came %.2f s after",
+            checkpoint_id,
+            restore.times.running_s,
+            restore.times.lazy_bytes / 2**20,
+            restore.times.all_pages_s,
+        )
+        return pid
 
     def _place_workdir(self, fetched: Path) -> None:
         """The work dir becomes exactly the checkpoint's: the job's files at the paths and sizes it had."""

@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -170,6 +170,8 @@ class CheckpointStore:
         self.compression_level = compression_level
         self.chunking = chunking or Chunking()
         self._prefix = run_prefix(job_id, run_id)
+        self._read_manifests: dict[str, Manifest] = {}  # read_chunks: manifests by checkpoint id
+        self._read_lock = threading.Lock()
         self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
         self.sweep_lease_s = SWEEP_LEASE_S
 
@@ -382,8 +384,11 @@ class CheckpointStore:
             )
         return manifest
 
-    def fetch(self, checkpoint_id: str, dest_dir: Path) -> Manifest:
-        """Download and verify a checkpoint into dest_dir (images/..., workdir/...); return its manifest."""
+    def fetch(self, checkpoint_id: str, dest_dir: Path, later: Collection[str] = ()) -> Manifest:
+        """Download and verify a checkpoint into dest_dir (images/..., workdir/...); return its manifest.
+
+        later: files (by manifest path) created at their size but left unwritten: a lazy restore reads their chunks
+        as it needs them (read_chunks)."""
         manifest = self.load(checkpoint_id)
         dest_dir = Path(dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
@@ -396,6 +401,8 @@ class CheckpointStore:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 fd = fds[entry.path] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.ftruncate(fd, entry.size)
+                if entry.path in later:
+                    continue
                 offset = 0
                 for chunk in entry.chunks:
                     if chunk.inline is not None:
@@ -404,7 +411,7 @@ class CheckpointStore:
                     else:
                         spots[chunk.hash].append((fd, offset, entry.path))
                     offset += chunk.size
-            self._download(manifest, stored, spots)
+            self._download(manifest, {h: c for h, c in stored.items() if h in spots}, spots)
             for entry in manifest.files:
                 os.fchmod(fds[entry.path], entry.mode & 0o7777)
         except BaseException:
@@ -523,21 +530,10 @@ class CheckpointStore:
                 os.pwrite(fd, data, offset)
 
         def fetch(chunks: list[ChunkRef]) -> None:
-            first, pack = chunks[0], chunks[0].pack
-            try:
-                if pack is None:
-                    place(first, self.backend.get(self._chunk_key(first.hash)))
-                    return
-                start = first.offset
-                raw = self.backend.get_range(self._pack_key(pack), start, chunks[-1].offset + chunks[-1].stored - start)
-            except ObjectNotFound:
-                where = f"pack {pack} holding " if pack else ""
-                path = spots[first.hash][0][2]
-                raise CorruptCheckpoint(
-                    manifest.checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
-                ) from None
-            for chunk in chunks:
-                place(chunk, raw[chunk.offset - start : chunk.offset - start + chunk.stored])
+            for chunk, raw in zip(
+                chunks, self._read_stored(manifest.checkpoint_id, chunks, spots[chunks[0].hash][0][2]), strict=True
+            ):
+                place(chunk, raw)
 
         with ThreadPoolExecutor(self.workers, thread_name_prefix="spotcr-fetch") as pool:
             futures = [pool.submit(fetch, chunks) for chunks in _ranges(stored.values())]
@@ -546,6 +542,35 @@ class CheckpointStore:
                 future.cancel()
             for future in done:
                 future.result()
+
+    def read_chunks(self, checkpoint_id: str, chunks: list[ChunkRef], path: str) -> list[bytes]:
+        """The raw bytes of chunks of file `path`, each verified against its hash: one format-1 chunk, or adjacent
+        chunks of one pack (a run of read_plan)."""
+        manifest = self._manifest_read(checkpoint_id)
+        stored = self._read_stored(checkpoint_id, chunks, path)
+        return [_verified(manifest, chunk, raw, path) for chunk, raw in zip(chunks, stored, strict=True)]
+
+    def _manifest_read(self, checkpoint_id: str) -> Manifest:
+        """The checkpoint's manifest, loaded once: a manifest is written once and never changes."""
+        with self._read_lock:
+            if checkpoint_id not in self._read_manifests:
+                self._read_manifests[checkpoint_id] = self.load(checkpoint_id)
+            return self._read_manifests[checkpoint_id]
+
+    def _read_stored(self, checkpoint_id: str, chunks: list[ChunkRef], path: str) -> list[bytes]:
+        """The stored (compressed) bytes of one format-1 chunk, or of adjacent chunks of one pack by one ranged GET."""
+        first, pack = chunks[0], chunks[0].pack
+        try:
+            if pack is None:
+                return [self.backend.get(self._chunk_key(first.hash))]
+            start = first.offset
+            raw = self.backend.get_range(self._pack_key(pack), start, chunks[-1].offset + chunks[-1].stored - start)
+        except ObjectNotFound:
+            where = f"pack {pack} holding " if pack else ""
+            raise CorruptCheckpoint(
+                checkpoint_id, f"{where}chunk {first.hash} of {path} is missing from the store"
+            ) from None
+        return [raw[chunk.offset - start : chunk.offset - start + chunk.stored] for chunk in chunks]
 
     def _pump_images(self, image_dir: Path, tails: dict[str, _FileTail], uploader: _Uploader) -> int:
         """Open image files that appeared and read what was added to each; return the bytes read. Called every
@@ -955,6 +980,11 @@ def _verified(manifest: Manifest, chunk: ChunkRef, stored: bytes, path: str) -> 
     if len(data) != chunk.size or CHUNK_HASHES[manifest.hash](data) != chunk.hash:
         raise CorruptCheckpoint(checkpoint_id, f"chunk {chunk.hash} of {path} does not match its hash")
     return data
+
+
+def read_plan(chunks: Iterable[ChunkRef]) -> list[list[ChunkRef]]:
+    """The reads that fetch these chunks (read_chunks takes each): see _ranges."""
+    return _ranges(chunks)
 
 
 def _ranges(chunks: Iterable[ChunkRef]) -> list[list[ChunkRef]]:
