@@ -22,6 +22,7 @@ from spotcr_agent.lazy import (
     LazyUnsupported,
     LocalPages,
     PageServer,
+    StorePages,
 )
 from spotcr_agent.store import CorruptCheckpoint
 
@@ -162,3 +163,16 @@ def test_a_request_for_pages_the_checkpoint_lacks_fails_the_server(images_dir):
     finally:
         server.close()
         daemon.sock.close()
+
+
+def test_a_pages_image_not_left_for_later_is_taken_as_whole(tmp_path):
+    # Given a checkpoint of two processes where only one pages image is left for later: the other (a process of few
+    # pages, its image inside the manifest) was fetched whole with the rest
+    class NoReads:
+        def read_chunks(self, checkpoint_id, chunks, path):
+            raise AssertionError(f"{path} was read from the store")
+
+    source = StorePages(NoReads(), "c1", [], tmp_path)
+
+    # When a range of the whole image is asked for, it is there at once: nothing is read from the store
+    source.ensure("pages-6.img", 0, PAGE)

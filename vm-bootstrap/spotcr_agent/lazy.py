@@ -259,6 +259,9 @@ class StorePages:
         self.fetched_bytes = 0
 
     def ensure(self, pages_image: str, offset: int, length: int) -> None:
+        if pages_image not in self._starts:
+            return  # not left for later: fetched whole and verified with the other images (e.g. one small enough
+            # to travel inside the manifest, as a process of few pages has: MPICH's launcher)
         starts, chunks = self._starts[pages_image], self._chunks[pages_image]
         index = bisect_right(starts, offset) - 1
         while index < len(chunks) and starts[index] < offset + length:
