@@ -24,7 +24,7 @@ from spotcr_agent.lazy import (
     PageServer,
     StorePages,
 )
-from spotcr_agent.store import CorruptCheckpoint
+from spotcr_agent.store import CorruptCheckpoint, Manifest
 
 MAGICS = struct.pack("<II", 0x54564319, 0x56084025)  # IMG_COMMON_MAGIC, PAGEMAP_MAGIC
 
@@ -169,10 +169,25 @@ def test_a_pages_image_not_left_for_later_is_taken_as_whole(tmp_path):
     # Given a checkpoint of two processes where only one pages image is left for later: the other (a process of few
     # pages, its image inside the manifest) was fetched whole with the rest
     class NoReads:
-        def read_chunks(self, checkpoint_id, chunks, path):
+        def read_chunks(self, manifest, chunks, path):
             raise AssertionError(f"{path} was read from the store")
 
-    source = StorePages(NoReads(), "c1", [], tmp_path)
+    manifest = Manifest(
+        job_id="job-1",
+        checkpoint_id="c1",
+        generation=1,
+        kind="final",
+        parent=None,
+        created_at="2026-11-26T00:00:00Z",
+        criu_version="4.1.1",
+        kernel="6.18",
+        arch="x86_64",
+        cpu_flags=(),
+        open_files=(),
+        files=(),
+        compression="zstd-1",
+    )
+    source = StorePages(NoReads(), manifest, [], tmp_path)
 
     # When a range of the whole image is asked for, it is there at once: nothing is read from the store
     source.ensure("pages-6.img", 0, PAGE)

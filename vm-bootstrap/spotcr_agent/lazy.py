@@ -41,7 +41,7 @@ from typing import Protocol
 
 from .criu import Criu, failure, protobuf_fields
 from .store.errors import StoreError
-from .store.manifest import ChunkRef, FileEntry
+from .store.manifest import ChunkRef, FileEntry, Manifest
 from .store.store import read_plan
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Images:
 class ChunkReader(Protocol):
     """The store's read side that a lazy restore uses (CheckpointStore)."""
 
-    def read_chunks(self, checkpoint_id: str, chunks: list[ChunkRef], path: str) -> list[bytes]: ...
+    def read_chunks(self, manifest: Manifest, chunks: list[ChunkRef], path: str) -> list[bytes]: ...
 
 
 class PageSource(Protocol):
@@ -228,10 +228,10 @@ class StorePages:
     manifest before it is written to the local image (CheckpointStore.read_chunks)."""
 
     def __init__(
-        self, store: ChunkReader, checkpoint_id: str, files: Iterable[FileEntry], images_dir: Path, workers: int = 8
+        self, store: ChunkReader, manifest: Manifest, files: Iterable[FileEntry], images_dir: Path, workers: int = 8
     ) -> None:
         self.store = store
-        self.checkpoint_id = checkpoint_id
+        self.manifest = manifest
         self._starts: dict[str, list[int]] = {}  # pages image -> where each of its chunks starts
         self._chunks: dict[str, tuple[ChunkRef, ...]] = {}
         self._spots: dict[str, list[tuple[int, int]]] = {}  # chunk hash -> (fd, offset) of each place it goes
@@ -300,7 +300,7 @@ class StorePages:
         try:
             chunks = self._reads[index]
             for chunk, data in zip(
-                chunks, self.store.read_chunks(self.checkpoint_id, chunks, self._paths[chunks[0].hash]), strict=True
+                chunks, self.store.read_chunks(self.manifest, chunks, self._paths[chunks[0].hash]), strict=True
             ):
                 self._place(chunk, data)
         except BaseException as error:

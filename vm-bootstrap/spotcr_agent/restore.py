@@ -331,7 +331,7 @@ class Restorer:
                 pid = self.criu.restore(dest / "images", log_dir, tcp_close=tcp_close, reset=reset, libdir=libdir)
             else:
                 pid = self._restore_lazily(
-                    checkpoint_id, dest / "images", log_dir, pages, images, tcp_close=tcp_close, reset=reset
+                    manifest, dest / "images", log_dir, pages, images, tcp_close=tcp_close, reset=reset
                 )
             created, kept = [], []
             return pid
@@ -365,7 +365,7 @@ class Restorer:
 
     def _restore_lazily(
         self,
-        checkpoint_id: str,
+        manifest: Manifest,
         images_dir: Path,
         log_dir: Path,
         pages: list[FileEntry],
@@ -375,7 +375,8 @@ class Restorer:
         reset: list[str],
     ) -> int:
         """The job runs again once its process tree is rebuilt; this returns once its last page is in (lazy.py)."""
-        source = lazy_restore.StorePages(self.store, checkpoint_id, pages, images_dir)
+        checkpoint_id = manifest.checkpoint_id
+        source = lazy_restore.StorePages(self.store, manifest, pages, images_dir)
         try:
             for image, ranges in images.eager.items():
                 for offset, length in ranges:

@@ -170,8 +170,6 @@ class CheckpointStore:
         self.compression_level = compression_level
         self.chunking = chunking or Chunking()
         self._prefix = run_prefix(job_id, run_id)
-        self._read_manifests: dict[str, Manifest] = {}  # read_chunks: manifests by checkpoint id
-        self._read_lock = threading.Lock()
         self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
         self.sweep_lease_s = SWEEP_LEASE_S
 
@@ -543,19 +541,11 @@ class CheckpointStore:
             for future in done:
                 future.result()
 
-    def read_chunks(self, checkpoint_id: str, chunks: list[ChunkRef], path: str) -> list[bytes]:
+    def read_chunks(self, manifest: Manifest, chunks: list[ChunkRef], path: str) -> list[bytes]:
         """The raw bytes of chunks of file `path`, each verified against its hash: one format-1 chunk, or adjacent
         chunks of one pack (a run of read_plan)."""
-        manifest = self._manifest_read(checkpoint_id)
-        stored = self._read_stored(checkpoint_id, chunks, path)
+        stored = self._read_stored(manifest.checkpoint_id, chunks, path)
         return [_verified(manifest, chunk, raw, path) for chunk, raw in zip(chunks, stored, strict=True)]
-
-    def _manifest_read(self, checkpoint_id: str) -> Manifest:
-        """The checkpoint's manifest, loaded once: a manifest is written once and never changes."""
-        with self._read_lock:
-            if checkpoint_id not in self._read_manifests:
-                self._read_manifests[checkpoint_id] = self.load(checkpoint_id)
-            return self._read_manifests[checkpoint_id]
 
     def _read_stored(self, checkpoint_id: str, chunks: list[ChunkRef], path: str) -> list[bytes]:
         """The stored (compressed) bytes of one format-1 chunk, or of adjacent chunks of one pack by one ranged GET."""
