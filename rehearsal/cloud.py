@@ -61,7 +61,7 @@ from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
 from rehearsal.iam import requests as iam_requests
 from rehearsal.iam.policy import Principal, Request
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, fis, fleet, s3, stack, stepfunctions, tags_of, wrap
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, dynamodb, fis, fleet, s3, stack, stepfunctions, tags_of, wrap
 from rehearsal.localaws import iam as local_iam
 from rehearsal.localaws import ssm as local_ssm
 from rehearsal.localaws import throttle as rate_limits
@@ -512,6 +512,7 @@ class LocalCloud:
         cloud = self
         patches = self._patches
         self.functions.serve(patches)
+        dynamodb.atomic_requests(patches)
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
         fleet.launch_template_tags(patches)

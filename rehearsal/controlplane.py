@@ -36,7 +36,7 @@ from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
 from rehearsal.iam import enforce, principals
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, fleet, iam, ssm, stack, stepfunctions, wrap
+from rehearsal.localaws import ACCOUNT, REGION, awslambda, dynamodb, fleet, iam, ssm, stack, stepfunctions, wrap
 from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
 from rehearsal.polling import wait_for
@@ -460,6 +460,7 @@ class ControlPlane:
         wrap(patches, BotocoreStubber, "process_request", _serialized)
         wrap(patches, MotoCommand, "__init__", _restore_runs)
         FUNCTIONS.serve(patches)
+        dynamodb.atomic_requests(patches)
         ssm.to_instance_ids_only(patches)
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
