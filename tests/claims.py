@@ -38,6 +38,12 @@ CLAIMS: dict[str, str] = {
         "A restore tries every committed checkpoint, newest first, retries store errors that may pass, and skips"
         " damaged, missing or incompatible ones."
     ),
+    "A lazy restore never lets the job read a page that did not arrive": (
+        "A job restored lazily runs before its memory has arrived; a page reaches it only from a chunk verified"
+        " against the manifest. When a fetch fails or a chunk is corrupt while it runs, the job is killed and seen"
+        " gone before the lazy-pages daemon stops (a closed userfaultfd would fill its memory with zeros), and the"
+        " walk goes on; a final dump waits for the last page."
+    ),
     "A mount the backup lacks ends in a start from scratch, not FAILED": (
         "A checkpoint records the VM mounts the job saw. A restore on a VM that lacks one (a mount made by the"
         " instance's own boot script, which backups do not run) skips it, naming the mount (`MissingMount`, or"

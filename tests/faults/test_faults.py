@@ -8,19 +8,26 @@ import json
 import shlex
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from spotcr_agent.lazy import PAGES_IMAGE
+from spotcr_agent.store import Manifest
 from spotcr_contracts import events as agent_events
+from spotcr_contracts.commands import checkpoint_order
 from spotcr_contracts.layout import result_prefix, run_prefix
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.config import ENV
 from spotcr_functions.models import ENDED
 
+from rehearsal.localaws.s3 import StoreFault
 from rehearsal.sample_job import STOPPED_EXIT_CODE
-from rehearsal.scenario import committed_result
+from rehearsal.scenario import committed_result, reference_result
 from tests.faults.harness import FaultRehearsal, kill_agent_commands, options
 from tests.infra.support import allows
+from tests.support import wait_for
 
 pytestmark = [
     pytest.mark.faults,
@@ -549,4 +556,133 @@ def test_a_runs_store_session_reaches_nothing_of_an_earlier_runs_result(referenc
         for key in kept:
             for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
                 assert not allows(policy["Statement"], action, f"arn:aws:s3:::{bucket}/{key}", {}), (action, key)
+    _assert_invariants(rehearsal, outcome)
+
+
+# A job whose memory spans several packs, so that one pack holds nothing but the middle of its pages image: a lazy
+# restore reads that pack only in the background or when the running job touches it, never before the job runs.
+LAZY_MB = 128
+LAZY_STEPS = 1200  # 24 s of job: one periodic checkpoint, the warning, the lazy restore and the rest
+
+
+def _lazy_options(reference: bytes, runs_dir: Path) -> Any:
+    return options(reference, runs_dir, size_mb=LAZY_MB, steps=LAZY_STEPS, notice_s=20.0)
+
+
+@pytest.fixture(scope="module")
+def lazy_reference(shared_cloud: Any, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The uninterrupted result of the LAZY_MB job (the result depends on the job's size)."""
+    lazy = _lazy_options(b"", tmp_path_factory.mktemp("lazy-reference"))
+    return reference_result(shared_cloud, lazy, "/var/lib/spotcr/work/lazy-reference", print, lambda vm: None)
+
+
+def _middle_pack(rehearsal: FaultRehearsal) -> str:
+    """The key of a pack of the newest checkpoint that holds only chunks of the middle of the job's pages image."""
+    s3, bucket = rehearsal.cloud.client("s3"), rehearsal.cloud.names["checkpoint_bucket"]
+    run = run_prefix(rehearsal.job_id, rehearsal.events("CheckpointCompleted")[-1].run_id)
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{run}checkpoints/")["Contents"]
+    newest = max((Path(o["Key"]).stem for o in listed), key=checkpoint_order)
+    manifest = Manifest.from_json(
+        s3.get_object(Bucket=bucket, Key=f"{run}checkpoints/{newest}.json")["Body"].read(), newest
+    )
+    middle: dict[str, bool] = {}
+    for entry in manifest.files:
+        offset = 0
+        for chunk in entry.chunks:
+            inside = PAGES_IMAGE.fullmatch(entry.path) is not None and entry.size // 10 <= offset < entry.size * 9 // 10
+            if chunk.pack is not None:
+                middle[chunk.pack] = middle.get(chunk.pack, True) and inside
+            offset += chunk.size
+    packs = [pack for pack, only in middle.items() if only]
+    assert packs, f"no pack of {newest} holds only the middle of the job's memory"
+    return f"{run}chunks/packs/{packs[0]}"
+
+
+def _restored_on(rehearsal: FaultRehearsal, primary: str) -> set[str]:
+    """The VMs but the primary on which `criu restore` has rebuilt the job: its PID file is written."""
+    return {
+        instance_id
+        for instance_id, vm in list(rehearsal.cloud.vms.items())
+        if instance_id != primary and list(vm.host_path("/var/lib/spotcr/scratch").glob("restore-*.logs/restore.pid"))
+    }
+
+
+def _lazy_fault(rehearsal: FaultRehearsal, strike: Callable[[str], None]) -> dict[str, Any]:
+    """Once the backup restores, every read of a middle pack waits until the restored job runs there; the first
+    then strikes (strike(key)). Returns what happened: the pack, and the VMs the job ran on when it struck."""
+    seen: dict[str, Any] = {}
+    warn = rehearsal.warn
+    lock = threading.Lock()
+
+    def interrupt(instance_id: str, number: int) -> float:
+        seen["primary"] = instance_id
+        return warn(instance_id, number)
+
+    def hook(action: str, key: str) -> None:
+        if action != "get_object" or "/chunks/packs/" not in key or "primary" not in seen:
+            return
+        with lock:
+            if "pack" not in seen:
+                seen["pack"] = _middle_pack(rehearsal)
+        if key != seen["pack"] or "struck" in seen:
+            return
+        # Until the job runs on the backup (CRIU wrote its PID: reading its /proc/PID/cmdline would wait for a
+        # page, queued behind this read), or another read struck (this one may come after that job was killed)
+        hosts = wait_for(lambda: "struck" in seen or _restored_on(rehearsal, seen["primary"]), "the job on the backup")
+        with lock:  # the other reads waiting here go on once the fault is in place
+            if "struck" in seen:
+                return
+            seen["struck"] = hosts
+            rehearsal.timeline.say(f"fault: reading {key} while the job runs lazily on {hosts}")
+            strike(key)
+
+    rehearsal._interrupt = interrupt  # type: ignore[method-assign]
+    rehearsal.store_hooks.append(hook)
+    return seen
+
+
+@pytest.mark.claim("A lazy restore never lets the job read a page that did not arrive")
+def test_a_store_brownout_while_pages_stream_kills_the_lazy_job_and_restores_it_again(lazy_reference, cloud, tmp_path):
+    # Given a store that fails a read of the job's memory once the backup's job runs on its lazily restored memory
+    rehearsal = FaultRehearsal(_lazy_options(lazy_reference, tmp_path), cloud)
+
+    def brownout(key: str) -> None:
+        raise StoreFault(f"injected brownout reading {key}")
+
+    seen = _lazy_fault(rehearsal, brownout)
+
+    # When the job is interrupted and restored
+    outcome = _run(rehearsal)
+
+    # Then the job that ran on half its memory was killed (never two copies, never a wrong result), the same
+    # checkpoint was restored again, and the job ended with the uninterrupted result
+    assert seen.get("struck"), rehearsal.lines
+    [restored] = rehearsal.events("RestoreCompleted")
+    assert restored.lazy and restored.checkpoint_id.endswith("-final"), rehearsal.lines
+    _assert_invariants(rehearsal, outcome)
+
+
+@pytest.mark.claim("A lazy restore never lets the job read a page that did not arrive")
+@pytest.mark.claim("Restore walks back past damaged checkpoints")
+def test_a_chunk_corrupt_while_pages_stream_kills_the_lazy_job_and_the_walk_goes_on(lazy_reference, cloud, tmp_path):
+    # Given a pack of the job's memory that reads corrupt once the backup's job runs on its lazily restored memory
+    rehearsal = FaultRehearsal(_lazy_options(lazy_reference, tmp_path), cloud)
+    s3, bucket = rehearsal.cloud.client("s3"), rehearsal.cloud.names["checkpoint_bucket"]
+
+    def corrupt(key: str) -> None:
+        body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        for offset in range(0, len(body), 1 << 16):  # a flipped byte every 64 KiB: every chunk in it is damaged
+            body[offset] ^= 0xFF
+        s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+    seen = _lazy_fault(rehearsal, corrupt)
+
+    # When the job is interrupted and restored
+    outcome = _run(rehearsal)
+
+    # Then the job that ran on the corrupt checkpoint was killed, the checkpoint skipped as corrupt, an older one
+    # restored (or the job started over, where the damaged pack is shared), and the job ended with the right result
+    assert seen.get("struck"), rehearsal.lines
+    [restored] = rehearsal.events("RestoreCompleted")
+    assert "-final: " in restored.skipped and "does not match" in restored.skipped, rehearsal.lines
     _assert_invariants(rehearsal, outcome)
