@@ -612,7 +612,8 @@ def _lazy_fault(rehearsal: FaultRehearsal, strike: Callable[[str], None]) -> dic
     then strikes (strike(key)). Returns what happened: the pack, and the VMs the job ran on when it struck."""
     seen: dict[str, Any] = {}
     warn = rehearsal.warn
-    lock = threading.Lock()
+    # Two locks: the strike's own read of the pack must find the pack known without waiting for the strike.
+    finding, striking = threading.Lock(), threading.Lock()
 
     def interrupt(instance_id: str, number: int) -> float:
         seen["primary"] = instance_id
@@ -621,7 +622,7 @@ def _lazy_fault(rehearsal: FaultRehearsal, strike: Callable[[str], None]) -> dic
     def hook(action: str, key: str) -> None:
         if action != "get_object" or "/chunks/packs/" not in key or "primary" not in seen:
             return
-        with lock:
+        with finding:
             if "pack" not in seen:
                 seen["pack"] = _middle_pack(rehearsal)
         if key != seen["pack"] or "struck" in seen:
@@ -629,7 +630,7 @@ def _lazy_fault(rehearsal: FaultRehearsal, strike: Callable[[str], None]) -> dic
         # Until the job runs on the backup (CRIU wrote its PID: reading its /proc/PID/cmdline would wait for a
         # page, queued behind this read), or another read struck (this one may come after that job was killed)
         hosts = wait_for(lambda: "struck" in seen or _restored_on(rehearsal, seen["primary"]), "the job on the backup")
-        with lock:  # the other reads waiting here go on once the fault is in place
+        with striking:  # the other reads waiting here go on once the fault is in place
             if "struck" in seen:
                 return
             seen["struck"] = hosts
