@@ -109,9 +109,17 @@ def _agent_ready(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     if event.mode != "restore":
         logger.info("agent ready", job_id=record.job_id, instance_id=event.instance_id)
         return {"action": "noted"}
+    if record.status == Status.RECOVERING and record.backup_instance_id is None:
+        # The recovery's write that records its backup may land after that VM booted (a throttled write retried
+        # for longer than a boot): the report is kept for that write to find (rule 9, recovery.launch_backup).
+        kept = deps.registry.keep_early_ready(record.job_id, record.generation, event.instance_id, deps.iso_now())
+        if kept is not None and kept.backup_instance_id != event.instance_id:
+            logger.info("ready report kept until its instance is recorded as the backup", instance_id=event.instance_id)
+            return {"action": "kept", "reason": "not recorded as the backup yet"}
+        record = kept or record
     if event.instance_id != record.backup_instance_id:
-        # Only the backup the recovery recorded moves it (it is recorded before its VM can boot), never a VM
-        # someone tagged spotcr:mode=restore (jobs.register_instance tags that one spotcr:error).
+        # Only the backup the recovery recorded moves it, never a VM someone tagged spotcr:mode=restore
+        # (jobs.register_instance tags that one spotcr:error).
         logger.warning("AgentReady from an instance that is not the job's backup", instance_id=event.instance_id)
         return {"action": "ignored", "reason": "not the backup"}
     rendezvous.arrive(deps, record.job_id, "backup-ready", record.generation, {"instance_id": event.instance_id})

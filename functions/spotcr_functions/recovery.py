@@ -18,7 +18,14 @@ from spotcr_functions.deps import Deps
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
 from spotcr_functions.observability import SERVICE, Metric
-from spotcr_functions.registry import FINAL_DUMP_COMMAND, RESTORE_KEYS, WAIT_KEYS, StaleGeneration, restore_key
+from spotcr_functions.registry import (
+    FINAL_DUMP_COMMAND,
+    RESTORE_KEYS,
+    WAIT_KEYS,
+    StaleGeneration,
+    early_ready_key,
+    restore_key,
+)
 
 logger = Logger(service=SERVICE, child=True)
 
@@ -258,6 +265,11 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
     if updated is None:
         deps.cloud.terminate_instance(instance.instance_id)
         raise StaleGeneration(f"job {job_id} moved on while its backup launched")
+    early = updated.arrival(early_ready_key(instance.instance_id))
+    if early and early.get("generation") == generation:
+        # Its agent reported ready before this write landed (agent_events._agent_ready kept the report): rule 9.
+        logger.info("the backup reported ready before it was recorded", job_id=job_id, instance_id=instance.instance_id)
+        rendezvous.arrive(deps, job_id, "backup-ready", generation, early.get("output") or {})
     market = "spot" if candidate["spot"] else "on-demand"
     logger.info("backup launched", job_id=job_id, instance_id=instance.instance_id, az=instance.az, market=market)
     return {

@@ -23,6 +23,12 @@ def restore_key(attempt: str) -> str:
     return "restore" if attempt in ("", commands.RESTORE_ATTEMPTS[0]) else f"restore-{attempt}"
 
 
+def early_ready_key(instance_id: str) -> str:
+    """Where a ready report waits when it came before the recovery recorded its instance as the backup (rule 9):
+    one key per instance, so that no other instance's report replaces the backup's."""
+    return f"ready-{instance_id}"
+
+
 RESTORE_KEYS = tuple(restore_key(a) for a in commands.RESTORE_ATTEMPTS)
 WAIT_KEYS = ("final-dump", "backup-ready", *RESTORE_KEYS)  # what a workflow step waits for
 # The job record's counter of dump and restore orders (JobRecord.dump_sequence): every write that orders one increments
@@ -310,6 +316,14 @@ class Registry:
         values = {"backup_instance_id": instance_id, "backup_az": az, "updated_at": at}
         return self._write(job_id, values, condition=_at(generation, Status.RECOVERING))
 
+    def keep_early_ready(self, job_id: str, generation: int, instance_id: str, at: str) -> JobRecord | None:
+        """A ready report from an instance not recorded as the backup, kept while this generation recovers and has
+        no backup recorded, or has recorded this one in between (None: another backup, or the job moved on)."""
+        no_other_backup = Attr("backup_instance_id").not_exists() | Attr("backup_instance_id").eq(instance_id)
+        report = {"output": {"instance_id": instance_id}, "error": "", "cause": "", "at": at, "generation": generation}
+        values = {event_attribute(early_ready_key(instance_id)): report}
+        return self._write(job_id, values, condition=_at(generation, Status.RECOVERING) & no_other_backup)
+
     def record_image_warning(self, job_id: str, generation: int, warning: str) -> JobRecord | None:
         """Why this generation's backup launched from the template's image."""
         return self._write(job_id, {"image_warning": warning}, condition=_at(generation))
@@ -336,10 +350,13 @@ class Registry:
         return self._write(job_id, {attribute: ordered}, condition=_at(generation, Status.RECOVERING))
 
     def finish_recovery(self, job_id: str, generation: int, values: Mapping[str, Any]) -> JobRecord | None:
-        """The backup is the job's instance: RUNNING again at this generation (None: the job moved on)."""
+        """The backup (values' instance_id) is the job's instance: RUNNING again at this generation (None: the job
+        moved on). Its ready report kept before it was recorded, if any, is done with."""
         handed_over = ("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id")
+        early_ready = event_attribute(early_ready_key(str(values["instance_id"])))
         running = {"status": Status.RUNNING.value, **values}
-        return self._write(job_id, running, (*handed_over, "restore_ordered_at"), _at(generation, Status.RECOVERING))
+        remove = (*handed_over, "restore_ordered_at", early_ready)
+        return self._write(job_id, running, remove, _at(generation, Status.RECOVERING))
 
     def fail_recovery(self, job_id: str, generation: int, reason: str, at: str) -> JobRecord | None:
         """The recovery of this generation gave up: FAILED, unless the job moved on or ended meanwhile (rule 12)."""

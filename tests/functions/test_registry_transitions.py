@@ -18,7 +18,7 @@ from moto import mock_aws
 from spotcr_contracts import protocol
 from spotcr_functions import registry_schema
 from spotcr_functions.models import JobRecord, Status
-from spotcr_functions.registry import Registry, StaleGeneration
+from spotcr_functions.registry import Registry, StaleGeneration, early_ready_key
 
 REPO = Path(__file__).resolve().parents[2]
 AT = "2026-11-26T10:00:00Z"
@@ -231,6 +231,20 @@ def test_the_restore_order_closes_the_generation_and_ranks_after_every_dump_of_i
 def test_a_backup_launched_for_a_generation_that_moved_on_is_not_recorded(registry: Registry) -> None:
     job(registry)  # Finish ran: no longer recovering
     assert registry.record_backup("job-1", 2, "i-3", "us-east-1b", AT) is None
+
+
+def test_an_early_ready_report_is_kept_only_until_another_backup_is_recorded(registry: Registry) -> None:
+    job(registry, status=Status.RECOVERING, recovering_from="i-1")  # no backup recorded yet
+    kept = registry.keep_early_ready("job-1", 2, "i-2", AT)
+    assert kept is not None and (kept.arrival(early_ready_key("i-2")) or {}).get("generation") == 2
+    registry.record_backup("job-1", 2, "i-2", "us-east-1b", AT)
+    assert registry.keep_early_ready("job-1", 2, "i-2", AT) is not None  # the backup's own, recorded meanwhile
+    assert registry.keep_early_ready("job-1", 2, "i-3", AT) is None  # another instance once a backup is recorded
+    assert registry.keep_early_ready("job-1", 1, "i-2", AT) is None  # another generation
+    assert now(registry).arrival(early_ready_key("i-3")) is None
+    finished = registry.finish_recovery("job-1", 2, {"instance_id": "i-2"})
+    assert finished is not None and finished.arrival(early_ready_key("i-2")) is None
+    assert registry.keep_early_ready("job-1", 2, "i-4", AT) is None  # the generation no longer recovers
 
 
 def test_a_recovery_finishes_once(registry: Registry) -> None:
