@@ -14,8 +14,9 @@ from rehearsal.simagent import AgentTiming, SimulatedAgents
 
 JOBS = 20
 TIMING = AgentTiming(dump_s=0.5, boot_s=0.2, restore_s=0.2)
-# A backup's agent reports ready only after the recovery recorded the backup (it ignores any other VM): in AWS a
-# boot takes far longer than that write; under throttles the write may take seconds (its SDK retries).
+# Backups boot in 8 s, as slow as AWS's are fast: a ready report that comes before its backup is recorded is kept
+# (tests/workflow/test_backup_ready.py), but one more throttled write in the burst can fail an agent event three
+# times here, where Lambda's retries come 1 and 2 s later (1 and 2 minutes on AWS).
 THROTTLED_TIMING = AgentTiming(dump_s=0.5, boot_s=8.0, restore_s=0.2)
 # Lambda's retries of a failed event, 1 and 2 minutes later on AWS, here 1 and 2 seconds (its throttle retries as AWS).
 RETRIES = AsyncRetries(error_waits_s=(1.0, 2.0))
