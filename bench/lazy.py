@@ -143,7 +143,7 @@ def run_size(gib: float, root: Path, measure_s: float) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     rows = [
-        "| job | restore | order to running again | order to last page in | job's rate while pages stream | after |",
+        "| job | restore | order to running again | order to last page in | job's sweep while pages stream | after |",
         "|---|---|---|---|---|---|",
     ]
     for size in result["sizes"]:
@@ -165,6 +165,9 @@ def markdown(result: dict[str, Any]) -> str:
             f"{machine['load_after']}. Store: a directory on local disk. {machine['kind']}.",
             "",
             *rows,
+            "",
+            "The job sweeps its memory again and again, reading one byte of each page: its rate is MiB of memory"
+            " swept per second, how fast it gets on while its pages stream against once they are all in.",
             "",
             f"Target: {verdict['text']}",
             "",
