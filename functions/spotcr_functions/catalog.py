@@ -209,8 +209,9 @@ FUNCTIONS: tuple[Function, ...] = (
         name="launch-backup",
         handler="spotcr_functions.handlers.workflow.launch_backup",
         description="Recovery step: launch one backup candidate; CapacityUnavailable moves down the list.",
-        # A backup launched for a generation that moved on meanwhile is terminated at once.
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH, EC2_TERMINATE),
+        # A backup launched for a generation that moved on meanwhile is terminated at once. A ready report that came
+        # before the backup was recorded is handed to the readiness wait from here (rule 9).
+        capabilities=(JOBS_READ, JOBS_WRITE, EC2_LAUNCH, EC2_TERMINATE, TASK_CALLBACK),
         workflow_step=True,
     ),
     Function(
