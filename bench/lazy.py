@@ -167,7 +167,7 @@ def markdown(result: dict[str, Any]) -> str:
             *rows,
             "",
             "The job sweeps its memory again and again, reading one byte of each page: its rate is MiB of memory"
-            " swept per second, how fast it gets on while its pages stream against once they are all in.",
+            " swept per second, its rate while its pages stream is to be read against its rate once they are all in.",
             "",
             f"Target: {verdict['text']}",
             "",
