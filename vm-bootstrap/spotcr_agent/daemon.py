@@ -16,11 +16,12 @@ from spotcr_contracts import tags
 
 from . import storage
 from .agent import Agent
+from .deadline import NOTICE_DETECTION_S
 from .imds import ImdsError, Metadata, instance_tags, spot_instance_action
 
 log = logging.getLogger(__name__)
 
-POLL_S = 1.0
+POLL_S = NOTICE_DETECTION_S  # the final dump begins at most this long after the notice
 
 
 def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float = POLL_S) -> None:
