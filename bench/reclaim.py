@@ -2,9 +2,11 @@
 
 `python -m bench reclaim --jobs 100` registers N jobs on the local AWS with the real handlers and ASL (the workflow
 tests' ControlPlane), their VMs played by simulated agents (rehearsal/simagent.py: a final dump takes --dump-s, a
-backup's boot --boot-s, a restore --restore-s), warns every one within --warn-within-s, and reports per job the
-warning to the final-dump command, to the backup's launch, and to the job running again (p50, p99, max), then the
-wave's end state. Writes bench/results/reclaim-<N>.json and .md. A benchmark, not a test.
+backup's boot --boot-s, a restore --restore-s; each agent polls IMDS for the notice as the real one does), warns
+every one within --warn-within-s, and reports per job the warning to the final dump's beginning (the first of the
+agent's IMDS poll and the final-dump command), to the command itself, to the backup's launch, and to the job
+running again (p50, p99, max), then the wave's end state. Writes bench/results/reclaim-<N>.json and .md.
+A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_DUMP_COMMAND_P99_S = 1.0
+TARGET_DUMP_BEGUN_P99_S = 1.0
 STEPS = {
+    "to_final_dump_begun": "warning -> final dump begins (IMDS poll or command)",
     "to_final_dump_command": "warning -> final-dump command",
     "to_backup_launched": "warning -> backup launched",
     "to_running_again": "warning -> job running again",
@@ -82,11 +85,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         )
     return {
         "jobs": args.jobs,
-        "agent_timing_s": {"final_dump": timing.dump_s, "backup_boot": timing.boot_s, "restore": timing.restore_s},
+        "agent_timing_s": {
+            "final_dump": timing.dump_s,
+            "backup_boot": timing.boot_s,
+            "restore": timing.restore_s,
+            "notice_poll": timing.notice_poll_s,
+        },
         "warned_over_s": round(result.warned_over_s, 3),
         "wave_seconds": round(result.seconds, 1),
         **{step: {k: round(v, 3) for k, v in wave.spread(getattr(result, step)).items()} for step in STEPS},
         "recovered": len(result.recovered),
+        "without_final_dump": result.without_final_dump,
         "failed": result.failed,
         "stuck": result.stuck,
         "live_copies": result.live_copies,
@@ -108,8 +117,9 @@ def _machine() -> dict[str, Any]:
 
 def _report(figures: dict[str, Any]) -> list[str]:
     jobs = figures["jobs"]
-    p99 = figures["to_final_dump_command"].get("p99", float("inf"))
-    verdict = "met" if p99 < TARGET_DUMP_COMMAND_P99_S else "MISSED"
+    p99 = figures["to_final_dump_begun"].get("p99", float("inf"))
+    command_p99 = figures["to_final_dump_command"].get("p99", float("inf"))
+    verdict = "met" if p99 < TARGET_DUMP_BEGUN_P99_S else "MISSED"
     lines = [
         f"# Mass reclaim: {jobs} jobs warned within {figures['warned_over_s']:.1f} s",
         "",
@@ -117,7 +127,8 @@ def _report(figures: dict[str, Any]) -> list[str]:
         f"{', '.join(f'{x:.1f}' for x in figures['machine']['load_before'])} before; the local AWS is moto in-process "
         "(one request at a time), every VM a simulated agent (final dump "
         f"{figures['agent_timing_s']['final_dump']:g} s, backup boot {figures['agent_timing_s']['backup_boot']:g} s, "
-        f"restore {figures['agent_timing_s']['restore']:g} s).",
+        f"restore {figures['agent_timing_s']['restore']:g} s; the agent polls IMDS for the notice every "
+        f"{figures['agent_timing_s']['notice_poll']:g} s).",
         "",
         "| per job | p50 | p99 | max |",
         "|---|---|---|---|",
@@ -128,14 +139,18 @@ def _report(figures: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | {' | '.join(cells)} |")
     lines += [
         "",
-        f"- warning to final-dump command p99 {p99:.2f} s (target under {TARGET_DUMP_COMMAND_P99_S:g} s: {verdict})",
+        f"- warning to the final dump's beginning p99 {p99:.2f} s (target under {TARGET_DUMP_BEGUN_P99_S:g} s:"
+        f" {verdict}); to the final-dump command itself p99 {command_p99:.2f} s, which then answers with that dump",
         f"- recovered {figures['recovered']} of {jobs}; failed {len(figures['failed'])}; stuck {len(figures['stuck'])};"
         f" two live copies {len(figures['live_copies'])}; leaked {len(figures['leaks'])};"
         f" agent answers refused {len(figures['agent_errors'])}",
+        f"- restored from their final dump: {figures['recovered'] - len(figures['without_final_dump'])} of"
+        f" {figures['recovered']} recovered (the others from an older checkpoint: their final-dump command"
+        " never reached them)",
         f"- the whole wave, first warning to the last workflow's end: {figures['wave_seconds']:.0f} s",
     ]
     lines += _throttle_lines(figures)
-    for name in ("failed", "stuck", "live_copies", "leaks", "agent_errors"):
+    for name in ("failed", "stuck", "live_copies", "leaks", "agent_errors", "without_final_dump"):
         if figures[name]:
             lines.append(f"- {name}: {json.dumps(figures[name])[:2000]}")
     return lines

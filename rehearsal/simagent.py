@@ -3,8 +3,12 @@
 A wave of a hundred jobs does not fit one machine as real VMs. For the VMs that are not real, a `SimulatedAgents`
 watches the ControlPlane's in-process moto (rehearsal/controlplane.py) and plays each agent's part through the
 control plane's own paths, after the delays a real VM takes:
+- an interruption notice in a VM's IMDS (`notice`) is seen at the VM's next poll (every `notice_poll_s`, the
+  real agent's spotcr_agent.daemon.POLL_S, at a phase of its own), which begins the final dump at once: the agent
+  reports it (CheckpointCompleted) `dump_s` later;
 - a final-dump command sent to a job's instance is answered `dump_s` later (one result line on stdout, SSM's
-  status-change event, the agent's CheckpointCompleted);
+  status-change event, the agent's CheckpointCompleted), or, where the notice began the dump, once that dump is
+  in, with its checkpoint (one dump either way, as the real agent answers);
 - a backup instance spotcr launched reports AgentReady in restore mode `boot_s` after its launch;
 - a restore command is answered `restore_s` later (its result line, SSM's event, the agent's RestoreCompleted).
 Every event goes through EventBridge to Lambda's event queue (`events`: asynchronous, retried as Lambda retries).
@@ -20,6 +24,7 @@ import heapq
 import itertools
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ from typing import Any
 
 from moto.ec2.models import ec2_backends
 from moto.ssm.models import Command as MotoCommand
+from spotcr_agent.daemon import POLL_S
 from spotcr_contracts import commands, events
 from spotcr_contracts import tags as tag_names
 
@@ -38,14 +44,16 @@ LIVE_STATES = {"pending", "running"}
 
 @dataclass(frozen=True)
 class AgentTiming:
-    """How long a simulated VM takes, in seconds: a final dump, a backup's boot to AgentReady, a restore."""
+    """How long a simulated VM takes, in seconds: a final dump, a backup's boot to AgentReady, a restore; and how
+    often its agent polls IMDS for the interruption notice."""
 
     dump_s: float = 3.0
     boot_s: float = 2.0
     restore_s: float = 2.0
+    notice_poll_s: float = POLL_S
 
     def __post_init__(self) -> None:
-        for name in ("dump_s", "boot_s", "restore_s"):
+        for name in ("dump_s", "boot_s", "restore_s", "notice_poll_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"AgentTiming.{name} must be 0 or more seconds, not {getattr(self, name)}")
 
@@ -55,6 +63,7 @@ class JobTimes:
     """When, on time.time()'s clock, the wave reached each step of one job's recovery (None: not yet)."""
 
     final_dump_ordered: float | None = None
+    final_dump_begun: float | None = None  # the first of: the notice seen in IMDS, the command received
     backup_launched: float | None = None
     restore_ordered: float | None = None
     backups: list[str] = field(default_factory=list)
@@ -83,6 +92,8 @@ class SimulatedAgents:
         self._due: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self._seen_instances: set[str] = set()  # tagged with their job: read once
+        self._serving: dict[str, tuple[str, str, int]] = {}  # instance -> the job, run and generation it runs
+        self._dumps: dict[str, tuple[str, float]] = {}  # instance -> its final dump: checkpoint id, when it is in
         self._stop = threading.Event()
         self._patches = contextlib.ExitStack()
 
@@ -101,6 +112,52 @@ class SimulatedAgents:
     def job(self, job_id: str) -> JobTimes:
         with self._lock:
             return self.jobs.setdefault(job_id, JobTimes())
+
+    def notice(self, instance_id: str) -> None:
+        """The interruption notice appears now in the VM's IMDS; its agent sees it at its next poll and dumps."""
+        now = time.time()
+        phase = (
+            (zlib.crc32(instance_id.encode()) % 1000) / 1000 * self.timing.notice_poll_s
+        )  # each agent polls on its own clock
+        seen = now + (phase - now) % self.timing.notice_poll_s
+        # Its own timer: a VM's agent polls its own IMDS, never queued behind other VMs' answers or the local AWS
+        poll = threading.Timer(seen - now, self._answering, args=(self._noticed(instance_id),))
+        poll.daemon = True
+        poll.start()
+
+    def _noticed(self, instance_id: str) -> Callable[[], None]:
+        def dump() -> None:
+            serving = self._serving_on(instance_id)
+            if serving is None:
+                return  # no job runs here (yet): the real agent has nothing to dump either
+            job_id, run_id, generation = serving
+            begun = time.time()
+            with self._lock:
+                if instance_id in self._dumps:
+                    return  # the command began it first
+                checkpoint = commands.checkpoint_id(int(begun * 1000), generation, "final")
+                self._dumps[instance_id] = (checkpoint, begun + self.timing.dump_s)
+            times = self.job(job_id)
+            times.final_dump_begun = min(begun, times.final_dump_begun or begun)
+            report = events.CheckpointCompleted(
+                job_id,
+                instance_id,
+                generation,
+                controlplane.now_iso(),
+                run_id=run_id,
+                checkpoint_id=checkpoint,
+                kind="final",
+                seconds=self.timing.dump_s,
+            )
+            self._schedule(begun + self.timing.dump_s, lambda: self._send(controlplane.agent_event(report)))
+
+        return dump
+
+    def _serving_on(self, instance_id: str) -> tuple[str, str, int] | None:
+        """The job, run and generation the VM runs: the user's own VM's from its tags once its run was tagged (as
+        the agent reads them from IMDS: no AWS call), at generation 0; a backup's from the restore it answered."""
+        with self._lock:
+            return self._serving.get(instance_id)
 
     def _noting_commands(self, init: Any) -> Any:
         def noting(command: Any, *args: Any, **kwargs: Any) -> None:
@@ -140,9 +197,13 @@ class SimulatedAgents:
             parameters = {name: values[0] for name, values in command.parameters.items()}
             document = str(command.document_name)
             if document.endswith("-checkpoint") and parameters.get("Kind") == "final":
-                self.job(parameters["JobId"]).final_dump_ordered = at
+                times = self.job(parameters["JobId"])
+                times.final_dump_ordered = at
+                times.final_dump_begun = min(at, times.final_dump_begun or at)
                 for instance_id in command.instance_ids:
-                    self._schedule(at + self.timing.dump_s, self._final_dump(instance_id, parameters))
+                    with self._lock:  # one dump either way: the command answers with the one the notice began
+                        checkpoint, done = self._dumps.setdefault(instance_id, ("", at + self.timing.dump_s))
+                    self._schedule(max(at, done), self._final_dump(instance_id, parameters, checkpoint))
             elif document.endswith("-restore"):
                 self.job(parameters["JobId"]).restore_ordered = at
                 for instance_id in command.instance_ids:
@@ -158,10 +219,15 @@ class SimulatedAgents:
             ]
         for instance_id, tag_list in launched:
             labels = {tag["key"]: tag["value"] for tag in tag_list}
-            if tag_names.JOB in labels:
-                self._seen_instances.add(instance_id)
             if labels.get(tag_names.MODE) != "restore":
-                continue  # the user's own VM (its agent played by whoever started the job), or not tagged yet
+                # The user's own VM (its job started by whoever registered it): its agent runs the job once its
+                # run is tagged, and watches IMDS for the notice
+                if tag_names.JOB in labels and tag_names.RUN in labels:
+                    self._seen_instances.add(instance_id)
+                    with self._lock:
+                        self._serving[instance_id] = (labels[tag_names.JOB], labels[tag_names.RUN], 0)
+                continue
+            self._seen_instances.add(instance_id)
             job = self.job(labels[tag_names.JOB])
             job.backup_launched = job.backup_launched or now
             job.backups.append(instance_id)
@@ -184,10 +250,10 @@ class SimulatedAgents:
 
         return report
 
-    def _final_dump(self, instance_id: str, parameters: dict[str, str]) -> Callable[[], None]:
+    def _final_dump(self, instance_id: str, parameters: dict[str, str], taken: str = "") -> Callable[[], None]:
         def commit() -> None:
             generation = int(parameters["Generation"])
-            checkpoint = commands.checkpoint_id(
+            checkpoint = taken or commands.checkpoint_id(
                 int(time.time() * 1000), generation, "final", int(parameters["Sequence"])
             )
             report = events.CheckpointCompleted(
@@ -210,6 +276,8 @@ class SimulatedAgents:
 
     def _restore(self, instance_id: str, parameters: dict[str, str]) -> Callable[[], None]:
         def restore() -> None:
+            with self._lock:
+                self._serving[instance_id] = (parameters["JobId"], parameters["RunId"], int(parameters["Generation"]))
             answer = events.RestoreCompleted(
                 parameters["JobId"],
                 instance_id,

@@ -3,7 +3,8 @@
 When a capacity pool runs dry, every instance in it gets its warning within seconds. `run_wave` plays that against
 a ControlPlane (rehearsal/controlplane.py, the real handlers and ASL on the local AWS) whose VMs are simulated agents
 (rehearsal/simagent.py): it registers the jobs through the real register path (launch, EC2's state change, the
-agent's JobStarted), delivers every warning through EventBridge's routing within `warn_within_s`, waits for every
+agent's JobStarted), delivers every warning through EventBridge's routing within `warn_within_s` (the notice shows in
+each VM's IMDS at the same moment, where its agent polls for it), waits for every
 workflow to end, then reads the wave's end state: recovered, failed, stuck, two live copies, leaks.
 """
 
@@ -36,10 +37,12 @@ class WaveResult:
 
     jobs: list[str]
     warned_over_s: float  # first warning to last
+    to_final_dump_begun: dict[str, float] = field(default_factory=dict)  # the agent's IMDS poll, or the command
     to_final_dump_command: dict[str, float] = field(default_factory=dict)
     to_backup_launched: dict[str, float] = field(default_factory=dict)
     to_running_again: dict[str, float] = field(default_factory=dict)
     recovered: list[str] = field(default_factory=list)
+    without_final_dump: list[str] = field(default_factory=list)  # recovered, but not from their final dump
     failed: dict[str, str] = field(default_factory=dict)  # job -> why
     stuck: list[str] = field(default_factory=list)  # its workflow still running when the wave's time was up
     live_copies: dict[str, list[str]] = field(default_factory=dict)  # job -> its live instances, where more than one
@@ -90,6 +93,7 @@ def run_wave(
     def warn(job_id: str, at: float) -> None:
         time.sleep(max(0.0, at - time.time()))
         warned[job_id] = time.time()
+        agents.notice(instances[job_id])
         controlplane.deliver(agents.events, controlplane.ec2_event("spot-interruption-warning", instances[job_id]))
 
     before = find_leaks()
@@ -108,6 +112,8 @@ def run_wave(
     result.throttles = meter.report() if meter else {}
     for job_id, primary in instances.items():
         times = agents.job(job_id)
+        if times.final_dump_begun is not None:
+            result.to_final_dump_begun[job_id] = times.final_dump_begun - warned[job_id]
         if times.final_dump_ordered is not None:
             result.to_final_dump_command[job_id] = times.final_dump_ordered - warned[job_id]
         if times.backup_launched is not None:
@@ -160,6 +166,8 @@ def _end_state(
         result.failed[job_id] = f"workflow succeeded, but the job is {where}"
     else:
         result.recovered.append(job_id)
+        if not str(record.checkpoint_id or "").endswith("-final"):
+            result.without_final_dump.append(job_id)
         return float(execution["stopDate"].timestamp())
     return None
 
