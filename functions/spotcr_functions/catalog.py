@@ -89,7 +89,6 @@ COMMAND_INVOCATION_STATUS_CHANGE = "EC2 Command Invocation Status-change Notific
 COMMAND_ENDED = ("Success", "Failed", "Cancelled", "TimedOut", "Undeliverable", "Terminated")
 
 # Registering a job (or failing a hand-over) may wait for an EBS volume (cloud.VOLUME_WAIT_SECONDS): outlast it.
-# The interruption handler's final-dump SendCommand may back off for 71 s in a wave (cloud.PATIENT_CONFIG): outlast it.
 INTERRUPTION_TIMEOUT_S = 100
 REGISTERING_TIMEOUT_S = VOLUME_WAIT_SECONDS + 30
 # Final states whose execution may have left the job RECOVERING (no Catch ran, or the Catch itself failed).
@@ -218,7 +217,8 @@ FUNCTIONS: tuple[Function, ...] = (
         name="await-agent-event",
         handler="spotcr_functions.handlers.workflow.await_agent_event",
         description="Recovery step: store the task token that an agent event (final dump, backup ready) resumes.",
-        capabilities=(JOBS_WRITE, TASK_CALLBACK),
+        # The final-dump wait sends the warning's final-dump command where a throttle deferred it.
+        capabilities=(JOBS_READ, JOBS_WRITE, TASK_CALLBACK, SEND_COMMAND),
         workflow_step=True,
     ),
     Function(

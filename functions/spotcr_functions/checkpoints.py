@@ -13,8 +13,9 @@ When SSM's answer cannot come:
   interval of work at risk, as with a missed dump);
 - a final dump's: the Restore step asks SSM for it (settle_final_dump) before it closes the generation;
 - a final dump nobody ordered (the agent's own IMDS notice) is reported to the final-dump command the warning sends
-  (Agent.checkpoint reports a final dump already taken); with no command delivered, it is not recorded and the job
-  restores from its newest recorded checkpoint.
+  (Agent.checkpoint reports a final dump already taken), by the warning or, where SSM throttled it, by the
+  workflow's final-dump wait (recovery.order_deferred_final_dump); with no command delivered, it is not recorded and
+  the job restores from its newest recorded checkpoint.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def settle_final_dump(deps: Deps, record: JobRecord) -> JobRecord:
     arrival = record.arrival("final-dump") or {}
     if not isinstance(ordered, dict) or ordered.get("generation") != record.generation:
         return record
-    if arrival.get("generation") == record.generation:
-        return record
+    if arrival.get("generation") == record.generation or not ordered.get("command_id"):
+        return record  # answered, or never sent (a throttle left it to the final-dump wait, which did not send it)
     command_id, instance_id = str(ordered["command_id"]), str(ordered["instance_id"])
     invocation = deps.cloud.command_invocation(command_id, instance_id)
     if invocation is None:

@@ -65,9 +65,9 @@ def _iso(value: Any) -> str:
 # 5 attempts: at most 1 + 2 + 4 + 8 = 15 s of backoff, half the default function timeout; a throttle that outlasts
 # them becomes `Throttled`, which the state machine's Retry waits out, or Lambda's asynchronous retries do.
 CLIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
-# The final dump's SendCommand is the one call a lost throttle cannot be retried later: the warning gives 2 minutes.
-# 8 attempts: at most 71 s of backoff (1 + 2 + 4 + 8 + 16 + 20 + 20), inside the interruption function's timeout.
-PATIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 8})
+# The warning's final-dump SendCommand: 2 attempts (at most 1 s of backoff), so that the recovery starts at once;
+# a command still throttled then is sent by the workflow's final-dump wait (recovery.order_deferred_final_dump).
+PROMPT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 2})
 # Codes AWS answers a call over its rate with (the EC2, SSM/Step Functions/EventBridge, DynamoDB and Lambda ones).
 THROTTLING_ERRORS = frozenset(
     {
@@ -111,8 +111,8 @@ class Cloud:
         return self._client("ssm")
 
     @cached_property
-    def patient_ssm(self) -> Any:
-        return self._client("ssm", PATIENT_CONFIG)
+    def prompt_ssm(self) -> Any:
+        return self._client("ssm", PROMPT_CONFIG)
 
     @cached_property
     def sfn(self) -> Any:
@@ -396,12 +396,12 @@ class Cloud:
         return str(self.ec2.describe_snapshots(SnapshotIds=[snapshot_id])["Snapshots"][0]["State"])
 
     def send_command(
-        self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str], patient: bool = False
+        self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str], prompt: bool = False
     ) -> str:
-        """SSM Run Command with typed parameters, checked against the contract before sending; `patient`: with
-        PATIENT_CONFIG's retries."""
+        """SSM Run Command with typed parameters, checked against the contract before sending; `prompt`: with
+        PROMPT_CONFIG's retries."""
         command.agent_argv(values)
-        response = (self.patient_ssm if patient else self.ssm).send_command(
+        response = (self.prompt_ssm if prompt else self.ssm).send_command(
             InstanceIds=[instance_id],
             DocumentName=document_name,
             Parameters={k: [v] for k, v in values.items()},

@@ -13,7 +13,7 @@ from spotcr_contracts.names import client_token
 from spotcr_contracts.protocol import job_gone_from, parse_time, restarted
 
 from spotcr_functions import agent_events, checkpoints, efs_access, jobs, rendezvous
-from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, error_code
+from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, error_code, is_throttle
 from spotcr_functions.deps import Deps
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
@@ -67,7 +67,7 @@ def on_interruption_warning(
         return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
     bumped = _bump(deps, record, instance_id, warned_at)
     if bumped is None:
-        return _already_recovering(deps, record.job_id, instance_id)
+        return _already_recovering(deps, record.job_id, instance_id, order_at=warned_at)
     final_dump = _order_final_dump(deps, bumped, instance_id, warned_at)
     _start(deps, bumped, instance_id, reason=f"{source}-interruption:{action}", final_dump=final_dump)
     return {
@@ -114,13 +114,16 @@ def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord
     return deps.registry.bump_generation(record.job_id, instance_id, record.generation, at, read=record)
 
 
-def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, Any]:
+def _already_recovering(deps: Deps, job_id: str, instance_id: str, order_at: str = "") -> dict[str, Any]:
     current = deps.registry.get(job_id)
     if current and current.status == Status.RECOVERING and current.recovering_from == instance_id:
         # A retry after a crash (or a throttled StartExecution) between the fencing write and StartExecution still
-        # starts the workflow, once; it waits for the final dump if the first try ordered one on this instance.
+        # starts the workflow, once; it waits for the final dump if the first try ordered one on this instance (sent
+        # it, or left it to the workflow for a throttle), and orders it now (`order_at`: a warning's) if no try did.
         ordered = current.extra.get(FINAL_DUMP_COMMAND) or {}
         final_dump = ordered.get("generation") == current.generation and ordered.get("instance_id") == instance_id
+        if not final_dump and order_at:
+            final_dump = _order_final_dump(deps, current, instance_id, order_at)
         started = _start(deps, current, instance_id, reason="retry", final_dump=final_dump)
         logger.info("duplicate event: recovery already under way", job_id=job_id, started_now=started)
         return {"action": "duplicate", "job_id": job_id, "generation": current.generation}
@@ -129,21 +132,55 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
 
 
 def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at: str) -> bool:
-    values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final", "RunId": record.run_id}
-    values["Sequence"] = str(record.dump_sequence)  # minted by the fencing write (Registry.bump_generation)
+    """Send the final-dump command; True when a final dump is to be waited for: sent, or throttled and left to the
+    workflow's final-dump wait to send (order_deferred_final_dump), so that a wave's backups launch at once. In the
+    meantime the agent's own IMDS poll has begun the dump, which the command, once there, records."""
     try:
-        command_id = deps.cloud.send_command(
-            deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values, patient=True
-        )
+        _send_final_dump(deps, record, instance_id, prompt=True)
     except ClientError as error:
+        if is_throttle(error):
+            logger.info("final dump command throttled; the workflow's final-dump wait sends it", job_id=record.job_id)
+            deferred = {"instance_id": instance_id, "generation": record.generation}  # no command_id: not sent
+            deps.registry.record_final_dump_order(record.job_id, record.generation, deferred)
+            return True
         logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
         return False
-    # Kept so that its answer is read from SSM even if its status-change event is lost (checkpoints.settle_final_dump).
-    ordered = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
-    deps.registry.record_final_dump_order(record.job_id, record.generation, ordered)
     latency = (deps.now() - parse_time(warned_at)).total_seconds()
     deps.metric(Metric.INTERRUPTION_TO_DUMP_SECONDS, "Seconds", max(latency, 0.0))
     return True
+
+
+def _send_final_dump(deps: Deps, record: JobRecord, instance_id: str, prompt: bool = False) -> None:
+    values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final", "RunId": record.run_id}
+    values["Sequence"] = str(record.dump_sequence)  # minted by the fencing write (Registry.bump_generation)
+    command_id = deps.cloud.send_command(
+        deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values, prompt=prompt
+    )
+    # Kept so that its answer is read from SSM even if its status-change event is lost (checkpoints.settle_final_dump).
+    ordered = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
+    deps.registry.record_final_dump_order(record.job_id, record.generation, ordered)
+
+
+def order_deferred_final_dump(deps: Deps, job_id: str, generation: int) -> None:
+    """The final-dump wait begins: send the warning's final-dump command if a throttle kept it from going out. A
+    throttle again leaves as `Throttled`, which the wait's Retry waits out; any other refusal resumes the wait with
+    FinalDumpNotDelivered, and the job restores from its newest recorded checkpoint."""
+    record = deps.registry.get(job_id)
+    if record is None or record.generation != generation or record.status != Status.RECOVERING:
+        return  # moved on: storing the token finds out
+    ordered = record.extra.get(FINAL_DUMP_COMMAND) or {}
+    if ordered.get("generation") != generation or ordered.get("command_id"):
+        return  # sent by the warning (or by an earlier try of this step), or never ordered
+    try:
+        _send_final_dump(deps, record, str(ordered["instance_id"]))
+    except ClientError as error:
+        if is_throttle(error):
+            raise
+        logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
+        cause = f"the final-dump command was not delivered: {error}"[:1000]
+        rendezvous.arrive(deps, job_id, "final-dump", generation, {}, error="FinalDumpNotDelivered", cause=cause)
+        return
+    logger.info("deferred final dump command sent", job_id=job_id, generation=generation)
 
 
 def recovery_input(record: JobRecord, instance_id: str, reason: str, final_dump: bool, settings: Any) -> dict[str, Any]:
@@ -719,11 +756,12 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
     if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
         logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
         return {"action": "ignored", "reason": "no job on this instance"}
+    order_at = at if final_dump else ""
     if record.backup_instance_id != instance_id:
-        return _already_recovering(deps, record.job_id, instance_id)
+        return _already_recovering(deps, record.job_id, instance_id, order_at)
     bumped = deps.registry.bump_backup(record, at)
     if bumped is None:
-        return _already_recovering(deps, record.job_id, instance_id)
+        return _already_recovering(deps, record.job_id, instance_id, order_at)
     for key in WAIT_KEYS:
         token = record.token(key)
         if token and token.get("generation") == record.generation:

@@ -106,7 +106,7 @@ PACKAGE = REPO_ROOT / "functions" / "spotcr_functions"
 CLIENTS = {
     ("Cloud", "ec2"): "ec2",
     ("Cloud", "ssm"): "ssm",
-    ("Cloud", "patient_ssm"): "ssm",  # the same service, with more retries (the final-dump command)
+    ("Cloud", "prompt_ssm"): "ssm",  # the same service, with fewer retries (the warning's final-dump command)
     ("Cloud", "sfn"): "states",
     ("Cloud", "sns"): "sns",
     ("Cloud", "sts"): "sts",

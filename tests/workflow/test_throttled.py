@@ -80,13 +80,15 @@ def test_a_step_lambda_refuses_for_the_account_concurrency_is_retried(
     assert meter.throttled[("lambda", "Invoke")] >= 1
 
 
+# The first try sent the final-dump command, or SSM throttled it and the try left it to the workflow's wait
+@pytest.mark.parametrize("command_throttled", [False, True])
 def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dump(
-    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch, command_throttled: bool
 ) -> None:
     # Given a job, and a StartExecution refused once for its rate after the final dump was ordered
     primary = plane.start_job("wave-3")
     periodic = commit(plane, "wave-3", primary, 0, "periodic")
-    start_recovery = Cloud.start_recovery
+    start_recovery, send_command = Cloud.start_recovery, Cloud.send_command
     refusals = [ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "StartExecution")]
 
     def refused_once(cloud: Cloud, *args: Any, **kwargs: Any) -> bool:
@@ -94,7 +96,13 @@ def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dum
             raise refusals.pop()
         return bool(start_recovery(cloud, *args, **kwargs))
 
+    def throttled_when_prompt(cloud: Cloud, *args: Any, prompt: bool = False, **kwargs: Any) -> str:
+        if prompt and command_throttled:
+            raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "SendCommand")
+        return str(send_command(cloud, *args, **{**kwargs, "prompt": prompt}))
+
     monkeypatch.setattr(Cloud, "start_recovery", refused_once)
+    monkeypatch.setattr(Cloud, "send_command", throttled_when_prompt)
     warning = ec2_event("spot-interruption-warning", primary)
     with pytest.raises(ClientError, match="ThrottlingException"):
         route(warning)
@@ -103,9 +111,37 @@ def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dum
     route(warning)
 
     # Then the workflow it starts waits for the final dump the first try ordered, and restores from it
-    [dump] = plane.sent_commands("checkpoint", kind="final")
     backup = recover(plane, "wave-3", periodic, final_from=primary)
+    [dump] = plane.sent_commands("checkpoint", kind="final")
     job = plane.job("wave-3")
     assert (job.status, job.instance_id) == (Status.RUNNING, backup)
     assert job.checkpoint_id != periodic
     assert dump["instances"] == [primary]
+
+
+def test_a_final_dump_command_throttled_at_the_warning_is_sent_by_the_final_dump_wait(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job, and the warning's final-dump command refused for SendCommand's rate past its one quick retry
+    primary = plane.start_job("wave-4")
+    periodic = commit(plane, "wave-4", primary, 0, "periodic")
+    send_command = Cloud.send_command
+
+    def throttled_when_prompt(cloud: Cloud, *args: Any, prompt: bool = False, **kwargs: Any) -> str:
+        if prompt:
+            raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "SendCommand")
+        return str(send_command(cloud, *args, **kwargs))
+
+    monkeypatch.setattr(Cloud, "send_command", throttled_when_prompt)
+
+    # When the warning comes
+    [(_, outcome)] = route(ec2_event("spot-interruption-warning", primary))
+
+    # Then the recovery starts at once and waits for a final dump; the wait sends the command, and the job runs
+    # again from its final dump
+    assert outcome["final_dump"] is True, outcome
+    backup = recover(plane, "wave-4", periodic, final_from=primary)
+    job = plane.job("wave-4")
+    assert (job.status, job.instance_id) == (Status.RUNNING, backup)
+    assert job.checkpoint_id != periodic and str(job.checkpoint_id).endswith("-final")
+    assert len(plane.sent_commands("checkpoint", kind="final")) == 1

@@ -34,7 +34,10 @@ def launch_backup(event: dict[str, Any], context: LambdaContext) -> dict[str, An
 @_edge.throttles_named
 def await_agent_event(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     job_id, generation = _job(event)
-    rendezvous.wait_for(_edge.deps(), job_id, str(event["event"]), generation, str(event["token"]))
+    deps = _edge.deps()
+    if event["event"] == "final-dump":
+        recovery.order_deferred_final_dump(deps, job_id, generation)
+    rendezvous.wait_for(deps, job_id, str(event["event"]), generation, str(event["token"]))
     return {"waiting": event["event"]}
 
 
