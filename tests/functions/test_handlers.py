@@ -9,6 +9,8 @@ from pathlib import Path
 
 import boto3
 import pytest
+from aws_lambda_powertools.utilities.idempotency.exceptions import IdempotencyPersistenceLayerError
+from aws_lambda_powertools.utilities.idempotency.persistence.base import BasePersistenceLayer
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import checkpoints
@@ -369,3 +371,22 @@ def test_agent_vectors_parse_and_reach_the_handler(plane: ControlPlane, path: Pa
     [(function, result)] = route(event)
     assert function == "agent-events"
     assert result == {"action": "ignored", "reason": "unknown job"}
+
+
+def test_an_event_handled_whose_record_as_handled_failed_is_not_failed_for_it(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a running job, and the idempotency store refusing to record an event as handled (a throttled write)
+    primary = plane.start_job("saved-1")
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise IdempotencyPersistenceLayerError("Failed to update record state to success in idempotency store")
+
+    monkeypatch.setattr(BasePersistenceLayer, "save_success", refused)
+
+    # When the interruption warning is handled
+    [(_, outcome)] = route(ec2_event("spot-interruption-warning", primary))
+
+    # Then the invocation succeeds with what it did (a retry would only meet the record left in progress)
+    assert outcome["action"] == "recovering", outcome
+    assert plane.job("saved-1").generation == 1

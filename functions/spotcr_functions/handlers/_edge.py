@@ -8,6 +8,7 @@ from functools import cache
 from typing import Any, TypeVar
 
 from aws_lambda_powertools.utilities.idempotency import DynamoDBPersistenceLayer, IdempotencyConfig, idempotent_function
+from aws_lambda_powertools.utilities.idempotency.exceptions import IdempotencyPersistenceLayerError
 from aws_lambda_powertools.utilities.parser import parse
 from botocore.exceptions import ClientError
 from pydantic import BaseModel, ValidationError
@@ -59,15 +60,27 @@ def once(
     if context is not None and hasattr(context, "get_remaining_time_in_millis"):
         config.register_lambda_context(context)
 
+    handled: list[dict[str, Any]] = []
+
     def run(event: dict[str, Any]) -> dict[str, Any]:
-        return process(event)
+        handled.append(process(event))
+        return handled[-1]
 
     guarded = idempotent_function(
         data_keyword_argument="event",
         persistence_store=_persistence(deps.settings.idempotency_table),
         config=config,
     )(run)
-    return guarded(event=event)
+    try:
+        return guarded(event=event)
+    except IdempotencyPersistenceLayerError as error:
+        if not handled:
+            raise
+        # The event was handled; only recording that failed (a throttled write past its retries). Failing now would
+        # have Lambda retry it into the record left in progress (AlreadyInProgress until the invocation's timeout
+        # passes), for nothing: the work is done, and a copy delivered later is handled again as the duplicate it is.
+        logger.warning("event handled; recording it as handled failed", error=str(error)[:500])
+        return handled[-1]
 
 
 def parse_or_none(event: Any, model: type[Model]) -> Model | None:
