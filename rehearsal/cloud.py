@@ -516,6 +516,7 @@ class LocalCloud:
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
         fleet.launch_template_tags(patches)
+        fleet.idempotent_launches(patches)
 
         def send_to_targets(original: Any) -> Any:
             def hooked(rule: Any, event: dict[str, Any], transform_input: bool = True) -> None:

@@ -465,6 +465,7 @@ class ControlPlane:
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
         fleet.launch_template_tags(patches)
+        fleet.idempotent_launches(patches)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()
         self.ec2 = boto3.client("ec2", region_name=REGION)

@@ -4,12 +4,16 @@
   the first);
 - a launch EC2 refuses (no capacity, a quota) is reported as AWS reports it: RunInstances fails with the code; an
   instant fleet lists the override in its Errors and tries its next one (moto 5 reports no Errors and always takes
-  the first override).
+  the first override);
+- a launch repeated with its ClientToken launches nothing more: EC2 answers as it did the first time ("Ensuring
+  idempotency of Amazon EC2 API requests"); moto launches again (a step retried after its launch went through
+  then had two backups, which AWS never gives it).
 Each patch is entered into the caller's ExitStack, and undone when it closes."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +21,34 @@ from rehearsal.localaws import wrap
 
 # (instance type, subnet id, market) of a launch -> the error code EC2 refuses it with; None: it launches.
 Refusal = Callable[[str, str, str], str | None]
+
+
+def idempotent_launches(patches: contextlib.ExitStack) -> None:
+    """moto's CreateFleet and RunInstances, each answering a repeated ClientToken with its first answer."""
+    from moto.ec2.responses.fleets import Fleets
+    from moto.ec2.responses.instances import InstanceResponse
+
+    answered: dict[tuple[str, str, str], Any] = {}
+    lock = threading.Lock()
+
+    def once_per_token(action: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def launch(response: Any) -> Any:
+                token = response._get_param("ClientToken")
+                if not token:
+                    return original(response)
+                key = (response.current_account, action, str(token))
+                with lock:  # one launch per token, even for two calls at once
+                    if key not in answered:
+                        answered[key] = original(response)
+                    return answered[key]
+
+            return launch
+
+        return make
+
+    wrap(patches, Fleets, "create_fleet", once_per_token("CreateFleet"))
+    wrap(patches, InstanceResponse, "run_instances", once_per_token("RunInstances"))
 
 
 def launch_template_tags(patches: contextlib.ExitStack) -> None:
