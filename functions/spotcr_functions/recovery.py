@@ -67,7 +67,7 @@ def on_interruption_warning(
         return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
     bumped = _bump(deps, record, instance_id, warned_at)
     if bumped is None:
-        return _already_recovering(deps, record.job_id, instance_id, order_at=warned_at)
+        return _already_recovering(deps, record.job_id, instance_id)
     final_dump = _order_final_dump(deps, bumped, instance_id, warned_at)
     _start(deps, bumped, instance_id, reason=f"{source}-interruption:{action}", final_dump=final_dump)
     return {
@@ -114,16 +114,14 @@ def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord
     return deps.registry.bump_generation(record.job_id, instance_id, record.generation, at, read=record)
 
 
-def _already_recovering(deps: Deps, job_id: str, instance_id: str, order_at: str = "") -> dict[str, Any]:
+def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, Any]:
     current = deps.registry.get(job_id)
     if current and current.status == Status.RECOVERING and current.recovering_from == instance_id:
         # A retry after a crash (or a throttled StartExecution) between the fencing write and StartExecution still
         # starts the workflow, once; it waits for the final dump if the first try ordered one on this instance (sent
-        # it, or left it to the workflow for a throttle), and orders it now (`order_at`: a warning's) if no try did.
+        # it, or recorded it as left to the workflow's wait for a throttle).
         ordered = current.extra.get(FINAL_DUMP_COMMAND) or {}
         final_dump = ordered.get("generation") == current.generation and ordered.get("instance_id") == instance_id
-        if not final_dump and order_at:
-            final_dump = _order_final_dump(deps, current, instance_id, order_at)
         started = _start(deps, current, instance_id, reason="retry", final_dump=final_dump)
         logger.info("duplicate event: recovery already under way", job_id=job_id, started_now=started)
         return {"action": "duplicate", "job_id": job_id, "generation": current.generation}
@@ -756,12 +754,11 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
     if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
         logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
         return {"action": "ignored", "reason": "no job on this instance"}
-    order_at = at if final_dump else ""
     if record.backup_instance_id != instance_id:
-        return _already_recovering(deps, record.job_id, instance_id, order_at)
+        return _already_recovering(deps, record.job_id, instance_id)
     bumped = deps.registry.bump_backup(record, at)
     if bumped is None:
-        return _already_recovering(deps, record.job_id, instance_id, order_at)
+        return _already_recovering(deps, record.job_id, instance_id)
     for key in WAIT_KEYS:
         token = record.token(key)
         if token and token.get("generation") == record.generation:
