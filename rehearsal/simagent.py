@@ -116,9 +116,8 @@ class SimulatedAgents:
     def notice(self, instance_id: str) -> None:
         """The interruption notice appears now in the VM's IMDS; its agent sees it at its next poll and dumps."""
         now = time.time()
-        phase = (
-            (zlib.crc32(instance_id.encode()) % 1000) / 1000 * self.timing.notice_poll_s
-        )  # each agent polls on its own clock
+        # Each agent polls on its own clock: a phase of its own within the poll interval
+        phase = (zlib.crc32(instance_id.encode()) % 1000) / 1000 * self.timing.notice_poll_s
         seen = now + (phase - now) % self.timing.notice_poll_s
         # Its own timer: a VM's agent polls its own IMDS, never queued behind other VMs' answers or the local AWS
         poll = threading.Timer(seen - now, self._answering, args=(self._noticed(instance_id),))
@@ -201,8 +200,13 @@ class SimulatedAgents:
                 times.final_dump_ordered = at
                 times.final_dump_begun = min(at, times.final_dump_begun or at)
                 for instance_id in command.instance_ids:
-                    with self._lock:  # one dump either way: the command answers with the one the notice began
-                        checkpoint, done = self._dumps.setdefault(instance_id, ("", at + self.timing.dump_s))
+                    with self._lock:  # one dump either way: every order is answered with the one dump begun first
+                        if instance_id not in self._dumps:
+                            taken = commands.checkpoint_id(
+                                int(at * 1000), int(parameters["Generation"]), "final", int(parameters["Sequence"])
+                            )
+                            self._dumps[instance_id] = (taken, at + self.timing.dump_s)
+                        checkpoint, done = self._dumps[instance_id]
                     self._schedule(max(at, done), self._final_dump(instance_id, parameters, checkpoint))
             elif document.endswith("-restore"):
                 self.job(parameters["JobId"]).restore_ordered = at
@@ -250,12 +254,9 @@ class SimulatedAgents:
 
         return report
 
-    def _final_dump(self, instance_id: str, parameters: dict[str, str], taken: str = "") -> Callable[[], None]:
+    def _final_dump(self, instance_id: str, parameters: dict[str, str], checkpoint: str) -> Callable[[], None]:
         def commit() -> None:
             generation = int(parameters["Generation"])
-            checkpoint = taken or commands.checkpoint_id(
-                int(time.time() * 1000), generation, "final", int(parameters["Sequence"])
-            )
             report = events.CheckpointCompleted(
                 parameters["JobId"],
                 instance_id,
