@@ -80,6 +80,19 @@ def test_a_step_lambda_refuses_for_the_account_concurrency_is_retried(
     assert meter.throttled[("lambda", "Invoke")] >= 1
 
 
+def _warning_command_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SendCommand refuses the warning's final-dump command (its one quick retry included) for its rate; the
+    workflow's sends go through."""
+    send_command = Cloud.send_command
+
+    def throttled_when_prompt(cloud: Cloud, *args: Any, prompt: bool = False, **kwargs: Any) -> str:
+        if prompt:
+            raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "SendCommand")
+        return str(send_command(cloud, *args, **kwargs))
+
+    monkeypatch.setattr(Cloud, "send_command", throttled_when_prompt)
+
+
 # The first try sent the final-dump command, or SSM throttled it and the try left it to the workflow's wait
 @pytest.mark.parametrize("command_throttled", [False, True])
 def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dump(
@@ -88,7 +101,7 @@ def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dum
     # Given a job, and a StartExecution refused once for its rate after the final dump was ordered
     primary = plane.start_job("wave-3")
     periodic = commit(plane, "wave-3", primary, 0, "periodic")
-    start_recovery, send_command = Cloud.start_recovery, Cloud.send_command
+    start_recovery = Cloud.start_recovery
     refusals = [ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "StartExecution")]
 
     def refused_once(cloud: Cloud, *args: Any, **kwargs: Any) -> bool:
@@ -96,13 +109,9 @@ def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dum
             raise refusals.pop()
         return bool(start_recovery(cloud, *args, **kwargs))
 
-    def throttled_when_prompt(cloud: Cloud, *args: Any, prompt: bool = False, **kwargs: Any) -> str:
-        if prompt and command_throttled:
-            raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "SendCommand")
-        return str(send_command(cloud, *args, **{**kwargs, "prompt": prompt}))
-
     monkeypatch.setattr(Cloud, "start_recovery", refused_once)
-    monkeypatch.setattr(Cloud, "send_command", throttled_when_prompt)
+    if command_throttled:
+        _warning_command_throttled(monkeypatch)
     warning = ec2_event("spot-interruption-warning", primary)
     with pytest.raises(ClientError, match="ThrottlingException"):
         route(warning)
@@ -125,14 +134,7 @@ def test_a_final_dump_command_throttled_at_the_warning_is_sent_by_the_final_dump
     # Given a job, and the warning's final-dump command refused for SendCommand's rate past its one quick retry
     primary = plane.start_job("wave-4")
     periodic = commit(plane, "wave-4", primary, 0, "periodic")
-    send_command = Cloud.send_command
-
-    def throttled_when_prompt(cloud: Cloud, *args: Any, prompt: bool = False, **kwargs: Any) -> str:
-        if prompt:
-            raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "SendCommand")
-        return str(send_command(cloud, *args, **kwargs))
-
-    monkeypatch.setattr(Cloud, "send_command", throttled_when_prompt)
+    _warning_command_throttled(monkeypatch)
 
     # When the warning comes
     [(_, outcome)] = route(ec2_event("spot-interruption-warning", primary))
