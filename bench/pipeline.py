@@ -185,16 +185,17 @@ def make_store(kind: str, work: Path, job: str) -> Any:
 
 
 @contextlib.contextmanager
-def s3_server(work: Path) -> Iterator[dict[str, str]]:
+def s3_server(work: Path) -> Iterator[dict[str, Any]]:
     """MinIO on loopback when its binary is there; moto's server otherwise (a mock: labelled as such)."""
     minio = os.environ.get("SPOTCR_BENCH_MINIO") or shutil.which("minio") or str(MINIO_BUILT)
     with contextlib.ExitStack() as stack:
-        if minio and Path(minio).is_file():
-            endpoint = stack.enter_context(minio_server(minio, work / "minio-data"))
+        minio_found = bool(minio) and Path(minio).is_file()
+        if minio_found:
+            endpoint, pid = stack.enter_context(minio_server(minio, work / "minio-data"))
             label = "S3: MinIO on loopback"
             keys = ("minioadmin", "minioadmin")
         else:
-            endpoint = stack.enter_context(moto_server())
+            endpoint, pid = stack.enter_context(moto_server()), None
             label = "S3: moto server on loopback (a mock: no MinIO binary found)"
             keys = ("bench", "bench")
         os.environ |= {
@@ -206,17 +207,22 @@ def s3_server(work: Path) -> Iterator[dict[str, str]]:
         import boto3
 
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        yield {"endpoint": endpoint, "label": label}
+        yield {"endpoint": endpoint, "label": label, "minio": minio_found, "pid": pid}
 
 
 @contextlib.contextmanager
-def minio_server(binary: str, data: Path) -> Iterator[str]:
+def minio_server(binary: str, data: Path) -> Iterator[tuple[str, int]]:
+    """MinIO serving `data` on a free loopback port: its endpoint and its process id."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    env = os.environ | {"MINIO_ROOT_USER": "minioadmin", "MINIO_ROOT_PASSWORD": "minioadmin"}
+    env = os.environ | {
+        "MINIO_ROOT_USER": "minioadmin",
+        "MINIO_ROOT_PASSWORD": "minioadmin",
+        "MINIO_PROMETHEUS_AUTH_TYPE": "public",  # its request counters, read on loopback by bench/s3count.py
+    }
     argv = [binary, "server", str(data), "--address", f"127.0.0.1:{port}", "--quiet"]
     server = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -228,7 +234,7 @@ def minio_server(binary: str, data: Path) -> Iterator[str]:
                 raise RuntimeError("MinIO did not start")
             time.sleep(0.2)
         time.sleep(1)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server.pid
     finally:
         server.send_signal(signal.SIGTERM)
         try:

@@ -1,9 +1,14 @@
-"""S3 requests counted as the endpoint sees them: an HTTP proxy on loopback in front of the S3 endpoint.
+"""S3 requests counted as the endpoint sees them: MinIO's own request counters, or an HTTP proxy on loopback.
 
-The store's client talks to the proxy (AWS_ENDPOINT_URL); each request is counted by kind (PUT, GET, LIST, HEAD,
-DELETE, POST) and relayed byte for byte, so the signatures still match. Requests on the path style only
-(`/<bucket>/<key>`), as boto3 sends them to a loopback endpoint. The GETs of objects are kept (key and Range)
-so that a benchmark can download the same bytes again without the store.
+MinIO counts every request it serves by API (its metrics, public on loopback when the benchmark starts it): the
+benchmark reads them before and after each figure, so nothing stands between the store and the endpoint. The keys
+written are what a listing of the bucket finds new, and the GETs of objects (key and Range) are recorded on the
+store's client, so that a benchmark can download the same bytes again without the store.
+
+Without MinIO (moto's server, a mock) a proxy counts instead: the store's client talks to the proxy
+(AWS_ENDPOINT_URL); each request is counted by kind (PUT, GET, LIST, HEAD, DELETE, POST) and relayed byte for
+byte, so the signatures still match. Requests on the path style only (`/<bucket>/<key>`), as boto3 sends them to a
+loopback endpoint. The proxy keeps the GETs of objects too.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ import io
 import os
 import socket
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs, unquote, urlsplit
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's, named in fcntl from Python 3.10
@@ -79,6 +85,80 @@ class Tally:
             "total": sum(self.requests.values()),
             "objects_written": len(self.written),
         }
+
+
+# MinIO's API names (minio_api_requests_total{name=...}) by the kind of request they are; others by their prefix.
+MINIO_KINDS = {
+    "NewMultipartUpload": "POST",
+    "CompleteMultipartUpload": "POST",
+    "AbortMultipartUpload": "DELETE",
+    "DeleteMultipleObjects": "DELETE",
+}
+MINIO_PREFIXES = (("Put", "PUT"), ("Get", "GET"), ("List", "LIST"), ("Head", "HEAD"), ("Delete", "DELETE"))
+
+
+def minio_kind(name: str) -> str:
+    """The kind (one of KINDS) of a request MinIO counted under this API name."""
+    if name in MINIO_KINDS:
+        return MINIO_KINDS[name]
+    return next((kind for prefix, kind in MINIO_PREFIXES if name.startswith(prefix)), "POST")
+
+
+def minio_counters(text: str) -> Counter[str]:
+    """Requests by kind from MinIO's metrics page (Prometheus text), summed over its servers."""
+    counts: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("minio_api_requests_total{") and 'type="s3"' in line:
+            labels, _, value = line.rpartition(" ")
+            name = labels.split('name="', 1)[1].split('"', 1)[0]
+            counts[minio_kind(name)] += int(float(value))
+    return counts
+
+
+class MinioCount:
+    """What MinIO at `endpoint` served since the last take(): its own counters, the bucket's new keys, and the GETs
+    of the clients watched."""
+
+    by = "the endpoint"
+
+    def __init__(self, endpoint: str, bucket: str, client: Any) -> None:
+        self.metrics = f"{endpoint}/minio/metrics/v3/api/requests"
+        self.bucket = bucket
+        self.client = client  # lists the bucket: between the readings, so that its LIST is nobody's
+        self.gets: list[Request] = []
+        self.lock = threading.Lock()
+        self.counted = self.read()
+        self.keys = self.listing()
+        self.counted = self.read()
+
+    def read(self) -> Counter[str]:
+        with urllib.request.urlopen(self.metrics, timeout=10) as page:  # noqa: S310 - loopback http, ours
+            return minio_counters(page.read().decode())
+
+    def listing(self) -> set[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
+        return {item["Key"] for page in pages for item in page.get("Contents", [])}
+
+    def watch(self, client: Any) -> None:
+        """Record each GetObject this client sends (key and Range), as the proxy does."""
+
+        def record(request: Any, **_: Any) -> None:
+            _bucket, _slash, key = unquote(urlsplit(request.url).path).lstrip("/").partition("/")
+            span = request.headers.get("Range") or ""
+            with self.lock:
+                self.gets.append(Request("GET", key, span.decode() if isinstance(span, bytes) else span))
+
+        client.meta.events.register("before-send.s3.GetObject", record)
+
+    def take(self) -> Tally:
+        """The requests since the last take, and a fresh count from now on."""
+        now = self.read()
+        keys = self.listing()
+        with self.lock:
+            gets, self.gets = self.gets, []
+        taken = Tally(Counter(now - self.counted), keys - self.keys, gets)
+        self.keys, self.counted = keys, self.read()
+        return taken
 
 
 @contextlib.contextmanager

@@ -6,8 +6,9 @@ size (bench/memjob.py), each dumped by CRIU to tmpfs first (the floor, the faste
   after      a periodic dump into a directory store, 5% of memory rewritten, then the final dump: its time and the
              bytes it sent (against the baseline recorded in bench/results/store-baseline.json)
   full dir   a full final dump into a directory store on local disk
-  full S3    a full final dump into MinIO on loopback (moto's server, labelled, without a MinIO binary), through a
-             counting proxy (bench/s3count.py): the requests and objects the endpoint saw, per GiB of new data
+  full S3    a full final dump into MinIO on loopback (moto's server, labelled, without a MinIO binary): the requests
+             and objects the endpoint saw, per GiB of new data, by MinIO's own counters (by a counting proxy in
+             front of moto's server; bench/s3count.py)
   restore    the store's fetch of that checkpoint, then a plain parallel download (boto3, a thread pool as wide as
              the store's) of the same objects and ranges the fetch asked the endpoint for
 
@@ -18,19 +19,22 @@ periodic dump, with the commit and the store's tree it came from, as the baselin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bench.checkpoint import CRIU, checkpointer, criu_unusable, dirty, memory_job
 from bench.pipeline import BUCKET, GiB, MiB, describe_machine, figures, floor, make_store, s3_server
-from bench.s3count import Request, Tally, counting_proxy
+from bench.s3count import MinioCount, Request, Tally, counting_proxy
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -63,9 +67,8 @@ def main(argv: list[str]) -> int:
     print(f"spotcr store benchmark (issue 23's targets): {args.gib:g} GiB jobs, {args.dirty:.0%} rewritten")
     print(f"machine: {machine['cpus']} cores ({machine['cpu']}), load average {machine['load_before']}")
     shutil.rmtree(args.work, ignore_errors=True)
-    with s3_server(args.work) as s3, counting_proxy(s3["endpoint"]) as (endpoint, tally):
-        os.environ["AWS_ENDPOINT_URL"] = endpoint  # the store's client and the plain download go through the count
-        run = measure(args, tally, s3["endpoint"]) | {"s3_label": s3["label"]}
+    with s3_server(args.work) as s3, request_count(s3) as count:
+        run = measure(args, count, s3["endpoint"], s3["pid"]) | {"s3_label": s3["label"], "counted_by": count.by}
     shutil.rmtree(args.work, ignore_errors=True)
     machine["load_after"] = os.getloadavg()
     doc = {
@@ -90,8 +93,41 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def measure(args: argparse.Namespace, tally: Tally, direct: str) -> dict[str, Any]:
-    """Every figure of the run; direct: the S3 endpoint without the counting proxy in front."""
+class Count(Protocol):
+    by: str  # how: "the endpoint" (MinIO's own counters) or "proxy" (in front of moto's server)
+
+    def take(self) -> Tally: ...
+    def watch(self, client: Any) -> None: ...
+
+
+@contextlib.contextmanager
+def request_count(s3: dict[str, Any]) -> Iterator[Count]:
+    """MinIO's own counters when MinIO serves; otherwise a counting proxy the store's client is pointed at."""
+    import boto3
+
+    if s3["minio"]:
+        yield MinioCount(s3["endpoint"], BUCKET, boto3.client("s3", endpoint_url=s3["endpoint"]))
+        return
+    with counting_proxy(s3["endpoint"]) as (endpoint, tally):
+        os.environ["AWS_ENDPOINT_URL"] = endpoint  # the store's client and the plain download go through the count
+        yield ProxyCount(tally)
+
+
+@dataclass
+class ProxyCount:
+    tally: Tally
+    by: str = "proxy"
+
+    def take(self) -> Tally:
+        return self.tally.take()
+
+    def watch(self, client: Any) -> None:
+        """The proxy sees every GET already."""
+
+
+def measure(args: argparse.Namespace, count: Count, direct: str, s3_pid: int | None) -> dict[str, Any]:
+    """Every figure of the run; direct: the S3 endpoint itself (the proxy's upstream when a proxy counts); s3_pid:
+    the endpoint's process when it is MinIO, whose CPU seconds the full S3 dump reports."""
     from spotcr_agent.criu import Criu
 
     criu = Criu(CRIU)
@@ -113,33 +149,51 @@ def measure(args: argparse.Namespace, tally: Tally, direct: str) -> dict[str, An
     with memory_job(work / "job-dir", args.gib, 0.0) as job:
         run["floors"].append(floor(criu, job.pid, args.tmpfs))
         store = make_store("dir", work, f"store-{size}-full")
+        before = cpu_seconds(None)
         run["full_dir"] = figures(checkpointer(job, work / "job-dir", store, work / "agent-dir").checkpoint("final", 1))
-        print(f"  final: {run['full_dir']['seconds']:.2f} s")
+        run["full_dir"]["cpu"] = cpu_used(before, cpu_seconds(None))
+        print(f"  final: {run['full_dir']['seconds']:.2f} s, CPU seconds {run['full_dir']['cpu']}")
 
     print("\n== full final dump: S3 ==")
     with memory_job(work / "job-s3", args.gib, 0.0) as job:
         run["floors"].append(floor(criu, job.pid, args.tmpfs))
         store = make_store("s3", work, f"store-{size}-full")
-        tally.take()
+        count.watch(store.backend.client)
+        count.take()
+        before = cpu_seconds(s3_pid)
         final = checkpointer(job, work / "job-s3", store, work / "agent-s3").checkpoint("final", 1)
-        run["full_s3"] = figures(final) | {"requests": tally.take().summary()}
-        print(f"  final: {final.seconds:.2f} s, requests {run['full_s3']['requests']}")
+        cpu = cpu_used(before, cpu_seconds(s3_pid))
+        run["full_s3"] = figures(final) | {"requests": count.take().summary(), "cpu": cpu}
+        print(f"  final: {final.seconds:.2f} s, requests {run['full_s3']['requests']}, CPU seconds {cpu}")
 
     print("\n== restore from S3: the store's fetch, then a plain parallel download of the same objects ==")
     started = time.monotonic()
     store.fetch(final.checkpoint_id, work / "restore")
-    fetched = tally.take()
-    run["fetch"] = {"seconds": round(time.monotonic() - started, 3), "requests": fetched.summary()}
+    seconds = round(time.monotonic() - started, 3)
+    fetched = count.take()
+    run["fetch"] = {"seconds": seconds, "requests": fetched.summary()}
     shutil.rmtree(work / "restore", ignore_errors=True)
     run["download"] = plain_download(fetched.gets, work / "download", os.environ["AWS_ENDPOINT_URL"])
-    run["download_direct"] = plain_download(fetched.gets, work / "download", direct)  # what the proxy costs
-    tally.take()
+    if os.environ["AWS_ENDPOINT_URL"] != direct:
+        run["download_direct"] = plain_download(fetched.gets, work / "download", direct)  # what the proxy costs
+    count.take()
     run["floor"] = min(run["floors"])
-    print(
-        f"  fetch {run['fetch']['seconds']:.2f} s, plain download {run['download']['seconds']:.2f} s "
-        f"({run['download_direct']['seconds']:.2f} s without the counting proxy)"
-    )
+    print(f"  fetch {run['fetch']['seconds']:.2f} s, plain download {run['download']['seconds']:.2f} s")
     return run
+
+
+def cpu_seconds(endpoint_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: this process (the store's threads), its reaped children (CRIU), and the S3 endpoint."""
+    times = os.times()
+    used = {"store": times.user + times.system, "criu": times.children_user + times.children_system}
+    if endpoint_pid is not None:
+        fields = Path(f"/proc/{endpoint_pid}/stat").read_text().rpartition(")")[2].split()
+        used["endpoint"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return used
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {part: round(after[part] - before[part], 2) for part in before}
 
 
 def plain_download(gets: list[Request], dest: Path, endpoint: str) -> dict[str, Any]:
@@ -221,13 +275,17 @@ def target_rows(doc: dict[str, Any], baseline: dict[str, Any] | None) -> list[di
             f"fetch {run['fetch']['seconds']:.2f} s ({describe_requests(run['fetch']['requests'])}), "
             f"{run['fetch']['seconds'] / run['download']['seconds']:.2f}x a plain parallel download of the same "
             f"{run['download']['objects']} objects ({run['download']['bytes'] / MiB:.0f} MiB) in "
-            f"{run['download']['seconds']:.2f} s ({run['download_direct']['seconds']:.2f} s without the counting "
-            "proxy)",
+            f"{run['download']['seconds']:.2f} s{proxy_cost(run)}",
             "reported, against a plain parallel download of the same bytes",
             True,
         ),
     ]
     return rows
+
+
+def proxy_cost(run: dict[str, Any]) -> str:
+    direct = run.get("download_direct")
+    return f" ({direct['seconds']:.2f} s without the counting proxy)" if direct else ""
 
 
 def row(figure: str, measured: str, target: str, met: bool | None) -> dict[str, Any]:
@@ -257,6 +315,32 @@ def describe_requests(counted: dict[str, int]) -> str:
     return ", ".join(kinds) or "no requests"
 
 
+def cpu_line(run: dict[str, Any], cores: int) -> str:
+    """Where the full final dumps' CPU went: the store, CRIU, and the S3 endpoint sharing the same cores."""
+    parts = []
+    for figure, where in (("full_dir", "directory"), ("full_s3", run["s3_label"])):
+        cpu = run[figure].get("cpu")
+        if cpu:
+            spent = ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
+            parts.append(f"{where}: {spent} in {run[figure]['seconds']:.2f} s")
+    if not parts:
+        return ""
+    return (
+        f"CPU seconds of the full final dumps ({cores} cores give {cores} a second; the endpoint runs on them too): "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+COUNTED_BY = {
+    "the endpoint": "S3 requests are MinIO's own count of the requests it served (its metrics, read before and "
+    "after each figure; bench/s3count.py): nothing stands between the store and the endpoint.",
+    "proxy": "S3 requests are counted by a proxy in front of the endpoint (bench/s3count.py), which every S3 request "
+    "of the run goes through; the plain download runs again straight to the endpoint: the difference is what the "
+    "proxy costs the S3 figures.",
+}
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m, run, source = doc["machine"], doc["run"], doc["store_source"]
     verdict = {True: "met", False: "not met", None: "not measured"}
@@ -268,10 +352,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Ratios against the floor measured in the same run: CRIU dumping a {doc['gib']:g} GiB job to tmpfs, "
         f"{run['floor']:.2f} s (the fastest of {', '.join(f'{s:.2f}' for s in run['floors'])} s, one per job). "
-        "S3 requests are counted by a proxy in front of the endpoint (bench/s3count.py), which every S3 request "
-        "of the run goes through; new data: the raw bytes of the chunks the checkpoint did not share with a parent. "
-        "The restore's plain download runs right after the fetch, on the objects the fetch asked for, then again "
-        "straight to the endpoint: the difference is what the proxy costs the S3 figures.",
+        f"{COUNTED_BY[run.get('counted_by', 'proxy')]} New data: the raw bytes of the chunks the checkpoint did not "
+        "share with a parent; objects written: the keys new in the bucket. The restore's plain download runs right "
+        "after the fetch, on the objects and ranges the fetch asked for.",
+        cpu_line(run, m["cpus"]),
         f"Store: {STORE_SOURCE} as of commit {source['store_commit'][:10]} (tree {source['store_tree'][:10]}{edited}), "
         f"measured at commit {source['commit'][:10]}.",
         f"Measured {doc['at']} on {m['cpus']} cores ({m['cpu']}), {m['memory_gib']} GiB, Linux {m['kernel']}, "

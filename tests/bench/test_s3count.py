@@ -7,7 +7,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from bench.s3count import ProxyError, Request, classify, counting_proxy
+from bench.s3count import ProxyError, Request, classify, counting_proxy, minio_counters, minio_kind
 
 
 def test_requests_are_classified_by_method_and_target_as_s3_defines_them() -> None:
@@ -56,3 +56,28 @@ def test_the_proxy_refuses_an_endpoint_it_cannot_relay() -> None:
     refused = pytest.raises(ProxyError, match=r"plain http://host:port endpoints, not 'https://s3\.amazonaws\.com'")
     with refused, counting_proxy("https://s3.amazonaws.com"):
         pass
+
+
+def test_minio_counters_are_read_by_kind_from_its_metrics_page() -> None:
+    # Given MinIO's metrics page (v3 api/requests) as MinIO 2026-02 writes it, after a create, 5 PUTs, a ranged GET,
+    # a listing and a batch delete, and a line of another type and another metric
+    page = "\n".join(
+        [
+            "# HELP minio_api_requests_total Total number of requests",
+            "# TYPE minio_api_requests_total counter",
+            'minio_api_requests_incoming_total{server="127.0.0.1:9555",type="s3"} 9',
+            'minio_api_requests_total{name="DeleteMultipleObjects",server="127.0.0.1:9555",type="s3"} 1',
+            'minio_api_requests_total{name="GetObject",server="127.0.0.1:9555",type="s3"} 1',
+            'minio_api_requests_total{name="ListObjectsV2",server="127.0.0.1:9555",type="s3"} 1',
+            'minio_api_requests_total{name="PutBucket",server="127.0.0.1:9555",type="s3"} 1',
+            'minio_api_requests_total{name="PutObject",server="127.0.0.1:9555",type="s3"} 5',
+            'minio_api_requests_total{name="PutObject",server="127.0.0.1:9556",type="s3"} 2',
+            'minio_api_requests_total{name="CompleteMultipartUpload",server="127.0.0.1:9555",type="s3"} 1',
+            'minio_api_requests_total{name="ServerInfo",server="127.0.0.1:9555",type="admin"} 4',
+        ]
+    )
+
+    # Then each API is counted under its kind, summed over servers; admin requests are not S3's
+    assert minio_counters(page) == {"DELETE": 1, "GET": 1, "LIST": 1, "PUT": 8, "POST": 1}
+    assert minio_kind("HeadObject") == "HEAD"
+    assert minio_kind("NewMultipartUpload") == "POST"
