@@ -137,6 +137,28 @@ def test_a_notice_during_a_periodic_dump_waits_for_it():
     assert rates.worst_final_dump_s(memory, 60) == pytest.approx(during)
 
 
+def test_a_final_dump_is_not_begun_only_when_even_its_least_time_exceeds_what_the_notice_has_left():
+    # Given the recorded periodic dumps, 8 times the memory, and the least a final dump of it can take: every
+    # stage at the fastest rate measured, overlapped, the slowest dirtying since the last freeze
+    samples = scaled(recorded(), 8)
+    memory = samples[-1].bytes_total
+    criu = memory / max(s.bytes_total / s.criu_s for s in samples)
+    scan = memory / max(s.bytes_total / s.split_store()[0] for s in samples)
+    least = max(criu, scan)  # right after a freeze nothing is counted as changed
+    assert least > 0
+
+    # Then with less time left than that it is refused, with the figures, and with as much it may begin
+    why = deadline.cannot_fit(samples, since_freeze_s=0, seconds_left=least * 0.9)
+    assert why.startswith(f"the final dump cannot fit the {least * 0.9:.1f} s the notice has left")
+    assert f"at least {least:.1f} s" in why and f"{memory / GiB:.2f} GiB" in why
+    assert deadline.cannot_fit(samples, since_freeze_s=0, seconds_left=least * 1.01) == ""
+    # And the longer since the last freeze, the more it must send: a notice that fits right after a periodic dump
+    # does not fit an hour later
+    assert deadline.cannot_fit(samples, since_freeze_s=3600, seconds_left=least * 1.01) != ""
+    # And with nothing measured yet, nothing is refused
+    assert deadline.cannot_fit([], since_freeze_s=0, seconds_left=0) == ""
+
+
 def test_the_largest_memory_that_fits_is_where_the_prediction_meets_the_budget():
     rates = Rates.of(recorded())
     assert rates is not None

@@ -11,6 +11,8 @@ import functools
 import subprocess
 import sys
 import threading
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from spotcr_agent import daemon
 from spotcr_agent import scratch as scratch_room
 from spotcr_agent.checkpoint import CheckpointError
 from spotcr_agent.criu import Criu, CriuError
+from spotcr_agent.deadline import GiB, Sample
 from spotcr_agent.restore import RestoreError
 from spotcr_agent.runner import process_start_time, process_tree
 from spotcr_agent.store import CheckpointStore, StoreUnavailable
@@ -151,3 +154,47 @@ def _stopped() -> threading.Event:
     stop = threading.Event()
     stop.set()
     return stop
+
+
+class _CriuNotToRun(_FailingCriu):
+    """Says so in the dump's failure if the final dump was begun."""
+
+    def start_dump(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        raise CriuError("dump", "CRIU was started")
+
+
+@pytest.mark.parametrize("seconds_left", [15, 600])
+def test_a_final_dump_that_cannot_fit_the_notice_is_not_begun_and_the_job_stops(
+    tmp_path, publisher, monkeypatch, seconds_left
+):
+    # Given a running job whose one periodic dump, a minute ago, took 40 s of CRIU and 60 s of the store for 4 GiB
+    agent, tree = _running(tmp_path, publisher, "none", monkeypatch)
+    agent.criu = _CriuNotToRun()
+    monkeypatch.setattr("spotcr_agent.checkpoint.Checkpointer._carried", lambda *args, **kwargs: {})
+    now = time.time()
+    sample = Sample("1-g2-s1-periodic", 4 * GiB, 4 * GiB, 4 * GiB, 0.0, 40.0, 60.0, 1.0, 1.0, 1.0, 1.0)
+    with agent.state.locked() as state:
+        state.generation, state.dump_samples = 2, [sample.to_json()]
+        state.last_checkpoint = f"{int((now - 60) * 1000)}-g2-s1-periodic"
+    reclaim = datetime.fromtimestamp(now + seconds_left, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    try:
+        # When the notice comes with 15 s left (and, for comparison, with 10 minutes left)
+        daemon._check_interruption(agent, notice)
+
+        # Then the job is stopped either way (the comparison's dump fails in its fake CRIU)
+        assert _alive(tree) == []
+        [failed] = publisher.of("CheckpointFailed")
+        assert (failed.kind, failed.generation, failed.job_stopped) == ("final", 2, True)
+        if seconds_left == 15:
+            # but with 15 s left CRIU never started: the dump was not begun, and the event says why with the figures
+            assert failed.reason.startswith("the final dump cannot fit the 1")
+            assert "at least 40.0 s for its 4.00 GiB" in failed.reason
+            # And the warning's command, arriving after, answers with that reason
+            with pytest.raises(CheckpointError, match="job is stopped here: the final dump cannot fit"):
+                agent.checkpoint("final", 2)
+        else:
+            assert "CRIU was started" in failed.reason
+    finally:
+        for pid in _alive(tree):
+            subprocess.run(["kill", "-9", str(pid)], check=False)

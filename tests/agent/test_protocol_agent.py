@@ -370,7 +370,7 @@ def test_a_backup_warned_while_it_restores_takes_its_final_dump_once_the_job_run
     agent = make_agent(make_config(tmp_path, "backup", mode="restore"), publisher)
     notice = FakeMetadata({"meta-data/spot/instance-action": '{"action":"terminate"}'})
     dumps = []
-    monkeypatch.setattr(agent, "checkpoint", lambda kind, generation: dumps.append((kind, generation)))
+    monkeypatch.setattr(agent, "checkpoint", lambda kind, generation, **_: dumps.append((kind, generation)))
 
     # When the daemon polls before and after the restore
     before = daemon._check_interruption(agent, notice)

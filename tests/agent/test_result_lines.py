@@ -31,7 +31,7 @@ def _argv(command: str, line: dict) -> list[str]:
 def _given_the_vectors_outcome(monkeypatch, config, line: dict) -> None:
     """The agent's operation ends as the vector says: committed or restored with its figures, or failed."""
 
-    def checkpoint(self, kind, generation, sequence=None):
+    def checkpoint(self, kind, generation, sequence=None, reclaim_at=None):
         if not line["ok"]:
             raise RuntimeError(line["error"])
         figures = {k: line[k] for k in ("checkpoint_id", "kind", "seconds", "frozen_seconds", "bytes_total")}

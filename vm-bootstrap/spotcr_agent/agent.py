@@ -149,10 +149,17 @@ class Agent:
             excluded=(str(config.state_dir), str(config.scratch_dir)),
         )
 
-    def checkpoint(self, kind: str, generation: int, sequence: int | None = None) -> CheckpointOutcome:
+    def checkpoint(
+        self,
+        kind: str,
+        generation: int,
+        sequence: int | None = None,
+        reclaim_at: Callable[[], float | None] | None = None,
+    ) -> CheckpointOutcome:
         """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead. `sequence` is
         the control plane's for an ordered dump, None for one nobody ordered (the final dump on the IMDS notice),
-        which takes the highest sequence this VM was given (fence).
+        which takes the highest sequence this VM was given (fence). `reclaim_at` says when EC2 takes the VM back (the
+        notice's time), for a final dump, which is not begun when it cannot fit (Checkpointer.reclaim_at).
 
         Every dump order after the job's end re-sends its exit, so a lost or unrecorded JobExited is healed by
         the scheduler's next order: the control plane records the end once and stops ordering dumps."""
@@ -189,6 +196,7 @@ class Agent:
                 tcp=self.config.tcp,
                 memory_scratch_dir=self.config.state_dir / "memory-scratch" if self.config.memory_scratch else None,
                 sequence=sequence,
+                reclaim_at=reclaim_at if kind == "final" else None,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:

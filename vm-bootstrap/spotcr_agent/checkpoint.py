@@ -37,7 +37,7 @@ from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.layout import CRIU_LOGS, job_prefix
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, gpu, mounts, tracking
+from . import aliases, carry, deadline, gpu, mounts, tracking
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -194,6 +194,10 @@ class Checkpointer:
     # The control plane's sequence this dump ranks at (in the checkpoint's id): its order's, or for a dump nobody
     # ordered the highest its VM was given (Agent.fence); None on a VM never given one (commands.checkpoint_order).
     sequence: int | None = None
+    # For a final dump: when EC2 reclaims this VM (unix time, from IMDS spot/instance-action; None: not known),
+    # asked only of a dump that would read all of memory, which is not begun when it cannot fit the time left even
+    # at the job's best measured rates (deadline.cannot_fit).
+    reclaim_at: Callable[[], float | None] | None = None
     _scan: JobScan = field(default_factory=JobScan)
     _gpus: gpu.JobGpus | None = None
 
@@ -361,6 +365,10 @@ class Checkpointer:
         with self.state.locked() as state:
             admit(state, generation)
             final = state.final_dump()
+            if final is not None and final.status == "failed" and state.job_status == "stopped":
+                # Another trigger's dump failed (or was not begun) and stopped the job: its reason is the answer.
+                reason = final.result.get("reason", "no reason recorded")
+                raise CheckpointError(f"the final dump failed and the job is stopped here: {reason}")
             # A done dump's owner has usually exited (an SSM command): only a running one can be abandoned.
             take = (
                 final is None
@@ -441,8 +449,13 @@ class Checkpointer:
                 if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent, start_time = state.job_pid, state.last_checkpoint, state.job_start_time
+                samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
             self._check_checkpointable(pid)
             base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
+            if base is None and samples and self.reclaim_at is not None and (reclaim_at := self.reclaim_at()):
+                since = time.time() - deadline.checkpoint_seconds(parent) if parent else 0.0
+                if why_not := deadline.cannot_fit(samples, since, reclaim_at - time.time()):
+                    raise CheckpointError(why_not)
             if base is not None:
                 how = f"incremental: dump on {len(base.dirs)} parent image dirs ({on}; {why})"
             else:

@@ -26,7 +26,7 @@ from . import agentlog
 from . import config as agent_config
 from .agent import Agent, WrongJob, base_job_env
 from .events import EventBridgePublisher
-from .imds import Imds, ImdsError
+from .imds import Imds, ImdsError, reclaim_time, spot_instance_action
 from .probe import ProbeError
 from .runner import InvalidJobSpec
 from .state import StaleGeneration
@@ -197,13 +197,22 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
     return OK
 
 
+def _reclaim_at(agent: Agent) -> float | None:
+    """When EC2 takes this VM back, if its notice is up (a final-dump order may come before the daemon's poll)."""
+    try:
+        return reclaim_time(spot_instance_action(Imds(agent.config.imds_endpoint)))
+    except ImdsError as error:
+        log.warning("reading the spot interruption notice failed: %s", error)
+        return None
+
+
 def _checkpoint(agent: Agent, args: argparse.Namespace) -> int:
     """One result line (what the control plane reads from SSM's GetCommandInvocation: the only source it takes a
     committed checkpoint from) naming the job, run, generation and kind of the order it answers. Exit 0 only when
     committed. A failure says whether the job is stopped for good on this VM (a failed final dump) or has ended."""
     order = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "kind": args.kind}
     try:
-        outcome = agent.checkpoint(args.kind, args.generation, args.sequence)
+        outcome = agent.checkpoint(args.kind, args.generation, args.sequence, reclaim_at=lambda: _reclaim_at(agent))
     except Exception as error:
         state = agent.state.read()
         stale = isinstance(error, StaleGeneration)

@@ -17,7 +17,7 @@ from spotcr_contracts import tags
 from . import storage
 from .agent import Agent
 from .deadline import NOTICE_DETECTION_S
-from .imds import ImdsError, Metadata, instance_tags, spot_instance_action
+from .imds import ImdsError, Metadata, instance_tags, reclaim_time, spot_instance_action
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _check_interruption(agent: Agent, metadata: Metadata) -> bool:
         log.info("no job runs here (%s); nothing to dump", status.job_status)
         return True
     try:
-        agent.checkpoint("final", agent.served_generation())
+        agent.checkpoint("final", agent.served_generation(), reclaim_at=lambda: reclaim_time(action))
     except Exception as error:
         log.error("final dump after the interruption notice failed: %s", error)
     return True

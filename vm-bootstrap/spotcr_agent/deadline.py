@@ -205,6 +205,36 @@ def _cannot_fit(rates: Rates, memory: float, shortest: int, predicted: float, bu
     )
 
 
+def cannot_fit(samples: Sequence[Sample], since_freeze_s: float, seconds_left: float) -> str:
+    """Why a final dump begun now cannot be durable in the seconds the notice has left, even at the best this job's
+    periodic dumps measured; "" when it may fit, or nothing was measured here yet.
+
+    The bound is the least the dump can take: each stage at the fastest rate measured, the stages fully
+    overlapped (the slowest alone counts), and the slowest dirtying measured since the last freeze (none when
+    not measured). A dump this refuses could not have fitted at any rate the job has shown; one it lets begin may
+    still miss. Only for a dump that reads all of memory (no dirty-page tracking)."""
+    usable = [s for s in samples if s.bytes_total > 0 and s.criu_s > 0 and s.store_s > 0]
+    if not usable:
+        return ""
+    memory = usable[-1].bytes_total
+    criu_s = memory / max(s.bytes_total / s.criu_s for s in usable)
+    scan_s = memory / max(s.bytes_total / max(s.split_store()[0], 1e-6) for s in usable)
+    dirty = [s.bytes_changed / s.bytes_total / s.since_parent_s for s in usable if s.since_parent_s > 0]
+    sends = [s.bytes_new / s.split_store()[1] for s in usable if s.bytes_new > 0 and s.split_store()[1] > 0]
+    share = min(1.0, min(dirty) * max(0.0, since_freeze_s)) if dirty else 0.0
+    send_s = memory * share / max(sends) if sends else 0.0
+    least = max(criu_s, scan_s, send_s)
+    if least <= seconds_left:
+        return ""
+    return (
+        f"the final dump cannot fit the {max(seconds_left, 0.0):.1f} s the notice has left: at the fastest this "
+        f"job's periodic dumps measured it takes at least {least:.1f} s for its {memory / GiB:.2f} GiB (CRIU "
+        f"{criu_s:.1f} s, reading and hashing {scan_s:.1f} s, sending the {share:.0%} changed since the last "
+        f"checkpoint {send_s:.1f} s, all overlapped), so it is not begun: the backup restores the newest checkpoint "
+        "now rather than when the notice runs out"
+    )
+
+
 def _percent(share: float | None) -> str:
     return "all" if share is None else f"{share:.2%}"
 

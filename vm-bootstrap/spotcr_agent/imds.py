@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import datetime
 from typing import Protocol
 
 TOKEN_TTL_S = 21_600
@@ -84,3 +86,15 @@ def instance_tags(metadata: Metadata) -> dict[str, str]:
 def spot_instance_action(metadata: Metadata) -> str | None:
     """The pending spot interruption (JSON text), or None while there is none."""
     return metadata.get("meta-data/spot/instance-action")
+
+
+def reclaim_time(action: str | None) -> float | None:
+    """The unix time EC2 reclaims the instance, from a spot/instance-action ({"action": "terminate", "time":
+    "2017-09-18T08:22:00Z"}); None without one, or when it names no time this can read."""
+    if not action:
+        return None
+    try:
+        when = json.loads(action).get("time")
+        return datetime.fromisoformat(str(when).replace("Z", "+00:00")).timestamp() if when else None
+    except (ValueError, AttributeError):
+        return None
