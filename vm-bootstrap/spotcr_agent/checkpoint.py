@@ -454,7 +454,9 @@ class Checkpointer:
             base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
             if base is None and samples and self.reclaim_at is not None and (reclaim_at := self.reclaim_at()):
                 since = time.time() - deadline.checkpoint_seconds(parent) if parent else 0.0
-                if why_not := deadline.cannot_fit(samples, since, reclaim_at - time.time()):
+                left = reclaim_at - time.time()  # EC2's time by this VM's clock (Amazon Time Sync on EC2)
+                # None left means this clock runs ahead (EC2 would have taken the VM already): begin the dump.
+                if left > 0 and (why_not := deadline.cannot_fit(samples, since, left)):
                     raise CheckpointError(why_not)
             if base is not None:
                 how = f"incremental: dump on {len(base.dirs)} parent image dirs ({on}; {why})"
