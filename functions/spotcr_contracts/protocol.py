@@ -37,10 +37,11 @@ One live copy
    terminated, stopped, or its final dump at this generation ended the job there (`job_gone_from`) and it was
    not started again since the warning (`restarted`).
 9. A backup MUST be recorded only while its generation recovers (`Registry.record_backup`); a backup launched
-   for a generation that moved on SHOULD be terminated at once. Only the recorded backup's ready report MUST move
-   the recovery, and no such report MUST be lost to the order of the two: one that comes while no backup is
-   recorded is kept under its instance's id (`Registry.keep_early_ready`) and moves the recovery only when the
-   write that records that instance as the backup finds it, or when its own write finds the instance recorded.
+   for a generation that moved on SHOULD be terminated at once. Only the recorded backup's ready report (or its
+   failed boot) MUST move the recovery, and no such report MUST be lost to the order of the two: one that comes
+   while no backup is recorded is kept under its instance's id (`Registry.keep_early_ready`) and moves the
+   recovery only when the write that records that instance as the backup finds it, or when its own write finds
+   the instance recorded.
 
 Exactly one end
 10. A job MUST end (COMPLETED, FAILED or CANCELLED) by one write conditional on the record as read: the first

@@ -128,6 +128,15 @@ def _agent_ready(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
 
 def _bootstrap_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
     cause = f"{event.step}: {event.reason}"
+    if record.status == Status.RECOVERING and record.backup_instance_id is None:
+        # As a ready report (_agent_ready): a boot that fails before the backup is recorded is kept, not lost.
+        kept = deps.registry.keep_early_ready(
+            record.job_id, record.generation, event.instance_id, deps.iso_now(), error="BootstrapFailed", cause=cause
+        )
+        if kept is not None and kept.backup_instance_id != event.instance_id:
+            logger.info("bootstrap failure kept until its instance is recorded", instance_id=event.instance_id)
+            return {"action": "kept", "reason": "not recorded as the backup yet"}
+        record = kept or record
     if record.status == Status.RECOVERING and event.instance_id == record.backup_instance_id:
         rendezvous.arrive(
             deps, record.job_id, "backup-ready", record.generation, {}, error="BootstrapFailed", cause=cause

@@ -302,9 +302,12 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
         raise StaleGeneration(f"job {job_id} moved on while its backup launched")
     early = updated.arrival(early_ready_key(instance.instance_id))
     if early and early.get("generation") == generation:
-        # Its agent reported ready before this write landed (agent_events._agent_ready kept the report): rule 9.
-        logger.info("the backup reported ready before it was recorded", job_id=job_id, instance_id=instance.instance_id)
-        rendezvous.arrive(deps, job_id, "backup-ready", generation, early.get("output") or {})
+        # Its agent reported ready, or its boot failed, before this write landed (agent_events kept the report):
+        # rule 9.
+        failed, cause = str(early.get("error") or ""), str(early.get("cause") or "")
+        logger.info("the backup reported before it was recorded", job_id=job_id, error=failed or None)
+        output = early.get("output") or {}
+        rendezvous.arrive(deps, job_id, "backup-ready", generation, output, error=failed, cause=cause)
     market = "spot" if candidate["spot"] else "on-demand"
     logger.info("backup launched", job_id=job_id, instance_id=instance.instance_id, az=instance.az, market=market)
     return {

@@ -316,11 +316,15 @@ class Registry:
         values = {"backup_instance_id": instance_id, "backup_az": az, "updated_at": at}
         return self._write(job_id, values, condition=_at(generation, Status.RECOVERING))
 
-    def keep_early_ready(self, job_id: str, generation: int, instance_id: str, at: str) -> JobRecord | None:
-        """A ready report from an instance not recorded as the backup, kept while this generation recovers and has
-        no backup recorded, or has recorded this one in between (None: another backup, or the job moved on)."""
+    def keep_early_ready(
+        self, job_id: str, generation: int, instance_id: str, at: str, *, error: str = "", cause: str = ""
+    ) -> JobRecord | None:
+        """A readiness report (ready, or `error` BootstrapFailed with its `cause`) from an instance not recorded as
+        the backup, kept while this generation recovers and has no backup recorded, or has recorded this one in
+        between (None: another backup, or the job moved on)."""
         no_other_backup = Attr("backup_instance_id").not_exists() | Attr("backup_instance_id").eq(instance_id)
-        report = {"output": {"instance_id": instance_id}, "error": "", "cause": "", "at": at, "generation": generation}
+        output = {} if error else {"instance_id": instance_id}
+        report = {"output": output, "error": error, "cause": cause, "at": at, "generation": generation}
         values = {event_attribute(early_ready_key(instance_id)): report}
         return self._write(job_id, values, condition=_at(generation, Status.RECOVERING) & no_other_backup)
 

@@ -27,19 +27,23 @@ OTHER_INSTANCE = "i-0f0f0f0f0f0f0f0f0"  # an instance that never becomes the bac
 RECORD_BACKUP = Registry.record_backup
 
 
-def _ready_before_recorded(monkeypatch: pytest.MonkeyPatch, reporter: str = "") -> list[Any]:
+def _ready_before_recorded(monkeypatch: pytest.MonkeyPatch, reporter: str = "", boot_fails: bool = False) -> list[Any]:
     """The launch step's write that records the backup lands only after a ready report (the backup's own, or the
-    instance `reporter` names) was handled, as when DynamoDB throttles that one write for longer than a boot.
-    Returns what the agent-events function did with each report."""
+    instance `reporter` names) was handled, as when DynamoDB throttles that one write for longer than a boot; with
+    `boot_fails`, a BootstrapFailed instead. Returns what the agent-events function did with each report."""
     handled: list[Any] = []
 
     def ready_first(self: Registry, job_id: str, generation: int, instance_id: str, *args: Any) -> Any:
         record = self.get(job_id)
         assert record is not None
         run_id = record.run_id  # as the backup's agent reads it from its tags
-        report = events.AgentReady(
+        report: events.AgentEvent = events.AgentReady(
             job_id, reporter or instance_id, generation, now_iso(), mode="restore", run_id=run_id
         )
+        if boot_fails:
+            report = events.BootstrapFailed(
+                job_id, instance_id, generation, now_iso(), run_id=run_id, step="storage", reason="no volume"
+            )
         handled.extend(result for _, result in route(agent_event(report)))
         return RECORD_BACKUP(self, job_id, generation, instance_id, *args)
 
@@ -77,6 +81,23 @@ def test_a_ready_report_that_comes_before_the_backup_is_recorded_is_not_lost(
     assert handled == [{"action": "kept", "reason": "not recorded as the backup yet"}]
     _restore_and_finish(plane, "early-ready-1", backup)
     assert plane.job("early-ready-1").arrival(early_ready_key(backup)) is None  # done with once it runs the job
+
+
+def test_a_boot_that_fails_before_the_backup_is_recorded_is_not_lost(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a recovery whose write recording the backup lands after the backup's agent said its boot failed
+    handled = _ready_before_recorded(monkeypatch, boot_fails=True)
+
+    # When the job's instance is warned
+    _warn(plane, "early-failed-1")
+
+    # Then that failure ends the readiness wait at once, with its cause, instead of the wait running out
+    execution = plane.wait_for_execution(RESTORE_SOON_S)
+    assert handled == [{"action": "kept", "reason": "not recorded as the backup yet"}]
+    assert execution["status"] == "FAILED"
+    assert plane.sent_commands("restore") == []
+    assert "storage: no volume" in (plane.job("early-failed-1").reason or "")
 
 
 def test_a_ready_report_whose_backup_is_recorded_while_it_is_kept_moves_the_recovery_on(
