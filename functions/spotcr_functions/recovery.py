@@ -65,7 +65,7 @@ def on_interruption_warning(
     record = deps.registry.by_instance(instance_id)
     if record is None:
         return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
-    bumped = _bump(deps, record, instance_id, warned_at)
+    bumped = _bump(deps, record, instance_id, warned_at, final_dump=True)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
     final_dump = _order_final_dump(deps, bumped, instance_id, warned_at)
@@ -108,18 +108,19 @@ def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
     return {"action": "volume-deleted", "job_id": record.job_id, "volume_id": record.volume_id}
 
 
-def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str) -> JobRecord | None:
+def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str, final_dump: bool = False) -> JobRecord | None:
     if record.status not in ACTIVE:
         return None
-    return deps.registry.bump_generation(record.job_id, instance_id, record.generation, at, read=record)
+    job_id, generation = record.job_id, record.generation
+    return deps.registry.bump_generation(job_id, instance_id, generation, at, read=record, final_dump=final_dump)
 
 
 def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, Any]:
     current = deps.registry.get(job_id)
     if current and current.status == Status.RECOVERING and current.recovering_from == instance_id:
         # A retry after a crash (or a throttled StartExecution) between the fencing write and StartExecution still
-        # starts the workflow, once; it waits for the final dump if the first try ordered one on this instance (sent
-        # it, or recorded it as left to the workflow's wait for a throttle).
+        # starts the workflow, once; it waits for the final dump if the fencing write was a warning's (which records
+        # the order with it: sent since, or left to the workflow's wait to send).
         ordered = current.extra.get(FINAL_DUMP_COMMAND) or {}
         final_dump = ordered.get("generation") == current.generation and ordered.get("instance_id") == instance_id
         started = _start(deps, current, instance_id, reason="retry", final_dump=final_dump)
@@ -137,9 +138,8 @@ def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at
         _send_final_dump(deps, record, instance_id, prompt=True)
     except ClientError as error:
         if is_throttle(error):
+            # The fencing write recorded the order without a command_id: the workflow's final-dump wait sends it.
             logger.info("final dump command throttled; the workflow's final-dump wait sends it", job_id=record.job_id)
-            deferred = {"instance_id": instance_id, "generation": record.generation}  # no command_id: not sent
-            deps.registry.record_final_dump_order(record.job_id, record.generation, deferred)
             return True
         logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
         return False
@@ -759,7 +759,7 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
         return {"action": "ignored", "reason": "no job on this instance"}
     if record.backup_instance_id != instance_id:
         return _already_recovering(deps, record.job_id, instance_id)
-    bumped = deps.registry.bump_backup(record, at)
+    bumped = deps.registry.bump_backup(record, at, final_dump=final_dump)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
     for key in WAIT_KEYS:

@@ -23,6 +23,12 @@ def restore_key(attempt: str) -> str:
     return "restore" if attempt in ("", commands.RESTORE_ATTEMPTS[0]) else f"restore-{attempt}"
 
 
+def _final_dump_intent(instance_id: str, generation: int) -> dict[str, Any]:
+    """A final-dump order decided but not sent yet (no command_id): the workflow's final-dump wait sends it
+    (recovery.order_deferred_final_dump) unless the warning's send records its command first."""
+    return {"instance_id": instance_id, "generation": generation}
+
+
 def early_ready_key(instance_id: str) -> str:
     """Where a ready report waits when it came before the recovery recorded its instance as the backup (rule 9):
     one key per instance, so that no other instance's report replaces the backup's."""
@@ -234,9 +240,18 @@ class Registry:
     # Fencing (rule 1).
 
     def bump_generation(
-        self, job_id: str, instance_id: str, generation: int, at: str, read: JobRecord | None = None
+        self,
+        job_id: str,
+        instance_id: str,
+        generation: int,
+        at: str,
+        read: JobRecord | None = None,
+        *,
+        final_dump: bool = False,
     ) -> JobRecord | None:
         """The fencing write: generation+1 once per interrupted instance, only while that instance is current.
+        `final_dump` (a warning's): the same write records that a final dump is to be ordered on the instance, so a
+        retry after a crash before the order was sent or recorded still waits for it (recovery._already_recovering).
 
         An early final dump (the agent took it on its own IMDS notice and it was recorded before this write) is
         kept: its arrival moves to the new generation, so recovery restores it at once instead of waiting for a
@@ -267,9 +282,10 @@ class Registry:
                 & (Attr("recovering_from").not_exists() | Attr("recovering_from").ne(instance_id))
                 & same_arrival
             )
+            ordered = {FINAL_DUMP_COMMAND: _final_dump_intent(instance_id, generation + 1)} if final_dump else {}
             bumped = self._write(
                 job_id,
-                {**_fenced(generation, instance_id, at), "status": Status.RECOVERING.value, **carried},
+                {**_fenced(generation, instance_id, at), "status": Status.RECOVERING.value, **carried, **ordered},
                 tuple(a for a in FENCE_CLEARS if a not in carried),
                 condition,
                 add=(DUMP_SEQUENCE,),  # the final dump this warning orders
@@ -278,12 +294,15 @@ class Registry:
                 return bumped
         return None
 
-    def bump_backup(self, seen: JobRecord, at: str) -> JobRecord | None:
-        """The fencing write for a backup lost while it restores: generation+1, recovering from that backup."""
+    def bump_backup(self, seen: JobRecord, at: str, *, final_dump: bool = False) -> JobRecord | None:
+        """The fencing write for a backup lost while it restores: generation+1, recovering from that backup (and, on
+        its warning, `final_dump` as in bump_generation)."""
         condition = _at(seen.generation, Status.RECOVERING) & Attr("backup_instance_id").eq(seen.backup_instance_id)
+        backup = str(seen.backup_instance_id)
+        ordered = {FINAL_DUMP_COMMAND: _final_dump_intent(backup, seen.generation + 1)} if final_dump else {}
         return self._write(
             seen.job_id,
-            _fenced(seen.generation, seen.backup_instance_id, at),
+            {**_fenced(seen.generation, seen.backup_instance_id, at), **ordered},
             # The handed-over EBS volume (if any) stays named: it holds the job's data and moves on from the backup.
             tuple(a for a in FENCE_CLEARS if a not in ("next_checkpoint_at", "handover_volume_id")),
             condition,

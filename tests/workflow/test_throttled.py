@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 from spotcr_contracts import tags as tag_names
+from spotcr_functions import recovery
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.handlers import interruption
 from spotcr_functions.models import Status
@@ -144,6 +145,37 @@ def test_a_final_dump_command_throttled_at_the_warning_is_sent_by_the_final_dump
     assert outcome["final_dump"] is True, outcome
     backup = recover(plane, "wave-4", periodic, final_from=primary)
     job = plane.job("wave-4")
+    assert (job.status, job.instance_id) == (Status.RUNNING, backup)
+    assert job.checkpoint_id != periodic and str(job.checkpoint_id).endswith("-final")
+    assert len(plane.sent_commands("checkpoint", kind="final")) == 1
+
+
+def test_a_warning_retried_after_a_crash_right_after_its_fencing_write_still_waits_for_its_final_dump(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job whose warning's first try fails right after the fencing write, before its final-dump order is
+    # sent or recorded (as when DynamoDB throttled the write recording it past the SDK's retries)
+    primary = plane.start_job("wave-5")
+    periodic = commit(plane, "wave-5", primary, 0, "periodic")
+    order_final_dump = recovery._order_final_dump
+    crashes = [RuntimeError("the invocation died after the fencing write")]
+
+    def crashing_once(*args: Any, **kwargs: Any) -> bool:
+        if crashes:
+            raise crashes.pop()
+        return bool(order_final_dump(*args, **kwargs))
+
+    monkeypatch.setattr(recovery, "_order_final_dump", crashing_once)
+    warning = ec2_event("spot-interruption-warning", primary)
+    with pytest.raises(RuntimeError, match="after the fencing write"):
+        route(warning)
+
+    # When Lambda's asynchronous retry delivers the warning again
+    route(warning)
+
+    # Then the workflow it starts waits for a final dump (its wait sends the order), and the job runs again from it
+    backup = recover(plane, "wave-5", periodic, final_from=primary)
+    job = plane.job("wave-5")
     assert (job.status, job.instance_id) == (Status.RUNNING, backup)
     assert job.checkpoint_id != periodic and str(job.checkpoint_id).endswith("-final")
     assert len(plane.sent_commands("checkpoint", kind="final")) == 1
