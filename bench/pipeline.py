@@ -189,13 +189,13 @@ def s3_server(work: Path) -> Iterator[dict[str, Any]]:
     """MinIO on loopback when its binary is there; moto's server otherwise (a mock: labelled as such)."""
     minio = os.environ.get("SPOTCR_BENCH_MINIO") or shutil.which("minio") or str(MINIO_BUILT)
     with contextlib.ExitStack() as stack:
-        minio_found = bool(minio) and Path(minio).is_file()
-        if minio_found:
+        pid: int | None = None  # MinIO's, when it serves
+        if minio and Path(minio).is_file():
             endpoint, pid = stack.enter_context(minio_server(minio, work / "minio-data"))
             label = "S3: MinIO on loopback"
             keys = ("minioadmin", "minioadmin")
         else:
-            endpoint, pid = stack.enter_context(moto_server()), None
+            endpoint = stack.enter_context(moto_server())
             label = "S3: moto server on loopback (a mock: no MinIO binary found)"
             keys = ("bench", "bench")
         os.environ |= {
@@ -207,7 +207,7 @@ def s3_server(work: Path) -> Iterator[dict[str, Any]]:
         import boto3
 
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        yield {"endpoint": endpoint, "label": label, "minio": minio_found, "pid": pid}
+        yield {"endpoint": endpoint, "label": label, "minio_pid": pid}
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     print(f"machine: {machine['cpus']} cores ({machine['cpu']}), load average {machine['load_before']}")
     shutil.rmtree(args.work, ignore_errors=True)
     with s3_server(args.work) as s3, request_count(s3) as count:
-        run = measure(args, count, s3["endpoint"], s3["pid"]) | {"s3_label": s3["label"], "counted_by": count.by}
+        run = measure(args, count, s3["endpoint"], s3["minio_pid"]) | {"s3_label": s3["label"], "counted_by": count.by}
     shutil.rmtree(args.work, ignore_errors=True)
     machine["load_after"] = os.getloadavg()
     doc = {
@@ -105,7 +105,7 @@ def request_count(s3: dict[str, Any]) -> Iterator[Count]:
     """MinIO's own counters when MinIO serves; otherwise a counting proxy the store's client is pointed at."""
     import boto3
 
-    if s3["minio"]:
+    if s3["minio_pid"] is not None:
         yield MinioCount(s3["endpoint"], BUCKET, boto3.client("s3", endpoint_url=s3["endpoint"]))
         return
     with counting_proxy(s3["endpoint"]) as (endpoint, tally):

@@ -23,10 +23,11 @@ def restore_key(attempt: str) -> str:
     return "restore" if attempt in ("", commands.RESTORE_ATTEMPTS[0]) else f"restore-{attempt}"
 
 
-def _final_dump_intent(instance_id: str, generation: int) -> dict[str, Any]:
-    """A final-dump order decided but not sent yet (no command_id): the workflow's final-dump wait sends it
-    (recovery.order_deferred_final_dump) unless the warning's send records its command first."""
-    return {"instance_id": instance_id, "generation": generation}
+def _final_dump_intent(instance_id: str, generation: int, ordered: bool) -> dict[str, Any]:
+    """What a fencing write sets for a warning's final dump (`ordered`): the order decided but not sent yet (no
+    command_id), which the workflow's final-dump wait sends (recovery.order_deferred_final_dump) unless the
+    warning's send records its command first. Nothing for a fencing write that orders no final dump."""
+    return {FINAL_DUMP_COMMAND: {"instance_id": instance_id, "generation": generation}} if ordered else {}
 
 
 def early_ready_key(instance_id: str) -> str:
@@ -282,7 +283,7 @@ class Registry:
                 & (Attr("recovering_from").not_exists() | Attr("recovering_from").ne(instance_id))
                 & same_arrival
             )
-            ordered = {FINAL_DUMP_COMMAND: _final_dump_intent(instance_id, generation + 1)} if final_dump else {}
+            ordered = _final_dump_intent(instance_id, generation + 1, final_dump)
             bumped = self._write(
                 job_id,
                 {**_fenced(generation, instance_id, at), "status": Status.RECOVERING.value, **carried, **ordered},
@@ -298,8 +299,7 @@ class Registry:
         """The fencing write for a backup lost while it restores: generation+1, recovering from that backup (and, on
         its warning, `final_dump` as in bump_generation)."""
         condition = _at(seen.generation, Status.RECOVERING) & Attr("backup_instance_id").eq(seen.backup_instance_id)
-        backup = str(seen.backup_instance_id)
-        ordered = {FINAL_DUMP_COMMAND: _final_dump_intent(backup, seen.generation + 1)} if final_dump else {}
+        ordered = _final_dump_intent(str(seen.backup_instance_id), seen.generation + 1, final_dump)
         return self._write(
             seen.job_id,
             {**_fenced(seen.generation, seen.backup_instance_id, at), **ordered},
