@@ -554,6 +554,7 @@ class LocalCloud:
         local_ssm.to_instance_ids_only(patches)
         self._install_ec2_hooks()
         fis.interrupt_spot_instances(self._patches, self._start_fis_interrupt, self._fis_may_interrupt)
+        s3.verify_checksums(self._patches)
         s3.inject_faults(self._patches, lambda: self.store_fault)
 
     def _join_threads(self, timeout_s: float) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from moto.server import ThreadedMotoServer
 
+from rehearsal.localaws import s3
 from rehearsal.vm import LocalVM, VmNetwork
 from rehearsal.vm import bare_vm as rehearsal_bare_vm
 
@@ -65,11 +66,14 @@ def bare_vm(tmp_path: Path, vm_network: VmNetwork) -> Iterator[Callable[..., Loc
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
-    """A moto server on loopback, for code that reaches AWS over HTTP as the agent does (not moto's mock)."""
+    """A moto server on loopback, for code that reaches AWS over HTTP as the agent does (not moto's mock); S3 checks
+    each put's checksum, as S3 does."""
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
+    with contextlib.ExitStack() as patches:
+        s3.verify_checksums(patches)
+        yield f"http://{host}:{port}"
     server.stop()
 
 

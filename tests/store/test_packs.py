@@ -3,6 +3,7 @@ garbage collection of packs under a commit in flight."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import mmap
@@ -16,8 +17,11 @@ from typing import Any
 import boto3
 import pytest
 import zstandard
+from botocore import httpchecksum
+from botocore.exceptions import ClientError
 from spotcr_agent.store import CheckpointStore, CorruptCheckpoint, DirectoryBackend, chunking
 from spotcr_agent.store import store as store_module
+from spotcr_agent.store.backends import crc32_header
 from spotcr_agent.store.chunking import Chunker, Chunking
 from spotcr_agent.store.manifest import CHUNK_HASHES
 from spotcr_agent.store.store import FETCH_RANGE
@@ -208,6 +212,62 @@ def test_s3_checks_each_put_by_crc32_not_a_second_sha256(s3_iam: Enforced, tmp_p
         head = boto3.client("s3").head_object(Bucket=s3_iam.bucket, Key=run_keys(store) + key, ChecksumMode="ENABLED")
         assert "ChecksumCRC32" in head and "ChecksumSHA256" not in head, key
     assert signed and set(signed) == {b"UNSIGNED-PAYLOAD"}
+
+
+def test_s3_is_given_each_pack_s_crc32_so_botocore_reads_no_body_twice(
+    s3_iam: Enforced, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store in S3, and botocore's own checksum pass watched
+    store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+    computed: list[int] = []
+    handle = httpchecksum.BaseChecksum.handle
+
+    def watched(checksum: Any, body: Any) -> Any:
+        computed.append(_size(body))
+        return handle(checksum, body)
+
+    monkeypatch.setattr(httpchecksum.BaseChecksum, "handle", watched)
+
+    # When a checkpoint of several packs is committed
+    store.pack_size = MiB // 2
+    store.commit(images(tmp_path / "img", 1, 2), meta(1))
+
+    # Then botocore read no pack for a checksum (only DeleteObjects' few bytes of XML, which S3 requires one of), and
+    # S3 checked (and keeps) each pack by the CRC32 the store gave
+    assert computed and max(computed) < 1024
+    client = boto3.client("s3")
+    packs = store.load(checkpoint_id(1)).packs()
+    assert len(packs) > 2
+    for pack in packs:
+        key = run_keys(store) + f"chunks/packs/{pack}"
+        head = client.head_object(Bucket=s3_iam.bucket, Key=key, ChecksumMode="ENABLED")
+        body = client.get_object(Bucket=s3_iam.bucket, Key=key)["Body"].read()
+        assert head["ChecksumCRC32"] == base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+
+
+def _size(body: Any) -> int:
+    if isinstance(body, (bytes, bytearray)):
+        return len(body)
+    at = body.tell()
+    end = int(body.seek(0, 2))
+    body.seek(at)
+    return end
+
+
+def test_s3_refuses_a_put_whose_crc32_is_not_its_body_s(s3_iam: Enforced) -> None:
+    # Given the store's S3 client, as a job's store credentials use it
+    store = CheckpointStore.for_s3(s3_iam.bucket, JOB, session=s3_iam.store_session(JOB, RUN), run_id=RUN)
+    client = store.backend.client  # type: ignore[attr-defined]
+
+    # When a body goes with another body's CRC32, then S3 refuses it: the header is the check, not decoration
+    with pytest.raises(ClientError, match=r"BadDigest|InvalidRequest|checksum"):
+        client.put_object(
+            Bucket=s3_iam.bucket,
+            Key=run_keys(store) + "chunks/packs/x",
+            Body=b"pack",
+            ChecksumAlgorithm="CRC32",
+            ChecksumCRC32=crc32_header(b"other"),
+        )
 
 
 def test_a_final_dump_finds_what_did_not_change_by_fast_digest(

@@ -5,6 +5,7 @@ Both hold the same keys under the same layout; the store above them never knows 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import fcntl
@@ -12,6 +13,7 @@ import io
 import os
 import threading
 import uuid
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -219,10 +221,21 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-CHECKSUM = "CRC32"  # S3 verifies every put by it: zlib's CRC32 runs at 1.5-2.2 GiB/s a core here, SHA-256 at 1.1;
-# and no body is SHA-256'd for the request's signature either (payload_signing_enabled off: botocore does so on its
-# own over HTTPS with a checksum, but on a plain-http endpoint, e.g. MinIO on loopback, the server then hashed it
-# again to check): every chunk is verified by its id on restore
+def crc32_header(data: bytes | memoryview) -> str:
+    """The body's CRC32 as S3's x-amz-checksum-crc32 carries it: S3 verifies every put by it (zlib's CRC32 runs at
+    1.5-2.2 GiB/s a core here, SHA-256 at 1.1; every chunk is verified by its id on restore). No body is SHA-256'd
+    for the request's signature either (payload_signing_enabled off: botocore does so on its own over HTTPS with a
+    checksum, but on a plain-http endpoint, e.g. MinIO on loopback, the server then hashed it again to check).
+
+    Given with the put, botocore computes none: its own pass read the body through the request's file object (a
+    copy of every block, then the blocks again to send); zlib reads the pack's memory in place, outside the GIL
+    (2 GiB of 32 MiB packs to MinIO, 4 at once: the client's CPU 1.09 s a GiB with botocore's pass, 0.88 with this)."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def _checksum(data: bytes | memoryview) -> dict[str, str]:
+    """A put's checksum arguments: the value, and the algorithm's name, which S3 keeps with the object."""
+    return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_header(data)}
 
 
 class S3Backend:
@@ -282,13 +295,13 @@ class S3Backend:
     def put(self, key: str, data: bytes | memoryview) -> None:
         body = data if isinstance(data, bytes) else _ViewReader(data)
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ChecksumAlgorithm=CHECKSUM)
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **_checksum(data))
         except Exception as e:
             raise self._translate(e, key) from e
 
     def put_new(self, key: str, data: bytes) -> None:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ChecksumAlgorithm=CHECKSUM, IfNoneMatch="*")
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*", **_checksum(data))
         except Exception as e:
             if _error_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
                 raise CheckpointExists(Path(key).stem) from e
