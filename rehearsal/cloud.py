@@ -515,6 +515,7 @@ class LocalCloud:
         dynamodb.atomic_requests(patches)
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
+        stepfunctions.parse_once(patches)
         fleet.launch_template_tags(patches)
         fleet.idempotent_launches(patches)
 

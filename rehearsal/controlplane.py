@@ -464,6 +464,7 @@ class ControlPlane:
         ssm.to_instance_ids_only(patches)
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
+        stepfunctions.parse_once(patches)
         fleet.launch_template_tags(patches)
         fleet.idempotent_launches(patches)
         _edge._deps.cache_clear()
