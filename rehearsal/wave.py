@@ -110,6 +110,7 @@ def run_wave(
         result.seconds = time.time() - start
         agents.events.join()
     result.throttles = meter.report() if meter else {}
+    live = _live_instances(plane)
     for job_id, primary in instances.items():
         times = agents.job(job_id)
         if times.final_dump_begun is not None:
@@ -118,7 +119,7 @@ def run_wave(
             result.to_final_dump_command[job_id] = times.final_dump_ordered - warned[job_id]
         if times.backup_launched is not None:
             result.to_backup_launched[job_id] = times.backup_launched - warned[job_id]
-        stopped = _end_state(plane, result, job_id, primary, executions.get(job_id))
+        stopped = _end_state(plane, result, job_id, primary, executions.get(job_id), live=live.get(job_id, []))
         if stopped is not None:
             result.to_running_again[job_id] = stopped - warned[job_id]
     result.leaks = _leaks(plane, instances, before)
@@ -148,10 +149,12 @@ def _end_state(
     job_id: str,
     primary: str,
     execution: dict[str, Any] | None,
+    *,
+    live: list[str],
 ) -> float | None:
-    """Sorts the job into recovered, failed or stuck; returns when it ran again (its workflow's end), if it did."""
+    """Sorts the job into recovered, failed or stuck (`live`: the job's live instances); returns when it ran again
+    (its workflow's end), if it did."""
     record = plane.job(job_id)
-    live = _live_instances(plane, job_id)
     if len(live) > 1:
         result.live_copies[job_id] = live
     if execution is None:
@@ -172,13 +175,20 @@ def _end_state(
     return None
 
 
-def _live_instances(plane: controlplane.ControlPlane, job_id: str) -> list[str]:
+def _live_instances(plane: controlplane.ControlPlane) -> dict[str, list[str]]:
+    """job id -> its live instances, from one listing of every instance tagged with a job (moto filters tags by
+    scanning every tag of the account for each instance: a listing per job made the 300-job wave's end state take
+    longer than its recovery)."""
     filters = [
-        {"Name": f"tag:{tag_names.JOB}", "Values": [job_id]},
+        {"Name": "tag-key", "Values": [tag_names.JOB]},
         {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
     ]
-    reservations = plane.ec2.describe_instances(Filters=filters)["Reservations"]
-    return sorted(i["InstanceId"] for r in reservations for i in r["Instances"])
+    live: dict[str, list[str]] = {}
+    for page in plane.ec2.get_paginator("describe_instances").paginate(Filters=filters):
+        for instance in (i for r in page["Reservations"] for i in r["Instances"]):
+            job_id = next(t["Value"] for t in instance["Tags"] if t["Key"] == tag_names.JOB)
+            live.setdefault(job_id, []).append(instance["InstanceId"])
+    return {job_id: sorted(ids) for job_id, ids in live.items()}
 
 
 def find_leaks() -> list[leaks.Leak]:
