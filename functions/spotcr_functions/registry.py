@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
 
-from boto3.dynamodb.conditions import Attr, ConditionBase
+from boto3.dynamodb.conditions import Attr, ConditionBase, ConditionExpressionBuilder
 from spotcr_contracts import commands
 
 from spotcr_functions import registry_schema
@@ -100,10 +100,8 @@ class Registry:
     def register(self, record: JobRecord) -> JobRecord:
         """Insert a new job, or replace a finished one of the same name; returns the registered record."""
         try:
-            self.table.put_item(
-                Item=record.to_item(),
-                ConditionExpression=Attr(registry_schema.PARTITION_KEY).not_exists() | _status_in(ENDED),
-            )
+            new_or_ended = Attr(registry_schema.PARTITION_KEY).not_exists() | _status_in(ENDED)
+            self.table.put_item(Item=record.to_item(), **_condition_arguments(new_or_ended))
         except self._conditional_failure:
             existing = self.get(record.job_id)
             if existing is None:
@@ -147,10 +145,13 @@ class Registry:
             "ExpressionAttributeNames": names,
             "ReturnValues": "ALL_NEW",
         }
+        if condition is not None:
+            built = _condition_arguments(condition)
+            arguments["ConditionExpression"] = built["ConditionExpression"]
+            names |= built["ExpressionAttributeNames"]
+            values |= built.get("ExpressionAttributeValues", {})
         if values:
             arguments["ExpressionAttributeValues"] = values
-        if condition is not None:
-            arguments["ConditionExpression"] = condition  # boto3 builds it, with its own #n/:v placeholders
         try:
             response = self.table.update_item(**arguments)
         except self._conditional_failure:
@@ -426,6 +427,23 @@ class Registry:
         """The event's half of the rendezvous; None when the job is at another generation."""
         values = {event_attribute(key): {**arrival, "generation": generation}}
         return self._write(job_id, values, condition=_at(generation))
+
+
+def _condition_arguments(condition: ConditionBase) -> dict[str, Any]:
+    """The write's ConditionExpression with its placeholders (#n0, :v0, ...), built by a builder of its own. boto3's
+    Table builds a condition with one builder per resource, reset at each call: two threads writing through one
+    resource take each other's placeholders, and a write is refused, or allowed, on a condition nobody wrote. Lambda
+    runs one invocation at a time per execution environment; the local AWS runs concurrent invocations in one process
+    with the handlers' cached Registry, where a wave saw a backup's launch refused although its job had not moved on
+    (tests/functions/test_registry_threads.py)."""
+    built = ConditionExpressionBuilder().build_expression(condition)
+    arguments: dict[str, Any] = {
+        "ConditionExpression": built.condition_expression,
+        "ExpressionAttributeNames": built.attribute_name_placeholders,
+    }
+    if built.attribute_value_placeholders:
+        arguments["ExpressionAttributeValues"] = built.attribute_value_placeholders
+    return arguments
 
 
 def _at(generation: int, status: Status | None = None) -> ConditionBase:
