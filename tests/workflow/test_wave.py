@@ -33,7 +33,7 @@ LOW = {
     "ssm:SendCommand": Rate(2, 2),
     "ssm:GetCommandInvocation": Rate(2, 4),
     "stepfunctions:StartExecution": Rate(1, 2),
-    "stepfunctions:SendTaskSuccess": Rate(2, 4),
+    "stepfunctions:SendTaskSuccess": Rate(1, 4),
     STATE_TRANSITION: Rate(5, 30),
 }
 CONCURRENCY = 12
