@@ -7,6 +7,8 @@ record as first read: the guard must refuse it and leave the record as the other
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 import boto3
 import pytest
+from boto3.dynamodb.conditions import ConditionExpressionBuilder
 from moto import mock_aws
 from spotcr_contracts import protocol
 from spotcr_functions import registry_schema
@@ -303,3 +306,55 @@ def test_no_module_but_the_registry_writes_the_job_record_with_a_condition() -> 
 def test_the_protocol_page_is_the_protocol_modules_docstring() -> None:
     page = (REPO / "docs" / "design" / "protocol.md").read_text()
     assert page == protocol.page(), "run: python -m spotcr_contracts.protocol > docs/design/protocol.md"
+
+
+# Conditional writes from several threads through one Registry. boto3's Table builds a condition expression with one
+# ConditionExpressionBuilder per resource, reset at each call: two threads building at once take each other's
+# placeholders, and a write is then refused (or allowed) on a condition nobody wrote. Lambda runs one invocation at a
+# time per execution environment, but the local AWS runs concurrent invocations in one process, sharing the handlers'
+# cached Registry: a wave of 100 recoveries saw a backup's launch refused as "moved on" while its job had not moved.
+THREADS, WRITES = 8, 20
+
+
+def test_writes_from_many_threads_through_one_registry_are_each_judged_on_their_own_condition(
+    table: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given jobs recovering at generations of their own (job n at generation n + 1, RECOVERING)
+    for n in range(THREADS):
+        job(table, job_id=f"thread-{n}", status=Status.RECOVERING, generation=n + 1, instance_id=f"i-{n}")
+
+    # When each job's thread records a backup again and again, each write conditional on its own generation
+    refused: list[str] = []
+
+    def record_backups(n: int) -> None:
+        for write in range(WRITES):
+            if (
+                table.record_backup(f"thread-{n}", n + 1, f"i-b{n}-{write}", "us-east-1a", "2026-11-27T10:00:00Z")
+                is None
+            ):
+                refused.append(f"thread-{n} write {write}")
+
+    # (the interleaving forced: a thread that takes a value placeholder lets the others run, as a loaded process may)
+    placeholder = ConditionExpressionBuilder._get_value_placeholder
+
+    def yielding(builder: ConditionExpressionBuilder) -> str:
+        time.sleep(0.001)
+        return placeholder(builder)
+
+    monkeypatch.setattr(ConditionExpressionBuilder, "_get_value_placeholder", yielding)
+    threads = [threading.Thread(target=record_backups, args=(n,)) for n in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    # Then none was refused: every job stayed at its generation, RECOVERING, with its last backup recorded
+    assert refused == []
+    for n in range(THREADS):
+        record = table.get(f"thread-{n}")
+        assert record is not None
+        assert (record.generation, record.status, record.backup_instance_id) == (
+            n + 1,
+            Status.RECOVERING,
+            f"i-b{n}-{WRITES - 1}",
+        )
