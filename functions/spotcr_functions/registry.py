@@ -435,7 +435,7 @@ def _condition_arguments(condition: ConditionBase) -> dict[str, Any]:
     resource take each other's placeholders, and a write is refused, or allowed, on a condition nobody wrote. Lambda
     runs one invocation at a time per execution environment; the local AWS runs concurrent invocations in one process
     with the handlers' cached Registry, where a wave saw a backup's launch refused although its job had not moved on
-    (tests/functions/test_registry_threads.py)."""
+    (tests/functions/test_registry_transitions.py)."""
     built = ConditionExpressionBuilder().build_expression(condition)
     arguments: dict[str, Any] = {
         "ConditionExpression": built.condition_expression,
