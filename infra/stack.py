@@ -87,6 +87,7 @@ class SpotcrStack(Stack):
             launch_template_id=targets.launch_template_id,
             launch_template_version=vm.launch_template.latest_version_number,
             checkpoint_document=documents["checkpoint"],
+            final_dump_document=documents["final-dump"],
             restore_document=documents["restore"],
             release_document=documents["release"],
             status_document=documents["status"],

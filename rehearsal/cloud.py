@@ -348,6 +348,7 @@ class LocalCloud:
             launch_template_id=template_id,
             launch_template_version="1",
             checkpoint_document=document_names["checkpoint"],
+            final_dump_document=document_names["final-dump"],
             restore_document=document_names["restore"],
             release_document=document_names["release"],
             status_document=document_names["status"],

@@ -129,12 +129,12 @@ def _serialized(process_request: Any) -> Any:
 
 
 def _restore_runs(init: Any) -> Any:
-    """A restore or checkpoint command runs on its instance until the agent there answers (finish_restore,
+    """A restore, checkpoint or final-dump command runs on its instance until the agent there answers (finish_restore,
     finish_checkpoint): SSM reports it InProgress (moto reports every command Success at once, with no output)."""
 
     def init_running(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        if self.document_name.endswith(("-restore", "-checkpoint")):
+        if self.document_name.endswith(("-restore", "-checkpoint", "-final-dump")):
             self.status = self.status_details = "InProgress"
             for invocation in self.invocations:
                 invocation.update({"Status": "InProgress", "StatusDetails": "InProgress", "ResponseCode": -1})
@@ -219,9 +219,9 @@ def end_checkpoint_command(
     pending = _pending_checkpoint(report.instance_id)
     if not pending:
         return None
-    of_kind = [(c, i) for c, i in pending if c.parameters.get("Kind", [""])[0] == report.kind]
+    of_kind = [(c, i) for c, i in pending if order_parameters(c, report.instance_id)["Kind"] == report.kind]
     command, invocation = (of_kind or pending)[-1]
-    parameters = {k: v[0] for k, v in command.parameters.items()}
+    parameters = order_parameters(command, report.instance_id)
     result = results.CheckpointResult(  # the order it answers, as the real agent names it
         ok=isinstance(report, events.CheckpointCompleted),
         job_id=parameters["JobId"],
@@ -253,15 +253,37 @@ def end_checkpoint_command(
     return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
 
 
+def order_parameters(command: Any, instance_id: str) -> dict[str, str]:
+    """A checkpoint or final-dump command's order to one instance, as the checkpoint document's parameters (a
+    final-dump command's own order for that instance: the agent takes that one, spotcr_agent.cli._own_order)."""
+    parameters = {k: v[0] for k, v in command.parameters.items()}
+    if not str(command.document_name).endswith("-final-dump"):
+        return parameters
+    [order] = [o for o in commands.parse_orders(parameters["Orders"]) if o.instance_id == instance_id]
+    return _order_dict(order)
+
+
+def _order_dict(order: commands.FinalDumpOrder) -> dict[str, str]:
+    return {
+        "JobId": order.job_id,
+        "Generation": str(order.generation),
+        "Kind": "final",
+        "RunId": order.run_id,
+        "Sequence": str(order.sequence),
+    }
+
+
 def _pending_checkpoint(instance_id: str, kind: str = "") -> list[tuple[Any, dict[str, Any]]]:
-    """The checkpoint commands (of that kind) still running on the instance, oldest first, with their invocation."""
+    """The checkpoint and final-dump commands (of that kind) still running on the instance, oldest first, with their
+    invocation."""
     backend = ssm_backends[ACCOUNT][REGION]
     return [
         (command, invocation)
         for command in backend._commands
-        if str(command.document_name).endswith("-checkpoint") and kind in ("", command.parameters.get("Kind", [""])[0])
+        if str(command.document_name).endswith(("-checkpoint", "-final-dump"))
         for invocation in command.invocations
         if invocation["InstanceId"] == instance_id and invocation["Status"] == "InProgress"
+        if kind in ("", order_parameters(command, instance_id)["Kind"])
     ]
 
 
@@ -513,6 +535,7 @@ class ControlPlane:
             launch_template_id=self.launch_template_id,
             launch_template_version="1",
             checkpoint_document=self.documents["checkpoint"],
+            final_dump_document=self.documents["final-dump"],
             restore_document=self.documents["restore"],
             release_document=self.documents["release"],
             status_document=self.documents["status"],
@@ -572,15 +595,20 @@ class ControlPlane:
         return {t["Key"]: t["Value"] for t in reservations[0]["Instances"][0].get("Tags", [])}
 
     def sent_commands(self, command: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
-        """The commands sent so far (of that document; of that Kind: a checkpoint command's periodic or final)."""
-        sent = [
-            {
-                "document": c["DocumentName"],
-                "instances": c["InstanceIds"],
-                "parameters": {k: v[0] for k, v in c["Parameters"].items()},
-            }
-            for c in self.ssm.list_commands()["Commands"]
-        ]
+        """The commands sent so far (of that document; of that Kind: a checkpoint command's periodic or final). A
+        final-dump command is listed once per order, with the order's instance and its parameters as a checkpoint
+        command's (order_parameters)."""
+        sent = []
+        for c in self.ssm.list_commands()["Commands"]:
+            if c["DocumentName"] == self.documents["final-dump"]:
+                orders = commands.parse_orders(c["Parameters"]["Orders"][0])
+                sent += [
+                    {"document": c["DocumentName"], "instances": [o.instance_id], "parameters": _order_dict(o)}
+                    for o in orders
+                ]
+                continue
+            parameters = {k: v[0] for k, v in c["Parameters"].items()}
+            sent.append({"document": c["DocumentName"], "instances": c["InstanceIds"], "parameters": parameters})
         sent = [c for c in sent if command is None or c["document"] == self.documents[command]]
         return [c for c in sent if kind is None or c["parameters"].get("Kind") == kind]
 

@@ -195,11 +195,12 @@ class SimulatedAgents:
         for at, command in sent:
             parameters = {name: values[0] for name, values in command.parameters.items()}
             document = str(command.document_name)
-            if document.endswith("-checkpoint") and parameters.get("Kind") == "final":
-                times = self.job(parameters["JobId"])
-                times.final_dump_ordered = at
-                times.final_dump_begun = min(at, times.final_dump_begun or at)
+            if document.endswith("-final-dump"):
                 for instance_id in command.instance_ids:
+                    parameters = controlplane.order_parameters(command, instance_id)
+                    times = self.job(parameters["JobId"])
+                    times.final_dump_ordered = times.final_dump_ordered or at
+                    times.final_dump_begun = min(at, times.final_dump_begun or at)
                     with self._lock:  # one dump either way: every order is answered with the one dump begun first
                         if instance_id not in self._dumps:
                             taken = commands.checkpoint_id(

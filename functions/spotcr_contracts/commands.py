@@ -8,7 +8,7 @@ infra/ builds the documents from here, functions/ sends them, the rehearsal runs
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from spotcr_contracts.tags import JOB_ID_PATTERN, RUN_ID_PATTERN
@@ -173,7 +173,77 @@ STATUS = Command(
     flags={"JobId": "--job"},
 )
 
-COMMANDS: dict[str, Command] = {c.name: c for c in (CHECKPOINT, RESTORE, RELEASE, STATUS)}
+
+@dataclass(frozen=True)
+class FinalDumpOrder:
+    """One job's final dump in a FINAL_DUMP command, which orders a wave's final dumps with one SendCommand to many
+    instances: SendCommand gives every instance the same parameters, so each agent takes the order of its own
+    instance (the other fields are the checkpoint command's: the job, its run, the fencing generation and the
+    order's sequence)."""
+
+    instance_id: str
+    job_id: str
+    run_id: str
+    generation: int
+    sequence: int
+
+    def text(self) -> str:
+        return f"{self.instance_id}:{self.job_id}:{self.run_id}:{self.generation}:{self.sequence}"
+
+    @classmethod
+    def parse(cls, text: str) -> FinalDumpOrder:
+        if not re.fullmatch(_ORDER, text):
+            raise ValueError(f"final-dump order {text[:100]!r} does not match {_ORDER}")
+        instance_id, job_id, run_id, generation, sequence = text.split(":")
+        return cls(instance_id, job_id, run_id, int(generation), int(sequence))
+
+
+# SendCommand takes at most 50 instance ids. We found no documented length limit for a String parameter's value, so
+# a command's orders are kept under a conservative 4 KiB: 50 orders of typical names (about 70 characters each), or
+# 32 of the longest (124).
+ORDERS_MAX = 50
+ORDERS_MAX_CHARS = 4096
+_ORDER = (
+    r"i-[0-9a-f]{8,17}:" + JOB_ID_PATTERN.strip("^$") + ":(" + RUN_ID_PATTERN.strip("^$") + ")?:[0-9]{1,10}:[0-9]{1,10}"
+)
+FINAL_DUMP = Command(
+    name="final-dump",
+    description="spotcr: take the final checkpoint (the job stops) this instance's order names.",
+    parameters=(
+        Parameter(
+            "Orders",
+            "Comma list of final-dump orders (instance:job:run:generation:sequence); each agent takes its own.",
+            f"^{_ORDER}(,{_ORDER}){{0,{ORDERS_MAX - 1}}}$",
+        ),
+    ),
+    flags={"Orders": "--orders"},
+)
+
+
+def orders_value(orders: Sequence[FinalDumpOrder]) -> str:
+    """The Orders parameter of one FINAL_DUMP command."""
+    return ",".join(order.text() for order in orders)
+
+
+def parse_orders(value: str) -> list[FinalDumpOrder]:
+    """A FINAL_DUMP command's orders; ValueError names the one that is malformed."""
+    return [FinalDumpOrder.parse(text) for text in value.split(",")]
+
+
+def order_batches(orders: Sequence[FinalDumpOrder]) -> list[list[FinalDumpOrder]]:
+    """Orders split into FINAL_DUMP commands: at most ORDERS_MAX instances and ORDERS_MAX_CHARS each."""
+    batches: list[list[FinalDumpOrder]] = []
+    size = 0
+    for order in orders:
+        if not batches or len(batches[-1]) == ORDERS_MAX or size + len(order.text()) + 1 > ORDERS_MAX_CHARS:
+            batches.append([])
+            size = 0
+        batches[-1].append(order)
+        size += len(order.text()) + 1
+    return batches
+
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (CHECKPOINT, FINAL_DUMP, RESTORE, RELEASE, STATUS)}
 
 # What SSM says of one command on one instance (GetCommandInvocation's Status, and the status-change event's).
 COMMAND_RUNNING = ("Pending", "InProgress", "Delayed")

@@ -52,6 +52,7 @@ class FunctionSettings:
         "The template's latest version at deploy: CloudFormation never moves $Default off version 1 on update."
     )
     checkpoint_document: str = setting("The SSM document that orders a checkpoint.")
+    final_dump_document: str = setting("The SSM document that orders a wave's final dumps, each VM its own.")
     restore_document: str = setting("The SSM document that orders a restore on a backup.")
     release_document: str = setting("The SSM document that orders the job's storage released (EBS hand-over).")
     status_document: str = setting("The SSM document that asks an agent for its status.")

@@ -11,7 +11,8 @@ from typing import Any
 
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from spotcr_contracts.commands import Command
+from spotcr_contracts import commands
+from spotcr_contracts.commands import Command, FinalDumpOrder
 
 from spotcr_functions.gpus import Gpus, from_gpu_info
 
@@ -65,9 +66,9 @@ def _iso(value: Any) -> str:
 # 5 attempts: at most 1 + 2 + 4 + 8 = 15 s of backoff, half the default function timeout; a throttle that outlasts
 # them becomes `Throttled`, which the state machine's Retry waits out, or Lambda's asynchronous retries do.
 CLIENT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 5})
-# The warning's final-dump SendCommand: 2 attempts (at most 1 s of backoff), so that the recovery starts at once;
-# a command still throttled then is sent by the workflow's final-dump wait (recovery.order_deferred_final_dump).
-PROMPT_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 2})
+# The final-dump SendCommand: one attempt. A throttled sender puts its orders back in the outbox, where the next
+# sender takes them with its own into one command (final_dumps): a retry of the same command would only wait.
+ONCE_CONFIG = Config(retries={"mode": "standard", "total_max_attempts": 1})
 # Codes AWS answers a call over its rate with (the EC2, SSM/Step Functions/EventBridge, DynamoDB and Lambda ones).
 THROTTLING_ERRORS = frozenset(
     {
@@ -111,8 +112,8 @@ class Cloud:
         return self._client("ssm")
 
     @cached_property
-    def prompt_ssm(self) -> Any:
-        return self._client("ssm", PROMPT_CONFIG)
+    def ssm_once(self) -> Any:
+        return self._client("ssm", ONCE_CONFIG)
 
     @cached_property
     def sfn(self) -> Any:
@@ -395,17 +396,27 @@ class Cloud:
     def snapshot_state(self, snapshot_id: str) -> str:
         return str(self.ec2.describe_snapshots(SnapshotIds=[snapshot_id])["Snapshots"][0]["State"])
 
-    def send_command(
-        self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str], prompt: bool = False
-    ) -> str:
-        """SSM Run Command with typed parameters, checked against the contract before sending; `prompt`: with
-        PROMPT_CONFIG's retries."""
+    def send_command(self, document_name: str, command: Command, instance_id: str, values: Mapping[str, str]) -> str:
+        """SSM Run Command with typed parameters, checked against the contract before sending."""
         command.agent_argv(values)
-        response = (self.prompt_ssm if prompt else self.ssm).send_command(
+        response = self.ssm.send_command(
             InstanceIds=[instance_id],
             DocumentName=document_name,
             Parameters={k: [v] for k, v in values.items()},
-            Comment=f"spotcr {command.name}"[:100],
+            Comment=f"spotcr {command.name}",
+        )
+        return str(response["Command"]["CommandId"])
+
+    def send_final_dumps(self, document_name: str, orders: Sequence[FinalDumpOrder]) -> str:
+        """One FINAL_DUMP command to the orders' instances (commands.order_batches sizes it), tried once
+        (ONCE_CONFIG)."""
+        orders_value = commands.orders_value(orders)
+        commands.FINAL_DUMP.agent_argv({"Orders": orders_value})
+        response = self.ssm_once.send_command(
+            InstanceIds=[order.instance_id for order in orders],
+            DocumentName=document_name,
+            Parameters={"Orders": [orders_value]},
+            Comment=f"spotcr {commands.FINAL_DUMP.name}",
         )
         return str(response["Command"]["CommandId"])
 

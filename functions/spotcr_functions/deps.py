@@ -1,7 +1,9 @@
-"""What every logic function gets from its handler: settings, the two adapters, a metric sink and a clock."""
+"""What every logic function gets from its handler: settings, the two adapters, a metric sink, a clock and a
+sleep."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,6 +30,7 @@ class Deps:
     cloud: Cloud
     metric: MetricSink = _discard
     now: Callable[[], datetime] = field(default=utc_now)
+    sleep: Callable[[float], None] = field(default=time.sleep)
 
     @classmethod
     def from_settings(cls, settings: Settings, metric: MetricSink = _discard) -> Deps:

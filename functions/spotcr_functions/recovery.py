@@ -12,8 +12,8 @@ from spotcr_contracts import commands, names, results, tags
 from spotcr_contracts.names import client_token
 from spotcr_contracts.protocol import job_gone_from, parse_time, restarted
 
-from spotcr_functions import agent_events, checkpoints, efs_access, jobs, rendezvous
-from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, error_code, is_throttle
+from spotcr_functions import agent_events, checkpoints, efs_access, final_dumps, jobs, rendezvous
+from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, Throttled, error_code
 from spotcr_functions.deps import Deps
 from spotcr_functions.gpus import matching_fallbacks
 from spotcr_functions.models import ACTIVE, JobRecord, Status
@@ -68,13 +68,12 @@ def on_interruption_warning(
     bumped = _bump(deps, record, instance_id, warned_at, final_dump=True)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
-    final_dump = _order_final_dump(deps, bumped, instance_id, warned_at)
-    _start(deps, bumped, instance_id, reason=f"{source}-interruption:{action}", final_dump=final_dump)
+    _recover_with_final_dump(deps, bumped, instance_id, reason=f"{source}-interruption:{action}")
     return {
         "action": "recovering",
         "job_id": bumped.job_id,
         "generation": bumped.generation,
-        "final_dump": final_dump,
+        "final_dump": True,
         "instance_action": action,
     }
 
@@ -130,55 +129,45 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
     return {"action": "ignored", "reason": "job is not active on this instance", "job_id": job_id}
 
 
-def _order_final_dump(deps: Deps, record: JobRecord, instance_id: str, warned_at: str) -> bool:
-    """Send the final-dump command; True when a final dump is to be waited for: sent, or throttled and left to the
-    workflow's final-dump wait to send (order_deferred_final_dump), so that a wave's backups launch at once. In the
-    meantime the agent's own IMDS poll has begun the dump, which the command, once there, records."""
-    try:
-        _send_final_dump(deps, record, instance_id, prompt=True)
-    except ClientError as error:
-        if is_throttle(error):
-            # The fencing write recorded the order without a command_id: the workflow's final-dump wait sends it.
-            logger.info("final dump command throttled; the workflow's final-dump wait sends it", job_id=record.job_id)
-            return True
-        logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
-        return False
-    latency = (deps.now() - parse_time(warned_at)).total_seconds()
-    deps.metric(Metric.INTERRUPTION_TO_DUMP_SECONDS, "Seconds", max(latency, 0.0))
-    return True
-
-
-def _send_final_dump(deps: Deps, record: JobRecord, instance_id: str, prompt: bool = False) -> None:
-    values = {"JobId": record.job_id, "Generation": str(record.generation), "Kind": "final", "RunId": record.run_id}
-    values["Sequence"] = str(record.dump_sequence)  # minted by the fencing write (Registry.bump_generation)
-    command_id = deps.cloud.send_command(
-        deps.settings.checkpoint_document, commands.CHECKPOINT, instance_id, values, prompt=prompt
-    )
-    # Kept so that its answer is read from SSM even if its status-change event is lost (checkpoints.settle_final_dump).
-    ordered = {"command_id": command_id, "instance_id": instance_id, "generation": record.generation}
-    deps.registry.record_final_dump_order(record.job_id, record.generation, ordered)
+def _recover_with_final_dump(deps: Deps, record: JobRecord, instance_id: str, reason: str) -> None:
+    """Queue the fenced record's final-dump order and send it with every other one queued meanwhile (final_dumps),
+    then start the workflow, so that a wave's backups launch at once; orders a throttle kept back are tried again
+    after that. The agent's own IMDS poll has begun the dump meanwhile; the command, once there, records it."""
+    final_dumps.queue(deps, [final_dumps.order_of(record, instance_id)])
+    throttled = final_dumps.send_queued(deps)
+    _start(deps, record, instance_id, reason=reason, final_dump=True)
+    if throttled:
+        final_dumps.send_queued(deps, for_s=final_dumps.SEND_S)
 
 
 def order_deferred_final_dump(deps: Deps, job_id: str, generation: int) -> None:
-    """The final-dump wait begins: send the warning's final-dump command if a throttle kept it from going out. A
-    throttle again leaves as `Throttled`, which the wait's Retry waits out; any other refusal resumes the wait with
-    FinalDumpNotDelivered, and the job restores from its newest recorded checkpoint."""
+    """The final-dump wait begins: until the warning's order is sent, send the outbox (final_dumps rule 5), and
+    leave as `Throttled` (which the wait's Retry waits out) while the order is not sent. An order SSM refused for
+    anything but its rate has resumed the wait with FinalDumpNotDelivered (final_dumps rule 4)."""
     record = deps.registry.get(job_id)
     if record is None or record.generation != generation or record.status != Status.RECOVERING:
         return  # moved on: storing the token finds out
     ordered = record.extra.get(FINAL_DUMP_COMMAND) or {}
-    if ordered.get("generation") != generation or ordered.get("command_id"):
-        return  # sent by the warning (or by an earlier try of this step), or never ordered
-    try:
-        _send_final_dump(deps, record, str(ordered["instance_id"]))
-    except ClientError as error:
-        if is_throttle(error):
-            raise
-        logger.warning("final dump command not delivered; recovering from the newest checkpoint", error=str(error))
-        cause = f"the final-dump command was not delivered: {error}"[:1000]
-        rendezvous.arrive(deps, job_id, "final-dump", generation, {}, error="FinalDumpNotDelivered", cause=cause)
+    if not _unsent(record, ordered):
         return
-    logger.info("deferred final dump command sent", job_id=job_id, generation=generation)
+    if (deps.now() - parse_time(record.interrupted_at or deps.iso_now())).total_seconds() >= final_dumps.HOLD_S:
+        final_dumps.queue(deps, [final_dumps.order_of(record, str(ordered["instance_id"]))])
+    final_dumps.send_queued(deps)
+    after = deps.registry.get(job_id)
+    if (
+        after is not None
+        and after.generation == generation
+        and _unsent(after, after.extra.get(FINAL_DUMP_COMMAND) or {})
+    ):
+        raise Throttled(f"job {job_id}: the final-dump order of generation {generation} is not sent yet")
+    logger.info("final dump order sent", job_id=job_id, generation=generation)
+
+
+def _unsent(record: JobRecord, ordered: dict[str, Any]) -> bool:
+    """The warning ordered this generation's final dump, and no command carried it, nor was it refused."""
+    arrival = record.arrival("final-dump") or {}
+    answered = arrival.get("generation") == record.generation
+    return ordered.get("generation") == record.generation and not ordered.get("command_id") and not answered
 
 
 def recovery_input(record: JobRecord, instance_id: str, reason: str, final_dump: bool, settings: Any) -> dict[str, Any]:
@@ -767,6 +756,8 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
         if token and token.get("generation") == record.generation:
             deps.cloud.complete_task(str(token["token"]), {}, error="StaleGeneration", cause=f"backup lost: {reason}")
     logger.warning("the backup went away during its recovery; a new cycle starts", job_id=record.job_id, reason=reason)
-    ordered = final_dump and _order_final_dump(deps, bumped, instance_id, at)
-    _start(deps, bumped, instance_id, reason=f"backup-{reason}", final_dump=ordered)
-    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": ordered}
+    if final_dump:
+        _recover_with_final_dump(deps, bumped, instance_id, reason=f"backup-{reason}")
+    else:
+        _start(deps, bumped, instance_id, reason=f"backup-{reason}", final_dump=False)
+    return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": final_dump}

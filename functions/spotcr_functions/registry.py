@@ -5,7 +5,7 @@ numbered rules the transitions cite). No other module writes a job record with a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from functools import cached_property
 from typing import Any
 
@@ -45,6 +45,10 @@ DUMP_SEQUENCE = "dump_sequence"
 # Where the record keeps the final-dump command a warning sent (its CommandId, instance, generation): SSM's answer to
 # it is read when its status-change event comes, or by the Restore step when it never came (settle_final_dump).
 FINAL_DUMP_COMMAND = "command_final_dump"
+# The outbox of final-dump orders not yet sent (final_dumps): one item outside every job's name (job ids start with a
+# letter or digit), whose string set ORDERS each warning adds its order to. No status or instance_id: no index holds it.
+OUTBOX_KEY = "#final-dumps"
+ORDERS = "orders"
 # The status command sent to the instance said to have ended the job (agent_events.ask_exit).
 EXIT_CLAIM = "exit_claim"
 RUNS = (Status.RUNNING, Status.CHECKPOINTING)  # the job runs on its instance, which may be ordered a periodic dump
@@ -330,6 +334,27 @@ class Registry:
     def record_final_dump_order(self, job_id: str, generation: int, ordered: Mapping[str, Any]) -> JobRecord | None:
         """The final-dump command a warning sent, read from SSM when its answer is lost (settle_final_dump)."""
         return self._write(job_id, {FINAL_DUMP_COMMAND: ordered}, condition=_at(generation))
+
+    def queue_final_dumps(self, orders: Collection[str]) -> None:
+        """Put final-dump orders in the outbox (final_dumps rule 1): DynamoDB's ADD to a set, atomic, creating it."""
+        if not orders:
+            return
+        self.table.update_item(
+            Key={registry_schema.PARTITION_KEY: OUTBOX_KEY},
+            UpdateExpression="ADD #orders :orders",
+            ExpressionAttributeNames={"#orders": ORDERS},
+            ExpressionAttributeValues={":orders": set(orders)},
+        )
+
+    def take_final_dumps(self) -> set[str]:
+        """Take every order in the outbox in one atomic write: no other take gets any of them (final_dumps rule 1)."""
+        response = self.table.update_item(
+            Key={registry_schema.PARTITION_KEY: OUTBOX_KEY},
+            UpdateExpression="REMOVE #orders",
+            ExpressionAttributeNames={"#orders": ORDERS},
+            ReturnValues="UPDATED_OLD",
+        )
+        return {str(order) for order in (response.get("Attributes") or {}).get(ORDERS, ())}
 
     def record_backup(self, job_id: str, generation: int, instance_id: str, az: str, at: str) -> JobRecord | None:
         """The backup launched for this generation (None: the job moved on, terminate it)."""

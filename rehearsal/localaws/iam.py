@@ -36,7 +36,10 @@ def local(
         "VmLaunchJobRole": job_role,
         "StoreAccessStoreRole": store_role,
         "WorkflowRecovery": settings.recovery_state_machine_arn.rsplit(":", 1)[-1],
-        **{f"VmLaunchDocument{command}": getattr(settings, f"{command}_document") for command in COMMANDS},
+        **{
+            f"VmLaunchDocument{command.replace('-', '')}": getattr(settings, f"{command.replace('-', '_')}_document")
+            for command in COMMANDS
+        },
     }
     if fis_role:
         names["FaultInjectionRole"] = fis_role

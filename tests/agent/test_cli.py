@@ -15,6 +15,10 @@ SAMPLES = {
         {"JobId": "job-1", "Generation": "7", "Kind": "final"},
         {"JobId": "a", "Generation": "0", "Kind": "periodic"},
     ],
+    "final-dump": [
+        {"Orders": "i-0123456789abcdef0:job-1:r-0123456789abcdef:7:3"},
+        {"Orders": "i-0abc1234:a::0:1,i-0123456789abcdef0:job-1:r-0123456789abcdef:7:3"},
+    ],
     "restore": [
         {"JobId": "job-1", "Generation": "7"},
         {"JobId": "job-1", "Generation": "7", "CheckpointId": "1795293235815-g7-final"},
@@ -32,6 +36,9 @@ def test_every_contract_command_parses_with_the_agent_cli(name):
         assert argv[0] == AGENT_BIN
         args = cli.parser().parse_args(argv[1:])
         assert args.command == name
+        if name == "final-dump":
+            assert args.orders == values["Orders"]
+            continue
         assert args.job == values["JobId"]
         if "Generation" in values:
             assert args.generation == int(values["Generation"])
@@ -129,3 +136,44 @@ def test_config_round_trips_and_refuses_unknown_fields(tmp_path):
         AgentConfig.from_json({**config.to_json(), "colour": "red"})
     with pytest.raises(ConfigError, match="generation: must be int"):
         AgentConfig.from_json({**config.to_json(), "generation": "1"})
+
+
+MINE, OTHER = "i-0123456789abcdef0", "i-0fedcba987654321f"
+
+
+@pytest.fixture
+def in_a_wave(tmp_path):
+    """A VM whose instance id can stand in a final-dump command's orders."""
+    config = make_config(tmp_path, instance_id=MINE)
+    path = tmp_path / "agent.json"
+    config.write(path)
+    return config, {"SPOTCR_AGENT_CONFIG": str(path), "PATH": "/usr/bin:/bin"}
+
+
+def test_a_final_dump_command_is_answered_for_this_instances_own_order(in_a_wave, capsys):
+    # Given a VM that already serves generation 5
+    config, environ = in_a_wave
+    with StateFile(config.state_dir).locked() as state:
+        state.generation = 5
+    # When a wave's final-dump command names another VM's order and this VM's, at generation 4
+    orders = f"{OTHER}:other-job::9:9,{MINE}:job-1::4:2"
+    code, result = run(["final-dump", "--orders", orders], environ, capsys)
+    # Then it answers its own order (fenced off: stale), naming it as the checkpoint command would
+    assert code == 3
+    assert (result["job_id"], result["generation"], result["kind"], result["stale"]) == ("job-1", 4, "final", True)
+
+
+@pytest.mark.parametrize(
+    ("orders", "message"),
+    [
+        (f"{OTHER}:other-job::9:9", f"holds 0 orders for {MINE}, not one"),
+        (f"{MINE}:job-1::4:2,{MINE}:job-1::5:3", f"holds 2 orders for {MINE}, not one"),
+        (f"{MINE}:job-1::4", "does not match"),
+        (f"{MINE}:other-job::4:2", "this VM runs job 'job-1', not 'other-job'"),
+    ],
+)
+def test_a_final_dump_command_without_one_order_for_this_instance_is_refused(in_a_wave, capsys, orders, message):
+    _, environ = in_a_wave
+    code, result = run(["final-dump", "--orders", orders], environ, capsys)
+    assert code == 2
+    assert message in result["error"]

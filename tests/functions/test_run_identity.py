@@ -93,7 +93,7 @@ def test_a_name_reused_after_completed_is_a_new_run_that_never_sees_the_old_ones
     # And interrupted before its first checkpoint, every order it gets names the new run: the final dump, the
     # backup's tags, and the restore (of "the newest", which the backup looks up in the new run's store only)
     route(ec2_event("spot-interruption-warning", new_instance))
-    [dump] = plane.sent_commands("checkpoint", kind="final")
+    [dump] = plane.sent_commands("final-dump")
     assert dump["parameters"]["RunId"] == record.run_id
     finish_checkpoint(
         events.CheckpointFailed("again-1", new_instance, 1, now_iso(), kind="final", reason="the store is down")

@@ -29,6 +29,7 @@ def test_the_required_settings_are_the_deployed_resources() -> None:
         "SPOTCR_LAUNCH_TEMPLATE_ID",
         "SPOTCR_LAUNCH_TEMPLATE_VERSION",
         "SPOTCR_CHECKPOINT_DOCUMENT",
+        "SPOTCR_FINAL_DUMP_DOCUMENT",
         "SPOTCR_RESTORE_DOCUMENT",
         "SPOTCR_RELEASE_DOCUMENT",
         "SPOTCR_STATUS_DOCUMENT",

@@ -106,7 +106,7 @@ PACKAGE = REPO_ROOT / "functions" / "spotcr_functions"
 CLIENTS = {
     ("Cloud", "ec2"): "ec2",
     ("Cloud", "ssm"): "ssm",
-    ("Cloud", "prompt_ssm"): "ssm",  # the same service, with fewer retries (the warning's final-dump command)
+    ("Cloud", "ssm_once"): "ssm",  # the same service, tried once (the final-dump command: final_dumps)
     ("Cloud", "sfn"): "states",
     ("Cloud", "sns"): "sns",
     ("Cloud", "sts"): "sts",

@@ -69,11 +69,7 @@ def recover(plane: ControlPlane, job_id: str, restored: str, final_from: str | N
 
 def ordered_sequence(plane: ControlPlane, instance_id: str, kind: str) -> int:
     """The sequence of the newest dump of this kind ordered to this instance (the command's Sequence)."""
-    sent = [
-        c
-        for c in plane.sent_commands("checkpoint")
-        if c["instances"] == [instance_id] and c["parameters"]["Kind"] == kind
-    ]
+    sent = [c for c in plane.sent_commands() if c["instances"] == [instance_id] and c["parameters"].get("Kind") == kind]
     return int(sent[-1]["parameters"]["Sequence"])
 
 

@@ -185,7 +185,7 @@ def test_capacity_reservation_warning_recovers_like_the_spot_warning(plane: Cont
     event = ec2_event("capacity-reservation-interruption-warning", primary)
     [(name, result)] = route(event)
     assert (name, result["action"]) == ("interruption", "recovering")
-    [dump] = plane.sent_commands("checkpoint", kind="final")
+    [dump] = plane.sent_commands("final-dump")
     assert dump["parameters"] == {
         "JobId": "cr-1",
         "Generation": "1",

@@ -271,7 +271,7 @@ def test_a_backup_lost_while_it_restores_starts_a_new_cycle(plane: ControlPlane,
     # Then a new cycle starts from it at the next generation; a warning orders the backup's own final dump
     record = plane.wait_until(lambda: (r := plane.job("second-1")).generation == 2 and r, "the new generation")
     assert (record.status, record.recovering_from) == (Status.RECOVERING, backup)
-    dumps = [c for c in plane.sent_commands("checkpoint") if c["instances"] == [backup]]
+    dumps = [c for c in plane.sent_commands("final-dump") if c["instances"] == [backup]]
     if event == "spot-interruption-warning":
         assert [d["parameters"] for d in dumps] == [
             {

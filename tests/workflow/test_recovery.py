@@ -43,7 +43,7 @@ def test_happy_path_final_dump_backup_restore(plane: ControlPlane, final_generat
     route(ec2_event("spot-interruption-warning", primary))
 
     # Then the final dump is ordered at generation 1 and the workflow launches a backup for generation 1
-    [dump] = plane.sent_commands("checkpoint", kind="final")
+    [dump] = plane.sent_commands("final-dump")
     assert dump["instances"] == [primary]
     assert dump["parameters"] == {
         "JobId": "render-1",
@@ -99,13 +99,13 @@ def test_duplicated_and_reordered_events_recover_once(plane: ControlPlane, copie
         route(event)
 
     # Then there is one workflow, one backup, one generation bump (and one final dump if the warning came first)
-    dumps = plane.sent_commands("checkpoint", kind="final")
+    dumps = plane.sent_commands("final-dump")
     backup = recover(plane, "sim-7", periodic, final_from=primary if dumps else None)
     assert len(plane.executions()) == 1
     assert len(plane.backups()) == 1
     job = plane.job("sim-7")
     assert (job.status, job.instance_id, job.generation) == (Status.RUNNING, backup, 1)
-    assert len(plane.sent_commands("checkpoint", kind="final")) <= 1
+    assert len(plane.sent_commands("final-dump")) <= 1
 
 
 def test_capacity_errors_on_every_spot_option_end_on_demand(
@@ -264,7 +264,7 @@ def test_missed_warning_recovers_from_the_newest_committed_checkpoint(plane: Con
     route(ec2_event("spot-interruption-warning", primary))
 
     # Then no final dump is ordered, and the job restores the newest periodic checkpoint on a backup
-    assert plane.sent_commands("checkpoint", kind="final") == []
+    assert plane.sent_commands("final-dump") == []
     backup = recover(plane, "etl-9", newest)
     job = plane.job("etl-9")
     assert (job.status, job.instance_id, job.generation, job.checkpoint_id) == (Status.RUNNING, backup, 1, newest)
@@ -298,7 +298,7 @@ def test_backup_interrupted_later_starts_the_same_cycle(plane: ControlPlane) -> 
 
     route(ec2_event("spot-interruption-warning", backup))
 
-    finals = [c for c in plane.sent_commands("checkpoint") if c["parameters"]["Kind"] == "final"]
+    finals = plane.sent_commands("final-dump")
     [first_dump, second_dump] = sorted(finals, key=lambda c: c["parameters"]["Generation"])
     assert second_dump["instances"] == [backup]
     assert second_dump["parameters"]["Generation"] == "2"

@@ -3,12 +3,13 @@ the state machine's Retry, Lambda's event queue) and the job still recovers."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
 from spotcr_contracts import tags as tag_names
-from spotcr_functions import recovery
+from spotcr_functions import final_dumps, recovery
 from spotcr_functions.cloud import Cloud
 from spotcr_functions.handlers import interruption
 from spotcr_functions.models import Status
@@ -82,16 +83,18 @@ def test_a_step_lambda_refuses_for_the_account_concurrency_is_retried(
 
 
 def _warning_command_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SendCommand refuses the warning's final-dump command (its one quick retry included) for its rate; the
-    workflow's sends go through."""
-    send_command = Cloud.send_command
+    """SendCommand refuses every final-dump command the warning's handler sends (it runs in the test's thread) for
+    its rate, for the half second it keeps trying; the workflow's sends go through."""
+    send_final_dumps = Cloud.send_final_dumps
+    warnings_thread = threading.get_ident()
+    monkeypatch.setattr(final_dumps, "SEND_S", 0.5)
 
-    def throttled_when_prompt(cloud: Cloud, *args: Any, prompt: bool = False, **kwargs: Any) -> str:
-        if prompt:
+    def throttled_in_the_warning(cloud: Cloud, *args: Any, **kwargs: Any) -> str:
+        if threading.get_ident() == warnings_thread:
             raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "SendCommand")
-        return str(send_command(cloud, *args, **kwargs))
+        return str(send_final_dumps(cloud, *args, **kwargs))
 
-    monkeypatch.setattr(Cloud, "send_command", throttled_when_prompt)
+    monkeypatch.setattr(Cloud, "send_final_dumps", throttled_in_the_warning)
 
 
 # The first try sent the final-dump command, or SSM throttled it and the try left it to the workflow's wait
@@ -122,7 +125,7 @@ def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dum
 
     # Then the workflow it starts waits for the final dump the first try ordered, and restores from it
     backup = recover(plane, "wave-3", periodic, final_from=primary)
-    [dump] = plane.sent_commands("checkpoint", kind="final")
+    [dump] = plane.sent_commands("final-dump")
     job = plane.job("wave-3")
     assert (job.status, job.instance_id) == (Status.RUNNING, backup)
     assert job.checkpoint_id != periodic
@@ -132,7 +135,7 @@ def test_a_warning_retried_after_a_throttled_start_still_waits_for_its_final_dum
 def test_a_final_dump_command_throttled_at_the_warning_is_sent_by_the_final_dump_wait(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a job, and the warning's final-dump command refused for SendCommand's rate past its one quick retry
+    # Given a job, and the warning's final-dump command refused for SendCommand's rate for as long as it tries
     primary = plane.start_job("wave-4")
     periodic = commit(plane, "wave-4", primary, 0, "periodic")
     _warning_command_throttled(monkeypatch)
@@ -140,32 +143,34 @@ def test_a_final_dump_command_throttled_at_the_warning_is_sent_by_the_final_dump
     # When the warning comes
     [(_, outcome)] = route(ec2_event("spot-interruption-warning", primary))
 
-    # Then the recovery starts at once and waits for a final dump; the wait sends the command, and the job runs
-    # again from its final dump
+    # Then the recovery starts and waits for a final dump; the wait sends the order the warning put back in the
+    # outbox, and the job runs again from its final dump
     assert outcome["final_dump"] is True, outcome
     backup = recover(plane, "wave-4", periodic, final_from=primary)
     job = plane.job("wave-4")
     assert (job.status, job.instance_id) == (Status.RUNNING, backup)
     assert job.checkpoint_id != periodic and str(job.checkpoint_id).endswith("-final")
-    assert len(plane.sent_commands("checkpoint", kind="final")) == 1
+    assert len(plane.sent_commands("final-dump")) == 1
 
 
 def test_a_warning_retried_after_a_crash_right_after_its_fencing_write_still_waits_for_its_final_dump(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a job whose warning's first try fails right after the fencing write, before its final-dump order is
-    # sent or recorded (as when DynamoDB throttled the write recording it past the SDK's retries)
+    # queued or sent (as when DynamoDB throttled the write queueing it past the SDK's retries); the wait trusts an
+    # unsent order to its sender for 2 s here (HOLD_S)
     primary = plane.start_job("wave-5")
     periodic = commit(plane, "wave-5", primary, 0, "periodic")
-    order_final_dump = recovery._order_final_dump
+    recover_with_final_dump = recovery._recover_with_final_dump
     crashes = [RuntimeError("the invocation died after the fencing write")]
+    monkeypatch.setattr(final_dumps, "HOLD_S", 2.0)
 
-    def crashing_once(*args: Any, **kwargs: Any) -> bool:
+    def crashing_once(*args: Any, **kwargs: Any) -> None:
         if crashes:
             raise crashes.pop()
-        return bool(order_final_dump(*args, **kwargs))
+        recover_with_final_dump(*args, **kwargs)
 
-    monkeypatch.setattr(recovery, "_order_final_dump", crashing_once)
+    monkeypatch.setattr(recovery, "_recover_with_final_dump", crashing_once)
     warning = ec2_event("spot-interruption-warning", primary)
     with pytest.raises(RuntimeError, match="after the fencing write"):
         route(warning)
@@ -173,9 +178,10 @@ def test_a_warning_retried_after_a_crash_right_after_its_fencing_write_still_wai
     # When Lambda's asynchronous retry delivers the warning again
     route(warning)
 
-    # Then the workflow it starts waits for a final dump (its wait sends the order), and the job runs again from it
+    # Then the workflow it starts waits for a final dump (its wait queues the order again once HOLD_S has passed,
+    # and sends it), and the job runs again from it
     backup = recover(plane, "wave-5", periodic, final_from=primary)
     job = plane.job("wave-5")
     assert (job.status, job.instance_id) == (Status.RUNNING, backup)
     assert job.checkpoint_id != periodic and str(job.checkpoint_id).endswith("-final")
-    assert len(plane.sent_commands("checkpoint", kind="final")) == 1
+    assert len(plane.sent_commands("final-dump")) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from spotcr_functions import recovery
+from spotcr_functions import final_dumps
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 
@@ -38,7 +38,7 @@ LOW = {
 }
 CONCURRENCY = 12
 # The APIs the wave must have met a throttle on: each a retry path (the SDK's retries, then the workflow's Retry or
-# Lambda's event queue; for the warning's final-dump command, its workflow's final-dump wait sending it).
+# Lambda's event queue; for the final-dump orders, a later sender carrying those a throttle put back).
 THROTTLED_APIS = {
     "dynamodb:GetItem",
     "dynamodb:UpdateItem",
@@ -59,7 +59,7 @@ def _assert_all_recovered_once(plane: ControlPlane, agents: SimulatedAgents, res
         assert job.checkpoint_id and job.checkpoint_id.endswith("-final")
     # One final-dump order per job, to its interrupted VM (a throttled step retried may send it twice: the agent
     # answers both with its one final dump)
-    ordered = plane.sent_commands("checkpoint", kind="final")
+    ordered = plane.sent_commands("final-dump")
     assert {c["parameters"]["JobId"] for c in ordered} == set(result.jobs)
     assert all(c["parameters"]["Generation"] == "1" for c in ordered)
     assert len(result.to_final_dump_command) == len(result.to_running_again) == JOBS
@@ -90,15 +90,15 @@ def test_a_wave_throttled_on_every_path_still_recovers_every_job_once(
     for name, seconds in {"final_dump_wait_s": 110, "backup_ready_wait_s": 900, "restore_wait_s": 900}.items():
         monkeypatch.setenv(ENV[name], str(seconds))
     limits = Limits.aws().only([]).override(LOW, lambda_concurrency=CONCURRENCY)
-    deferred: list[str] = []  # jobs whose final-dump command the workflow's wait sent (throttled at the warning)
-    send_final_dump = recovery._send_final_dump
+    kept_back: list[str] = []  # jobs whose final-dump order a throttle put back in the outbox for a later sender
+    send = final_dumps._send
 
-    def noting(deps: Any, record: Any, instance_id: str, prompt: bool = False) -> None:
-        if not prompt:
-            deferred.append(record.job_id)
-        send_final_dump(deps, record, instance_id, prompt=prompt)
+    def noting(deps: Any, orders: Any) -> list[Any]:
+        kept = send(deps, orders)
+        kept_back.extend(order.job_id for order in kept)
+        return kept
 
-    monkeypatch.setattr(recovery, "_send_final_dump", noting)
+    monkeypatch.setattr(final_dumps, "_send", noting)
     with controlplane.event_queue(RETRIES) as queue, SimulatedAgents(queue, THROTTLED_TIMING) as agents:
         instances = wave.register(plane, JOBS)
 
@@ -106,13 +106,16 @@ def test_a_wave_throttled_on_every_path_still_recovers_every_job_once(
         result = wave.run_wave(plane, agents, instances, warn_within_s=1.0, timeout_s=120.0, limits=limits)
 
     # Then every API met its limit and every throttle was absorbed: the SDK's retries, the workflow's Retry on a
-    # step Lambda refused, Lambda's event queue, the state transitions' delays, the final-dump wait sending the
-    # command the warning could not; and every job recovered once
+    # step Lambda refused, Lambda's event queue, the state transitions' delays, a later sender carrying the final-dump
+    # orders a throttle put back (several to one command); and every job recovered once
     meter = result.throttles
     assert {api for api, n in meter["throttled"].items() if n > 0} >= THROTTLED_APIS, meter["throttled"]
     retried = {api for api, n in meter["retried"].items() if n > 0}
     assert retried >= THROTTLED_APIS - {"ssm:SendCommand"}, meter["retried"]
-    assert deferred, "no final-dump command was left to the workflow's wait"
+    assert kept_back, "no final-dump order was put back for a later sender"
+    commands_sent = plane.ssm.list_commands()["Commands"]
+    carried = [len(c["InstanceIds"]) for c in commands_sent if c["DocumentName"] == plane.documents["final-dump"]]
+    assert max(carried) > 1, f"no final-dump command carried more than one order: {carried}"
     assert meter["throttled"].get("lambda:Invoke", 0) > 0, meter
     assert sum(meter["lambda_queued"].values()) > 0, meter
     assert meter["delayed_state_transitions"] > 0, meter

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, RESTORE_ATTEMPTS
+from spotcr_contracts.commands import CHECKPOINT_ID_PATTERN, RESTORE_ATTEMPTS, parse_orders
 from spotcr_contracts.results import CheckpointResult, CommandFailed, RestoreResult, StatusResult
 from spotcr_contracts.settings import agent_options
 from spotcr_contracts.tags import RUN_ID_PATTERN, InvalidJobTags
@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     checkpoint.add_argument(
         "--sequence", type=_sequence, default=None, help="the control plane's sequence of this dump order (its rank)"
     )
+
+    final_dump = commands.add_parser("final-dump", help="take the final checkpoint this instance's order names")
+    final_dump.add_argument("--orders", required=True, help="a wave's orders (FINAL_DUMP); this instance's is taken")
 
     restore = commands.add_parser("restore", help="restore the job from a committed checkpoint")
     restore.add_argument("--job", required=True)
@@ -185,6 +188,8 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
             signal.signal(signum, lambda *_: stop.set())
         daemon.run(agent, Imds(agent.config.imds_endpoint), stop)
         return OK
+    if args.command == "final-dump":
+        args = _own_order(agent, args.orders)
     agent.check_job(args.job, getattr(args, "run", ""))
     if args.command == "checkpoint":
         return _checkpoint(agent, args)
@@ -195,6 +200,25 @@ def _run(agent: Agent, args: argparse.Namespace) -> int:
     else:
         _say(agent.status())
     return OK
+
+
+def _own_order(agent: Agent, orders: str) -> argparse.Namespace:
+    """A FINAL_DUMP command's order for this instance, as the checkpoint command's arguments."""
+    try:
+        mine = [o for o in parse_orders(orders) if o.instance_id == agent.config.instance_id]
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if len(mine) != 1:
+        raise UsageError(f"the final-dump command holds {len(mine)} orders for {agent.config.instance_id}, not one")
+    [order] = mine
+    return argparse.Namespace(
+        command="checkpoint",
+        job=order.job_id,
+        run=order.run_id,
+        generation=order.generation,
+        kind="final",
+        sequence=order.sequence,
+    )
 
 
 def _reclaim_at(agent: Agent) -> float | None:

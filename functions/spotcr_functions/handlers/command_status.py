@@ -29,6 +29,6 @@ def handler(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     deps = _edge.deps()
     if document_name == deps.settings.status_document:
         return exits.on_status_command(deps, command_id, instance_id)
-    if document_name == deps.settings.checkpoint_document:
+    if document_name in (deps.settings.checkpoint_document, deps.settings.final_dump_document):
         return checkpoints.on_checkpoint_command(deps, command_id, instance_id)
     return recovery.on_restore_command(deps, command_id, instance_id, document_name)
