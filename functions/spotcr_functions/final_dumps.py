@@ -6,16 +6,17 @@ orders. So a warning does not send its own order: it queues it in the registry's
 outbox holds, its own order with every other one queued meanwhile.
 
 Rules, enforced here and in Registry.queue_final_dumps / take_final_dumps:
-1. An order is in the outbox, or held by the one sender that took it (the take empties the outbox in one atomic
-   write), or sent.
-2. A sender sends all it took, or puts back what a throttle kept it from sending; a warning's sender then tries
-   again while SEND_S lasts. So a throttle makes the next command carry more orders instead of failing one.
+1. An order is held by one sender (its warning's, until it first puts it in the outbox; or the sender whose take
+   emptied the outbox, one atomic write), or is in the outbox, or is sent.
+2. A sender sends its own orders with all it took, or puts back what a throttle kept it from sending; a warning's
+   sender then tries again while SEND_S lasts. So a throttle makes the next command carry more orders instead of
+   failing one.
 3. A sender records each sent order's command on its job (Registry.record_final_dump_order), so that the answer is
    read from SSM even if its status-change event is lost (checkpoints.settle_final_dump).
 4. An order SSM refuses for anything but its rate is not delivered: the job's final-dump wait resumes with
    FinalDumpNotDelivered, and the job restores from its newest committed checkpoint.
-5. The workflow's final-dump wait sends the outbox too (recovery.order_deferred_final_dump); it queues its job's
-   order again only once HOLD_S has passed since the warning with no command recorded (its sender died holding
+5. The workflow's final-dump wait sends the outbox too (recovery.order_deferred_final_dump); it sends its job's
+   order as its own only once HOLD_S has passed since the warning with no command recorded (its sender died holding
    it). An order sent twice is harmless: the agent answers both commands with its one final dump.
 """
 
@@ -38,11 +39,11 @@ from spotcr_functions.observability import SERVICE, Metric
 
 logger = Logger(service=SERVICE, child=True)
 
-SEND_S = 5.0  # how long a warning's sender keeps trying orders a throttle kept back (rule 2)
-HOLD_S = 15.0  # from the warning, how long an unsent order is trusted to its sender (rule 5)
-FIRST_RETRY_S = (
-    0.2  # a throttled sender's first pause (full jitter, doubling): SSM's bucket refills in fractions of a s
-)
+SEND_S = 20.0  # how long a warning's sender keeps trying orders a throttle kept back (rule 2): within the notice
+HOLD_S = 30.0  # from the warning, how long an unsent order is trusted to its sender (rule 5): past SEND_S
+# A throttled sender's pauses (full jitter): from 0.2 s, doubling up to 1 s. SSM's bucket refills in fractions of a
+# second, and a sender stops as soon as another one has taken the outbox.
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.2, 1.0
 
 
 def order_of(record: JobRecord, instance_id: str) -> FinalDumpOrder:
@@ -50,27 +51,25 @@ def order_of(record: JobRecord, instance_id: str) -> FinalDumpOrder:
     return FinalDumpOrder(instance_id, record.job_id, record.run_id, record.generation, record.dump_sequence)
 
 
-def queue(deps: Deps, orders: Sequence[FinalDumpOrder]) -> None:
-    deps.registry.queue_final_dumps([order.text() for order in orders])
-
-
-def send_queued(deps: Deps, for_s: float = 0.0) -> bool:
-    """Send what the outbox holds (rule 2): once, or again after each throttle while `for_s` lasts. True when a
-    throttle left orders in the outbox."""
+def send(deps: Deps, own: Sequence[FinalDumpOrder] = (), for_s: float = 0.0) -> bool:
+    """Send `own` orders with what the outbox holds (rule 2): once, or again after each throttle while `for_s`
+    lasts. True when a throttle left orders in the outbox."""
     until = deps.now().timestamp() + for_s
-    pause = FIRST_RETRY_S
+    pause = FIRST_PAUSE_S
+    held = set(own)
     while True:
-        taken = [FinalDumpOrder.parse(text) for text in sorted(deps.registry.take_final_dumps())]
-        if not taken:
+        held |= {FinalDumpOrder.parse(text) for text in deps.registry.take_final_dumps()}
+        if not held:
             return False
-        kept = _send(deps, taken)
+        kept = _send(deps, sorted(held, key=FinalDumpOrder.text))
         if not kept:
-            continue  # more may have come while these went out
-        queue(deps, kept)
+            return False
+        deps.registry.queue_final_dumps([order.text() for order in kept])
         if deps.now().timestamp() + pause > until:
             return True
         deps.sleep(random.uniform(0, pause))  # noqa: S311 (jitter, not a secret)
-        pause *= 2
+        pause = min(2 * pause, MAX_PAUSE_S)
+        held = set()
 
 
 def _send(deps: Deps, orders: Sequence[FinalDumpOrder]) -> list[FinalDumpOrder]:

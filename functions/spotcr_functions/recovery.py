@@ -130,14 +130,13 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
 
 
 def _recover_with_final_dump(deps: Deps, record: JobRecord, instance_id: str, reason: str) -> None:
-    """Queue the fenced record's final-dump order and send it with every other one queued meanwhile (final_dumps),
+    """Send the fenced record's final-dump order with every other one queued meanwhile (final_dumps),
     then start the workflow, so that a wave's backups launch at once; orders a throttle kept back are tried again
     after that. The agent's own IMDS poll has begun the dump meanwhile; the command, once there, records it."""
-    final_dumps.queue(deps, [final_dumps.order_of(record, instance_id)])
-    throttled = final_dumps.send_queued(deps)
+    throttled = final_dumps.send(deps, [final_dumps.order_of(record, instance_id)])
     _start(deps, record, instance_id, reason=reason, final_dump=True)
     if throttled:
-        final_dumps.send_queued(deps, for_s=final_dumps.SEND_S)
+        final_dumps.send(deps, for_s=final_dumps.SEND_S)
 
 
 def order_deferred_final_dump(deps: Deps, job_id: str, generation: int) -> None:
@@ -150,9 +149,9 @@ def order_deferred_final_dump(deps: Deps, job_id: str, generation: int) -> None:
     ordered = record.extra.get(FINAL_DUMP_COMMAND) or {}
     if not _unsent(record, ordered):
         return
-    if (deps.now() - parse_time(record.interrupted_at or deps.iso_now())).total_seconds() >= final_dumps.HOLD_S:
-        final_dumps.queue(deps, [final_dumps.order_of(record, str(ordered["instance_id"]))])
-    final_dumps.send_queued(deps)
+    held_since = (deps.now() - parse_time(record.interrupted_at or deps.iso_now())).total_seconds()
+    lost = held_since >= final_dumps.HOLD_S  # its sender died holding it: send it again
+    final_dumps.send(deps, [final_dumps.order_of(record, str(ordered["instance_id"]))] if lost else [])
     after = deps.registry.get(job_id)
     if (
         after is not None

@@ -32,7 +32,7 @@ def _fenced(plane: ControlPlane, deps: Deps, count: int) -> list[tuple[JobRecord
 
 
 def _queue(deps: Deps, fenced: list[tuple[JobRecord, str]]) -> None:
-    final_dumps.queue(deps, [final_dumps.order_of(record, instance_id) for record, instance_id in fenced])
+    deps.registry.queue_final_dumps([final_dumps.order_of(record, i).text() for record, i in fenced])
 
 
 def _refusing(monkeypatch: pytest.MonkeyPatch, code: str, refuse: Any) -> list[list[str]]:
@@ -53,13 +53,13 @@ def _refusing(monkeypatch: pytest.MonkeyPatch, code: str, refuse: Any) -> list[l
 
 
 def test_the_orders_queued_meanwhile_go_out_in_one_command_each_recorded_on_its_job(plane: ControlPlane) -> None:
-    # Given three jobs warned at once, each with its order in the outbox
+    # Given three jobs warned at once, two with their order in the outbox
     deps = _edge.deps()
     fenced = _fenced(plane, deps, 3)
-    _queue(deps, fenced)
+    _queue(deps, fenced[:2])
 
-    # When one of their handlers sends the outbox
-    assert final_dumps.send_queued(deps) is False
+    # When the third's handler sends its own order
+    assert final_dumps.send(deps, [final_dumps.order_of(*fenced[2])]) is False
 
     # Then one final-dump command carries the three orders, each agent its own, and each job records that command
     [command] = plane.ssm.list_commands()["Commands"]
@@ -82,15 +82,13 @@ def test_orders_a_throttle_kept_back_go_out_with_the_next_senders_own(
     [first, second] = _fenced(plane, deps, 2)
     refusals = [True]
     passed = _refusing(monkeypatch, "ThrottlingException", lambda _: refusals and refusals.pop())
-    _queue(deps, [first])
 
     # When its sender is throttled, then it puts the order back
-    assert final_dumps.send_queued(deps) is True
+    assert final_dumps.send(deps, [final_dumps.order_of(*first)]) is True
     assert plane.ssm.list_commands()["Commands"] == []
 
-    # And when the next warning's sender sends the outbox, one command carries both orders
-    _queue(deps, [second])
-    assert final_dumps.send_queued(deps) is False
+    # And when the next warning's sender sends its own, one command carries both orders
+    assert final_dumps.send(deps, [final_dumps.order_of(*second)]) is False
     assert [sorted(ids) for ids in passed] == [sorted([first[1], second[1]])]
     for record, _ in (first, second):
         assert plane.job(record.job_id).extra[FINAL_DUMP_COMMAND]["command_id"]
@@ -107,7 +105,7 @@ def test_a_sender_keeps_trying_what_a_throttle_kept_back_while_its_time_lasts(
     _queue(deps, fenced)
 
     # When a warning's sender is given time to try again, then the third try sends it
-    assert final_dumps.send_queued(deps, for_s=final_dumps.SEND_S) is False
+    assert final_dumps.send(deps, for_s=final_dumps.SEND_S) is False
     assert passed == [[fenced[0][1]]]
 
 
@@ -122,7 +120,7 @@ def test_an_order_ssm_refuses_resumes_its_jobs_wait_and_the_others_still_go_out(
     _queue(deps, fenced)
 
     # When the outbox is sent
-    assert final_dumps.send_queued(deps) is False
+    assert final_dumps.send(deps) is False
 
     # Then the others' orders went out, one command each, and the refused job's final-dump wait resumes with
     # FinalDumpNotDelivered (the job restores from its newest committed checkpoint)
