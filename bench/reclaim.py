@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_DUMP_BEGUN_P99_S = 1.0
+TARGET_COMMAND_P99_S = 1.0  # issue 27's: warning to the final-dump command
+# A warning's handler before its SendCommand: idempotency PutItem, the by-instance Query, the consistent GetItem,
+# the fencing UpdateItem, the outbox's UpdateItem (recovery.on_interruption_warning).
+REQUESTS_BEFORE_COMMAND = 5
 STEPS = {
     "to_final_dump_begun": "warning -> final dump begins (IMDS poll or command)",
     "to_final_dump_command": "warning -> final-dump command",
@@ -104,6 +107,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "clean": result.clean(),
         "limits": args.limits,
         "throttles": result.throttles,
+        "local_aws_queue": {k: round(v, 4) for k, v in result.local_aws_queue.items()},
     }
 
 
@@ -119,7 +123,7 @@ def _report(figures: dict[str, Any]) -> list[str]:
     jobs = figures["jobs"]
     p99 = figures["to_final_dump_begun"].get("p99", float("inf"))
     command_p99 = figures["to_final_dump_command"].get("p99", float("inf"))
-    verdict = "met" if p99 < TARGET_DUMP_BEGUN_P99_S else "MISSED"
+    verdict = "met" if command_p99 < TARGET_COMMAND_P99_S else "MISSED"
     lines = [
         f"# Mass reclaim: {jobs} jobs warned within {figures['warned_over_s']:.1f} s",
         "",
@@ -139,8 +143,9 @@ def _report(figures: dict[str, Any]) -> list[str]:
         lines.append(f"| {label} | {' | '.join(cells)} |")
     lines += [
         "",
-        f"- warning to the final dump's beginning p99 {p99:.2f} s (target under {TARGET_DUMP_BEGUN_P99_S:g} s:"
-        f" {verdict}); to the final-dump command itself p99 {command_p99:.2f} s, which then answers with that dump",
+        f"- warning to the final-dump command p99 {command_p99:.2f} s (target under {TARGET_COMMAND_P99_S:g} s:"
+        f" {verdict}); the agent's own IMDS poll began the dump p99 {p99:.2f} s after the warning, and the command"
+        " answers with that dump",
         f"- recovered {figures['recovered']} of {jobs}; failed {len(figures['failed'])}; stuck {len(figures['stuck'])};"
         f" two live copies {len(figures['live_copies'])}; leaked {len(figures['leaks'])};"
         f" agent answers refused {len(figures['agent_errors'])}",
@@ -149,11 +154,27 @@ def _report(figures: dict[str, Any]) -> list[str]:
         " never reached them)",
         f"- the whole wave, first warning to the last workflow's end: {figures['wave_seconds']:.0f} s",
     ]
+    queue = figures.get("local_aws_queue") or {}
+    if queue:
+        lines.append(
+            f"- the local AWS's own queue in the wave's first {wave_window_s():g} s: {queue['requests']:.0f} requests"
+            f" served one at a time, each waiting for its turn {queue['mean_wait_s'] * 1000:.0f} ms on average"
+            f" (p50 {queue['p50_wait_s'] * 1000:.0f} ms, p99 {queue['p99_wait_s'] * 1000:.0f} ms). A warning's"
+            f" handler makes {REQUESTS_BEFORE_COMMAND} requests before its final-dump command (idempotency,"
+            " the job by instance, the fencing write, the outbox), so that queue alone, which AWS does not have,"
+            f" takes about {REQUESTS_BEFORE_COMMAND * queue['mean_wait_s']:.1f} s of it"
+        )
     lines += _throttle_lines(figures)
     for name in ("failed", "stuck", "live_copies", "leaks", "agent_errors", "without_final_dump"):
         if figures[name]:
             lines.append(f"- {name}: {json.dumps(figures[name])[:2000]}")
     return lines
+
+
+def wave_window_s() -> float:
+    from rehearsal.wave import QUEUE_WINDOW_S
+
+    return QUEUE_WINDOW_S
 
 
 def _throttle_lines(figures: dict[str, Any]) -> list[str]:

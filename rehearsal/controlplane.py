@@ -67,22 +67,36 @@ class FairLock:
         self._owner: int | None = None
         self._depth = 0
         self._waiting: collections.deque[tuple[int, threading.Event]] = collections.deque()
+        # (when the turn came, seconds waited for it) of each acquire while `waits` is a list: the wave's measure
+        # of the local AWS's own queue (rehearsal/wave.py)
+        self.waits: list[tuple[float, float]] | None = None
 
     def acquire(self, timeout: float = -1) -> bool:
         me = threading.get_ident()
+        asked = time.monotonic()
         with self._mutex:
-            if self._owner == me or (self._owner is None and not self._waiting):
-                self._owner, self._depth = me, self._depth + 1
+            if self._owner == me:
+                self._depth += 1
+                return True
+            if self._owner is None and not self._waiting:
+                self._owner, self._depth = me, 1
+                self._note(asked)
                 return True
             turn = (me, threading.Event())
             self._waiting.append(turn)
         if turn[1].wait(None if timeout < 0 else timeout):
+            self._note(asked)
             return True
         with self._mutex:
             if self._owner == me:  # handed over just as the wait timed out
                 return True
             self._waiting.remove(turn)
             return False
+
+    def _note(self, asked: float) -> None:
+        if self.waits is not None:
+            now = time.monotonic()
+            self.waits.append((now, now - asked))
 
     def release(self) -> None:
         with self._mutex:

@@ -29,6 +29,7 @@ from rehearsal.localaws import throttle as rate_limits
 from rehearsal.simagent import SimulatedAgents
 
 LIVE_STATES = ("pending", "running")
+QUEUE_WINDOW_S = 10.0
 
 
 @dataclass
@@ -50,6 +51,9 @@ class WaveResult:
     agent_errors: list[str] = field(default_factory=list)  # events Lambda dropped after its retries; answers refused
     seconds: float = 0.0  # first warning to the last workflow's end
     throttles: dict[str, Any] = field(default_factory=dict)  # the throttle Meter's report, when limits applied
+    # The local AWS's own queue (one request at a time) over the wave's first QUEUE_WINDOW_S: requests served, and
+    # how long each waited for its turn (s: mean, p50, p99)
+    local_aws_queue: dict[str, float] = field(default_factory=dict)
 
     def clean(self) -> bool:
         """Every job recovered, none failed or stuck, no job with two live copies, nothing leaked."""
@@ -97,8 +101,12 @@ def run_wave(
         controlplane.deliver(agents.events, controlplane.ec2_event("spot-interruption-warning", instances[job_id]))
 
     before = find_leaks()
+    waits: list[tuple[float, float]] = []
     with contextlib.ExitStack() as throttled:
         meter = rate_limits.install(throttled, limits) if limits else None
+        controlplane._MOTO.waits = waits
+        throttled.callback(setattr, controlplane._MOTO, "waits", None)
+        began = time.monotonic()
         start = time.time()
         step = warn_within_s / max(1, len(instances) - 1)
         with ThreadPoolExecutor(len(instances), thread_name_prefix="eventbridge") as pool:
@@ -110,6 +118,7 @@ def run_wave(
         result.seconds = time.time() - start
         agents.events.join()
     result.throttles = meter.report() if meter else {}
+    result.local_aws_queue = _queue_figures([w for at, w in waits if at - began <= QUEUE_WINDOW_S])
     live = _live_instances(plane)
     for job_id, primary in instances.items():
         times = agents.job(job_id)
@@ -125,6 +134,18 @@ def run_wave(
     result.leaks = _leaks(plane, instances, before)
     result.agent_errors = agents.events.dropped + agents.errors
     return result
+
+
+def _queue_figures(waits: list[float]) -> dict[str, float]:
+    if not waits:
+        return {}
+    ordered = sorted(waits)
+    return {
+        "requests": len(ordered),
+        "mean_wait_s": statistics.fmean(ordered),
+        "p50_wait_s": ordered[len(ordered) // 2],
+        "p99_wait_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+    }
 
 
 def _wait_for_workflows(
