@@ -1,0 +1,221 @@
+"""The agents' port: how node 0's agent, the coordinator, drives the job's other nodes (docs/design/multinode.md).
+
+Each node's agent listens on its node address, PORT, for the coordinator's requests: `lock`, `dump`, `unlock`
+(spotcr_agent.nodes.Node), one HTTP POST each to /v1/<action> with a JSON body, answered with one JSON object:
+{"ok": true, ...} or {"ok": false, "error": "..."}. `RemoteNode` is the coordinator's side.
+
+Only the job's own nodes may ask. Every request carries an HMAC-SHA256, under the run's launch key, of its action,
+date, nonce and body (`signature`). A node refuses, with 401 and the reason:
+1. a request without the three headers, or whose signature does not match (another run's key, or none);
+2. one dated more than MAX_SKEW_S from the node's own clock (a captured request played again later);
+3. a nonce it has taken within that window (a captured request played again at once).
+It checks in that order and remembers a nonce only once the signature holds, so nobody without the key can fill
+its memory of nonces. The key never crosses the port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from spotcr_contracts.results import KINDS
+
+from . import nodes
+from .nodes import NodeError
+
+PORT = 7080
+MAX_SKEW_S = 60.0
+MAX_BODY = 64 * 1024
+DATE, NONCE, SIGNATURE = "X-Spotcr-Date", "X-Spotcr-Nonce", "X-Spotcr-Signature"
+# How long the coordinator waits for one step's answer: a dump of a large share takes minutes.
+STEP_TIMEOUT_S = {"lock": 30.0, "dump": 900.0, "unlock": 30.0}
+
+Action = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
+class Refused(Exception):
+    """The request is not the job's own (rules 1 to 3)."""
+
+
+def signature(key: bytes, action: str, date: str, nonce: str, body: bytes) -> str:
+    message = b"\n".join([action.encode(), date.encode(), nonce.encode(), hashlib.sha256(body).hexdigest().encode()])
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def signed_headers(key: bytes, action: str, body: bytes, clock: Callable[[], float] = time.time) -> dict[str, str]:
+    date, nonce = str(int(clock())), secrets.token_hex(16)
+    return {DATE: date, NONCE: nonce, SIGNATURE: signature(key, action, date, nonce, body)}
+
+
+class Gate:
+    """The node's check of each request (rules 1 to 3), with its memory of the nonces taken."""
+
+    def __init__(self, key: bytes, clock: Callable[[], float] = time.time) -> None:
+        if len(key) < 32:
+            raise ValueError("a launch key has at least 32 bytes")
+        self._key = key
+        self._clock = clock
+        self._seen: dict[str, float] = {}  # nonce -> when it may be forgotten
+        self._lock = threading.Lock()
+
+    def check(self, action: str, headers: Mapping[str, str], body: bytes) -> None:
+        date, nonce, signed = headers.get(DATE), headers.get(NONCE), headers.get(SIGNATURE)
+        if not (date and nonce and signed):
+            raise Refused(f"unsigned request: {DATE}, {NONCE} and {SIGNATURE} are required")
+        if not hmac.compare_digest(signed, signature(self._key, action, date, nonce, body)):
+            raise Refused("bad signature: not signed with this run's launch key")
+        now = self._clock()
+        if not date.isdigit() or abs(now - int(date)) > MAX_SKEW_S:
+            raise Refused(f"stale request: dated {date[:20]}, this node's clock says {int(now)}")
+        with self._lock:
+            self._seen = {n: until for n, until in self._seen.items() if until > now}
+            if nonce in self._seen:
+                raise Refused("replayed request: its nonce was taken already")
+            self._seen[nonce] = now + 2 * MAX_SKEW_S
+
+
+class NodePort:
+    """A node's port: serves `actions` (name -> body -> answer) to requests the gate lets through, each in a thread
+    of its own (the coordinator asks every node at once). Close it with `close()` or as a context manager."""
+
+    def __init__(self, address: str, port: int, gate: Gate, actions: Mapping[str, Action]) -> None:
+        self._server = ThreadingHTTPServer((address, port), _handler(gate, actions))
+        self._server.daemon_threads = True
+        host, port = self._server.server_address[:2]
+        self.address, self.port = str(host), int(port)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="nodeport", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> NodePort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _handler(gate: Gate, actions: Mapping[str, Action]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            action = self.path.removeprefix("/v1/")
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > MAX_BODY:
+                self._answer(413, {"ok": False, "error": f"a request body is at most {MAX_BODY} bytes"})
+                return
+            body = self.rfile.read(length)
+            try:
+                gate.check(action, {k: self.headers.get(k) or "" for k in (DATE, NONCE, SIGNATURE)}, body)
+            except Refused as refused:
+                self._answer(401, {"ok": False, "error": str(refused)})
+                return
+            if action not in actions:
+                self._answer(404, {"ok": False, "error": f"no action {action[:40]!r}: {', '.join(sorted(actions))}"})
+                return
+            try:
+                answer = dict(actions[action](json.loads(body or b"{}")))
+            except Exception as error:  # the coordinator's failure rule needs the reason, whatever it is
+                self._answer(500, {"ok": False, "error": f"{action} failed: {error}"})
+                return
+            self._answer(200, {"ok": True, **answer})
+
+        def _answer(self, status: int, answer: Mapping[str, Any]) -> None:
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            del format, args  # the agent logs what each action does
+
+    return Handler
+
+
+def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> dict[str, Action]:
+    """What a node's agent (spotcr_agent.agent.Agent) does for each request: lock its node address against the
+    other nodes (`peers`), dump its own share at the coordinator's order (generation and sequence: the agent fences
+    a stale one off), lift the lock."""
+
+    def lock(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        nodes.lock(address, peers, unlocked)
+        return {}
+
+    def dump(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        kind, generation, sequence = body.get("kind"), body.get("generation"), body.get("sequence")
+        if kind not in KINDS or not isinstance(generation, int) or not isinstance(sequence, int | None):
+            raise ValueError(f"a dump names its kind ({', '.join(KINDS)}), generation and sequence, not {body}")
+        return {"checkpoint_id": agent.checkpoint(kind, generation, sequence).checkpoint_id}
+
+    def unlock(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        nodes.unlock()
+        return {}
+
+    return {"lock": lock, "dump": dump, "unlock": unlock}
+
+
+class RemoteNode:
+    """Node i as the coordinator drives it over the agents' port (spotcr_agent.nodes.Node). Each step raises
+    NodeError with the node's reason when it refuses or fails, so the coordinator's failure rule applies."""
+
+    def __init__(
+        self,
+        index: int,
+        address: str,
+        key: bytes,
+        *,
+        port: int = PORT,
+        order: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.index = index
+        self.address = address
+        self._key = key
+        self._port = port
+        self._order = dict(order or {})  # the dump order every node's dump carries: generation, sequence
+        self._clock = clock
+
+    def lock(self) -> None:
+        self.ask("lock")
+
+    def dump(self, kind: str) -> str:
+        return str(self.ask("dump", {**self._order, "kind": kind})["checkpoint_id"])
+
+    def unlock(self) -> None:
+        self.ask("unlock")
+
+    def ask(self, action: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        data = json.dumps(dict(body or {})).encode()
+        request = urllib.request.Request(
+            f"http://{self.address}:{self._port}/v1/{action}",
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", **signed_headers(self._key, action, data, self._clock)},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=STEP_TIMEOUT_S.get(action, 30.0)) as reply:  # noqa: S310
+                return dict(json.loads(reply.read()))
+        except urllib.error.HTTPError as error:
+            raise NodeError(f"node {self.index} ({self.address}) refused {action}: {_reason(error)}") from error
+        except (urllib.error.URLError, TimeoutError, OSError) as error:
+            raise NodeError(f"node {self.index} ({self.address}) did not answer {action}: {error}") from error
+
+
+def _reason(error: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(error.read()).get("error") or error.reason)
+    except (ValueError, AttributeError):
+        return str(error.reason)
