@@ -12,6 +12,7 @@ from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
+from spotcr_functions.registry import Registry
 
 from rehearsal.controlplane import (
     ControlPlane,
@@ -236,6 +237,27 @@ def test_an_aborted_recovery_fails_the_job_and_notifies(plane: ControlPlane) -> 
     assert "abort-1" in notice
     [(_, again)] = route(status_change)
     assert again["action"] == "ignored"
+
+
+def test_a_step_told_the_job_moved_on_when_it_had_not_fails_the_job_and_notifies(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a job whose recovery's backup launch finds its write refused although the job is still RECOVERING this
+    # generation (as a wave once saw, from a condition two writes shared: tests/functions/test_registry_transitions)
+    primary = plane.start_job("moved-1")
+    commit(plane, "moved-1", primary, 0, "periodic")
+    monkeypatch.setattr(Registry, "record_backup", lambda *args, **kwargs: None)
+
+    # When the warning comes and the launch step leaves as StaleGeneration
+    route(ec2_event("spot-interruption-warning", primary))
+    execution = plane.wait_for_execution()
+
+    # Then the job is not left RECOVERING with no workflow: it is FAILED with the reason, and the topic is told
+    job = plane.job("moved-1")
+    assert (job.status, execution["status"]) == (Status.FAILED, "FAILED")
+    assert "StaleGeneration" in str(job.reason) and "moved on while its backup launched" in str(job.reason)
+    [notice] = plane.notifications()
+    assert "moved-1" in notice
 
 
 def test_ebs_volume_in_the_same_az_is_detached_and_attached(plane: ControlPlane) -> None:
