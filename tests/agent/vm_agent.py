@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from spotcr_agent import agentlog, carry, daemon
+from spotcr_agent import agentlog, carry, daemon, nodeport
 from spotcr_agent.agent import Agent, base_job_env
 from spotcr_agent.config import DEFAULT_CONFIG_PATH, AgentConfig, load
 from spotcr_agent.store import CheckpointStore, DirectoryBackend, StoreError
@@ -135,6 +135,13 @@ def main(op, *args):
         return _two_triggers(agent, args[0])
     if op == "service":  # service [until-exit|once] [notice]
         return _service(agent, notice="notice" in args, until_exit="until-exit" in args)
+    if op == "serve-node":  # serve-node ADDRESS PEERS UNLOCKED KEY_HEX STOP_FILE: the agents' port, until STOP_FILE
+        address, peers, unlocked, key, stop = args
+        actions = nodeport.agent_actions(agent, address, peers, unlocked)
+        with nodeport.NodePort(address, nodeport.PORT, nodeport.Gate(bytes.fromhex(key)), actions):
+            while not Path(stop).exists():
+                time.sleep(0.05)
+        return {}
     raise SystemExit(f"unknown op {op}")
 
 

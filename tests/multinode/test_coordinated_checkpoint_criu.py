@@ -2,11 +2,13 @@
 one job manifest naming both nodes' parts, restorable on backups that take over both addresses; a node whose
 dump fails fails it on both, and the job runs on."""
 
+import secrets
 import threading
 import time
 
 import pytest
-from spotcr_agent.nodes import CheckpointFailed, JobManifest, coordinated_checkpoint, read_manifest
+from spotcr_agent.nodeport import RemoteNode
+from spotcr_agent.nodes import CheckpointFailed, JobManifest, NodeError, coordinated_checkpoint, read_manifest
 
 from tests.agent.vm_agent import RUN_ID, JobVM
 from tests.support import wait_for
@@ -141,3 +143,55 @@ def test_a_final_dump_moves_the_warned_node_to_a_backup_and_restores_the_other_i
     for node in (in_place, moved):
         assert node.agent("wait-exit", "60")["exit_code"] == 0
         assert node.progress() == expected_progress(steps)
+
+
+def test_the_coordinator_drives_both_nodes_over_the_agents_port(bare_vm, tmp_path, criu_bin):
+    steps = 80
+    # Given a two-node job, each node's agent serving the agents' port on its node address under the run's key
+    job_nodes = start_two_nodes(bare_vm, volumes_of(tmp_path), steps)
+    key = secrets.token_bytes(32)
+    servers = []
+    for node in job_nodes:
+        network = node.job.vm.network
+        serving = (node.address, str(network.subnet), network.gateway, key.hex(), "/etc/spotcr/stop-serving")
+        server = threading.Thread(target=node.job.agent, args=("serve-node", *serving), daemon=True)
+        server.start()
+        servers.append(server)
+    remote = [RemoteNode(n.index, n.address, key, order={"generation": 1, "sequence": 1}) for n in job_nodes]
+    wait_for(lambda: _answers(remote), what="both nodes' ports")
+
+    # When the coordinator takes a periodic checkpoint over their ports (a request without the key is refused)
+    with pytest.raises(NodeError, match="refused lock: bad signature"):
+        RemoteNode(1, job_nodes[1].address, secrets.token_bytes(32)).lock()
+    manifest = coordinated_checkpoint(
+        remote,
+        job_id="job-1",
+        run_id=RUN_ID,
+        generation=1,
+        sequence=1,
+        kind="periodic",
+        commit=lambda m: None,
+        serial=tmp_path / "coordinated.lock",
+    )
+    for node in job_nodes:
+        (node.job.vm.dir("etc") / "stop-serving").touch()
+    for server in servers:
+        server.join(30)
+
+    # Then each node committed its part, both are unlocked, and the job runs on to the end as an uninterrupted run
+    for node, part in zip(job_nodes, manifest.nodes, strict=True):
+        assert part.checkpoint_id in node.job.agent("checkpoint-ids")["ids"]
+    assert not any(node.locked() for node in job_nodes)
+    for node in job_nodes:
+        assert node.job.agent("wait-exit", "60")["exit_code"] == 0
+        assert node.job.progress() == expected_progress(steps)
+
+
+def _answers(remote):
+    """Whether every node's port answers (an unlock of an unlocked node changes nothing)."""
+    try:
+        for node in remote:
+            node.unlock()
+    except NodeError:
+        return False
+    return True
