@@ -6,7 +6,7 @@ from pathlib import Path
 
 from aws_cdk import CfnOutput, Fn, Stack
 from constructs import Construct
-from spotcr_contracts import fis
+from spotcr_contracts import commands, fis
 from spotcr_contracts.settings import FunctionSettings
 from spotcr_functions import catalog
 
@@ -168,7 +168,7 @@ class SpotcrStack(Stack):
             "StoreCredentialsUrl": store_url,
         }
         for name, document in documents.items():
-            outputs[f"{name.capitalize()}Document"] = document
+            outputs[commands.document_output(name)] = document
         outputs["ProbeDocument"] = probe.document.ref
         for kind, template in faults.templates.items():
             outputs[fis.OUTPUTS[kind]] = template.ref

@@ -49,7 +49,7 @@ from unittest import mock
 
 import boto3
 from spotcr_contracts import fis as fis_templates
-from spotcr_contracts.commands import COMMANDS, PROBE, Command
+from spotcr_contracts.commands import COMMANDS, PROBE, Command, document_output, document_setting
 from spotcr_contracts.settings import VmSettings
 from spotcr_functions import catalog
 from spotcr_functions.config import ENV, Settings
@@ -172,6 +172,15 @@ class LocalCloud:
         return rate_limits.install(self._patches, limits, **time)
 
     def start(self) -> None:
+        """Start it; a start that fails undoes what it did, so no patch of it outlives it in the process (a test
+        after it would meet a cloud that is not running)."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         from moto.core.config import default_user_config
 
         prepare_host()
@@ -441,7 +450,7 @@ class LocalCloud:
             "RecoveryStateMachineArn": state_machine_arn,
         }
         for command in COMMANDS.values():
-            outputs[f"{command.name.capitalize()}Document"] = self.settings_env[ENV[f"{command.name}_document"]]
+            outputs[document_output(command.name)] = self.settings_env[ENV[document_setting(command.name)]]
         outputs["ProbeDocument"] = f"{PREFIX}-{PROBE.name}"
         outputs["EfsFileSystemId"] = self.file_system_id
         for kind, output in fis_templates.OUTPUTS.items():

@@ -245,6 +245,17 @@ def order_batches(orders: Sequence[FinalDumpOrder]) -> list[list[FinalDumpOrder]
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (CHECKPOINT, FINAL_DUMP, RESTORE, RELEASE, STATUS)}
 
+
+def document_setting(command_name: str) -> str:
+    """The FunctionSettings field naming a command's SSM document (final-dump: final_dump_document)."""
+    return command_name.replace("-", "_") + "_document"
+
+
+def document_output(command_name: str) -> str:
+    """The stack output naming a command's SSM document (final-dump: FinalDumpDocument)."""
+    return "".join(part.capitalize() for part in command_name.split("-")) + "Document"
+
+
 # What SSM says of one command on one instance (GetCommandInvocation's Status, and the status-change event's).
 COMMAND_RUNNING = ("Pending", "InProgress", "Delayed")
 COMMAND_SUCCEEDED = "Success"

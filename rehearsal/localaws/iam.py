@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from spotcr_contracts.commands import COMMANDS
+from spotcr_contracts.commands import COMMANDS, document_setting
 from spotcr_contracts.settings import FunctionSettings
 
 from rehearsal.iam import enforce, principals
@@ -37,7 +37,7 @@ def local(
         "StoreAccessStoreRole": store_role,
         "WorkflowRecovery": settings.recovery_state_machine_arn.rsplit(":", 1)[-1],
         **{
-            f"VmLaunchDocument{command.replace('-', '')}": getattr(settings, f"{command.replace('-', '_')}_document")
+            f"VmLaunchDocument{command.replace('-', '')}": getattr(settings, document_setting(command))
             for command in COMMANDS
         },
     }
