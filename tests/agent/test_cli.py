@@ -177,3 +177,35 @@ def test_a_final_dump_command_without_one_order_for_this_instance_is_refused(in_
     code, result = run(["final-dump", "--orders", orders], environ, capsys)
     assert code == 2
     assert message in result["error"]
+
+
+NODES = ("10.0.0.10", "10.0.0.11")
+LAUNCH_KEY = "ab" * 32
+
+
+@pytest.mark.parametrize(
+    ("nodes", "overrides", "message"),
+    [
+        (NODES[:1], {}, "nodes: a multi-node job has two or more distinct addresses"),
+        ((NODES[0], NODES[0]), {}, "two or more distinct addresses"),
+        (NODES, {"node_index": 2}, "node_index: must be from 0 to 1, got 2"),
+        (NODES, {"launch_key": "ab" * 8}, "launch_key: a multi-node job needs the run's launch key"),
+        (NODES, {"storage": "s3", "bucket": "b"}, "a multi-node job needs shared file storage"),
+    ],
+)
+def test_a_multi_node_config_that_cannot_work_is_refused(tmp_path, nodes, overrides, message):
+    values = {"launch_key": LAUNCH_KEY, **overrides}
+    with pytest.raises(ConfigError, match=message):
+        make_config(tmp_path, nodes=nodes, **values)
+
+
+def test_a_dump_order_to_another_node_than_node_0_is_refused(tmp_path, capsys):
+    # Given node 1 of a two-node job
+    config = make_config(tmp_path, nodes=NODES, node_index=1, launch_key=LAUNCH_KEY)
+    config.write(tmp_path / "agent.json")
+    environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "agent.json"), "PATH": "/usr/bin:/bin"}
+
+    # When a checkpoint command reaches it, then it refuses, naming the node that coordinates
+    code, result = run(["checkpoint", "--job", "job-1", "--generation", "1", "--kind", "periodic"], environ, capsys)
+    assert code == 2
+    assert "node 1 of a multi-node job: dumps are ordered to node 0" in result["error"]

@@ -88,8 +88,9 @@ def _two_triggers(agent, generation):
     }
 
 
-def _service(agent, notice, until_exit):
-    """The agent service loop (daemon.run); with until_exit, until the job's exit is reported, else one round."""
+def _service(agent, notice, until_exit, seconds=60.0):
+    """The agent service loop (daemon.run); with until_exit, until the job's exit is reported (at most `seconds`),
+    else one round."""
     stop = threading.Event()
     if not until_exit:
         stop.set()
@@ -97,7 +98,7 @@ def _service(agent, notice, until_exit):
         return {}
     loop = threading.Thread(target=daemon.run, args=(agent, FakeMetadata(SPOT_NOTICE if notice else None), stop, 0.05))
     loop.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and '"JobExited"' not in (EVENTS.read_text() if EVENTS.exists() else ""):
         time.sleep(0.05)
     stop.set()
@@ -133,8 +134,11 @@ def main(op, *args):
         return {"ids": agent.store().checkpoint_ids()}
     if op == "two-triggers":
         return _two_triggers(agent, args[0])
-    if op == "service":  # service [until-exit|once] [notice]
-        return _service(agent, notice="notice" in args, until_exit="until-exit" in args)
+    if op == "service":  # service [until-exit|once] [notice] [SECONDS]
+        seconds = [float(a) for a in args if a.replace(".", "", 1).isdigit()]
+        return _service(agent, notice="notice" in args, until_exit="until-exit" in args, seconds=(seconds or [60])[0])
+    if op == "coordinate":  # coordinate KIND GENERATION SEQUENCE: node 0's agent, as a dump order has it do
+        return nodeport.coordinate(agent, args[0], int(args[1]), int(args[2])).to_json()
     if op == "serve-node":  # serve-node ADDRESS PEERS UNLOCKED KEY_HEX STOP_FILE: the agents' port, until STOP_FILE
         address, peers, unlocked, key, stop = args
         actions = nodeport.agent_actions(agent, address, peers, unlocked)

@@ -195,3 +195,41 @@ def _answers(remote):
     except NodeError:
         return False
     return True
+
+
+def test_node_0s_agent_coordinates_the_nodes_its_daemons_serve(bare_vm, tmp_path, criu_bin):
+    steps = 80
+    volumes = volumes_of(tmp_path)
+    # Given a two-node job whose agents know the job's nodes and the run's launch key, each agent's daemon running
+    # (it serves the agents' port on the node address)
+    vms = [bare_vm(shared_storage=volume) for volume in volumes]
+    addresses = (vms[0].address, vms[1].address)
+    key = secrets.token_hex(32)
+    commands = (serve(steps), dial(addresses[0], steps))
+    jobs = [
+        JobVM(vm, command=command, nodes=addresses, node_index=index, launch_key=key)
+        for index, (vm, command) in enumerate(zip(vms, commands, strict=True))
+    ]
+    for job in jobs:
+        job.agent("start")
+    daemons = [threading.Thread(target=job.agent, args=("service", "until-exit", "170"), daemon=True) for job in jobs]
+    for daemon in daemons:
+        daemon.start()
+    wait_for(lambda: len(jobs[1].progress()) >= 5, what="node 1's progress")
+
+    # When node 0's agent takes the job's checkpoint, as a dump order has it do
+    manifest = JobManifest.from_json(jobs[0].agent("coordinate", "periodic", "1", "1"))
+
+    # Then every node committed its part at the order's generation, node 0 wrote the job manifest on its storage,
+    # no node is left locked, and the job runs on to the end as an uninterrupted run
+    assert [part.address for part in manifest.nodes] == list(addresses)
+    for job, part in zip(jobs, manifest.nodes, strict=True):
+        assert part.checkpoint_id in job.agent("checkpoint-ids")["ids"]
+        assert "-g1-s1-periodic" in part.checkpoint_id
+    assert read_manifest(volumes[0], "job-1", RUN_ID, manifest.checkpoint_id) == manifest
+    for daemon in daemons:
+        daemon.join(180)
+    for job in jobs:
+        assert job.progress() == expected_progress(steps)
+        assert [event["exit_code"] for event in job.events("JobExited")] == [0]  # the daemon reported its end
+    assert not any(AgentNode(i, job).locked() for i, job in enumerate(jobs))

@@ -22,11 +22,12 @@ from spotcr_contracts.results import CheckpointResult, CommandFailed, RestoreRes
 from spotcr_contracts.settings import agent_options
 from spotcr_contracts.tags import RUN_ID_PATTERN, InvalidJobTags
 
-from . import agentlog
+from . import agentlog, nodeport
 from . import config as agent_config
 from .agent import Agent, WrongJob, base_job_env
 from .events import EventBridgePublisher
 from .imds import Imds, ImdsError, reclaim_time, spot_instance_action
+from .nodes import CheckpointFailed, NodeError
 from .probe import ProbeError
 from .runner import InvalidJobSpec
 from .state import StaleGeneration
@@ -235,6 +236,8 @@ def _checkpoint(agent: Agent, args: argparse.Namespace) -> int:
     committed checkpoint from) naming the job, run, generation and kind of the order it answers. Exit 0 only when
     committed. A failure says whether the job is stopped for good on this VM (a failed final dump) or has ended."""
     order = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "kind": args.kind}
+    if agent.config.nodes:
+        return _coordinated_checkpoint(agent, args, order)
     try:
         outcome = agent.checkpoint(args.kind, args.generation, args.sequence, reclaim_at=lambda: _reclaim_at(agent))
     except Exception as error:
@@ -268,6 +271,20 @@ def _checkpoint(agent: Agent, args: argparse.Namespace) -> int:
         deadline_risk=outcome.deadline_risk,
     )
     _say(committed)
+    return OK
+
+
+def _coordinated_checkpoint(agent: Agent, args: argparse.Namespace, order: Mapping[str, Any]) -> int:
+    """A multi-node job's dump order, which goes to node 0 only: its agent takes the coordinated checkpoint over
+    every node's port (nodeport.coordinate); the result line names the job manifest's id. Another node refuses."""
+    if agent.config.node_index != 0:
+        raise UsageError(f"node {agent.config.node_index} of a multi-node job: dumps are ordered to node 0")
+    try:
+        manifest = nodeport.coordinate(agent, args.kind, args.generation, args.sequence)
+    except (CheckpointFailed, NodeError) as error:
+        _say(CheckpointResult(ok=False, **order, error=str(error)[:4000]))
+        return FAILED
+    _say(CheckpointResult(ok=True, **order, checkpoint_id=manifest.checkpoint_id, dump_generation=args.generation))
     return OK
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,12 @@ class AgentConfig:
     lazy_restore: bool = True  # spotcr:lazy-restore: the job runs again before its memory has arrived (lazy.py)
     notice_s: int = AWS_NOTICE_S  # the interruption notice the final dump must fit in
     deadline_margin_s: int = DEFAULT_MARGIN_S  # spotcr:deadline-margin: kept free of the notice by the plan
+    # A multi-node job (docs/design/multinode.md): every node's address in index order, this node's index, and the
+    # run's launch key (hex) that signs the agents' port. Empty: a single-VM job. Written with the rest of agent.json
+    # by whoever prepares the node (the design's step 4 has the control plane hand them over).
+    nodes: tuple[str, ...] = ()
+    node_index: int = 0
+    launch_key: str = ""
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:
@@ -101,10 +108,22 @@ class AgentConfig:
             relative = [d for d in getattr(self, name) if not d.startswith("/") or d.rstrip("/") == ""]
             if relative:
                 raise ConfigError(f"{name}: must be absolute directories other than /, got {relative[0]!r}")
+        if self.nodes:
+            self._check_nodes()
         if self.workdir == Path():
             object.__setattr__(self, "workdir", default_workdir(self.job_id))
         if self.scratch_dir == Path():
             object.__setattr__(self, "scratch_dir", self.state_dir / "scratch")
+
+    def _check_nodes(self) -> None:
+        if len(self.nodes) < 2 or len(set(self.nodes)) != len(self.nodes):
+            raise ConfigError(f"nodes: a multi-node job has two or more distinct addresses, got {list(self.nodes)}")
+        if not 0 <= self.node_index < len(self.nodes):
+            raise ConfigError(f"node_index: must be from 0 to {len(self.nodes) - 1}, got {self.node_index}")
+        if not re.fullmatch(r"[0-9a-f]{64,}", self.launch_key):
+            raise ConfigError("launch_key: a multi-node job needs the run's launch key, 32 bytes or more in hex")
+        if self.storage == "s3":
+            raise ConfigError("storage: a multi-node job needs shared file storage (efs, fsx or ebs) for now, not s3")
 
     def to_json(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

@@ -1,5 +1,6 @@
 """The agent service: starts the job (run mode) or waits for a restore, watches it, and takes the final
-dump as soon as IMDS announces the spot interruption (the SSM command may race it: one dump either way).
+dump as soon as IMDS announces the spot interruption (the SSM command may race it: one dump either way). A node
+of a multi-node job serves the agents' port instead, and leaves the final dump to node 0's coordinator.
 
 In run mode the job starts only on the instance the control plane registered for the run: once the instance
 carries `spotcr:run` (read from IMDS, which shows tag changes). An instance refused (the job's name runs
@@ -8,13 +9,14 @@ elsewhere) gets `spotcr:error` instead and never starts the job.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 
 from spotcr_contracts import tags
 
-from . import storage
+from . import nodeport, storage
 from .agent import Agent
 from .deadline import NOTICE_DETECTION_S
 from .imds import ImdsError, Metadata, instance_tags, reclaim_time, spot_instance_action
@@ -26,6 +28,13 @@ POLL_S = NOTICE_DETECTION_S  # the final dump begins at most this long after the
 
 def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float = POLL_S) -> None:
     storage.keep_efs_credentials(agent.config, stop)
+    with contextlib.ExitStack() as serving:
+        if agent.config.nodes:  # a multi-node job: the coordinator (node 0's agent) drives this node over its port
+            serving.enter_context(nodeport.serve(agent))
+        _watch(agent, metadata, stop, poll_s)
+
+
+def _watch(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float) -> None:
     agent.ready()
     waiting = agent.config.mode == "run"
     interrupted = pruned = False
@@ -76,6 +85,11 @@ def _check_interruption(agent: Agent, metadata: Metadata) -> bool:
         return False
     if action is None:
         return False
+    if agent.config.nodes:
+        # One node's own dump would leave its share's connections out of step with the others': node 0 takes the
+        # job's coordinated final dump at the control plane's order (docs/design/multinode.md).
+        log.warning("spot interruption notice: %s; node 0 coordinates the final dump", action.strip())
+        return True
     log.warning("spot interruption notice: %s; taking the final dump", action.strip())
     status = agent.status()
     if status.job_status == "none" and agent.config.mode == "restore":

@@ -32,7 +32,7 @@ from spotcr_contracts.results import KINDS
 from . import nodes
 from .nodes import NodeError
 
-PORT = 7080
+PORT = nodes.AGENTS_PORT
 MAX_SKEW_S = 60.0
 MAX_BODY = 64 * 1024
 DATE, NONCE, SIGNATURE = "X-Spotcr-Date", "X-Spotcr-Nonce", "X-Spotcr-Signature"
@@ -165,6 +165,36 @@ def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> d
         return {}
 
     return {"lock": lock, "dump": dump, "unlock": unlock}
+
+
+def serve(agent: Any) -> NodePort:
+    """This node's port, as the daemon of a multi-node job's agent serves it (config: nodes, node_index,
+    launch_key)."""
+    config = agent.config
+    address = config.nodes[config.node_index]
+    peers = ",".join(a for a in config.nodes if a != address)
+    return NodePort(address, PORT, Gate(bytes.fromhex(config.launch_key)), agent_actions(agent, address, peers))
+
+
+def coordinate(
+    agent: Any, kind: str, generation: int, sequence: int | None, clock: Callable[[], float] = time.time
+) -> nodes.JobManifest:
+    """Node 0's agent takes the job's coordinated checkpoint over every node's port, its own included, and commits
+    the job manifest to the job's shared storage (nodes.coordinated_checkpoint: the order and the failure rule)."""
+    config = agent.config
+    key, order = bytes.fromhex(config.launch_key), {"generation": generation, "sequence": sequence}
+    remote = [RemoteNode(i, address, key, order=order, clock=clock) for i, address in enumerate(config.nodes)]
+    return nodes.coordinated_checkpoint(
+        remote,
+        job_id=config.job_id,
+        run_id=agent.run_id(),
+        generation=generation,
+        sequence=sequence,
+        kind=kind,
+        commit=lambda manifest: manifest.write(config.mount_point),
+        serial=config.state_dir / "coordinated.lock",
+        clock=clock,
+    )
 
 
 class RemoteNode:

@@ -31,6 +31,9 @@ from .state import exclusive
 log = logging.getLogger(__name__)
 
 LOCK_CHAIN = "SPOTCR-NODE-LOCK"
+# The agents' port (spotcr_agent.nodeport): the lock never drops it, since the coordinator drives locked nodes
+# over it. The job's own connections between nodes must not use it.
+AGENTS_PORT = 7080
 JOB_MANIFESTS = "nodes"  # <run prefix>nodes/<checkpoint id>.json: one per coordinated checkpoint
 
 
@@ -40,8 +43,12 @@ class NodeError(RuntimeError):
 
 def lock_rules(address: str, peers: str, unlocked: str = "") -> list[list[str]]:
     """The iptables rules (filter table) that drop TCP from `peers` (addresses or CIDRs, comma-separated) to
-    `address`; `unlocked` is one source among them that still gets through (the rehearsal's local cloud)."""
+    `address`, but for the agents' port (requests to it, and answers from another node's, since the coordinator's
+    node is locked too); `unlocked` is one source among them that still gets through (the rehearsal's local
+    cloud)."""
+    port = str(AGENTS_PORT)
     rules = [["-N", LOCK_CHAIN]]
+    rules += [["-A", LOCK_CHAIN, "-p", "tcp", way, port, "-j", "RETURN"] for way in ("--dport", "--sport")]
     if unlocked:
         rules.append(["-A", LOCK_CHAIN, "-s", unlocked, "-j", "RETURN"])
     rules.append(["-A", LOCK_CHAIN, "-p", "tcp", "-s", peers, "-d", address, "-j", "DROP"])
@@ -161,7 +168,7 @@ def coordinated_checkpoint(
     job_id: str,
     run_id: str,
     generation: int,
-    sequence: int,
+    sequence: int | None,
     kind: str,
     commit: Callable[[JobManifest], None],
     serial: Path,
