@@ -2,8 +2,8 @@
 
 When a capacity pool runs dry, every instance in it is warned within seconds. One SendCommand per job meets SSM's
 rate long before the notice ends; one FINAL_DUMP command (spotcr_contracts.commands) carries up to 50 instances'
-orders. So a warning does not send its own order: it queues it in the registry's outbox and sends whatever the
-outbox holds, its own order with every other one queued meanwhile.
+orders. So a warning sends its own order together with every order waiting in the registry's outbox (those a
+throttle kept back from other senders), and puts back what a throttle keeps back from it.
 
 Rules, enforced here and in Registry.queue_final_dumps / take_final_dumps:
 1. An order is held by one sender (its warning's, until it first puts it in the outbox; or the sender whose take

@@ -31,6 +31,7 @@ def launch_backup(event: dict[str, Any], context: LambdaContext) -> dict[str, An
 
 @logger.inject_lambda_context
 @tracer.capture_lambda_handler
+@metrics.log_metrics  # the final-dump wait may send orders, each with its warning-to-command latency
 @_edge.throttles_named
 def await_agent_event(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     job_id, generation = _job(event)
