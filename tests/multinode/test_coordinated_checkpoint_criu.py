@@ -49,7 +49,7 @@ def volumes_of(tmp_path):
     return volumes
 
 
-def coordinate(job_nodes, commit):
+def coordinate(job_nodes, commit, serial=None):
     return coordinated_checkpoint(
         job_nodes,
         job_id="job-1",
@@ -58,7 +58,7 @@ def coordinate(job_nodes, commit):
         sequence=1,
         kind="periodic",
         commit=commit,
-        serial=job_nodes[0].job.vm.root / "coordinated.lock",
+        serial=serial or job_nodes[0].job.vm.root / "coordinated.lock",
     )
 
 
@@ -163,16 +163,7 @@ def test_the_coordinator_drives_both_nodes_over_the_agents_port(bare_vm, tmp_pat
     # When the coordinator takes a periodic checkpoint over their ports (a request without the key is refused)
     with pytest.raises(NodeError, match="refused lock: bad signature"):
         RemoteNode(1, job_nodes[1].address, secrets.token_bytes(32)).lock()
-    manifest = coordinated_checkpoint(
-        remote,
-        job_id="job-1",
-        run_id=RUN_ID,
-        generation=1,
-        sequence=1,
-        kind="periodic",
-        commit=lambda m: None,
-        serial=tmp_path / "coordinated.lock",
-    )
+    manifest = coordinate(remote, commit=lambda m: None, serial=tmp_path / "coordinated.lock")
     for node in job_nodes:
         (node.job.vm.dir("etc") / "stop-serving").touch()
     for server in servers:

@@ -3,6 +3,7 @@ node answers only requests signed with its run's launch key, fresh and never see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import urllib.error
@@ -144,34 +145,43 @@ def test_a_launch_key_shorter_than_32_bytes_is_refused() -> None:
         Gate(b"short")
 
 
-def test_the_coordinator_drives_every_node_over_the_port(tmp_path: Path) -> None:
-    # Given three nodes serving their port, node 0 among them (the coordinator asks itself over the port too)
-    recorded: list[str] = []  # list.append is atomic: the nodes' threads record in the order they ran
-    ports = [NodePort("127.0.0.1", 0, Gate(KEY), RecordingAgent(i, recorded).actions()) for i in range(3)]
+@contextlib.contextmanager
+def _serving(agents: list[RecordingAgent]) -> Iterator[list[NodePort]]:
+    """Each agent behind a port of its own on loopback."""
+    ports = [NodePort("127.0.0.1", 0, Gate(KEY), agent.actions()) for agent in agents]
     try:
-        remote = [
-            RemoteNode(i, "127.0.0.1", KEY, port=p.port, order={"generation": 2, "sequence": 5})
-            for i, p in enumerate(ports)
-        ]
-        committed: list[nodes.JobManifest] = []
-
-        # When node 0 takes a coordinated periodic checkpoint over them
-        manifest = nodes.coordinated_checkpoint(
-            remote,
-            job_id="mpi-1",
-            run_id="r-0123456789abcdef",
-            generation=2,
-            sequence=5,
-            kind="periodic",
-            commit=committed.append,
-            serial=tmp_path / "serial.lock",
-        )
+        yield ports
     finally:
         for served in ports:
             served.close()
 
+
+def _periodic(ports: list[NodePort], committed: list[nodes.JobManifest], serial: Path) -> nodes.JobManifest:
+    """Node 0's coordinated periodic checkpoint over the ports, at generation 2 and sequence 5."""
+    order = {"generation": 2, "sequence": 5}
+    remote = [RemoteNode(i, "127.0.0.1", KEY, port=p.port, order=order) for i, p in enumerate(ports)]
+    return nodes.coordinated_checkpoint(
+        remote,
+        job_id="mpi-1",
+        run_id="r-0123456789abcdef",
+        generation=2,
+        sequence=5,
+        kind="periodic",
+        commit=committed.append,
+        serial=serial,
+    )
+
+
+def test_the_coordinator_drives_every_node_over_the_port(tmp_path: Path) -> None:
+    # Given three nodes serving their port, node 0 among them (the coordinator asks itself over the port too)
+    steps: list[str] = []  # list.append is atomic: the nodes' threads record in the order they ran
+    committed: list[nodes.JobManifest] = []
+
+    # When node 0 takes a coordinated periodic checkpoint over them
+    with _serving([RecordingAgent(i, steps) for i in range(3)]) as ports:
+        manifest = _periodic(ports, committed, tmp_path / "serial.lock")
+
     # Then every node was locked before any dumped, and unlocked only after every dump; one manifest names them all
-    steps = list(recorded)
     assert sorted(steps[:3]) == ["lock 0", "lock 1", "lock 2"]
     assert sorted(steps[3:6]) == ["dump 0", "dump 1", "dump 2"]
     assert sorted(steps[6:]) == ["unlock 0", "unlock 1", "unlock 2"]
@@ -182,31 +192,13 @@ def test_the_coordinator_drives_every_node_over_the_port(tmp_path: Path) -> None
 def test_a_node_that_fails_its_dump_fails_the_checkpoint_on_every_node(tmp_path: Path) -> None:
     # Given two nodes, the second of which fails its dump
     steps: list[str] = []
-    ports = [
-        NodePort("127.0.0.1", 0, Gate(KEY), RecordingAgent(i, steps, "dump" if i else "").actions()) for i in (0, 1)
-    ]
-    try:
-        remote = [
-            RemoteNode(i, "127.0.0.1", KEY, port=p.port, order={"generation": 1, "sequence": 2})
-            for i, p in enumerate(ports)
-        ]
-        committed: list[nodes.JobManifest] = []
+    committed: list[nodes.JobManifest] = []
 
-        # When the coordinator takes a periodic checkpoint, then it fails naming node 1 and its reason over the port
-        with pytest.raises(nodes.CheckpointFailed, match=r"node 1 failed to dump: .*dump failed: node 1 cannot dump"):
-            nodes.coordinated_checkpoint(
-                remote,
-                job_id="mpi-1",
-                run_id="r-0123456789abcdef",
-                generation=1,
-                sequence=2,
-                kind="periodic",
-                commit=committed.append,
-                serial=tmp_path / "serial.lock",
-            )
-    finally:
-        for served in ports:
-            served.close()
+    # When the coordinator takes a periodic checkpoint, then it fails naming node 1 and its reason over the port
+    failed = r"node 1 failed to dump: .*dump failed: node 1 cannot dump"
+    agents = [RecordingAgent(0, steps), RecordingAgent(1, steps, fail="dump")]
+    with _serving(agents) as ports, pytest.raises(nodes.CheckpointFailed, match=failed):
+        _periodic(ports, committed, tmp_path / "serial.lock")
 
     # And no manifest was committed, and both nodes were unlocked so the job runs on
     assert committed == []
