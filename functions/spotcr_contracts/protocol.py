@@ -12,7 +12,11 @@ Fencing
    (`Registry.bump_backup`), or a user's restore (`Registry.fence_for_restore`). Each fencing write moves the job
    to RECOVERING and clears the previous generation's waits.
 2. A write made on behalf of a generation MUST be conditional on the record still being at that generation: a
-   zombie primary, a superseded recovery workflow or a late scheduler never moves a newer generation.
+   zombie primary, a superseded recovery workflow or a late scheduler never moves a newer generation. A workflow
+   step refused so leaves as `StaleGeneration`; the workflow then MUST fail the job if it still sits RECOVERING at
+   the workflow's generation (the refusal was wrong), and notify, rather than end with the job left RECOVERING
+   (`statemachines/recovery.asl.json` `Superseded`,
+   `test_a_step_told_the_job_moved_on_when_it_had_not_fails_the_job_and_notifies`).
 3. An event or a command's report MUST carry the job's run id (`of_this_run`): another run of the same job name
    never moves this one. It MUST carry the record's generation, except the interrupted primary's last checkpoint
    and exit, which may carry the generation just fenced.
