@@ -157,7 +157,7 @@ def _report(figures: dict[str, Any]) -> list[str]:
     queue = figures.get("local_aws_queue") or {}
     if queue:
         lines.append(
-            f"- the local AWS's own queue in the wave's first {wave_window_s():g} s: {queue['requests']:.0f} requests"
+            f"- the local AWS's own queue in the wave's first {queue['window_s']:g} s: {queue['requests']:.0f} requests"
             f" served one at a time, each waiting for its turn {queue['mean_wait_s'] * 1000:.0f} ms on average"
             f" (p50 {queue['p50_wait_s'] * 1000:.0f} ms, p99 {queue['p99_wait_s'] * 1000:.0f} ms). A warning's"
             f" handler makes {REQUESTS_BEFORE_COMMAND} requests before its final-dump command (idempotency,"
@@ -169,12 +169,6 @@ def _report(figures: dict[str, Any]) -> list[str]:
         if figures[name]:
             lines.append(f"- {name}: {json.dumps(figures[name])[:2000]}")
     return lines
-
-
-def wave_window_s() -> float:
-    from rehearsal.wave import QUEUE_WINDOW_S
-
-    return QUEUE_WINDOW_S
 
 
 def _throttle_lines(figures: dict[str, Any]) -> list[str]:

@@ -139,12 +139,13 @@ def run_wave(
 def _queue_figures(waits: list[float]) -> dict[str, float]:
     if not waits:
         return {}
-    ordered = sorted(waits)
+    spread_s = spread({str(n): wait for n, wait in enumerate(waits)})
     return {
-        "requests": len(ordered),
-        "mean_wait_s": statistics.fmean(ordered),
-        "p50_wait_s": ordered[len(ordered) // 2],
-        "p99_wait_s": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+        "window_s": QUEUE_WINDOW_S,
+        "requests": len(waits),
+        "mean_wait_s": statistics.fmean(waits),
+        "p50_wait_s": spread_s["p50"],
+        "p99_wait_s": spread_s["p99"],
     }
 
 
