@@ -31,6 +31,10 @@ LAZY_RESTORE = "spotcr:lazy-restore"
 # Seconds of the two-minute notice the agent's plan keeps free: periodic dumps come often enough that the predicted
 # final dump takes at most the notice less this.
 DEADLINE_MARGIN = "spotcr:deadline-margin"
+# A job over several VMs (docs/design/multinode.md): on every node the same job tags, the job's node count, and
+# this node's index (0..N-1). Node 0 runs the command; the others run its MPI processes.
+NODES = "spotcr:nodes"
+NODE = "spotcr:node"
 ERROR = "spotcr:error"
 # Set by spotcr on the VMs it launches: the job's mode there and the generation it serves.
 MODE = "spotcr:mode"
@@ -60,12 +64,17 @@ USER_TAGS = (
     RESTART_FROM_SCRATCH,
     DEADLINE_MARGIN,
     LAZY_RESTORE,
+    NODES,
+    NODE,
 )
+# Tags that may differ between the nodes of one job: every other job tag must be the same on all of them.
+PER_NODE_TAGS = (NODE,)
 RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 # A job's name (spotcr:job), its id everywhere: safe as an S3 prefix, an STS session tag value and a store name.
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
+SHARED_STORAGES = ("efs", "fsx")  # what a job over several VMs can use today: one file system all its nodes mount
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
 # loopback, so listeners and connections within the job come back; others are reset) or close (always closed).
 TCP_POLICIES = ("established", "close")
@@ -80,6 +89,7 @@ DEFAULT_DEADLINE_MARGIN_S = 30
 MAX_DEADLINE_MARGIN_S = 110
 MAX_FALLBACK_TYPES = 8
 MAX_RESULT_FILES = 16
+MAX_NODES = 16  # a node list of 16 addresses fits one tag value and one agent's port fan-out
 MAX_TAG_VALUE = 256
 
 JOB_NAME = re.compile(JOB_ID_PATTERN)
@@ -124,6 +134,8 @@ class JobSpec:
     deadline_margin_s: int = DEFAULT_DEADLINE_MARGIN_S
     run_id: str = ""  # spotcr:run, set by spotcr once the job is registered (empty on a user's instance before)
     result_files: tuple[str, ...] = ()  # spotcr:result
+    nodes: int = 1  # spotcr:nodes: 1 is a single-VM job
+    node_index: int = 0  # spotcr:node
     extra: Mapping[str, str] = field(default_factory=dict)
     # The user's spotcr:command as written: re-quoting it (shlex.join) can make a valid tag too long.
     command_tag: str = field(default="", compare=False, repr=False)
@@ -157,6 +169,9 @@ class JobSpec:
             tags[RUN] = self.run_id
         if self.result_files:
             tags[RESULT] = ",".join(self.result_files)
+        if self.nodes > 1:
+            tags[NODES] = str(self.nodes)
+            tags[NODE] = str(self.node_index)
         return tags
 
 
@@ -201,6 +216,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     spec_uri = tags.get(SPEC)
     if spec_uri is not None and not _S3_URI.match(spec_uri):
         raise InvalidJobTags(SPEC, "must be s3://bucket/key with a DNS-style bucket name")
+    nodes, node_index = _parse_nodes(tags, storage)
     if not command and spec_uri is None:
         raise InvalidJobTags(COMMAND, f"a job needs {COMMAND} or {SPEC}")
     workdir = tags.get(WORKDIR)
@@ -231,6 +247,8 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
         deadline_margin_s=margin,
         run_id=run_id,
         result_files=result_files,
+        nodes=nodes,
+        node_index=node_index,
         extra=extra,
         command_tag=tags.get(COMMAND, ""),
     )
@@ -302,6 +320,26 @@ def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: 
     if not low <= value <= high:
         raise InvalidJobTags(tag, f"must be between {low} and {high}, got {value}")
     return value
+
+
+def _parse_nodes(tags: Mapping[str, str], storage: str) -> tuple[int, int]:
+    """spotcr:nodes and spotcr:node: both or neither; the index below the count; storage all nodes share."""
+    if (NODES in tags) != (NODE in tags):
+        present, missing = (NODES, NODE) if NODES in tags else (NODE, NODES)
+        raise InvalidJobTags(missing, f"a job over several VMs has both {NODES} and {NODE}; {present} is set alone")
+    nodes = _parse_int(tags, NODES, 1, 1, MAX_NODES)
+    node_index = _parse_int(tags, NODE, 0, 0, nodes - 1)
+    if nodes > 1 and storage not in SHARED_STORAGES:
+        raise InvalidJobTags(STORAGE, f"a job over several VMs needs efs or fsx storage for now, not {storage}")
+    return nodes, node_index
+
+
+def same_job(first: Mapping[str, str], other: Mapping[str, str]) -> str | None:
+    """Why two nodes' tags are not one job's (the first job tag that differs), or None when they are."""
+    for key in sorted(set(first) | set(other)):
+        if key in USER_TAGS and key not in PER_NODE_TAGS and first.get(key) != other.get(key):
+            return f"{key} differs between the job's nodes: every node carries the same job tags but {NODE}"
+    return None
 
 
 def _parse_run(tags: Mapping[str, str]) -> str:

@@ -99,7 +99,21 @@ FUNCTIONS: tuple[Function, ...] = (
         name="interruption",
         handler="spotcr_functions.handlers.interruption.handler",
         description="Spot or capacity-reservation interruption warning: fence, order the final dump, start recovery.",
-        capabilities=(JOBS_READ, JOBS_WRITE, IDEMPOTENCY, SEND_COMMAND, START_RECOVERY, EC2_DESCRIBE, TASK_CALLBACK),
+        # A warned node of a job over several VMs fails its job (recovery._node_lost): the other nodes are marked,
+        # terminated if spotcr launched them, the access point deleted, the failure notified.
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            IDEMPOTENCY,
+            SEND_COMMAND,
+            START_RECOVERY,
+            EC2_DESCRIBE,
+            TASK_CALLBACK,
+            EC2_TAG,
+            EC2_TERMINATE,
+            PUBLISH_FAILURE,
+            EFS_ACCESS_POINT_DELETE,
+        ),
         rules=(
             Rule("spot-interruption-warning", _ec2(INTERRUPTION_WARNING)),
             Rule("capacity-reservation-interruption-warning", _ec2(CAPACITY_RESERVATION_WARNING)),
@@ -124,11 +138,13 @@ FUNCTIONS: tuple[Function, ...] = (
             IDEMPOTENCY,
             EC2_DESCRIBE,
             EC2_TAG,
+            EC2_TERMINATE,
             EC2_VOLUMES,
             START_RECOVERY,
             SEND_COMMAND,
             TASK_CALLBACK,
             EFS_ACCESS_POINTS,
+            PUBLISH_FAILURE,
         ),
         rules=(
             Rule(

@@ -52,6 +52,17 @@ class Instance:
     spot_request_id: str = ""
     launched_at: str = ""  # ISO time of the last start: a stopped instance started again gets a new one
     image_id: str = ""
+    # The private addresses of its primary network interface, the primary one first: a job over several VMs takes
+    # a node's address from them (jobs.node_address).
+    private_ips: tuple[str, ...] = ()
+
+
+def _primary_interface_ips(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    for interface in raw.get("NetworkInterfaces", []):
+        if interface.get("Attachment", {}).get("DeviceIndex", 0) == 0:
+            found = sorted(interface.get("PrivateIpAddresses", []), key=lambda a: not a.get("Primary"))
+            return tuple(str(a["PrivateIpAddress"]) for a in found)
+    return (str(raw["PrivateIpAddress"]),) if raw.get("PrivateIpAddress") else ()
 
 
 def _iso(value: Any) -> str:
@@ -194,6 +205,7 @@ class Cloud:
                     spot_request_id=raw.get("SpotInstanceRequestId", ""),
                     launched_at=_iso(raw.get("LaunchTime")),
                     image_id=raw.get("ImageId", ""),
+                    private_ips=_primary_interface_ips(raw),
                 )
         return None
 

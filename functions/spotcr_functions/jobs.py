@@ -18,8 +18,10 @@ from typing import Any
 from aws_lambda_powertools import Logger
 from spotcr_contracts import tags
 from spotcr_contracts.names import client_token
+from spotcr_contracts.nodes import NodeRecord, new_launch_key
 
 from spotcr_functions import efs_access
+from spotcr_functions.cloud import Instance
 from spotcr_functions.deps import Deps
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.observability import SERVICE
@@ -53,6 +55,8 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
     except tags.InvalidJobTags as error:
         return _reject(deps, instance_id, str(error))
 
+    if spec.nodes > 1:
+        return _register_node(deps, instance, spec)
     record = JobRecord(
         job_id=spec.job_id,
         status=Status.PENDING,
@@ -82,6 +86,78 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
     return {"registered": True, "job_id": spec.job_id, "volume_id": registered.volume_id}
 
 
+def node_address(instance: Instance) -> str:
+    """A node's address: its first secondary private address, the one a backup can take over (EC2 moves only
+    secondary addresses); without one, its primary address (a node then cannot move: docs/design/multinode.md)."""
+    return instance.private_ips[1] if len(instance.private_ips) > 1 else instance.private_ips[0]
+
+
+def _register_node(deps: Deps, instance: Instance, spec: tags.JobSpec) -> dict[str, Any]:
+    """One node of a job over several VMs: the first to register puts the job's record and mints its run and launch
+    key; each other node joins that run (Registry.join_node) if its tags are the same job's and it is in the same
+    subnet. Each node gets the run's tag once it is in the record; the agents start only once every node is."""
+    if not instance.private_ips:
+        return _reject(deps, instance.instance_id, f"{tags.NODE}: {instance.instance_id} has no private address")
+    node = NodeRecord(spec.node_index, instance.instance_id, node_address(instance))
+    first = JobRecord(
+        job_id=spec.job_id,
+        status=Status.PENDING,
+        generation=spec.generation,
+        instance_id=instance.instance_id,
+        az=instance.az,
+        subnet_id=instance.subnet_id,
+        vpc_id=instance.vpc_id,
+        instance_type=instance.instance_type,
+        image_id=instance.image_id,
+        storage=spec.storage,
+        interval_s=spec.interval_s,
+        tags=_job_tags(spec),
+        fallback_types=spec.fallback_types,
+        run_id=tags.new_run_id(),
+        next_checkpoint_at=_start_deadline(deps),
+        node_count=spec.nodes,
+        nodes=(node,),
+        launch_key=new_launch_key(),
+        updated_at=deps.iso_now(),
+    )
+    registered = deps.registry.register(first)
+    if registered.run_id != first.run_id and registered.node_of(instance.instance_id) != node:
+        if problem := _join_problem(registered, spec, instance):
+            return _reject(deps, instance.instance_id, problem)
+        coordinator = {"instance_type": instance.instance_type, "image_id": instance.image_id}
+        joined = deps.registry.join_node(registered, node, deps.iso_now(), coordinator)
+        if joined is None:
+            current = deps.registry.get(spec.job_id) or registered
+            return _reject(deps, instance.instance_id, _join_problem(current, spec, instance) or "the job moved on")
+        registered = joined
+    deps.cloud.tag_instance(instance.instance_id, {tags.RUN: registered.run_id})
+    registered = efs_access.open_for(deps, registered)
+    logger.info("node registered", job_id=spec.job_id, instance_id=instance.instance_id, node=spec.node_index)
+    return {"registered": True, "job_id": spec.job_id, "node": spec.node_index, "nodes": len(registered.nodes)}
+
+
+def _job_tags(spec: tags.JobSpec) -> dict[str, str]:
+    """The job's tags as its record keeps them: never the run (spotcr mints it) nor one node's index."""
+    return {k: v for k, v in spec.to_tags().items() if k not in (tags.RUN, *tags.PER_NODE_TAGS)}
+
+
+def _join_problem(record: JobRecord, spec: tags.JobSpec, instance: Instance) -> str | None:
+    """Why this node cannot join the registered record (None: it may)."""
+    if record.status != Status.PENDING or record.node_count != spec.nodes:
+        return f"{tags.JOB}: job {spec.job_id} already runs on {record.instance_id} ({record.status.value})"
+    if problem := tags.same_job(record.tags, _job_tags(spec)):
+        return problem
+    if instance.subnet_id != record.subnet_id:
+        return (
+            f"{tags.NODES}: every node of job {spec.job_id} is in subnet {record.subnet_id} (a node's address moves "
+            f"only within its subnet); {instance.instance_id} is in {instance.subnet_id}"
+        )
+    holder = next((n.instance_id for n in record.nodes if n.index == spec.node_index), instance.instance_id)
+    if holder != instance.instance_id:
+        return f"{tags.NODE}: node {spec.node_index} of job {spec.job_id} is {holder} already"
+    return None
+
+
 def _start_deadline(deps: Deps) -> int | None:
     """A PENDING job's deadline to start by (the scheduler fails it after: time_out_pending); None: never."""
     minutes = deps.settings.pending_timeout_minutes
@@ -94,8 +170,12 @@ def time_out_pending(deps: Deps, record: JobRecord) -> bool:
     spotcr:error and, only if spotcr launched it (from its launch template), terminated; the failure is notified.
     True when this call ended the job (None from the write: it started or ended meanwhile)."""
     minutes = deps.settings.pending_timeout_minutes
+    where = record.instance_id
+    if record.node_count:
+        held = ", ".join(node.instance_id for node in record.nodes)
+        where = f"{len(record.nodes)} of its {record.node_count} nodes ({held})"
     reason = (
-        f"the job did not start within {minutes} minutes on {record.instance_id} (pending_timeout_minutes): "
+        f"the job did not start within {minutes} minutes on {where} (pending_timeout_minutes): "
         "check the instance's console output (aws ec2 get-console-output) and its user data log "
         "(/var/log/cloud-init-output.log)"
     )
@@ -104,14 +184,20 @@ def time_out_pending(deps: Deps, record: JobRecord) -> bool:
         return False
     logger.error("job never started", job_id=record.job_id, instance_id=record.instance_id, minutes=minutes)
     efs_access.close_for(deps, ended)
-    instance = deps.cloud.describe_instance(record.instance_id)
-    if instance is not None and instance.state not in ("shutting-down", "terminated"):
-        deps.cloud.tag_instance(record.instance_id, {tags.ERROR: reason[: tags.MAX_TAG_VALUE]})
-        # A user's own instance submitted by tag is only marked: spotcr terminates only what it launched.
-        if instance.tags.get(tags.LAUNCH_TEMPLATE) == deps.settings.launch_template_id:
-            deps.cloud.terminate_instance(record.instance_id)
+    retire(deps, [node.instance_id for node in record.nodes] or [record.instance_id], reason)
     deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {record.job_id} failed", reason)
     return True
+
+
+def retire(deps: Deps, instance_ids: list[str], reason: str) -> None:
+    """Instances of a job that failed: each still up is marked spotcr:error with the reason and, only if spotcr
+    launched it (from its launch template), terminated; a user's own instance submitted by tag is only marked."""
+    for instance_id in instance_ids:
+        instance = deps.cloud.describe_instance(instance_id)
+        if instance is not None and instance.state not in ("shutting-down", "terminated"):
+            deps.cloud.tag_instance(instance_id, {tags.ERROR: reason[: tags.MAX_TAG_VALUE]})
+            if instance.tags.get(tags.LAUNCH_TEMPLATE) == deps.settings.launch_template_id:
+                deps.cloud.terminate_instance(instance_id)
 
 
 def tag_run(deps: Deps, record: JobRecord, instance_tags: Mapping[str, str] | None = None) -> None:

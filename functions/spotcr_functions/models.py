@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from aws_lambda_powertools.utilities.parser.models import EventBridgeModel
 from pydantic import BaseModel, ConfigDict, Field
+from spotcr_contracts.nodes import NodeRecord
 from spotcr_contracts.protocol import ACTIVE, ENDED, Status  # noqa: F401 (the record's statuses, re-exported)
 
 INSTANCE_ID_PATTERN = r"^i-[0-9a-f]{8,17}$"
@@ -62,6 +63,12 @@ class JobRecord:
     planned_interval_s: int | None = None
     predicted_final_dump_s: int | None = None
     final_dump_risk: str | None = None
+    # A job over several VMs (docs/design/multinode.md): its node count (0: a single-VM job), the nodes registered
+    # so far (every one once it runs), and the run's launch key, which signs the agents' port. `instance_id` is
+    # node 0's instance, the coordinator, once node 0 registered (before that: the first node's).
+    node_count: int = 0
+    nodes: tuple[NodeRecord, ...] = ()
+    launch_key: str | None = None
     updated_at: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # token_* and event_* attributes
 
@@ -71,6 +78,8 @@ class JobRecord:
         values: dict[str, Any] = {k: _plain(v) for k, v in item.items() if k in names}
         values["status"] = Status(values["status"])
         values["fallback_types"] = tuple(values.get("fallback_types", ()))
+        nodes = values.get("nodes") or {}
+        values["nodes"] = tuple(sorted((NodeRecord.from_item(n) for n in nodes.values()), key=lambda n: n.index))
         values["extra"] = {k: _plain(v) for k, v in item.items() if k not in names}
         return cls(**values)
 
@@ -79,7 +88,16 @@ class JobRecord:
         item["status"] = str(self.status)
         item["fallback_types"] = list(self.fallback_types)
         item["tags"] = dict(self.tags)
+        for name in ("node_count", "nodes"):
+            item.pop(name)
+        if self.node_count:
+            item["node_count"] = self.node_count
+            item["nodes"] = {str(node.index): node.to_item() for node in self.nodes}
         return item
+
+    def node_of(self, instance_id: str) -> NodeRecord | None:
+        """The node this instance holds, if any."""
+        return next((node for node in self.nodes if node.instance_id == instance_id), None)
 
     def token(self, key: str) -> dict[str, Any] | None:
         value = self.extra.get(token_attribute(key))

@@ -65,6 +65,8 @@ def on_interruption_warning(
     record = deps.registry.by_instance(instance_id)
     if record is None:
         return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
+    if record.node_count:
+        return _node_lost(deps, record, instance_id, f"{source} interruption warning ({action})")
     bumped = _bump(deps, record, instance_id, warned_at, final_dump=True)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
@@ -87,12 +89,38 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
         return _delete_finished_volume(deps, record)
     if record.status not in ACTIVE:
         return _already_recovering(deps, record.job_id, instance_id)
+    if record.node_count:
+        return _node_lost(deps, record, instance_id, f"{state} without a warning")
     bumped = _bump(deps, record, instance_id, at)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
     logger.warning("instance went down without a warning; recovering from the newest checkpoint", job_id=record.job_id)
     _start(deps, bumped, instance_id, reason=f"missed-warning:{state}", final_dump=False)
     return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": False}
+
+
+def _node_lost(deps: Deps, record: JobRecord, instance_id: str, what: str) -> dict[str, Any]:
+    """A node of a job over several VMs was warned or lost. Recovering such a job is not built yet
+    (docs/design/multinode.md): the job ends FAILED, saying so and naming its newest checkpoint, and its other
+    nodes are retired (jobs.retire). Nothing is restored, so no share ever runs twice."""
+    if record.status not in ACTIVE:
+        return {"action": "ignored", "reason": f"job is {record.status.value}", "job_id": record.job_id}
+    node = record.node_of(instance_id)
+    index = node.index if node else 0
+    reason = (
+        f"node {index} ({instance_id}) of this job over {record.node_count} VMs: {what}; recovering a job over "
+        "several VMs is not built yet (docs/design/multinode.md)"
+    )
+    if record.checkpoint_id:
+        reason += f"; its newest coordinated checkpoint is {record.checkpoint_id}"
+    ended = deps.registry.end(record, Status.FAILED, {"reason": reason, "updated_at": deps.iso_now()})
+    if ended is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    logger.error("a node of a job over several VMs was lost; the job failed", job_id=record.job_id, node=index)
+    efs_access.close_for(deps, ended)
+    jobs.retire(deps, [n.instance_id for n in record.nodes if n.instance_id != instance_id], reason)
+    deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {record.job_id} failed", reason)
+    return {"action": "failed", "job_id": record.job_id, "reason": reason}
 
 
 def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
@@ -742,6 +770,8 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
     are released, and a warning orders the backup's own final dump: its agent takes it as soon as it runs the job.
     """
     record = jobs.record_tagged_on(deps, instance_id)
+    if record is not None and record.node_of(instance_id) is not None:
+        return _node_lost(deps, record, instance_id, reason)
     if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
         logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
         return {"action": "ignored", "reason": "no job on this instance"}

@@ -11,6 +11,7 @@ from typing import Any
 
 from boto3.dynamodb.conditions import Attr, ConditionBase, ConditionExpressionBuilder
 from spotcr_contracts import commands
+from spotcr_contracts.nodes import NodeRecord
 
 from spotcr_functions import registry_schema
 from spotcr_functions.cloud import CLIENT_CONFIG
@@ -132,9 +133,12 @@ class Registry:
         values: dict[str, Any] = {}
         clauses = []
         for index, (attribute, value) in enumerate(set_values.items()):
-            names[f"#set{index}"] = attribute
+            # A dotted attribute is a path into a map (nodes.2): one name placeholder per part.
+            parts = attribute.split(".")
+            names |= {f"#set{index}_{part}": name for part, name in enumerate(parts)}
             values[f":set{index}"] = value
-            clauses.append(f"#set{index} = :set{index}")
+            path = ".".join(f"#set{index}_{part}" for part in range(len(parts)))
+            clauses.append(f"{path} = :set{index}")
         expression = ("SET " + ", ".join(clauses)) if clauses else ""
         if remove:
             names |= {f"#remove{index}": attribute for index, attribute in enumerate(remove)}
@@ -173,6 +177,23 @@ class Registry:
         kept = Attr("access_point_arn").not_exists() | Attr("access_point_arn").eq(access_point_arn)
         condition = Attr("run_id").eq(run_id) & ~_status_in(ENDED) & kept
         return self._write(job_id, {"access_point_arn": access_point_arn}, condition=condition)
+
+    def join_node(
+        self, seen: JobRecord, node: NodeRecord, at: str, coordinator: Mapping[str, Any] | None = None
+    ) -> JobRecord | None:
+        """A node of a job over several VMs joins the run the first node's registration minted (the first node is
+        in the record `register` put): only while that run (rule 3) is PENDING at its generation (rule 2) with the
+        same node count, and only into an index no other instance holds (the same instance joining again is a
+        duplicate event: the same write). Node 0's join makes its instance the job's, with `coordinator`'s values
+        (its type and image). None: refused, re-read to say why."""
+        path = f"nodes.{node.index}"
+        free = Attr(path).not_exists() | Attr(f"{path}.instance_id").eq(node.instance_id)
+        condition = Attr("run_id").eq(seen.run_id) & _at(seen.generation, Status.PENDING) & free
+        condition &= Attr("node_count").eq(seen.node_count)
+        values = {path: node.to_item(), "updated_at": at}
+        if node.index == 0:
+            values |= {"instance_id": node.instance_id, **(coordinator or {})}
+        return self._write(seen.job_id, values, condition=condition)
 
     def mark_started(self, seen: JobRecord, next_checkpoint_at: int, at: str) -> JobRecord | None:
         """PENDING to RUNNING: the job started on its instance; its first periodic dump is due at next_checkpoint_at."""

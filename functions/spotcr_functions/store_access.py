@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from spotcr_contracts import layout, tags
+from spotcr_contracts import layout, nodes, tags
 from spotcr_contracts.layout import job_prefix, run_prefix
 from spotcr_contracts.settings import ENV
 
@@ -118,7 +118,7 @@ def check_job_name(job_id: str | None) -> str:
 
 def instances_of(record: JobRecord) -> tuple[str, ...]:
     """The instances that may hold the job: current, backup, and the one a recovery is moving it from."""
-    candidates = [record.instance_id, record.backup_instance_id]
+    candidates = [record.instance_id, record.backup_instance_id, *(node.instance_id for node in record.nodes)]
     if record.status == Status.RECOVERING:
         candidates.append(record.recovering_from)
     return tuple(instance for instance in candidates if instance)
@@ -219,6 +219,7 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
     caller = caller_instance(user_arn, settings.job_role_name)
     job = check_job_name(job_id)
     record = authorize(deps.registry.get(job), job, caller.instance_id)
+    node = node_answer(record, caller.instance_id)
     access_point = access_point_of(record, settings.file_system_id)
     policy = session_policy(
         caller.partition,
@@ -244,12 +245,30 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
         "Job": job,
         "Run": record.run_id,
         "Prefix": run_prefix(job, record.run_id),
+        **node,
         **(
             {"FileSystemId": settings.file_system_id, "AccessPointId": access_point.rsplit("/", 1)[-1]}
             if access_point
             else {}
         ),
     }
+
+
+def node_answer(record: JobRecord, instance_id: str) -> dict[str, Any]:
+    """What a node of a job over several VMs learns with its credentials: every node's address in index order, its
+    own index, and the run's launch key (docs/design/multinode.md). Only once every node registered: until then
+    Refused (404), which the agent asks again after. Nothing for a single-VM job."""
+    if not record.node_count:
+        return {}
+    node = record.node_of(instance_id)
+    if node is None:
+        raise Refused(403, f"instance {instance_id} holds no node of job {record.job_id}")
+    listed = nodes.addresses(record.nodes, record.node_count)
+    if listed is None:
+        raise Refused(
+            404, f"job {record.job_id} has {len(record.nodes)} of its {record.node_count} nodes registered: wait"
+        )
+    return {"Nodes": list(listed), "Node": node.index, "LaunchKey": record.launch_key}
 
 
 def access_point_of(record: JobRecord, file_system_id: str) -> str | None:

@@ -5,8 +5,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from spotcr_agent import storage
-from spotcr_agent.bootstrap import bootstrap
+from spotcr_agent import storage, store_credentials
+from spotcr_agent.bootstrap import BootstrapError, bootstrap, build_config, fetch_nodes
 from spotcr_agent.config import load
 from spotcr_agent.runner import InvalidJobSpec, parse_job_spec
 
@@ -204,3 +204,64 @@ def test_an_unwritable_store_is_refused(tmp_path):
             storage.prepare(config)
     finally:
         subprocess.run(["umount", str(mount_point)], check=True)
+
+
+NODE_TAGS = {
+    "spotcr:job": "mpi-7",
+    "spotcr:command": "mpiexec -n 6 ./solver",
+    "spotcr:storage": "fsx",
+    "spotcr:nodes": "3",
+    "spotcr:node": "1",
+}
+URL = "https://abc.lambda-url.eu-west-1.on.aws/"
+
+
+def _answer_with_nodes(**changes):
+    """The store-credentials answer to node 1 of a job over three VMs, read as the agent reads it."""
+    body = {
+        "AccessKeyId": "AKIA",
+        "SecretAccessKey": "secret",
+        "SessionToken": "token",
+        "Expiration": "2026-11-27T18:00:00Z",
+        "Job": "mpi-7",
+        "Nodes": ["10.0.0.10", "10.0.0.11", "10.0.0.12"],
+        "Node": 1,
+        "LaunchKey": "ab" * 32,
+        **changes,
+    }
+    asked = []
+
+    def reader(url, job_id, region):
+        asked.append((url, job_id, region))
+        fetch = store_credentials.fetcher(url, job_id, region, get=lambda target: (200, json.dumps(body).encode()))
+        return fetch()
+
+    return reader, asked
+
+
+def test_a_node_of_a_job_over_several_vms_learns_its_nodes_from_the_store_credentials_answer(tmp_path):
+    reader, asked = _answer_with_nodes()
+    config = build_config(imds_with_tags(NODE_TAGS), bootstrap_args(store_credentials_url=URL), {}, nodes_reader=reader)
+    assert asked == [(URL, "mpi-7", "eu-west-1")]
+    assert (config.nodes, config.node_index, config.launch_key) == (
+        ("10.0.0.10", "10.0.0.11", "10.0.0.12"),
+        1,
+        "ab" * 32,
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "args", "message"),
+    [
+        ({"Node": 2}, {"store_credentials_url": URL}, "lists this instance as node 2 of 3, its tags say node 1 of 3"),
+        ({"Nodes": ["10.0.0.10", "10.0.0.11"]}, {"store_credentials_url": URL}, "node 1 of 2, its tags say node 1"),
+        ({}, {}, "needs the store-credentials URL"),
+    ],
+)
+def test_a_node_whose_nodes_cannot_be_learned_fails_its_bootstrap_at_the_nodes_step(tmp_path, changes, args, message):
+    reader, _ = _answer_with_nodes(**changes)
+    if not args:
+        reader = fetch_nodes
+    with pytest.raises(BootstrapError) as raised:
+        build_config(imds_with_tags(NODE_TAGS), bootstrap_args(**args), {}, nodes_reader=reader)
+    assert raised.value.step == "nodes" and message in str(raised.value)

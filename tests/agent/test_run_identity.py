@@ -96,3 +96,15 @@ def test_a_backup_of_a_reused_name_never_restores_the_earlier_runs_checkpoint(tm
         assert backup.store().checkpoint_ids() == []
     finally:
         kill_tree(outcome.pid)
+
+
+def test_a_node_other_than_node_0_never_starts_the_jobs_command(tmp_path, publisher):
+    # Given node 1 of a job over two VMs, registered for its run
+    nodes = {"nodes": ("10.0.0.10", "10.0.0.11"), "node_index": 1, "launch_key": "ab" * 32, "storage": "efs"}
+    agent = _agent(tmp_path, publisher, **nodes)
+
+    # When its daemon watches, with the run's tag on its instance
+    daemon._watch(agent, _tags({tags.JOB: "job-1", tags.RUN: NEW_RUN}), _stopped(), 0.05)
+
+    # Then it never started the command: node 0 runs it
+    assert agent.status().job_status == "none" and publisher.of("JobStarted") == []

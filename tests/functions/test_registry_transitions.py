@@ -19,6 +19,7 @@ import pytest
 from boto3.dynamodb.conditions import ConditionExpressionBuilder
 from moto import mock_aws
 from spotcr_contracts import protocol
+from spotcr_contracts.nodes import NodeRecord
 from spotcr_functions import registry_schema
 from spotcr_functions.models import JobRecord, Status
 from spotcr_functions.registry import Registry, StaleGeneration, early_ready_key
@@ -96,6 +97,36 @@ def test_an_access_point_is_not_recorded_once_the_run_ended_or_another_was_store
     job(registry, status=Status.COMPLETED)
     assert registry.record_access_point("job-1", "run-1", "arn:ap/mine") is None
     assert registry.record_access_point("job-1", "run-0", "arn:ap/mine") is None
+
+
+def test_a_node_joins_only_its_runs_pending_record_and_only_a_free_index(registry: Registry) -> None:
+    first = NodeRecord(2, "i-2", "10.0.0.12")
+    record = registry.register(
+        replace(
+            job(registry, status=Status.FAILED),
+            status=Status.PENDING,
+            generation=0,
+            instance_id="i-2",
+            node_count=3,
+            nodes=(first,),
+            launch_key="ab" * 32,
+        )
+    )
+    assert now(registry).nodes == (first,)
+    taken = registry.join_node(record, NodeRecord(2, "i-9", "10.0.0.19"), AT)
+    assert taken is None, "an index another instance holds"
+    zero = registry.join_node(record, NodeRecord(0, "i-0", "10.0.0.10"), AT, {"instance_type": "c7i.large"})
+    assert zero is not None and zero.instance_id == "i-0" and zero.instance_type == "c7i.large"
+    again = registry.join_node(record, NodeRecord(0, "i-0", "10.0.0.10"), AT)
+    assert again == zero, "the same instance joining again (a duplicate event) writes the same"
+    assert registry.join_node(replace(record, node_count=4), NodeRecord(1, "i-1", "10.0.0.11"), AT) is None
+    assert registry.join_node(replace(record, run_id="run-0"), NodeRecord(1, "i-1", "10.0.0.11"), AT) is None
+    joined = registry.join_node(record, NodeRecord(1, "i-1", "10.0.0.11"), AT)
+    assert joined is not None and [n.instance_id for n in joined.nodes] == ["i-0", "i-1", "i-2"]
+    assert joined.launch_key == "ab" * 32 and joined.node_of("i-1") == NodeRecord(1, "i-1", "10.0.0.11")
+    registry.mark_started(joined, 0, AT)
+    assert registry.join_node(joined, NodeRecord(1, "i-7", "10.0.0.17"), AT) is None, "the job started"
+    assert now(registry).node_of("i-1") is not None
 
 
 def test_a_start_moves_only_a_pending_job(registry: Registry) -> None:

@@ -20,7 +20,7 @@ from spotcr_contracts.settings import AGENT_FLAGS, VmSettings
 from spotcr_contracts.tags import ERROR, JOB, RUN, RUN_ID_PATTERN, JobSpec, parse_job_tags
 
 from . import config as agent_config
-from . import readiness, scratch, storage
+from . import readiness, scratch, storage, store_credentials
 from .config import AgentConfig
 from .events import EventBridgePublisher, Publisher, now_iso
 from .imds import Imds, Metadata, instance_tags, require
@@ -50,12 +50,26 @@ TAG_POLL_S = 5.0
 RUN_WAIT_S = 120.0
 
 
+def fetch_nodes(url: str, job_id: str, region: str) -> Mapping[str, str]:
+    """A node's view of its job over several VMs, from the store-credentials URL, which answers once every node
+    registered (asked again until then, for store_credentials.WAIT_S): every node's address, this node's index and
+    the run's launch key."""
+    if not url:
+        raise ValueError("a job over several VMs needs the store-credentials URL: it hands each node the others")
+    answer = store_credentials.fetcher(url, job_id, region)()
+    if not answer.get("nodes"):
+        raise ValueError(f"the store-credentials URL named no nodes for job {job_id}")
+    return answer
+
+
 def build_config(
     metadata: Metadata,
     args: argparse.Namespace,
     environ: Mapping[str, str],
     spec_reader: Callable[[str], bytes] = fetch_spec,
     sleep: Callable[[float], None] = time.sleep,
+    *,
+    nodes_reader: Callable[[str, str, str], Mapping[str, str]] = fetch_nodes,
 ) -> AgentConfig:
     """Everything the agent needs to know, from IMDS, the instance's tags and the bootstrap flags."""
     step = "imds"
@@ -70,8 +84,23 @@ def build_config(
         definition = JobDefinition(command=job.command, workdir=job.workdir)
         if job.spec_uri:
             definition = parse_job_spec(spec_reader(job.spec_uri))
+        step = "nodes"
+        node: dict[str, Any] = {}
+        if job.nodes > 1:
+            url = VmSettings.from_agent_options(vars(args)).store_credentials_url
+            answer = nodes_reader(url, job.job_id, context["region"])
+            node = {
+                "nodes": tuple(answer["nodes"].split(",")),
+                "node_index": int(answer["node_index"]),
+                "launch_key": answer["launch_key"],
+            }
+            if node["node_index"] != job.node_index or len(node["nodes"]) != job.nodes:
+                raise ValueError(
+                    f"the control plane lists this instance as node {node['node_index']} of {len(node['nodes'])}, "
+                    f"its tags say node {job.node_index} of {job.nodes}"
+                )
         step = "config"
-        return _config(job, definition, context, args, environ)
+        return _config(job, definition, context, args, environ, node=node)
     except Exception as error:
         raise BootstrapError(step, str(error)) from error
 
@@ -94,6 +123,8 @@ def _config(
     context: Mapping[str, str],
     args: argparse.Namespace,
     environ: Mapping[str, str],
+    *,
+    node: Mapping[str, Any],
 ) -> AgentConfig:
     state_dir = Path(environ.get(agent_config.STATE_DIR_ENV, str(agent_config.DEFAULT_STATE_DIR)))
     deployment = VmSettings.from_agent_options(vars(args))
@@ -120,6 +151,7 @@ def _config(
         "deadline_margin_s": job.deadline_margin_s,
         "state_dir": state_dir,
         "imds_endpoint": environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT),
+        **node,
     }
     if workdir:
         values["workdir"] = Path(workdir)
@@ -140,6 +172,7 @@ def bootstrap(
     ping_status: readiness.PingStatus | None = None,
     scratch_warning: Callable[[Path], str | None] = scratch.capacity_warning,
     sleep: Callable[[float], None] = time.sleep,
+    nodes_reader: Callable[[str, str, str], Mapping[str, str]] = fetch_nodes,
 ) -> int:
     metadata = metadata or Imds(environ.get(agent_config.IMDS_ENV, agent_config.DEFAULT_IMDS_ENDPOINT))
     config: AgentConfig | None = None
@@ -148,7 +181,7 @@ def bootstrap(
     try:
         if args.report_failure:
             raise BootstrapError(args.report_failure, "the bootstrap script failed at this step; see the console log")
-        config = build_config(metadata, args, environ, spec_reader)
+        config = build_config(metadata, args, environ, spec_reader, nodes_reader=nodes_reader)
         if storage.handed_over_at_restore(config):
             log.info("ebs: recovery hands the volume over once this backup is ready; the restore command mounts it")
         else:

@@ -36,7 +36,9 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
 
 def _watch(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float) -> None:
     agent.ready()
-    waiting = agent.config.mode == "run"
+    # Node 0 runs the job's command; another node's share is what node 0's MPI launcher starts there through its
+    # agent (docs/design/multinode.md), never the command itself.
+    waiting = agent.config.mode == "run" and agent.config.node_index == 0
     interrupted = pruned = False
     while True:
         if waiting:

@@ -122,6 +122,11 @@ def _metadata(body: bytes, job_id: str) -> dict[str, str]:
         raise StoreCredentialsError(f"store credentials answered for job {data.get('Job')!r}, not {job_id!r}")
     if data.get("AccessPointId"):
         metadata["efs_access_point_id"] = str(data["AccessPointId"])  # the job's own EFS access point (efs storage)
+    if data.get("Nodes"):
+        # A job over several VMs: every node's address, this node's index, the run's launch key (its agents' port).
+        metadata["nodes"] = ",".join(str(address) for address in data["Nodes"])
+        metadata["node_index"] = str(data.get("Node", ""))
+        metadata["launch_key"] = str(data.get("LaunchKey", ""))
     return metadata
 
 

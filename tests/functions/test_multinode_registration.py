@@ -1,0 +1,154 @@
+"""A job over several VMs registers as one job: one record listing its nodes, one run, one launch key; every node
+learns the others' addresses with its store credentials once all are registered (docs/design/multinode.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from spotcr_contracts import tags as tag_names
+from spotcr_contracts.nodes import LAUNCH_KEY
+from spotcr_functions.models import Status
+
+from rehearsal.controlplane import REGION, ControlPlane, agent_event, ec2_event, now_iso, route
+from tests.functions.support import answer, instance_session, request
+
+pytestmark = pytest.mark.claim("One identity per run")
+
+JOB = "mpi-7"
+
+
+def node_tags(index: int, nodes: int = 3, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {
+        tag_names.JOB: JOB,
+        tag_names.COMMAND: "mpiexec -n 6 /opt/job/solver",
+        tag_names.STORAGE: "efs",
+        tag_names.NODES: str(nodes),
+        tag_names.NODE: str(index),
+        **(extra or {}),
+    }
+
+
+def register(plane: ControlPlane, job_tags: dict[str, str], az: str = f"{REGION}a") -> str:
+    instance_id = plane.launch_job_instance(job_tags, az)
+    route(ec2_event("state-change-running", instance_id))
+    return instance_id
+
+
+def credentials(instance_id: str) -> tuple[int, dict[str, Any]]:
+    return answer(request(JOB, instance_session(instance_id)))
+
+
+def test_three_nodes_registered_in_any_order_are_one_job_with_one_run(
+    plane: ControlPlane, vending: list[dict[str, Any]]
+) -> None:
+    # Given three nodes of one job, whose registrations come in the order 2, 0, 1
+    second = register(plane, node_tags(2))
+    status, body = credentials(second)
+    assert status == 404 and "1 of its 3 nodes registered" in body["error"], "a node waits for the others"
+    first = register(plane, node_tags(0))
+    middle = register(plane, node_tags(1))
+    route(ec2_event("state-change-running", middle))  # a duplicate event changes nothing
+
+    # Then one record lists them, node 0's instance is the job's, and each node carries the one run
+    record = plane.job(JOB)
+    assert record.status == Status.PENDING and record.node_count == 3
+    assert [node.instance_id for node in record.nodes] == [first, middle, second]
+    assert record.instance_id == first
+    assert record.launch_key and LAUNCH_KEY.fullmatch(record.launch_key)
+    assert tag_names.NODE not in record.tags and record.tags[tag_names.NODES] == "3"
+    for instance_id in (first, middle, second):
+        assert plane.instance_tags(instance_id)[tag_names.RUN] == record.run_id
+
+    # And each node's credentials name every node's address, its own index and the run's launch key
+    addresses = [node.address for node in record.nodes]
+    assert len(set(addresses)) == 3
+    for index, instance_id in enumerate((first, middle, second)):
+        status, body = credentials(instance_id)
+        assert status == 200, body
+        assert (body["Nodes"], body["Node"], body["LaunchKey"]) == (addresses, index, record.launch_key)
+
+    # And node 0's start starts the job, after which no node joins any more
+    route(agent_event(_started(first)))
+    assert plane.job(JOB).status == Status.RUNNING
+    late = register(plane, node_tags(1))
+    assert "already runs on" in plane.instance_tags(late)[tag_names.ERROR]
+    assert [node.instance_id for node in plane.job(JOB).nodes] == [first, middle, second]
+
+
+def state(plane: ControlPlane, instance_id: str) -> str:
+    reservations = plane.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+    return str(reservations[0]["Instances"][0]["State"]["Name"])
+
+
+def _started(instance_id: str) -> Any:
+    from spotcr_contracts import events
+
+    return events.JobStarted(JOB, instance_id, 0, now_iso(), pid=4242)
+
+
+@pytest.mark.parametrize(
+    ("tags", "az", "refusal"),
+    [
+        (node_tags(0), f"{REGION}a", "node 0 of job mpi-7 is i-"),
+        (node_tags(1, nodes=4), f"{REGION}a", "already runs on"),
+        (node_tags(1, extra={tag_names.INTERVAL: "60"}), f"{REGION}a", "spotcr:interval differs between the"),
+        (node_tags(1), f"{REGION}b", "a node's address moves only within its subnet"),
+    ],
+    ids=["index-taken", "other-count", "other-tags", "other-subnet"],
+)
+def test_a_node_that_is_not_the_jobs_is_refused_and_never_gets_the_run(
+    plane: ControlPlane, tags: dict[str, str], az: str, refusal: str
+) -> None:
+    first = register(plane, node_tags(0))
+    other = register(plane, tags, az)
+    refused = plane.instance_tags(other)
+    assert refusal in refused[tag_names.ERROR] and tag_names.RUN not in refused
+    assert [node.instance_id for node in plane.job(JOB).nodes] == [first]
+
+
+@pytest.mark.parametrize(
+    ("tags", "refusal"),
+    [
+        ({tag_names.NODES: "3"}, "spotcr:node: a job over several VMs has both"),
+        ({tag_names.NODES: "3", tag_names.NODE: "3"}, "spotcr:node: must be between 0 and 2"),
+        ({tag_names.NODES: "17", tag_names.NODE: "0"}, "spotcr:nodes: must be between 1 and 16"),
+        ({tag_names.NODES: "2", tag_names.NODE: "0", tag_names.STORAGE: "s3"}, "needs efs or fsx storage for now"),
+    ],
+)
+def test_node_tags_that_make_no_job_are_refused_with_the_tag_named(
+    plane: ControlPlane, tags: dict[str, str], refusal: str
+) -> None:
+    job_tags = {tag_names.JOB: JOB, tag_names.COMMAND: "/opt/job/run", tag_names.STORAGE: "efs", **tags}
+    instance_id = register(plane, job_tags)
+    assert refusal in plane.instance_tags(instance_id)[tag_names.ERROR]
+
+
+@pytest.mark.parametrize("event", ["spot-interruption-warning", "state-change-terminated"])
+@pytest.mark.parametrize("lost", [0, 2])
+def test_a_lost_node_fails_the_job_saying_recovery_over_several_vms_is_not_built(
+    plane: ControlPlane, event: str, lost: int
+) -> None:
+    # Given a job running on three nodes
+    instances = [register(plane, node_tags(index)) for index in range(3)]
+    route(agent_event(_started(instances[0])))
+
+    # When one node is warned, or goes without a warning
+    route(ec2_event(event, instances[lost]))
+
+    # Then the job fails with the reason, nothing is launched or restored, and the other nodes are retired
+    record = plane.job(JOB)
+    assert record.status == Status.FAILED and record.generation == 0
+    assert f"node {lost} ({instances[lost]})" in str(record.reason)
+    assert "recovering a job over several VMs is not built yet" in str(record.reason)
+    assert plane.executions() == [] and plane.backups() == [] and plane.sent_commands() == []
+    assert any("not built yet" in message for message in plane.notifications())
+    for index, instance_id in enumerate(instances):
+        if index != lost:
+            assert state(plane, instance_id) in ("shutting-down", "terminated")
+            assert "not built yet" in plane.instance_tags(instance_id)[tag_names.ERROR]
+
+    # And the others' own state changes afterwards change nothing
+    for instance_id in instances:
+        route(ec2_event("state-change-terminated", instance_id))
+    assert plane.job(JOB) == record
