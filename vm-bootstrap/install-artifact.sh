@@ -30,6 +30,7 @@ tar -xzf "$tarball" -C "$PREFIX/criu.new" --strip-components=1
 rm -rf "$PREFIX/criu"
 mv "$PREFIX/criu.new" "$PREFIX/criu"
 install -m 0755 "$ASSET/bin/spotcr-agent" "$PREFIX/bin/spotcr-agent"
+install -m 0755 "$ASSET/bin/spotcr-launch" "$PREFIX/bin/spotcr-launch"
 
 # amazon-efs-utils (MIT; make artifacts fetches the release efs-utils.lock pins: its SOURCE says which): mount.efs
 # and its watchdog, which EFS through the job's own access point with IAM and TLS needs (efs_isolation; stunnel4 comes

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from spotcr_agent import cli
+from spotcr_agent.config import LAUNCHER
 from spotcr_contracts.commands import AGENT_BIN
 from spotcr_contracts.settings import AGENT_FLAGS, VmSettings
 
@@ -43,6 +44,16 @@ def test_launcher_and_unit_run_the_agent_where_the_ssm_documents_expect_it():
     assert "exec /usr/bin/python3 -m spotcr_agent" in launcher  # Debian 12's own python: nothing to install
     assert "PYTHONPATH=/opt/spotcr/lib:/opt/spotcr/lib/python" in launcher
     assert "PATH=/opt/spotcr/criu/bin:" in launcher  # the prebuilt CRIU
+    # spotcr-launch, which node 0's mpiexec runs as its ssh, installed where the agent tells the job it is
+    assert LAUNCHER == "/opt/spotcr/bin/spotcr-launch"
+    assert (
+        'install -m 0755 "$ASSET/bin/spotcr-launch" "$PREFIX/bin/spotcr-launch"'
+        in (VM / "install-artifact.sh").read_text()
+    )
+    mpi_launcher = (VM / "bin" / "spotcr-launch").read_text()
+    assert (
+        "PYTHONPATH=/opt/spotcr/lib:/opt/spotcr/lib/python exec /usr/bin/python3 -m spotcr_agent.launch" in mpi_launcher
+    )
     unit = (VM / "spotcr-agent.service").read_text()
     assert f"ExecStart={AGENT_BIN} daemon" in unit
     assert "KillMode=process" in unit  # restarting the agent must never kill the job

@@ -30,7 +30,7 @@ from spotcr_contracts.events import (
 from spotcr_contracts.layout import AGENT_LOGS
 from spotcr_contracts.results import StatusResult
 
-from . import agentlog, aliases, deadline, result, storage
+from . import agentlog, aliases, deadline, launch, result, storage
 from .carry import Layout
 from .checkpoint import (
     Checkpointer,
@@ -364,7 +364,8 @@ class Agent:
                 raise RestoreError(STOPPED_HERE)
             shutil.rmtree(self.config.workdir, ignore_errors=True)  # what a failed restore may have placed
             aliases.release(self.config.state_dir)
-            job = start_job(self.config.command, self.config.workdir, {**self.job_env, **self.config.env})
+            env = {**self.job_env, **self._launcher_env(), **self.config.env}
+            job = start_job(self.config.command, self.config.workdir, env)
             if job.launcher is not None:
                 self._launchers.append(job.launcher)
             state.job_id = self.config.job_id
@@ -412,11 +413,13 @@ class Agent:
         except Exception as error:
             return dataclasses.replace(status, criu_logs_error=f"the job's storage cannot be read: {error}")
 
-    def start_job(self, run_id: str = "") -> int | None:
+    def start_job(self, run_id: str = "", share: tuple[str, ...] = ()) -> int | None:
         """Start the job unless this VM already started it (a job never runs twice); returns its PID.
 
         `run_id` is the run the control plane registered this VM for (its spotcr:run tag; the config's when
-        empty): the daemon calls this only once that tag is on the instance, never on a refused one.
+        empty): the daemon calls this only once that tag is on the instance, never on a refused one. `share`: on
+        a node other than node 0 of a job over several VMs, the command node 0's launcher asked for (launch.py),
+        started as this node's job instead of the job's own command.
 
         A job that cannot start (a missing program, an unusable work dir) is recorded as ended here and reported
         as BootstrapFailed with the reason, so the control plane marks it FAILED instead of leaving it PENDING."""
@@ -427,9 +430,9 @@ class Agent:
                 log.info("the job was already started here (%s); not starting it again", state.job_status)
                 return None
             state.run_id = run_id or state.run_id or self.config.run_id
-            env = {**self.job_env, **self.config.env}
+            env = {**self.job_env, **self._launcher_env(), **self.config.env}
             try:
-                job = start_job(self.config.command, self.config.workdir, env)
+                job = start_job(share or self.config.command, self.config.workdir, env)
             except (JobError, OSError) as error:
                 state.job_id = self.config.job_id
                 state.job_status, state.exit_code = "exited", COMMAND_NOT_STARTED
@@ -448,6 +451,19 @@ class Agent:
         log.info("job %s started as pid %d", self.config.job_id, job.pid)
         self.emit(JobStarted, generation, pid=job.pid)
         return job.pid
+
+    def _launcher_env(self) -> dict[str, str]:
+        """On node 0 of a job over several VMs: what makes `mpiexec` start its processes on every node through
+        spotcr-launch (launch.job_env), with the node list in a hosts file it names."""
+        config = self.config
+        if not config.nodes or config.node_index != 0:
+            return {}
+        hosts = config.state_dir / "hosts"
+        hosts.write_text("".join(f"{address}\n" for address in config.nodes))
+        env = launch.job_env(config.nodes, config.node_index, config.launch_key, config.launcher, hosts)
+        if interface := launch.interface_of(config.nodes[config.node_index]):
+            env["HYDRA_IFACE"] = interface
+        return env
 
     def delete_earlier_runs(self) -> list[str]:
         """Old runs are pruned: once this VM started a new run of the job name, the checkpoints of the name's earlier

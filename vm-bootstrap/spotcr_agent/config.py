@@ -24,6 +24,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/spotcr/agent.json")
 DEFAULT_STATE_DIR = Path("/var/lib/spotcr")
 DEFAULT_MOUNT_POINT = Path("/mnt/spotcr")
 DEFAULT_IMDS_ENDPOINT = "http://169.254.169.254"
+LAUNCHER = "/opt/spotcr/bin/spotcr-launch"  # installed beside spotcr-agent (install-artifact.sh)
 CONFIG_ENV = "SPOTCR_AGENT_CONFIG"
 IMDS_ENV = "SPOTCR_IMDS_ENDPOINT"
 STATE_DIR_ENV = "SPOTCR_STATE_DIR"
@@ -84,11 +85,12 @@ class AgentConfig:
     notice_s: int = AWS_NOTICE_S  # the interruption notice the final dump must fit in
     deadline_margin_s: int = DEFAULT_MARGIN_S  # spotcr:deadline-margin: kept free of the notice by the plan
     # A multi-node job (docs/design/multinode.md): every node's address in index order, this node's index, and the
-    # run's launch key (hex) that signs the agents' port. Empty: a single-VM job. Written with the rest of agent.json
-    # by whoever prepares the node (the design's step 4 has the control plane hand them over).
+    # run's launch key (hex) that signs the agents' port. Empty: a single-VM job. The bootstrap writes them from the
+    # store-credentials answer (bootstrap.fetch_nodes).
     nodes: tuple[str, ...] = ()
     node_index: int = 0
     launch_key: str = ""
+    launcher: str = LAUNCHER  # spotcr-launch, which node 0's mpiexec runs as its ssh (launch.py)
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGES:

@@ -1,8 +1,9 @@
 """The agents' port: how node 0's agent, the coordinator, drives the job's other nodes (docs/design/multinode.md).
 
 Each node's agent listens on its node address, PORT, for the coordinator's requests: `lock`, `dump`, `unlock`
-(spotcr_agent.nodes.Node), one HTTP POST each to /v1/<action> with a JSON body, answered with one JSON object:
-{"ok": true, ...} or {"ok": false, "error": "..."}. `RemoteNode` is the coordinator's side.
+(spotcr_agent.nodes.Node), and node 0's spotcr-launch's `launch` of this node's share (launch.py): one HTTP POST
+each to /v1/<action> with a JSON body, answered with one JSON object: {"ok": true, ...} or {"ok": false, "error":
+"..."}. `RemoteNode` is the coordinator's side.
 
 Only the job's own nodes may ask. Every request carries an HMAC-SHA256, under the run's launch key, of its action,
 date, nonce and body (`signature`). A node refuses, with 401 and the reason:
@@ -164,7 +165,28 @@ def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> d
         nodes.unlock()
         return {}
 
-    return {"lock": lock, "dump": dump, "unlock": unlock}
+    def launch(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        return {"pid": launch_share(agent, body)}
+
+    return {"lock": lock, "dump": dump, "unlock": unlock, "launch": launch}
+
+
+def launch_share(agent: Any, body: Mapping[str, Any]) -> int:
+    """Start what node 0's launcher asks for (spotcr_agent.launch) as this node's share of the job: its relay, which
+    connects back to node 0's address on the port given, with the token. One share per node: a second is refused."""
+    config = agent.config
+    argv, address, port, token = body.get("argv"), body.get("address"), body.get("port"), body.get("token")
+    if not isinstance(argv, list) or not argv or not all(isinstance(word, str) for word in argv):
+        raise ValueError("a launch names its command as a list of words")
+    if address != config.nodes[0] or config.node_index == 0:
+        raise ValueError(f"a launch comes from node 0 ({config.nodes[0]}) to another node, not from {address}")
+    if not isinstance(port, int) or not 0 < port < 65536 or not isinstance(token, str) or len(token) != 32:
+        raise ValueError("a launch names node 0's port and its 32-digit token")
+    pid = agent.start_job(share=(config.launcher, "--relay", address, str(port), token, "--", *argv))
+    if pid is None:
+        status = agent.status()
+        raise ValueError(f"node {config.node_index} did not start the share: its job is {status.job_status} here")
+    return int(pid)
 
 
 def serve(agent: Any) -> NodePort:

@@ -1,0 +1,99 @@
+"""spotcr-launch on loopback: node 0's side asks node 1's agent over the agents' port, node 1's agent starts the relay
+as its share, and the command's output and exit code come home (the VM and MPI test is test_launcher_criu.py)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from spotcr_agent import launch
+from spotcr_agent.nodeport import Gate, NodePort, agent_actions
+
+LAUNCHER = str(Path(__file__).parent / "jobs" / "spotcr-launch")
+NODES = ("127.0.0.1", "127.0.0.3")  # node 0 and node 1, both on loopback
+KEY = secrets.token_hex(32)
+
+
+class ShareAgent:
+    """Node 1's agent as far as a launch goes: it starts the share (the relay) once, as a job."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(nodes=NODES, node_index=1, launcher=LAUNCHER)
+        self.shares: list[subprocess.Popen[bytes]] = []
+
+    def start_job(self, share: tuple[str, ...] = ()) -> int | None:
+        if self.shares:
+            return None
+        self.shares.append(subprocess.Popen(share))
+        return self.shares[0].pid
+
+    def status(self) -> Any:
+        return SimpleNamespace(job_status="running" if self.shares else "none")
+
+
+@pytest.fixture
+def node_1() -> Any:
+    agent = ShareAgent()
+    with NodePort(NODES[1], 0, Gate(bytes.fromhex(KEY)), agent_actions(agent, NODES[1], NODES[0])) as served:
+        yield agent, served.port
+    for share in agent.shares:
+        share.wait(10)
+
+
+def environ(key: str = KEY) -> dict[str, str]:
+    return {**os.environ, launch.NODES_ENV: ",".join(NODES), launch.NODE_ENV: "0", launch.KEY_ENV: key}
+
+
+def test_a_command_launched_on_another_node_sends_its_output_and_exit_code_home(node_1: Any, capfdbinary: Any) -> None:
+    agent, port = node_1
+    # As Hydra runs its ssh launcher: an ssh flag, the host, the command's words quoted for a remote shell
+    argv = ["-x", NODES[1], "sh", "-c", "'echo from node 1; echo to stderr >&2; exit 3'"]
+    assert launch.launch(argv, environ(), port=port) == 3
+    out, err = capfdbinary.readouterr()
+    assert (out, err) == (b"from node 1\n", b"to stderr\n")
+    [share] = agent.shares
+    assert share.wait(10) == 3 and tuple(share.args[:2]) == (LAUNCHER, "--relay")
+
+    # And a second launch on the same node is refused: one share per node
+    with pytest.raises(launch.LaunchError, match="did not start the share: its job is running here"):
+        launch.launch([NODES[1], "true"], environ(), port=port)
+
+
+def test_a_launch_signed_with_another_key_starts_nothing(node_1: Any) -> None:
+    agent, port = node_1
+    with pytest.raises(launch.LaunchError, match="refused launch: bad signature"):
+        launch.launch([NODES[1], "true"], environ(secrets.token_hex(32)), port=port)
+    assert agent.shares == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "host", "command"),
+    [
+        (["-x", "10.0.0.2", '"/usr/bin/hydra_pmi_proxy"', "--proxy-id", "1"], "10.0.0.2", ["/usr/bin/hydra_pmi_proxy"]),
+        (
+            ["-o", "StrictHostKeyChecking=no", "-p", "22", "ubuntu@10.0.0.2", "orted -mca x 'a b'"],
+            "10.0.0.2",
+            ["orted"],
+        ),
+        (["-T", "--", "10.0.0.2", "prog"], "10.0.0.2", ["prog"]),
+    ],
+)
+def test_host_and_command_are_read_as_ssh_would_read_them(argv: list[str], host: str, command: list[str]) -> None:
+    found_host, found = launch.split_ssh_argv(argv)
+    assert found_host == host and found[: len(command)] == command
+    if "'a b'" in argv[-1]:
+        assert found == ["orted", "-mca", "x", "a b"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["-x"], "no HOST"), (["10.0.0.2"], "no COMMAND for 10.0.0.2"), (["10.9.9.9", "prog"], "is not a node")],
+)
+def test_a_launch_that_names_no_node_or_command_is_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.launch(argv, environ())
