@@ -21,7 +21,7 @@ from typing import Any
 
 from spotcr_agent.config import AgentConfig
 from spotcr_agent.store.store import GRACE_SECONDS
-from spotcr_contracts.tags import INTERVAL, MAX_INTERVAL_S, MIN_INTERVAL_S, STORAGES
+from spotcr_contracts.tags import INTERVAL, MAX_INTERVAL_S, MAX_NODES, MIN_INTERVAL_S, STORAGES
 from spotcr_functions.config import Settings
 
 MIB_PER_GIB = 1024.0
@@ -275,7 +275,7 @@ class Rates:
 class JobPlanInput:
     memory_gib: float
     dirty_gib_per_min: float
-    rate_per_hour: float
+    rate_per_hour: float  # one VM's interruptions per hour
     rate_source: str
     work_hours: float
     vm_price_hour: float
@@ -285,6 +285,14 @@ class JobPlanInput:
     storage_price: Mapping[str, Source] = field(default_factory=lambda: dict(DEFAULT_STORAGE_PRICE))
     boot: Source = DEFAULT_BOOT_S
     interval_s: float | None = None  # None: Daly's interval
+    # A job over several VMs: this many nodes, each with `memory_gib` and the VM price; the job is interrupted
+    # whenever any node is (job_rate_per_hour).
+    nodes: int = 1
+
+    @property
+    def job_rate_per_hour(self) -> float:
+        """The job's interruptions per hour: any of its nodes' (independent, so N times one VM's)."""
+        return self.rate_per_hour * self.nodes
 
     def __post_init__(self) -> None:
         positive("--memory-gib", self.memory_gib)
@@ -300,6 +308,8 @@ class JobPlanInput:
             positive("--rewritten-per-interval", self.rewritten_gib, zero_ok=True)
         if self.interval_s is not None:
             positive("--interval", self.interval_s)
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise PlanInputError(f"--nodes must be from 1 to {MAX_NODES}, got {self.nodes}")
 
 
 def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any]:
@@ -318,9 +328,12 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
     restart R = final dump (or a failed one: the budget) + boot + memory / read rate
     overhead per hour of work = C / T + rate * (L + R)       (first order: time lost, as a share of the work)
     cost of the run = run hours * VM price + requests + storage kept             (see checkpoint_costs)
+    A job of N nodes: memory is one node's, every node dumps and restores its own at once (so C, F, R are one
+    node's), rate is N times one VM's (a job is interrupted when any node is), and the VM price, the requests and
+    the storage kept are N times one node's.
     """
     memory_mib = job.memory_gib * MIB_PER_GIB
-    mtbf_s = 3600.0 / job.rate_per_hour
+    mtbf_s = 3600.0 / job.job_rate_per_hour
     freeze_s = memory_mib / rates.local_dump.value
     upload_s = memory_mib / rates.effective_write
     young_s = young_interval_s(freeze_s, mtbf_s)
@@ -345,7 +358,7 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
     no_final_per_work_s = freeze_s / interval_s + (interval_s / 2.0 + job.boot.value + restore_s) / mtbf_s
     run_hours = job.work_hours * (1.0 + per_work_s)
     checkpoints = checkpoint_costs(job, storage, interval_s, run_hours)
-    vm_cost = run_hours * job.vm_price_hour
+    vm_cost = run_hours * job.vm_price_hour * job.nodes
     result: dict[str, Any] = {
         "storage": storage,
         "rates_mib_s": {
@@ -383,9 +396,9 @@ def plan_storage(job: JobPlanInput, storage: str, rates: Rates) -> dict[str, Any
         "vm_cost": vm_cost,
         "total_cost": vm_cost + checkpoints["requests_cost"] + checkpoints["storage_cost"],
     }
-    result["per_day"]["vm_cost"] = 24.0 * job.vm_price_hour
+    result["per_day"]["vm_cost"] = 24.0 * job.vm_price_hour * job.nodes
     if job.on_demand_price_hour is not None:
-        result["on_demand_cost"] = job.work_hours * job.on_demand_price_hour
+        result["on_demand_cost"] = job.work_hours * job.on_demand_price_hour * job.nodes
     return result
 
 
@@ -403,16 +416,17 @@ def checkpoint_costs(job: JobPlanInput, storage: str, interval_s: float, run_hou
         (each deleted GiB is billed that many days, partly after the run: steady state * run time counts it exactly)
     billed GiB = kept (or --stored-gib), at least the provisioned size on EBS and FSx
     storage per day = billed GiB * price per GB-month * 24 / 730          (AWS bills "GB" here as GiB)
+    A job of N nodes writes, reads and keeps N nodes' worth (rate: the job's, N times one VM's).
     """
-    memory = job.memory_gib
+    nodes, memory = job.nodes, job.memory_gib
     rewritten = job.rewritten_gib is not None
     new_gib = (
         job.rewritten_gib if job.rewritten_gib is not None else min(memory, job.dirty_gib_per_min * interval_s / 60)
     )
-    written_day = new_gib * SECONDS_PER_DAY / interval_s
-    read_day = memory * 24.0 * job.rate_per_hour
+    written_day = nodes * new_gib * SECONDS_PER_DAY / interval_s
+    read_day = nodes * memory * 24.0 * job.job_rate_per_hour
     kept_checkpoints = max(KEEP_CHECKPOINTS, math.ceil(PRUNE_GRACE_S / interval_s) + 1)
-    kept_gib = min(kept_checkpoints * memory, memory + (kept_checkpoints - 1) * new_gib)
+    kept_gib = nodes * min(kept_checkpoints * memory, memory + (kept_checkpoints - 1) * new_gib)
     noncurrent_gib = written_day * NONCURRENT_VERSION_DAYS if storage == "s3" else 0.0
     stored_gib = job.stored_gib if job.stored_gib is not None else kept_gib + noncurrent_gib
     billed_gib = max(stored_gib, PROVISIONED_GIB[storage].value) if storage in PROVISIONED_GIB else stored_gib
@@ -425,8 +439,8 @@ def checkpoint_costs(job: JobPlanInput, storage: str, interval_s: float, run_hou
             gets_per_gib * request.get_per_1000 / 1000.0 + request.read_per_gb
         )
 
-    written_run = memory + new_gib * run_hours * 3600.0 / interval_s
-    read_run = memory * run_hours * job.rate_per_hour
+    written_run = nodes * (memory + new_gib * run_hours * 3600.0 / interval_s)
+    read_run = nodes * memory * run_hours * job.job_rate_per_hour
     result: dict[str, Any] = {
         "new_gib_per_checkpoint": {
             "value": new_gib,

@@ -50,6 +50,13 @@ def register(subparsers: Any) -> None:
         help="interruptions per hour (e.g. 0.01), or a Spot Instance Advisor band: "
         + ", ".join(model.BANDS).replace("%", "%%"),
     )
+    job.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="a job over several VMs: its node count; --memory-gib, --dirty-gib-per-min and the prices are one "
+        "node's, and the job is interrupted when any node is",
+    )
     job.add_argument("--storage", choices=(*STORAGES, "all"), default="all", help="storage to plan for (all)")
     job.add_argument("--instance-type", default="", help="the job's instance type; selects probe results")
     job.add_argument("--on-demand-price-hour", type=float, help="on-demand price of the type, to compare")
@@ -139,6 +146,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         ),
         storage_price={**model.DEFAULT_STORAGE_PRICE, **_prices(args.storage_price)},
         interval_s=args.interval_minutes * 60.0 if args.interval_minutes is not None else None,
+        nodes=args.nodes,
     )
     storages = list(STORAGES) if args.storage == "all" else [args.storage]
     probes = _load_probes(args.probe, args.bucket, args.instance_type, storages)
@@ -148,9 +156,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "instance_type": args.instance_type,
         "memory_gib": job.memory_gib,
         "dirty_gib_per_min": job.dirty_gib_per_min,
-        "interruptions_per_hour": rate,
-        "interruption_rate_source": rate_source,
-        "mean_time_between_interruptions_h": 1.0 / rate,
+        "nodes": job.nodes,
+        "interruptions_per_hour": job.job_rate_per_hour,
+        "interruption_rate_source": rate_source + (f", times {job.nodes} nodes" if job.nodes > 1 else ""),
+        "mean_time_between_interruptions_h": 1.0 / job.job_rate_per_hour,
         "work_hours": job.work_hours,
         "vm_price_hour": job.vm_price_hour,
         "boot_s": {"value": job.boot.value, "source": job.boot.source},
@@ -235,6 +244,10 @@ def _bucket_probes(bucket: str, instance_type: str, storages: Sequence[str]) -> 
     return found
 
 
+def _nodes(count: int) -> str:
+    return f"{count} nodes of " if count > 1 else ""
+
+
 def _research_table(result: Mapping[str, Any]) -> str:
     rows = [
         ("checkpoints", f"{result['checkpoints']}"),
@@ -249,7 +262,7 @@ def _research_table(result: Mapping[str, Any]) -> str:
 
 def _job_table(result: Mapping[str, Any]) -> str:
     head = (
-        f"job: {result['memory_gib']:g} GiB, dirties {result['dirty_gib_per_min']:g} GiB/min, "
+        f"job: {_nodes(result['nodes'])}{result['memory_gib']:g} GiB, dirties {result['dirty_gib_per_min']:g} GiB/min, "
         f"{result['work_hours']:g} h of work on {result['instance_type'] or 'an unnamed type'}; "
         f"{result['interruptions_per_hour']:.5f} interruptions/h ({result['interruption_rate_source']}), "
         f"one every {result['mean_time_between_interruptions_h']:.1f} h"

@@ -340,3 +340,33 @@ def test_the_research_mode_counts_no_requests(capsys):
     result = run_json(capsys, research_argv(24, 1, 215.68, TASK_GB, 0.42, 0.023))
 
     assert not [key for key in result if "request" in key or "per_day" in key]
+
+
+def test_a_job_over_several_nodes_is_interrupted_by_any_and_pays_for_all(capsys):
+    one = run_json(capsys, [*JOB, "--storage", "efs"])
+    three = run_json(capsys, [*JOB, "--storage", "efs", "--nodes", "3"])
+    node, job = one["storages"][0], three["storages"][0]
+
+    # The job is interrupted when any node is: three times one VM's rate, so a shorter interval (Daly's)
+    assert three["nodes"] == 3 and three["interruptions_per_hour"] == pytest.approx(3 * one["interruptions_per_hour"])
+    assert "times 3 nodes" in three["interruption_rate_source"]
+    freeze = node["checkpoint_freeze_s"]
+    assert job["checkpoint_freeze_s"] == freeze, "every node dumps its own memory at once"
+    assert job["interval"]["daly_s"] == pytest.approx(model.daly_interval_s(freeze, 3600 / (3 * 0.05)))
+    assert job["overhead"] > node["overhead"]
+    # And every node's VM and storage are paid for
+    assert job["vm_cost"] == pytest.approx(job["run_hours"] * 0.2 * 3)
+    assert job["on_demand_cost"] == pytest.approx(48 * 0.68 * 3)
+    # At one interval, three nodes write and keep three nodes' worth, and every interruption restores all three
+    fixed = ["--storage", "efs", "--interval-minutes", "30"]
+    node = run_json(capsys, [*JOB, *fixed])["storages"][0]
+    job = run_json(capsys, [*JOB, *fixed, "--nodes", "3"])["storages"][0]
+    assert job["per_day"]["written_gib"] == pytest.approx(3 * node["per_day"]["written_gib"])
+    assert job["kept"]["gib"] == pytest.approx(3 * node["kept"]["gib"])
+    assert job["per_day"]["read_gib"] == pytest.approx(9 * node["per_day"]["read_gib"]), "3x the rate, 3x the data"
+
+
+def test_a_node_count_out_of_range_is_refused(capsys):
+    args = spotcr(["plan", *JOB, "--nodes", "17"])
+    assert args.func(args) == 2
+    assert "--nodes must be from 1 to 16, got 17" in capsys.readouterr().err
