@@ -139,6 +139,8 @@ def main(op, *args):
         return _service(agent, notice="notice" in args, until_exit="until-exit" in args, seconds=(seconds or [60])[0])
     if op == "coordinate":  # coordinate KIND GENERATION SEQUENCE: node 0's agent, as a dump order has it do
         return nodeport.coordinate(agent, args[0], int(args[1]), int(args[2])).to_json()
+    if op == "coordinate-restore":  # coordinate-restore GENERATION CHECKPOINT SEQUENCE: node 0's agent, a restore order
+        return nodeport.coordinate_restore(agent, int(args[0]), args[1], int(args[2])).to_json()
     if op == "serve-node":  # serve-node ADDRESS PEERS UNLOCKED KEY_HEX STOP_FILE: the agents' port, until STOP_FILE
         address, peers, unlocked, key, stop = args
         actions = nodeport.agent_actions(agent, address, peers, unlocked)

@@ -52,9 +52,12 @@ class AgentNode:
     def dump(self, kind):
         self.before_dump()
         try:
-            return self.job.agent("checkpoint", kind, str(self.generation))["checkpoint_id"]
+            self.dumped = self.job.agent("checkpoint", kind, str(self.generation))["checkpoint_id"]
         finally:
             self.after_dump()
+
+    def commit(self):
+        return self.dumped  # the agent's own checkpoint command commits before it answers
 
     def unlock(self):
         unlock(self.job.vm)

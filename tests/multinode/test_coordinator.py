@@ -33,7 +33,11 @@ class RecordingNode:
     def dump(self, kind):
         self.before_dump()
         self._step("dump")
-        return f"170000000000{self.index}-g1-s4-{kind}"
+        self.dumped = f"170000000000{self.index}-g1-s4-{kind}"
+
+    def commit(self):
+        self._step("commit")
+        return self.dumped
 
     def unlock(self):
         self._step("unlock")
@@ -71,8 +75,8 @@ def test_no_node_dumps_before_every_node_is_locked_nor_is_unlocked_before_every_
     job_nodes, log = nodes(3)
     # When a periodic checkpoint is coordinated
     manifest, committed = checkpoint(job_nodes, tmp_path / "serial")
-    # Then every lock comes before any dump, and every dump before any unlock
-    assert steps(log) == ["lock"] * 3 + ["dump"] * 3 + ["unlock"] * 3
+    # Then every lock comes before any dump, and every dump before any unlock; the commits come after the unlocks
+    assert steps(log) == ["lock"] * 3 + ["dump"] * 3 + ["unlock"] * 3 + ["commit"] * 3
     assert {index for _, index in log} == {0, 1, 2}
     # And one manifest names every node's part, in node order, under one id of the order's generation and sequence
     assert committed == [manifest]
@@ -84,7 +88,7 @@ def test_no_node_dumps_before_every_node_is_locked_nor_is_unlocked_before_every_
 def test_a_final_dump_leaves_every_node_locked_for_the_restore(tmp_path):
     job_nodes, log = nodes(2)
     checkpoint(job_nodes, tmp_path / "serial", kind="final")
-    assert steps(log) == ["lock", "lock", "dump", "dump"]
+    assert steps(log) == ["lock", "lock", "dump", "dump", "commit", "commit"]
     assert all(node.is_locked for node in job_nodes)
 
 
@@ -101,6 +105,17 @@ def test_a_node_that_fails_fails_the_checkpoint_on_all_and_a_periodic_dump_unloc
     assert steps(log)[-3:] == ["unlock"] * 3
     if step == "lock":
         assert "dump" not in steps(log)
+
+
+def test_a_commit_that_fails_fails_the_checkpoint_after_the_nodes_ran_on(tmp_path):
+    # Given node 2 of three whose images cannot be stored
+    job_nodes, log = nodes(3, fails={2: "commit"})
+    # When a periodic checkpoint is coordinated, then it fails naming the node, and no manifest exists
+    with pytest.raises(CheckpointFailed, match="node 2 failed to commit: node 2 cannot commit"):
+        checkpoint(job_nodes, tmp_path / "serial", commit=lambda manifest: pytest.fail("a failed one committed"))
+    # And every node was unlocked before the commits: the job ran on while the images went to the store
+    assert steps(log) == ["lock"] * 3 + ["dump"] * 3 + ["unlock"] * 3 + ["commit"] * 3
+    assert not any(node.is_locked for node in job_nodes)
 
 
 def test_a_failed_final_dump_leaves_the_nodes_locked_for_the_recovery(tmp_path):
@@ -155,5 +170,6 @@ def test_a_final_dump_ordered_during_a_periodic_one_waits_for_it_and_leaves_the_
     go_on.set()
     periodic.join(10)
     final.join(10)
-    assert steps(log) == ["lock"] * 2 + ["dump"] * 2 + ["unlock"] * 2 + ["lock"] * 2 + ["dump"] * 2
+    periodic_steps = ["lock"] * 2 + ["dump"] * 2 + ["unlock"] * 2 + ["commit"] * 2
+    assert steps(log) == periodic_steps + ["lock"] * 2 + ["dump"] * 2 + ["commit"] * 2
     assert all(node.is_locked for node in job_nodes)

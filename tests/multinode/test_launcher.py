@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,6 +65,27 @@ def test_a_command_launched_on_another_node_sends_its_output_and_exit_code_home(
     # And a second launch on the same node is refused: one share per node
     with pytest.raises(launch.LaunchError, match="did not start the share: its job is running here"):
         launch.launch([NODES[1], "true"], environ(), port=port)
+
+
+def test_a_launch_waits_for_a_node_whose_agent_does_not_serve_its_port_yet(capfdbinary: Any) -> None:
+    # Given node 1's agent not serving yet: its port refuses connections
+    with socket.create_server((NODES[1], 0)) as probe:
+        port = probe.getsockname()[1]
+    agent = ShareAgent()
+
+    def serve_later() -> None:
+        time.sleep(1.0)
+        with NodePort(NODES[1], port, Gate(bytes.fromhex(KEY)), agent_actions(agent, NODES[1], NODES[0])):
+            time.sleep(5.0)
+
+    later = threading.Thread(target=serve_later)
+    later.start()
+    # When node 0's mpiexec launches there meanwhile, then the launch goes through once the port is up
+    try:
+        assert launch.launch([NODES[1], "echo", "late"], environ(), port=port) == 0
+    finally:
+        later.join()
+    assert capfdbinary.readouterr().out == b"late\n"
 
 
 def test_a_launch_signed_with_another_key_starts_nothing(node_1: Any) -> None:

@@ -1,69 +1,104 @@
-"""An MPICH job over TCP between three bare local VMs, one rank on each (Hydra's manual launcher standing in for
-spotcr's launcher): one node is warned, a coordinated final dump ends the job on all three, the warned node's
-share restores on a backup that takes over its address and the others in place; the result is an uninterrupted
-run's."""
+"""`mpiexec -n 3 ./prog` just works over three bare local VMs, and survives the interruption of one: node 0's agent
+gives the job the nodes and spotcr-launch as Hydra's ssh, and each other node's agent starts its share at the
+launcher's request over the agents' port. When node 2 is warned, node 0's agent takes the job's final dump over the
+agents' port; node 2's share restores on a backup that takes over its address, the others in place, all at node
+0's agent's order over the same port; the result is an uninterrupted run's."""
 
-import shlex
-import sys
+import functools
+import secrets
+import threading
 from pathlib import Path
 
 import pytest
-from spotcr_agent.nodes import coordinated_checkpoint
+from spotcr_agent.nodeport import RemoteNode
+from spotcr_agent.nodes import JobManifest, NodeError, NodeUnreachable
 
-from tests.agent.vm_agent import RUN_ID, JobVM, reference_run
+from tests.agent.vm_agent import JobVM, reference_run
 from tests.support import wait_for
 from tests.workloads.build import build_all
 
-from .support import AgentNode, unlock
-
 pytestmark = [pytest.mark.criu, pytest.mark.workload]
 
-HYDRA_MANUAL = str(Path(__file__).parent / "jobs" / "hydra_manual.py")
+LAUNCHER = str(Path(__file__).parent / "jobs" / "spotcr-launch")
 NODES, STEPS, PACE_MS = 3, 100, 40
+STOP = "/etc/spotcr/stop-serving"
 
 
-def test_an_mpich_job_over_three_vms_survives_the_interruption_of_one(bare_vm, tmp_path, criu_bin):
+class Serving:
+    """Each node's agent serving the agents' port, as its daemon does, until `stop()`."""
+
+    def __init__(self, jobs, key):
+        self.jobs = jobs
+        self.threads = []
+        for job in jobs:
+            (job.vm.dir("etc") / Path(STOP).name).unlink(missing_ok=True)
+            network = job.vm.network
+            serving = (job.vm.address, str(network.subnet), network.gateway, key, STOP)
+            thread = threading.Thread(target=job.agent, args=("serve-node", *serving), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        for address in (job.vm.address for job in jobs):
+            wait_for(functools.partial(_answers, address, key), what=f"the port of {address}")
+
+    def stop(self):
+        for job in self.jobs:
+            (job.vm.dir("etc") / Path(STOP).name).touch()
+        for thread in self.threads:
+            thread.join(30)
+
+
+def _answers(address, key):
+    """Whether the node's port is up: any answer, a refusal of an action it does not have included."""
+    try:
+        RemoteNode(0, address, bytes.fromhex(key)).ask("ping")
+    except NodeUnreachable:
+        return False
+    except NodeError:
+        return True
+    return True
+
+
+def test_an_mpich_job_over_three_vms_started_by_plain_mpiexec_survives_the_interruption_of_one(
+    bare_vm, tmp_path, criu_bin
+):
     program = (str(build_all() / "mpi"), str(STEPS), str(PACE_MS))
     reference = reference_run(bare_vm(), ("mpiexec", "-n", str(NODES), *program))
     volumes = [tmp_path / f"node-{index}" for index in range(NODES)]
     for volume in volumes:
         volume.mkdir()
-    # Given an MPICH job of three ranks, one on each node, over TCP between the nodes' addresses
+    # Given a job over three VMs whose command is plain mpiexec, each node's agent serving its port
     vms = [bare_vm(shared_storage=volume) for volume in volumes]
-    hosts = ",".join(vm.address for vm in vms)
-    mpiexec = (sys.executable, HYDRA_MANUAL, hosts, "-iface", "eth0", "-n", str(NODES), *program)
-    jobs = [JobVM(vms[0], command=mpiexec)]
+    addresses = tuple(vm.address for vm in vms)
+    nodes = {"nodes": addresses, "launch_key": secrets.token_hex(32), "launcher": LAUNCHER}
+    command = ("mpiexec", "-n", str(NODES), *program)
+    jobs = [JobVM(vm, command=command, node_index=index, **nodes) for index, vm in enumerate(vms)]
+    serving = Serving(jobs, nodes["launch_key"])
+
+    # When node 0's agent starts the job: mpiexec starts the other nodes' shares through spotcr-launch
     jobs[0].agent("start")
-    for index in range(1, NODES):
-        launch = jobs[0].workdir / f"launch-{index}.txt"
-        wait_for(launch.exists, what=f"Hydra's launch command for node {index}")
-        jobs.append(JobVM(vms[index], command=tuple(shlex.split(launch.read_text()))))
-        jobs[index].agent("start")
     wait_for(lambda: len(jobs[0].progress()) >= 20, what="the job's progress")
-    job_nodes = [AgentNode(index, job) for index, job in enumerate(jobs)]
+    for job in jobs[1:]:
+        assert job.agent("status")["job_status"] == "running", "the node's agent runs its share"
 
-    # When node 2 is warned: a coordinated final dump ends the job on every node
-    manifest = coordinated_checkpoint(
-        job_nodes,
-        job_id="job-1",
-        run_id=RUN_ID,
-        generation=1,
-        sequence=1,
-        kind="final",
-        commit=lambda m: None,
-        serial=job_nodes[0].job.vm.root / "coordinated.lock",
-    )
-    # And its VM goes; a backup takes over its address and restores its part, the others restore in place
-    warned = job_nodes[2]
-    warned.job.vm.terminate()
-    backup = bare_vm(shared_storage=volumes[2], takeover=warned.address)
-    restored = [JobVM(vm, generation=2, mode="restore") for vm in (vms[0], vms[1], backup)]
+    # And node 2 is warned: node 0's agent takes the job's final dump over the agents' port
+    manifest = JobManifest.from_json(jobs[0].agent("coordinate", "final", "1", "1"))
+    serving.stop()
+    # And its VM goes; a backup takes over its address (locked until the restore), and node 0's agent restores
+    # every node's part over the agents' port, the backup's and the others' in place, then unlocks them
+    vms[2].terminate()
+    backup = bare_vm(shared_storage=volumes[2], takeover=addresses[2])
+    restored = [
+        JobVM(vm, generation=2, mode="restore", command=command, node_index=index, **nodes)
+        for index, vm in enumerate((vms[0], vms[1], backup))
+    ]
+    serving = Serving(restored, nodes["launch_key"])
+    restore = restored[0].agent("coordinate-restore", "2", manifest.checkpoint_id, "2")
+    serving.stop()
+
+    # Then every node restored its own part, and the job ends on every node with the result of an uninterrupted run
+    assert restore["checkpoint_id"] == manifest.checkpoint_id
     for job, part in zip(restored, manifest.nodes, strict=True):
-        job.agent("restore", "2", part.checkpoint_id)
-    for job in restored:  # only once every node is restored
-        unlock(job.vm)
-
-    # Then the job ends on every node with the result of an uninterrupted run
+        assert job.agent("status")["last_checkpoint"] == part.checkpoint_id
     for job in restored:
         assert job.agent("wait-exit", "120")["exit_code"] == 0
     assert (restored[0].workdir / "result.txt").read_text() == (reference / "result.txt").read_text()

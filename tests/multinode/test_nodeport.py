@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ class RecordingAgent:
         self.bodies: list[Mapping[str, Any]] = []
 
     def actions(self) -> dict[str, nodeport.Action]:
-        return {name: self._step(name) for name in ("lock", "dump", "unlock")}
+        return {name: self._step(name) for name in ("lock", "dump", "commit", "unlock")}
 
     def _step(self, name: str) -> nodeport.Action:
         def step(body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -39,11 +41,11 @@ class RecordingAgent:
             self.bodies.append(body)
             if name == self.fail:
                 raise RuntimeError(f"node {self.index} cannot {name}")
-            return (
-                {"checkpoint_id": f"1800000000000-g{body['generation']}-s{body['sequence']}-{body['kind']}"}
-                if (name == "dump")
-                else {}
-            )
+            if name == "dump":
+                self.kind = body["kind"]
+            if name == "commit":
+                return {"checkpoint_id": f"1800000000000-g{body['generation']}-s{body['sequence']}-{self.kind}"}
+            return {}
 
         return step
 
@@ -70,8 +72,9 @@ def test_a_signed_request_is_answered(port: tuple[NodePort, list[str]]) -> None:
     served, steps = port
     node = RemoteNode(1, "127.0.0.1", KEY, port=served.port, order={"generation": 3, "sequence": 7})
     node.lock()
-    assert node.dump("final") == "1800000000000-g3-s7-final"
-    assert steps == ["lock 1", "dump 1"]
+    node.dump("final")
+    assert node.commit() == "1800000000000-g3-s7-final"
+    assert steps == ["lock 1", "dump 1", "commit 1"]
 
 
 @pytest.mark.parametrize(
@@ -137,7 +140,7 @@ def test_the_gate_forgets_nonces_only_once_their_date_is_stale() -> None:
 def test_an_unknown_action_is_named(port: tuple[NodePort, list[str]]) -> None:
     served, _ = port
     status, answer = _post(served, "restore", b"{}", nodeport.signed_headers(KEY, "restore", b"{}"))
-    assert (status, answer["error"]) == (404, "no action 'restore': dump, lock, unlock")
+    assert (status, answer["error"]) == (404, "no action 'restore': commit, dump, lock, unlock")
 
 
 def test_a_launch_key_shorter_than_32_bytes_is_refused() -> None:
@@ -184,7 +187,8 @@ def test_the_coordinator_drives_every_node_over_the_port(tmp_path: Path) -> None
     # Then every node was locked before any dumped, and unlocked only after every dump; one manifest names them all
     assert sorted(steps[:3]) == ["lock 0", "lock 1", "lock 2"]
     assert sorted(steps[3:6]) == ["dump 0", "dump 1", "dump 2"]
-    assert sorted(steps[6:]) == ["unlock 0", "unlock 1", "unlock 2"]
+    assert sorted(steps[6:9]) == ["unlock 0", "unlock 1", "unlock 2"]
+    assert sorted(steps[9:]) == ["commit 0", "commit 1", "commit 2"]
     assert committed == [manifest]
     assert [part.checkpoint_id for part in manifest.nodes] == ["1800000000000-g2-s5-periodic"] * 3
 
@@ -215,10 +219,16 @@ def test_a_nodes_agent_dumps_its_share_at_the_coordinators_order(monkeypatch: py
     # Given a node's agent behind its port, its network lock stood in for (the CRIU tests take the real one)
     asked: list[tuple[Any, ...]] = []
 
+    storing = threading.Event()  # the periodic dump's images go to the store only once the test says so
+
     class Agent:
-        def checkpoint(self, kind: str, generation: int, sequence: int | None) -> Any:
+        def checkpoint(self, kind: str, generation: int, sequence: int | None, on_resumed: Any) -> Any:
             asked.append((kind, generation, sequence))
-            return type("Outcome", (), {"checkpoint_id": f"1800000000000-g{generation}-s{sequence}-{kind}"})()
+            if kind == "periodic":
+                on_resumed()  # the share runs again
+                assert storing.wait(10)
+            checkpoint = f"1800000000000-g{generation}-s{sequence}-{kind}"
+            return SimpleNamespace(checkpoint_id=checkpoint, seconds=1.5, frozen_seconds=0.25)
 
     monkeypatch.setattr(nodes, "lock", lambda *args: asked.append(("lock", *args)))
     monkeypatch.setattr(nodes, "unlock", lambda: asked.append(("unlock",)))
@@ -226,11 +236,19 @@ def test_a_nodes_agent_dumps_its_share_at_the_coordinators_order(monkeypatch: py
     with NodePort("127.0.0.1", 0, Gate(KEY), actions) as served:
         node = RemoteNode(1, "127.0.0.1", KEY, port=served.port, order={"generation": 4, "sequence": 9})
 
-        # When the coordinator locks it, orders its final dump, and asks a dump with no generation
+        # When the coordinator orders a periodic dump, then the node answers once its share runs again, before its
+        # images are stored; its commit answers once they are
+        node.dump("periodic")
+        storing.set()
+        assert node.commit() == "1800000000000-g4-s9-periodic"
+        # And when it locks it and orders its final dump, then it commits; a dump with no generation is refused
         node.lock()
-        assert node.dump("final") == "1800000000000-g4-s9-final"
+        node.dump("final")
+        assert node.commit() == "1800000000000-g4-s9-final"
         with pytest.raises(nodes.NodeError, match="a dump names its kind"):
             RemoteNode(1, "127.0.0.1", KEY, port=served.port).dump("final")
+        with pytest.raises(nodes.NodeError, match="no dump of generation 4, sequence 9 here"):
+            node.commit()
 
     # Then the agent locked its address against the other nodes and dumped its share at the order's generation
-    assert asked == [("lock", "10.0.0.11", "10.0.0.0/24", ""), ("final", 4, 9)]
+    assert asked == [("periodic", 4, 9), ("lock", "10.0.0.11", "10.0.0.0/24", ""), ("final", 4, 9)]

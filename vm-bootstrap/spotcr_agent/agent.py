@@ -155,11 +155,13 @@ class Agent:
         generation: int,
         sequence: int | None = None,
         reclaim_at: Callable[[], float | None] | None = None,
+        on_resumed: Callable[[], None] = lambda: None,
     ) -> CheckpointOutcome:
         """Take a checkpoint; a job that has ended is reported (JobExited, again if need be) instead. `sequence` is
         the control plane's for an ordered dump, None for one nobody ordered (the final dump on the IMDS notice),
         which takes the highest sequence this VM was given (fence). `reclaim_at` says when EC2 takes the VM back (the
         notice's time), for a final dump, which is not begun when it cannot fit (Checkpointer.reclaim_at).
+        `on_resumed` is called once a periodic dump's job runs again, before the commit (Checkpointer.on_resumed).
 
         Every dump order after the job's end re-sends its exit, so a lost or unrecorded JobExited is healed by
         the scheduler's next order: the control plane records the end once and stops ordering dumps."""
@@ -197,6 +199,7 @@ class Agent:
                 memory_scratch_dir=self.config.state_dir / "memory-scratch" if self.config.memory_scratch else None,
                 sequence=sequence,
                 reclaim_at=reclaim_at if kind == "final" else None,
+                on_resumed=on_resumed,
             )
             outcome = checkpointer.checkpoint(kind, generation)
         except Exception as error:
@@ -282,10 +285,17 @@ class Agent:
         return plan
 
     def restore(
-        self, generation: int, checkpoint_id: str | None = None, attempt: str = "", sequence: int | None = None
+        self,
+        generation: int,
+        checkpoint_id: str | None = None,
+        attempt: str = "",
+        sequence: int | None = None,
+        *,
+        exact: bool = False,
     ) -> RestoreOutcome:
         """Restore the job; the answer (RestoreCompleted or RestoreFailed) names the workflow's `attempt`. The
-        restore order's `sequence` ranks every dump this VM takes after the replaced instance's (fence)."""
+        restore order's `sequence` ranks every dump this VM takes after the replaced instance's (fence). `exact`:
+        only `checkpoint_id`, never an older one nor a start from scratch (a node's part of a job over several VMs)."""
         self.fence(generation, sequence)
         with self.state.locked() as state:
             state.run_id = state.run_id or self.config.run_id  # a backup serves the run it was launched for
@@ -304,9 +314,9 @@ class Agent:
                 lazy=self.config.lazy_restore,
             )
             try:
-                outcome = restorer.restore(generation, checkpoint_id)
+                outcome = restorer.restore(generation, checkpoint_id, exact=exact)
             except RestoreError as error:
-                if not (error.nothing_restorable and self.config.restart_from_scratch):
+                if exact or not (error.nothing_restorable and self.config.restart_from_scratch):
                     raise
                 outcome = self._start_from_scratch(generation, str(error))
         except Exception as error:

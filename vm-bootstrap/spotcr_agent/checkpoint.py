@@ -198,6 +198,9 @@ class Checkpointer:
     # asked only of a dump that would read all of memory, which is not begun when it cannot fit the time left even
     # at the job's best measured rates (deadline.cannot_fit).
     reclaim_at: Callable[[], float | None] | None = None
+    # Called once a periodic dump's job runs again, before its images are committed (the agents' port answers a
+    # coordinated dump then, so the nodes are unlocked while their images go to the store).
+    on_resumed: Callable[[], None] = lambda: None
     _scan: JobScan = field(default_factory=JobScan)
     _gpus: gpu.JobGpus | None = None
 
@@ -273,6 +276,7 @@ class Checkpointer:
             pre, top = root / f"{checkpoint}.pre", root / f"{checkpoint}.dump"
             try:
                 frozen_pre, frozen_dump = self._pre_then_dump(pid, pre, top, base, scratch)
+                self.on_resumed()
                 extra = self._carried(scratch, scratch / "workdir", copied=scratch / "carried")
                 extra.update({tracking.images_prefix(1) + n: p for n, p in tracking.dir_files(pre).items()})
                 inherited = base.files(shift=2) if base else {}
@@ -357,6 +361,7 @@ class Checkpointer:
                 at_freeze.raise_own_error()
                 raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
         # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
+        self.on_resumed()
         extra = self._carried(scratch, snapshot, copied=scratch / "carried")
         result = self.store.commit(scratch / "images", meta, extra_files=extra)
         return self._committed(meta, result, time.monotonic() - started, frozen)

@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -292,6 +293,8 @@ def _restore(agent: Agent, args: argparse.Namespace) -> int:
     """Blocks until the restore is done or failed; its one result line (what the control plane reads from SSM's
     GetCommandInvocation) names the job, run, generation and attempt it answers. Exit 0 only when restored."""
     order = {"job_id": args.job, "run_id": args.run, "generation": args.generation, "attempt": args.attempt}
+    if agent.config.nodes:
+        return _coordinated_restore(agent, args, order)
     try:
         outcome = agent.restore(args.generation, args.checkpoint, args.attempt, args.sequence)
     except Exception as error:
@@ -309,6 +312,24 @@ def _restore(agent: Agent, args: argparse.Namespace) -> int:
         lazy=outcome.lazy,
     )
     _say(restored)
+    return OK
+
+
+def _coordinated_restore(agent: Agent, args: argparse.Namespace, order: Mapping[str, Any]) -> int:
+    """A multi-node job's restore order, which goes to node 0 only: its agent restores every node's part of the
+    coordinated checkpoint over their ports, then unlocks them (nodeport.coordinate_restore). Another node refuses."""
+    if agent.config.node_index != 0:
+        raise UsageError(f"node {agent.config.node_index} of a multi-node job: restores are ordered to node 0")
+    if not args.checkpoint:
+        raise UsageError("a multi-node job's restore names its coordinated checkpoint")
+    started = time.monotonic()
+    try:
+        manifest = nodeport.coordinate_restore(agent, args.generation, args.checkpoint, args.sequence)
+    except (CheckpointFailed, NodeError, OSError, ValueError) as error:
+        _say(RestoreResult(ok=False, **order, error=str(error)[:4000]))
+        return FAILED
+    seconds = round(time.monotonic() - started, 3)
+    _say(RestoreResult(ok=True, **order, checkpoint_id=manifest.checkpoint_id, seconds=seconds))
     return OK
 
 

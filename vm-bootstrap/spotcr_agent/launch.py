@@ -26,15 +26,20 @@ import selectors
 import shlex
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from . import nodeport
-from .nodes import NodeError
+from .nodes import NodeError, NodeUnreachable
 
 NODES_ENV, NODE_ENV, KEY_ENV = "SPOTCR_NODES", "SPOTCR_NODE", "SPOTCR_LAUNCH_KEY"
 STREAMS = ("out", "err", "ctl")  # the relay's three connections, in the order it makes them
 CONNECT_TIMEOUT_S = 60.0
+# How long a launch waits for the node's agent to answer at all: the nodes boot one by one, and node 0's job may
+# start before another node's agent serves its port.
+AGENT_WAIT_S = 300.0
 # ssh's options that take a value (ssh(1)); any other option before HOST is a flag, such as Hydra's -x.
 _SSH_VALUE_OPTIONS = set("BbcDEeFIiJLlmOopQRSWw")
 ERROR_EXIT = 255  # what ssh exits with when it cannot run the command
@@ -114,12 +119,27 @@ def launch(argv: Sequence[str], environ: Mapping[str, str], port: int = nodeport
     with socket.create_server((own, 0)) as listener:
         listener.settimeout(CONNECT_TIMEOUT_S)
         node = nodeport.RemoteNode(nodes.index(host), host, bytes.fromhex(environ[KEY_ENV]), port=port)
-        try:
-            node.ask("launch", {"argv": command, "address": own, "port": listener.getsockname()[1], "token": token})
-        except NodeError as error:
-            raise LaunchError(str(error)) from error
+        _ask_launch(node, {"argv": command, "address": own, "port": listener.getsockname()[1], "token": token})
         streams = _accept(listener, token)
     return _relay_home(streams)
+
+
+def _ask_launch(node: nodeport.RemoteNode, body: Mapping[str, Any], wait_s: float = AGENT_WAIT_S) -> None:
+    """Ask the node's agent to launch; while it does not answer at all, ask again for up to `wait_s`. A refusal is
+    final."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.2
+    while True:
+        try:
+            node.ask("launch", body)
+            return
+        except NodeUnreachable as error:
+            if time.monotonic() + pause > deadline:
+                raise LaunchError(f"{error} (asked for {wait_s:.0f} s)") from error
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
+        except NodeError as error:
+            raise LaunchError(str(error)) from error
 
 
 def _accept(listener: socket.socket, token: str) -> dict[str, socket.socket]:

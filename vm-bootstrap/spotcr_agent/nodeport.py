@@ -1,9 +1,9 @@
 """The agents' port: how node 0's agent, the coordinator, drives the job's other nodes (docs/design/multinode.md).
 
-Each node's agent listens on its node address, PORT, for the coordinator's requests: `lock`, `dump`, `unlock`
-(spotcr_agent.nodes.Node), and node 0's spotcr-launch's `launch` of this node's share (launch.py): one HTTP POST
-each to /v1/<action> with a JSON body, answered with one JSON object: {"ok": true, ...} or {"ok": false, "error":
-"..."}. `RemoteNode` is the coordinator's side.
+Each node's agent listens on its node address, PORT, for the coordinator's requests: `lock`, `dump`, `commit`,
+`unlock`, `restore` (spotcr_agent.nodes.Node), and node 0's spotcr-launch's `launch` of this node's share
+(launch.py): one HTTP POST each to /v1/<action> with a JSON body, answered with one JSON object: {"ok": true, ...}
+or {"ok": false, "error": "..."}. `RemoteNode` is the coordinator's side.
 
 Only the job's own nodes may ask. Every request carries an HMAC-SHA256, under the run's launch key, of its action,
 date, nonce and body (`signature`). A node refuses, with 401 and the reason:
@@ -25,20 +25,21 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from spotcr_contracts.results import KINDS
 
 from . import nodes
-from .nodes import NodeError
+from .nodes import NodeError, NodeUnreachable
 
 PORT = nodes.AGENTS_PORT
 MAX_SKEW_S = 60.0
 MAX_BODY = 64 * 1024
 DATE, NONCE, SIGNATURE = "X-Spotcr-Date", "X-Spotcr-Nonce", "X-Spotcr-Signature"
 # How long the coordinator waits for one step's answer: a dump of a large share takes minutes.
-STEP_TIMEOUT_S = {"lock": 30.0, "dump": 900.0, "unlock": 30.0}
+STEP_TIMEOUT_S = {"lock": 30.0, "dump": 900.0, "commit": 900.0, "unlock": 30.0, "restore": 900.0}
 
 Action = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
@@ -149,7 +150,10 @@ def _handler(gate: Gate, actions: Mapping[str, Action]) -> type[BaseHTTPRequestH
 def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> dict[str, Action]:
     """What a node's agent (spotcr_agent.agent.Agent) does for each request: lock its node address against the
     other nodes (`peers`), dump its own share at the coordinator's order (generation and sequence: the agent fences
-    a stale one off), lift the lock."""
+    a stale one off), answering once the share runs again, commit it (answering once its images are stored), lift
+    the lock."""
+    dumps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nodeport-dump")  # one dump at a time
+    pending: dict[tuple[Any, Any], Future[Any]] = {}
 
     def lock(body: Mapping[str, Any]) -> Mapping[str, Any]:
         nodes.lock(address, peers, unlocked)
@@ -159,16 +163,41 @@ def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> d
         kind, generation, sequence = body.get("kind"), body.get("generation"), body.get("sequence")
         if kind not in KINDS or not isinstance(generation, int) or not isinstance(sequence, int | None):
             raise ValueError(f"a dump names its kind ({', '.join(KINDS)}), generation and sequence, not {body}")
-        return {"checkpoint_id": agent.checkpoint(kind, generation, sequence).checkpoint_id}
+        resumed = threading.Event()
+        taken = dumps.submit(agent.checkpoint, kind, generation, sequence, on_resumed=resumed.set)
+        pending[(generation, sequence)] = taken
+        while not resumed.wait(0.02) and not taken.done():
+            pass
+        if taken.done():
+            taken.result()  # a failed dump fails here, before the coordinator unlocks anything
+        return {}
+
+    def commit(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        taken = pending.pop((body.get("generation"), body.get("sequence")), None)
+        if taken is None:
+            raise ValueError(f"no dump of generation {body.get('generation')}, sequence {body.get('sequence')} here")
+        outcome = taken.result()
+        return {
+            "checkpoint_id": outcome.checkpoint_id,
+            "seconds": outcome.seconds,
+            "frozen_seconds": outcome.frozen_seconds,
+        }
 
     def unlock(body: Mapping[str, Any]) -> Mapping[str, Any]:
         nodes.unlock()
         return {}
 
+    def restore(body: Mapping[str, Any]) -> Mapping[str, Any]:
+        checkpoint, generation, sequence = body.get("checkpoint_id"), body.get("generation"), body.get("sequence")
+        if not isinstance(checkpoint, str) or not isinstance(generation, int) or not isinstance(sequence, int | None):
+            raise ValueError(f"a restore names its part's checkpoint, the generation and the sequence, not {body}")
+        outcome = agent.restore(generation, checkpoint, sequence=sequence, exact=True)
+        return {"checkpoint_id": outcome.checkpoint_id, "seconds": outcome.seconds}
+
     def launch(body: Mapping[str, Any]) -> Mapping[str, Any]:
         return {"pid": launch_share(agent, body)}
 
-    return {"lock": lock, "dump": dump, "unlock": unlock, "launch": launch}
+    return {"lock": lock, "dump": dump, "commit": commit, "unlock": unlock, "restore": restore, "launch": launch}
 
 
 def launch_share(agent: Any, body: Mapping[str, Any]) -> int:
@@ -219,6 +248,19 @@ def coordinate(
     )
 
 
+def coordinate_restore(
+    agent: Any, generation: int, checkpoint_id: str, sequence: int | None, clock: Callable[[], float] = time.time
+) -> nodes.JobManifest:
+    """Node 0's agent restores the job's coordinated checkpoint over every node's port, its own included: each node
+    its own part, then every node unlocked (nodes.coordinated_restore)."""
+    config = agent.config
+    manifest = nodes.read_manifest(config.mount_point, config.job_id, agent.run_id(), checkpoint_id)
+    key, order = bytes.fromhex(config.launch_key), {"generation": generation, "sequence": sequence}
+    remote = [RemoteNode(i, address, key, order=order, clock=clock) for i, address in enumerate(config.nodes)]
+    nodes.coordinated_restore(remote, manifest)
+    return manifest
+
+
 class RemoteNode:
     """Node i as the coordinator drives it over the agents' port (spotcr_agent.nodes.Node). Each step raises
     NodeError with the node's reason when it refuses or fails, so the coordinator's failure rule applies."""
@@ -243,11 +285,17 @@ class RemoteNode:
     def lock(self) -> None:
         self.ask("lock")
 
-    def dump(self, kind: str) -> str:
-        return str(self.ask("dump", {**self._order, "kind": kind})["checkpoint_id"])
+    def dump(self, kind: str) -> None:
+        self.ask("dump", {**self._order, "kind": kind})
+
+    def commit(self) -> str:
+        return str(self.ask("commit", self._order)["checkpoint_id"])
 
     def unlock(self) -> None:
         self.ask("unlock")
+
+    def restore(self, checkpoint_id: str) -> None:
+        self.ask("restore", {**self._order, "checkpoint_id": checkpoint_id})
 
     def ask(self, action: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         data = json.dumps(dict(body or {})).encode()
@@ -263,7 +311,7 @@ class RemoteNode:
         except urllib.error.HTTPError as error:
             raise NodeError(f"node {self.index} ({self.address}) refused {action}: {_reason(error)}") from error
         except (urllib.error.URLError, TimeoutError, OSError) as error:
-            raise NodeError(f"node {self.index} ({self.address}) did not answer {action}: {error}") from error
+            raise NodeUnreachable(f"node {self.index} ({self.address}) did not answer {action}: {error}") from error
 
 
 def _reason(error: urllib.error.HTTPError) -> str:

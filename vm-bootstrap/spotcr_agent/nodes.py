@@ -41,6 +41,10 @@ class NodeError(RuntimeError):
     """A node's network step failed; the message names the command and what it said."""
 
 
+class NodeUnreachable(NodeError):
+    """A node's agent did not answer at all (its port not up yet, or the node gone)."""
+
+
 def lock_rules(address: str, peers: str, unlocked: str = "") -> list[list[str]]:
     """The iptables rules (filter table) that drop TCP from `peers` (addresses or CIDRs, comma-separated) to
     `address`, but for the agents' port (requests to it, and answers from another node's, since the coordinator's
@@ -91,11 +95,18 @@ class Node(Protocol):
     def lock(self) -> None:
         """Lock TCP from the job's other nodes to this node's address."""
 
-    def dump(self, kind: str) -> str:
-        """Dump and commit this node's share (a periodic dump leaves it running); returns its checkpoint id."""
+    def dump(self, kind: str) -> None:
+        """Dump this node's share: a periodic dump answers once the share runs again, its images possibly still on
+        their way to the store; a final one once they are stored (the share ends there)."""
+
+    def commit(self) -> str:
+        """Wait until this node's dump is committed; its checkpoint id."""
 
     def unlock(self) -> None:
         """Lift the lock."""
+
+    def restore(self, checkpoint_id: str) -> None:
+        """Restore this node's share from exactly this part of a coordinated checkpoint; it stays locked."""
 
 
 class CheckpointFailed(RuntimeError):
@@ -174,12 +185,14 @@ def coordinated_checkpoint(
     serial: Path,
     clock: Callable[[], float] = time.time,
 ) -> JobManifest:
-    """Lock every node, then dump every node, then commit one job manifest naming every node's part.
+    """Lock every node, then dump every node, then (periodic) unlock every node, then wait for every node's commit,
+    then commit one job manifest naming every node's part.
 
     No node dumps before every node is locked, and none is unlocked before every node has dumped (a final dump
     leaves them locked for the restore): while sockets are dumped node after node no segment crosses between
-    nodes, so every pair of socket images agrees. A node that fails fails the checkpoint on all: no manifest is
-    committed, a periodic dump unlocks every node and the job runs on; raises CheckpointFailed naming the node.
+    nodes, so every pair of socket images agrees. The nodes run on while their images go to the store. A node that
+    fails fails the checkpoint on all: no manifest is committed, a periodic dump unlocks every node and the job
+    runs on; raises CheckpointFailed naming the node.
 
     `serial` is the coordinator's lock file: one coordinated checkpoint at a time, so a final dump ordered while a
     periodic one runs waits for it, and the periodic one's unlock never lands in the middle of the final dump.
@@ -190,7 +203,7 @@ def coordinated_checkpoint(
         manifest_id = checkpoint_id(int(clock() * 1000), generation, kind, sequence)
         try:
             _on_every_node(pool, nodes, "lock", lambda node: node.lock())
-            parts = _on_every_node(pool, nodes, "dump", lambda node: node.dump(kind))
+            _on_every_node(pool, nodes, "dump", lambda node: node.dump(kind))
         except CheckpointFailed as failed:
             log.error("coordinated %s checkpoint %s failed: %s", kind, manifest_id, failed)
             if kind == "periodic":
@@ -198,10 +211,29 @@ def coordinated_checkpoint(
             raise
         if kind == "periodic":
             _on_every_node(pool, nodes, "unlock", lambda node: node.unlock())
+        try:
+            parts = _on_every_node(pool, nodes, "commit", lambda node: node.commit())
+        except CheckpointFailed as failed:
+            log.error("coordinated %s checkpoint %s failed: %s", kind, manifest_id, failed)
+            raise
         parts_of = tuple(NodePart(node.index, node.address, part) for node, part in zip(nodes, parts, strict=True))
         manifest = JobManifest(job_id, run_id, manifest_id, parts_of)
         commit(manifest)
     return manifest
+
+
+def coordinated_restore(nodes: Sequence[Node], manifest: JobManifest) -> None:
+    """Restore every node's part of one coordinated checkpoint at once, each node from exactly its part, then
+    unlock every node, only once all are restored: no node's share talks to another's before both are back.
+
+    A node that fails fails the restore (CheckpointFailed naming it, step "restore"): nothing is unlocked, the
+    restored shares stay locked, and the recovery must end them before it restores an older checkpoint on all."""
+    parts = {part.index: part.checkpoint_id for part in manifest.nodes}
+    if sorted(parts) != sorted(node.index for node in nodes):
+        raise ValueError(f"checkpoint {manifest.checkpoint_id} has parts {sorted(parts)}, not one per node")
+    with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        _on_every_node(pool, nodes, "restore", lambda node: node.restore(parts[node.index]))
+        _on_every_node(pool, nodes, "unlock", lambda node: node.unlock())
 
 
 def _on_every_node(

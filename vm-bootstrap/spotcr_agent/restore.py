@@ -206,7 +206,9 @@ class Restorer:
     on_running: Callable[[int], None] = lambda pid: None  # a lazy restore's job runs, pages still to come (tests)
     _times: dict[str, lazy_restore.LazyTimes] = field(default_factory=dict)  # per checkpoint, its last attempt
 
-    def restore(self, generation: int, checkpoint_id: str | None = None) -> RestoreOutcome:
+    def restore(self, generation: int, checkpoint_id: str | None = None, *, exact: bool = False) -> RestoreOutcome:
+        """Restore the named checkpoint (else the newest), walking back to older ones if it fails; `exact`: that one
+        or nothing (a node of a job over several VMs never walks back alone: its part must match the others')."""
         started = time.monotonic()
         with exclusive(self.state.dir / "dump.lock"):
             with self.state.locked() as state:
@@ -215,7 +217,7 @@ class Restorer:
                     raise RestoreError(f"the job already runs on this VM (pid {state.job_pid}); it never runs twice")
                 if state.job_status == "stopped":
                     raise RestoreError(STOPPED_HERE)
-            candidates = self._candidates(checkpoint_id)
+            candidates = [checkpoint_id] if exact and checkpoint_id else self._candidates(checkpoint_id)
             host = self.host()
             failures: list[str] = []
             logs: dict[str, str] = {}
