@@ -1,5 +1,4 @@
-"""`make bench` / `python -m bench [store|pipeline|checkpoint|final-dump|interruption|reclaim|lazy|gpu|all] [options]`:
-benchmarks.
+"""`make bench` / `python -m bench [NAME|all] [options]`: benchmarks, NAME one of BENCHMARKS below or gpu.
 
 With no name, the store benchmark runs (issue 23's targets, 2 GiB jobs); `all` runs every benchmark but gpu.
 
@@ -20,6 +19,7 @@ BENCHMARKS = {
     "interruption": "bench.interruption",  # interruption warning to final-dump command, through the real handler
     "reclaim": "bench.reclaim",  # a wave of N jobs warned within seconds, all recovered at once
     "lazy": "bench.lazy",  # restore order to job running again and to its last page in: lazy against whole
+    "nodes": "bench.nodes",  # a job over 2 and 3 VMs: coordinated freeze and final dump against one node's
 }
 # Only on a machine with an NVIDIA GPU, so not part of "all".
 GPU_BENCHMARKS = {"gpu": "bench.gpu"}  # GPU jobs: final dump and restore against device memory held
