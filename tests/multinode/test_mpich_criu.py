@@ -58,48 +58,87 @@ def _answers(address, key):
     return True
 
 
+class MpiJob:
+    """An MPICH job over three bare VMs whose command is plain mpiexec, each node's agent serving its port; node 0's
+    agent has started it, and mpiexec started the other nodes' shares through spotcr-launch."""
+
+    def __init__(self, bare_vm, tmp_path):
+        self.bare_vm = bare_vm
+        program = (str(build_all() / "mpi"), str(STEPS), str(PACE_MS))
+        self.command = ("mpiexec", "-n", str(NODES), *program)
+        self.reference = reference_run(bare_vm(), self.command)
+        self.volumes = [tmp_path / f"node-{index}" for index in range(NODES)]
+        for volume in self.volumes:
+            volume.mkdir()
+        self.vms = [bare_vm(shared_storage=volume) for volume in self.volumes]
+        self.addresses = tuple(vm.address for vm in self.vms)
+        self.nodes = {"nodes": self.addresses, "launch_key": secrets.token_hex(32), "launcher": LAUNCHER}
+        self.jobs = [
+            JobVM(vm, command=self.command, node_index=index, **self.nodes) for index, vm in enumerate(self.vms)
+        ]
+        self.serving = Serving(self.jobs, self.nodes["launch_key"])
+        self.jobs[0].agent("start")
+        wait_for(lambda: len(self.jobs[0].progress()) >= 20, what="the job's progress")
+
+    def restore_after_losing(self, lost, checkpoint, *, silently=False):
+        """Node `lost`'s VM goes (`silently`: its link first, as when its host fails, so its peers see no reset);
+        a backup takes over its address (locked until the restore), and node 0's agent restores every node's part
+        of `checkpoint` over the agents' port, the backup's and the others' in place."""
+        self.serving.stop()
+        if silently:
+            self.vms[lost].network.release(self.addresses[lost])
+            for index, node in enumerate(self.jobs):
+                assert index == lost or node.agent("status")["job_alive"], f"node {index}'s share runs on"
+        self.vms[lost].terminate()
+        backup = self.bare_vm(shared_storage=self.volumes[lost], takeover=self.addresses[lost])
+        vms = [backup if index == lost else vm for index, vm in enumerate(self.vms)]
+        restored = [
+            JobVM(vm, generation=2, mode="restore", command=self.command, node_index=index, **self.nodes)
+            for index, vm in enumerate(vms)
+        ]
+        serving = Serving(restored, self.nodes["launch_key"])
+        restore = restored[0].agent("coordinate-restore", "2", checkpoint.checkpoint_id, "2")
+        serving.stop()
+        assert restore["checkpoint_id"] == checkpoint.checkpoint_id
+        for job, part in zip(restored, checkpoint.nodes, strict=True):
+            assert job.agent("status")["last_checkpoint"] == part.checkpoint_id
+        return restored
+
+    def ends_as_an_uninterrupted_run(self, restored):
+        for job in restored:
+            assert job.agent("wait-exit", "120")["exit_code"] == 0
+        reference = self.reference
+        assert (restored[0].workdir / "result.txt").read_text() == (reference / "result.txt").read_text()
+        assert (restored[0].workdir / "progress.log").read_text() == (reference / "progress.log").read_text()
+
+
 def test_an_mpich_job_over_three_vms_started_by_plain_mpiexec_survives_the_interruption_of_one(
     bare_vm, tmp_path, criu_bin
 ):
-    program = (str(build_all() / "mpi"), str(STEPS), str(PACE_MS))
-    reference = reference_run(bare_vm(), ("mpiexec", "-n", str(NODES), *program))
-    volumes = [tmp_path / f"node-{index}" for index in range(NODES)]
-    for volume in volumes:
-        volume.mkdir()
-    # Given a job over three VMs whose command is plain mpiexec, each node's agent serving its port
-    vms = [bare_vm(shared_storage=volume) for volume in volumes]
-    addresses = tuple(vm.address for vm in vms)
-    nodes = {"nodes": addresses, "launch_key": secrets.token_hex(32), "launcher": LAUNCHER}
-    command = ("mpiexec", "-n", str(NODES), *program)
-    jobs = [JobVM(vm, command=command, node_index=index, **nodes) for index, vm in enumerate(vms)]
-    serving = Serving(jobs, nodes["launch_key"])
+    # Given an MPICH job over three VMs started by plain mpiexec: every node's agent runs its share
+    job = MpiJob(bare_vm, tmp_path)
+    for node in job.jobs[1:]:
+        assert node.agent("status")["job_status"] == "running", "the node's agent runs its share"
 
-    # When node 0's agent starts the job: mpiexec starts the other nodes' shares through spotcr-launch
-    jobs[0].agent("start")
-    wait_for(lambda: len(jobs[0].progress()) >= 20, what="the job's progress")
-    for job in jobs[1:]:
-        assert job.agent("status")["job_status"] == "running", "the node's agent runs its share"
+    # When node 2 is warned: node 0's agent takes the job's final dump over the agents' port, and after node 2's
+    # VM goes, restores every node's part, node 2's on a backup with its address
+    manifest = JobManifest.from_json(job.jobs[0].agent("coordinate", "final", "1", "1"))
+    restored = job.restore_after_losing(2, manifest)
 
-    # And node 2 is warned: node 0's agent takes the job's final dump over the agents' port
-    manifest = JobManifest.from_json(jobs[0].agent("coordinate", "final", "1", "1"))
-    serving.stop()
-    # And its VM goes; a backup takes over its address (locked until the restore), and node 0's agent restores
-    # every node's part over the agents' port, the backup's and the others' in place, then unlocks them
-    vms[2].terminate()
-    backup = bare_vm(shared_storage=volumes[2], takeover=addresses[2])
-    restored = [
-        JobVM(vm, generation=2, mode="restore", command=command, node_index=index, **nodes)
-        for index, vm in enumerate((vms[0], vms[1], backup))
-    ]
-    serving = Serving(restored, nodes["launch_key"])
-    restore = restored[0].agent("coordinate-restore", "2", manifest.checkpoint_id, "2")
-    serving.stop()
+    # Then the job ends on every node with the result of an uninterrupted run
+    job.ends_as_an_uninterrupted_run(restored)
 
-    # Then every node restored its own part, and the job ends on every node with the result of an uninterrupted run
-    assert restore["checkpoint_id"] == manifest.checkpoint_id
-    for job, part in zip(restored, manifest.nodes, strict=True):
-        assert job.agent("status")["last_checkpoint"] == part.checkpoint_id
-    for job in restored:
-        assert job.agent("wait-exit", "120")["exit_code"] == 0
-    assert (restored[0].workdir / "result.txt").read_text() == (reference / "result.txt").read_text()
-    assert (restored[0].workdir / "progress.log").read_text() == (reference / "progress.log").read_text()
+
+def test_an_mpich_job_over_three_vms_survives_a_node_lost_without_a_warning(bare_vm, tmp_path, criu_bin):
+    # Given an MPICH job over three VMs, with a coordinated periodic checkpoint taken, running on
+    job = MpiJob(bare_vm, tmp_path)
+    manifest = JobManifest.from_json(job.jobs[0].agent("coordinate", "periodic", "1", "1"))
+    progress = len(job.jobs[0].progress())
+    wait_for(lambda: len(job.jobs[0].progress()) > progress + 5, what="progress after the periodic checkpoint")
+
+    # When node 1's VM is lost silently with no warning (no final dump): the other nodes' shares still run, and
+    # node 0's agent restores every node from the periodic checkpoint, ending the shares still running first
+    restored = job.restore_after_losing(1, manifest, silently=True)
+
+    # Then the job ends on every node with the result of an uninterrupted run
+    job.ends_as_an_uninterrupted_run(restored)

@@ -30,7 +30,7 @@ from spotcr_contracts.events import (
 from spotcr_contracts.layout import AGENT_LOGS
 from spotcr_contracts.results import StatusResult
 
-from . import agentlog, aliases, deadline, launch, result, storage
+from . import agentlog, aliases, deadline, launch, nodes, result, storage
 from .carry import Layout
 from .checkpoint import (
     Checkpointer,
@@ -45,7 +45,7 @@ from .criu import Criu
 from .events import Publisher, now_iso
 from .host import HostInfo, read_host
 from .restore import STOPPED_HERE, RestoreError, RestoreOutcome, Restorer
-from .runner import JobError, JobFiles, job_alive, start_job
+from .runner import JobError, JobFiles, job_alive, start_job, stop_job
 from .state import AgentState, StaleGeneration, StateFile, admit, exclusive
 from .store.backends import Backend
 from .store.store import CheckpointStore, other_runs
@@ -461,6 +461,25 @@ class Agent:
         log.info("job %s started as pid %d", self.config.job_id, job.pid)
         self.emit(JobStarted, generation, pid=job.pid)
         return job.pid
+
+    def end_share_for_restore(self, generation: int) -> bool:
+        """A node of a job over several VMs whose share still runs when the job's restore is ordered (another node
+        was lost without a warning, so no final dump ended this one): the share is killed here, its whole tree
+        confirmed gone, its connections destroyed (nodes.drop_connections), and recorded as "replaced", never
+        reported as the job's exit, since its restore follows at once. True when a share was ended; False when none
+        ran (a final dump ended it, or it never started)."""
+        with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
+            admit(state, generation)
+            if state.job_status != "running":
+                return False
+            if job_alive(state.job_pid, state.job_start_time) and not stop_job(state.job_pid, state.job_start_time):
+                raise RestoreError(f"the share (pid {state.job_pid}) outlived SIGKILL; it is not known to be gone")
+            nodes.drop_connections(self.config.nodes[self.config.node_index])
+            log.warning(
+                "node %d: the share (pid %d) ended for the job's restore", self.config.node_index, state.job_pid
+            )
+            state.job_status = "replaced"
+            return True
 
     def _launcher_env(self) -> dict[str, str]:
         """On node 0 of a job over several VMs: what makes `mpiexec` start its processes on every node through

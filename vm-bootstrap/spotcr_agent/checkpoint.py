@@ -778,6 +778,8 @@ def _not_running(status: str, exit_code: int | None) -> str:
         return "the job is not running: its final dump was taken"
     if status == "stopped":
         return "the job is not running: it was stopped here after its final dump failed"
+    if status == "replaced":
+        return "the job's share here was ended for the job's restore"
     return "the job is not running on this VM"
 
 

@@ -191,6 +191,7 @@ def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> d
         checkpoint, generation, sequence = body.get("checkpoint_id"), body.get("generation"), body.get("sequence")
         if not isinstance(checkpoint, str) or not isinstance(generation, int) or not isinstance(sequence, int | None):
             raise ValueError(f"a restore names its part's checkpoint, the generation and the sequence, not {body}")
+        agent.end_share_for_restore(generation)
         outcome = agent.restore(generation, checkpoint, sequence=sequence, exact=True)
         return {"checkpoint_id": outcome.checkpoint_id, "seconds": outcome.seconds}
 

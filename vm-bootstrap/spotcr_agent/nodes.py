@@ -79,6 +79,22 @@ def unlock(iptables: str = "iptables") -> None:
         _run(iptables, [["-D", "INPUT", "-j", LOCK_CHAIN], ["-F", LOCK_CHAIN], ["-X", LOCK_CHAIN]])
 
 
+def drop_connections(address: str, ss: str = "ss") -> None:
+    """Destroy every TCP connection left on `address` but the agents' port's (the kernel's SOCK_DESTROY, `ss -K`).
+    A share killed for a restore leaves its connections closing (their FINs dropped by the peers' locks, or unanswered
+    by a lost node), and CRIU cannot put a connection back while the kernel still holds one with the same ends."""
+    port = f":{AGENTS_PORT}"
+    keep = ["(", "sport", "!=", port, "and", "dport", "!=", port, ")"]
+    result = subprocess.run(
+        [ss, "-K", "-t", "-n", "state", "all", "src", address, "and", *keep],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise NodeError(f"ss -K on {address} failed: {result.stderr.strip() or result.stdout.strip()}")
+
+
 def _run(iptables: str, rules: list[list[str]]) -> None:
     for rule in rules:
         result = subprocess.run([iptables, "-w", *rule], capture_output=True, text=True, check=False)
@@ -106,7 +122,8 @@ class Node(Protocol):
         """Lift the lock."""
 
     def restore(self, checkpoint_id: str) -> None:
-        """Restore this node's share from exactly this part of a coordinated checkpoint; it stays locked."""
+        """Restore this node's share from exactly this part of a coordinated checkpoint, ending the share first if
+        it still runs; it stays locked."""
 
 
 class CheckpointFailed(RuntimeError):
@@ -223,8 +240,10 @@ def coordinated_checkpoint(
 
 
 def coordinated_restore(nodes: Sequence[Node], manifest: JobManifest) -> None:
-    """Restore every node's part of one coordinated checkpoint at once, each node from exactly its part, then
-    unlock every node, only once all are restored: no node's share talks to another's before both are back.
+    """Lock every node (a final dump left them locked; after a node lost without one, the others' shares still
+    run), restore every node's part of one coordinated checkpoint at once, each node from exactly its part (a
+    share still running is ended first), then unlock every node, only once all are restored: no node's share
+    talks to another's before both are back.
 
     A node that fails fails the restore (CheckpointFailed naming it, step "restore"): nothing is unlocked, the
     restored shares stay locked, and the recovery must end them before it restores an older checkpoint on all."""
@@ -232,6 +251,7 @@ def coordinated_restore(nodes: Sequence[Node], manifest: JobManifest) -> None:
     if sorted(parts) != sorted(node.index for node in nodes):
         raise ValueError(f"checkpoint {manifest.checkpoint_id} has parts {sorted(parts)}, not one per node")
     with ThreadPoolExecutor(max_workers=len(nodes)) as pool:
+        _on_every_node(pool, nodes, "lock", lambda node: node.lock())
         _on_every_node(pool, nodes, "restore", lambda node: node.restore(parts[node.index]))
         _on_every_node(pool, nodes, "unlock", lambda node: node.unlock())
 
