@@ -6,12 +6,23 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_contracts.nodes import LAUNCH_KEY
 from spotcr_functions.models import Status
 
-from rehearsal.controlplane import REGION, ControlPlane, agent_event, ec2_event, now_iso, route
+from rehearsal.controlplane import (
+    REGION,
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    ec2_event,
+    finish_checkpoint,
+    now_iso,
+    route,
+)
 from tests.functions.support import answer, instance_session, request
+from tests.workflow.support import order_periodic
 
 pytestmark = pytest.mark.claim("One identity per run")
 
@@ -82,8 +93,6 @@ def state(plane: ControlPlane, instance_id: str) -> str:
 
 
 def _started(instance_id: str) -> Any:
-    from spotcr_contracts import events
-
     return events.JobStarted(JOB, instance_id, 0, now_iso(), pid=4242)
 
 
@@ -152,3 +161,27 @@ def test_a_lost_node_fails_the_job_saying_recovery_over_several_vms_is_not_built
     for instance_id in instances:
         route(ec2_event("state-change-terminated", instance_id))
     assert plane.job(JOB) == record
+
+
+def test_a_periodic_dump_is_ordered_to_node_0_only_and_its_job_checkpoint_recorded(plane: ControlPlane) -> None:
+    # Given a job running on three nodes
+    instances = [register(plane, node_tags(index)) for index in range(3)]
+    route(agent_event(_started(instances[0])))
+
+    # When its periodic dump is due: the order goes to node 0, whose agent coordinates every node's dump
+    sequence = order_periodic(plane, JOB, instances[0])
+    assert [c["instances"] for c in plane.sent_commands("checkpoint")] == [[instances[0]]]
+
+    # Then node 0's result line, naming the job checkpoint, is the job's newest checkpoint
+    checkpoint = checkpoint_id("periodic", 0, sequence=sequence)
+    finish_checkpoint(
+        events.CheckpointCompleted(
+            JOB, instances[0], 0, now_iso(), run_id=plane.job(JOB).run_id, checkpoint_id=checkpoint, kind="periodic"
+        )
+    )
+    record = plane.job(JOB)
+    assert (record.status, record.checkpoint_id) == (Status.RUNNING, checkpoint)
+
+    # And a node warned afterwards fails the job naming that checkpoint, from which nothing is restored yet
+    route(ec2_event("spot-interruption-warning", instances[2]))
+    assert f"its newest coordinated checkpoint is {checkpoint}" in str(plane.job(JOB).reason)
