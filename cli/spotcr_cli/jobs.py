@@ -304,6 +304,9 @@ def status_view(cloud: Cloud, record: JobRecord, now: datetime, *, with_cost: bo
     run_id = record.extra.get("run_id")
     if run_id is not None:
         view["run_id"] = run_id
+    if record.node_count:  # a job over several VMs: its nodes registered so far
+        view["node_count"] = record.node_count
+        view["nodes"] = [node.to_item() for node in record.nodes]
     if with_cost:
         view["cost"] = cost(cloud, record.job_id, now)
     return view

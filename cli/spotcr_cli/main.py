@@ -238,6 +238,13 @@ def _print_status(view: dict[str, Any], out: TextIO) -> None:
         ("generation", view["generation"]),
         ("instance", f"{view['instance_id']} ({view['instance_type']})"),
         ("backup", view["backup_instance_id"]),
+        (
+            "nodes",
+            f"{len(view['nodes'])} of {view['node_count']}: "
+            + ", ".join(f"{n['index']} {n['instance_id']} ({n['address']})" for n in view["nodes"])
+            if view.get("node_count")
+            else None,
+        ),
         ("storage", f"{view['storage']}, a periodic checkpoint every {view['interval_s']} s"),
         (
             "newest checkpoint",

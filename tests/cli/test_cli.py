@@ -4,6 +4,7 @@ import io
 import json
 import sys
 import types
+from typing import Any
 
 import pytest
 from spotcr_cli import actions, render
@@ -125,3 +126,37 @@ def test_tables_align_and_say_dash_for_nothing():
     buffer = io.StringIO()
     render.as_json({"b": 1, "a": [1]}, buffer)
     assert json.loads(buffer.getvalue()) == {"a": [1], "b": 1}
+
+
+def test_status_names_the_nodes_of_a_job_over_several_vms():
+    from datetime import UTC, datetime
+
+    from spotcr_cli import jobs
+    from spotcr_cli.main import _print_status
+    from spotcr_contracts.nodes import NodeRecord
+    from spotcr_functions.models import JobRecord, Status
+
+    nodes = (NodeRecord(0, "i-0a", "10.0.0.10"), NodeRecord(2, "i-0c", "10.0.0.12"))
+    record = JobRecord(
+        job_id="mpi-7",
+        status=Status.PENDING,
+        generation=0,
+        instance_id="i-0a",
+        az="us-east-1a",
+        subnet_id="subnet-1",
+        vpc_id="vpc-1",
+        instance_type="c7i.large",
+        storage="efs",
+        interval_s=300,
+        tags={},
+        node_count=3,
+        nodes=nodes,
+    )
+    unused: Any = types.SimpleNamespace()  # no cost asked: the view reads nothing from the cloud
+    view = jobs.status_view(unused, record, datetime.now(UTC), with_cost=False)
+    assert (view["node_count"], [n["instance_id"] for n in view["nodes"]]) == (3, ["i-0a", "i-0c"])
+    out = io.StringIO()
+    _print_status(
+        {**view, "cost": {"cost_usd": 0.0, "hours": 0.0, "on_demand_usd": 0.0, "source": "-", "notes": []}}, out
+    )
+    assert "nodes                   2 of 3: 0 i-0a (10.0.0.10), 2 i-0c (10.0.0.12)" in out.getvalue()
