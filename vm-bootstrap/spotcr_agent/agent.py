@@ -490,7 +490,7 @@ class Agent:
         hosts = config.state_dir / "hosts"
         hosts.write_text("".join(f"{address}\n" for address in config.nodes))
         env = launch.job_env(config.nodes, config.node_index, config.launch_key, config.launcher, hosts)
-        if interface := launch.interface_of(config.nodes[config.node_index]):
+        if interface := nodes.interface_of(config.nodes[config.node_index]):
             env["HYDRA_IFACE"] = interface
         return env
 

@@ -16,7 +16,7 @@ import threading
 
 from spotcr_contracts import tags
 
-from . import nodeport, storage
+from . import nodeport, nodes, storage
 from .agent import Agent
 from .deadline import NOTICE_DETECTION_S
 from .imds import ImdsError, Metadata, instance_tags, reclaim_time, spot_instance_action
@@ -30,6 +30,8 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
     storage.keep_efs_credentials(agent.config, stop)
     with contextlib.ExitStack() as serving:
         if agent.config.nodes:  # a multi-node job: the coordinator (node 0's agent) drives this node over its port
+            address = agent.config.nodes[agent.config.node_index]
+            nodes.hold_address(address, lambda: metadata.get("meta-data/local-ipv4") or "")
             serving.enter_context(nodeport.serve(agent))
         _watch(agent, metadata, stop, poll_s)
 

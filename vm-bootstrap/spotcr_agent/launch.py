@@ -71,21 +71,6 @@ def job_env(nodes: Sequence[str], index: int, launch_key: str, launcher: str, ho
     }
 
 
-def interface_of(address: str) -> str:
-    """The network interface that holds `address` here ("" when none does, or `ip` cannot tell)."""
-    import subprocess
-
-    try:
-        shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    for line in shown.stdout.splitlines():
-        words = line.split()
-        if len(words) > 3 and words[3].split("/")[0] == address:
-            return words[1]
-    return ""
-
-
 def split_ssh_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
     """HOST and COMMAND from what a launcher is given as ssh would be: options first (skipped), then HOST (a
     `user@` part dropped), then the words a remote shell would split the rest into (no shell ever runs them)."""

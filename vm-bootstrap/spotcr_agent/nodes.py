@@ -12,6 +12,7 @@ The lock drops TCP from the job's other nodes to this node's address. It serves 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import subprocess
@@ -77,6 +78,54 @@ def unlock(iptables: str = "iptables") -> None:
     as it is."""
     if locked(iptables):
         _run(iptables, [["-D", "INPUT", "-j", LOCK_CHAIN], ["-F", LOCK_CHAIN], ["-X", LOCK_CHAIN]])
+
+
+Run = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+def hold_address(address: str, primary: Callable[[], str], run: Run = subprocess.run) -> str:
+    """Put the node address on the interface that holds this instance's own address (`primary`, asked only when
+    needed), unless an interface holds it already; returns that interface's name. EC2 assigns a secondary private
+    address to the interface, but Debian configures only the primary one. Connections to the subnet then leave from
+    the node address (the subnet's route gets it as source), so every connection between nodes names node
+    addresses at both ends, and a backup that takes the address over takes them all."""
+    interfaces = _interfaces(run)
+    if address in interfaces:
+        return interfaces[address][0]
+    own = primary()
+    if own not in interfaces:
+        raise NodeError(f"no interface holds this instance's address {own!r}, so none can hold node address {address}")
+    name, network = interfaces[own][0], interfaces[own][1].network
+    if ipaddress.IPv4Address(address) not in network:
+        raise NodeError(f"node address {address} is not in {network}, the subnet of this instance's {own}")
+    for argv in (
+        ["ip", "addr", "add", f"{address}/{network.prefixlen}", "dev", name],
+        ["ip", "route", "replace", str(network), "dev", name, "src", address],
+    ):
+        result = run(argv, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NodeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
+    log.info("node address %s put on %s; connections to %s leave from it", address, name, network)
+    return name
+
+
+def interface_of(address: str, run: Run = subprocess.run) -> str:
+    """The network interface that holds `address` here ("" when none does, or `ip` cannot tell)."""
+    try:
+        return _interfaces(run).get(address, ("",))[0]
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _interfaces(run: Run) -> dict[str, tuple[str, ipaddress.IPv4Interface]]:
+    """Each IPv4 address this VM holds: its interface's name, and the address with its network."""
+    shown = run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    held = {}
+    for line in shown.splitlines():
+        words = line.split()
+        if len(words) > 3 and words[2] == "inet":
+            held[words[3].split("/")[0]] = (words[1], ipaddress.IPv4Interface(words[3]))
+    return held
 
 
 def drop_connections(address: str, ss: str = "ss") -> None:
