@@ -481,6 +481,25 @@ class RestoreTimedOut(Exception):
     """The restore command still runs on the backup after twice the restore wait: the workflow gives up."""
 
 
+class BackupNotReady(Exception):
+    """The backup reported neither ready nor a failed boot within the readiness wait: the workflow gives up."""
+
+
+def check_backup_ready(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
+    """The readiness wait timed out. The backup's report may have arrived with only its answer to the wait lost (the
+    SendTaskSuccess throttled past every retry in a wave, after the report was recorded): the arrival the record
+    keeps decides, as the report would have. Only with none did the backup never report."""
+    record = _current(deps, job_id, generation)
+    arrival = record.arrival("backup-ready")
+    if arrival and arrival.get("generation") == generation:
+        if arrival.get("error"):
+            raise BackupNotReady(f"{arrival['error']}: {arrival.get('cause') or ''}")
+        logger.warning("the backup's ready report arrived but its answer to the wait was lost", job_id=job_id)
+        return dict(arrival.get("output") or {})
+    wait_s = deps.settings.backup_ready_wait_s
+    raise BackupNotReady(f"job {job_id}: backup {record.backup_instance_id} reported nothing within {wait_s} s")
+
+
 def restore_command_attribute(attempt: str) -> str:
     """Where the record keeps the restore command each attempt sent (its CommandId, instance, generation)."""
     return "command_" + restore_key(attempt).replace("-", "_")

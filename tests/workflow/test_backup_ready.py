@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 from spotcr_contracts import events
+from spotcr_contracts.settings import ENV
+from spotcr_functions import rendezvous
 from spotcr_functions.registry import Registry, early_ready_key
 
 from rehearsal.controlplane import (
@@ -149,3 +151,40 @@ def test_an_early_ready_report_from_another_instance_moves_nothing(
     arrived = plane.job("early-ready-2").arrival("backup-ready") or {}
     assert arrived["output"] == {"instance_id": backup}
     _restore_and_finish(plane, "early-ready-2", backup)
+
+
+def test_a_ready_report_whose_answer_to_the_wait_was_lost_moves_the_recovery_on_when_the_wait_runs_out(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a readiness wait of 5 s, and its answer lost once the backup's report is recorded (SendTaskSuccess
+    # throttled past every retry in a wave)
+    monkeypatch.setenv(ENV["backup_ready_wait_s"], "5")
+    complete, lost = rendezvous._complete, []
+
+    def losing(deps: Any, token: str, arrival: Any, *, job_id: str, key: str, how: str) -> None:
+        if key == "backup-ready":
+            lost.append(key)
+            return
+        complete(deps, token, arrival, job_id=job_id, key=key, how=how)
+
+    monkeypatch.setattr(rendezvous, "_complete", losing)
+
+    # When the job's instance is warned and its backup reports ready
+    _warn(plane, "lost-answer-1")
+    backup = plane.wait_until(lambda: plane.job("lost-answer-1").backup_instance_id, "the backup launch")
+    route(agent_event(events.AgentReady("lost-answer-1", backup, 1, now_iso(), mode="restore")))
+
+    # Then once the wait runs out, the report the record keeps moves the recovery on: the restore is ordered there
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command", 20)
+    assert restore["instances"] == [backup] and lost == ["backup-ready"]
+    _restore_and_finish(plane, "lost-answer-1", backup)
+
+
+def test_a_backup_that_never_reports_fails_the_recovery_when_the_wait_runs_out(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV["backup_ready_wait_s"], "5")
+    _warn(plane, "never-ready-1")
+    assert plane.wait_for_execution(30)["status"] == "FAILED"
+    assert plane.sent_commands("restore") == []
+    assert "reported nothing within 5 s" in (plane.job("never-ready-1").reason or "")

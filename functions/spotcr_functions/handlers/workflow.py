@@ -36,6 +36,8 @@ def launch_backup(event: dict[str, Any], context: LambdaContext) -> dict[str, An
 def await_agent_event(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
     job_id, generation = _job(event)
     deps = _edge.deps()
+    if event.get("check") == "backup-ready":  # the readiness wait timed out: the arrival recorded decides
+        return recovery.check_backup_ready(deps, job_id, generation)
     if event["event"] == "final-dump":
         recovery.order_deferred_final_dump(deps, job_id, generation)
     rendezvous.wait_for(deps, job_id, str(event["event"]), generation, str(event["token"]))
