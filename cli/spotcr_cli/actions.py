@@ -41,8 +41,10 @@ def job_tags(
     restart_from_scratch: bool | None,
     result: str | None = None,
     lazy_restore: bool | None = None,
+    nodes: int | None = None,
 ) -> dict[str, str]:
-    """The tags of a job, checked exactly as the control plane and the agent check them (InvalidJobTags names it)."""
+    """The tags of a job, checked exactly as the control plane and the agent check them (InvalidJobTags names it).
+    A job over several VMs (`nodes`) gets its count, and node 0's index: node_tags gives each node its own."""
     values = {
         tags.JOB: job_id,
         tags.COMMAND: command,
@@ -55,12 +57,19 @@ def job_tags(
         tags.RESTART_FROM_SCRATCH: None if restart_from_scratch is None else str(restart_from_scratch).lower(),
         tags.RESULT: result,
         tags.LAZY_RESTORE: None if lazy_restore is None else str(lazy_restore).lower(),
+        tags.NODES: None if nodes is None else str(nodes),
+        tags.NODE: None if nodes is None else "0",
     }
     chosen = {key: value for key, value in values.items() if value is not None}
     if command is not None and spec is not None:
         raise tags.InvalidJobTags(tags.COMMAND, f"give {tags.COMMAND} or {tags.SPEC}, not both")
     tags.parse_job_tags(chosen)
     return chosen
+
+
+def node_tags(job: Mapping[str, str], index: int) -> dict[str, str]:
+    """Node `index`'s tags of a job over several VMs: the job's, with its own spotcr:node."""
+    return {**job, tags.NODE: str(index)}
 
 
 def submit(

@@ -124,6 +124,13 @@ def _add_submit(commands: Any) -> None:
         const=False,
         help="a backup downloads the whole checkpoint before the job runs again (by default its memory follows)",
     )
+    submit.add_argument(
+        "--nodes",
+        type=int,
+        help="a job over several VMs: launch this many nodes (2-16) in one subnet, each tagged with its index; node 0 "
+        "runs the command (mpiexec across them); efs or fsx storage. Not for real work yet: a warned or lost node "
+        "fails the job, since its recovery is not built",
+    )
     submit.add_argument("--instance-type", help="instance type to launch (required unless --instance)")
     submit.add_argument("--on-demand", action="store_true", help="launch on demand instead of spot")
     submit.add_argument(
@@ -174,9 +181,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         restart_from_scratch=args.restart_from_scratch,
         lazy_restore=args.lazy_restore,
         result=args.result,
+        nodes=args.nodes,
     )
     if args.instance and (args.instance_type or args.on_demand):
         raise CommandError("--instance tags a running instance: --instance-type and --on-demand do not apply", 2)
+    if args.nodes is not None:
+        return _submit_nodes(args, job)
     result = actions.submit(
         args.cloud,
         job,
@@ -189,6 +199,34 @@ def cmd_submit(args: argparse.Namespace) -> int:
         render.as_json(result, args.out)
     else:
         print(f"job {result['job_id']} on {result['instance_id']}: spotcr status {result['job_id']}", file=args.out)
+    return 0
+
+
+def _submit_nodes(args: argparse.Namespace, job: dict[str, str]) -> int:
+    """Launch every node of a job over several VMs, node 0 first, each with its own index, all in one subnet."""
+    if args.instance:
+        raise CommandError("--nodes launches every node: tag running instances with spotcr:nodes and spotcr:node", 2)
+    say = _progress(args)
+    say(
+        f"job {args.job} over {args.nodes} VMs: until its recovery is built, a warned or lost node fails the job "
+        "(docs/design/multinode.md)"
+    )
+    launched = [
+        actions.submit(
+            args.cloud,
+            actions.node_tags(job, index),
+            instance_id=None,
+            instance_type=args.instance_type,
+            on_demand=args.on_demand,
+            say=say,
+        )
+        for index in range(args.nodes)
+    ]
+    if args.json:
+        render.as_json({"job_id": args.job, "nodes": launched}, args.out)
+    else:
+        instances = ", ".join(f"{index} {node['instance_id']}" for index, node in enumerate(launched))
+        print(f"job {args.job} on {args.nodes} nodes ({instances}): spotcr status {args.job}", file=args.out)
     return 0
 
 

@@ -264,3 +264,38 @@ def test_submit_instance_tags_a_running_instance_from_the_stacks_template_only(w
     }
     assert submitted["instance_id"] == ours and {"Key": "spotcr:job", "Value": "job-1"} in tags_of[ours]
     assert not any(t["Key"] == "spotcr:job" for t in tags_of[foreign])
+
+
+def test_submit_nodes_launches_every_node_of_a_job_over_several_vms_in_one_subnet(world, capsys):
+    # When a job over three VMs is submitted (as its user, under the users' policy)
+    argv = ["submit", "mpi-7", "--command", "mpiexec -n 6 ./solver", "--storage", "efs", "--nodes", "3"]
+    out = io.StringIO()
+    assert spotcr([*argv, "--instance-type", "c5.large", "--json"], out=out) == 0
+
+    # Then three instances run from the template, each with the job's tags and its own index, in one subnet
+    launched = json.loads(out.getvalue())["nodes"]
+    ec2 = world.client("ec2")
+    reservations = ec2.describe_instances(InstanceIds=[n["instance_id"] for n in launched])["Reservations"]
+    instances = sorted((i for r in reservations for i in r["Instances"]), key=lambda i: i["InstanceId"])
+    found = {i["InstanceId"]: ({t["Key"]: t["Value"] for t in i["Tags"]}, i["SubnetId"]) for i in instances}
+    for index, node in enumerate(launched):
+        tags = found[node["instance_id"]][0]
+        assert (tags["spotcr:job"], tags["spotcr:nodes"], tags["spotcr:node"]) == ("mpi-7", "3", str(index))
+        assert tags["spotcr:command"] == "mpiexec -n 6 ./solver" and tags["spotcr:storage"] == "efs"
+    assert len({subnet for _, subnet in found.values()}) == 1
+    assert "until its recovery is built, a warned or lost node fails the job" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nodes", "3"], "spotcr:storage: a job over several VMs needs efs or fsx storage for now, not s3"),
+        (["--nodes", "17", "--storage", "efs"], "spotcr:nodes: must be between 1 and 16, got 17"),
+        (["--nodes", "2", "--storage", "efs", "--instance", "i-0123456789abcdef0"], "--nodes launches every node"),
+    ],
+)
+def test_submit_nodes_refuses_what_makes_no_job_over_several_vms(world, capsys, extra, message):
+    argv = ["submit", "mpi-7", "--command", "mpiexec ./solver", *extra]
+    assert spotcr(argv if "--instance" in extra else [*argv, "--instance-type", "c5.large"], out=io.StringIO()) == 2
+    assert message in capsys.readouterr().err
+    assert world.client("ec2").describe_instances()["Reservations"] == []
