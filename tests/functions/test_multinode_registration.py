@@ -18,6 +18,7 @@ from rehearsal.controlplane import (
     checkpoint_id,
     ec2_event,
     finish_checkpoint,
+    finish_exit,
     now_iso,
     route,
 )
@@ -185,3 +186,21 @@ def test_a_periodic_dump_is_ordered_to_node_0_only_and_its_job_checkpoint_record
     # And a node warned afterwards fails the job naming that checkpoint, from which nothing is restored yet
     route(ec2_event("spot-interruption-warning", instances[2]))
     assert f"its newest coordinated checkpoint is {checkpoint}" in str(plane.job(JOB).reason)
+
+
+def test_only_node_0s_exit_ends_the_job_another_nodes_share_ending_moves_nothing(plane: ControlPlane) -> None:
+    # Given a job running on three nodes, whose other nodes' agents started their shares at mpiexec's launch
+    instances = [register(plane, node_tags(index)) for index in range(3)]
+    route(agent_event(_started(instances[0])))
+    run_id = plane.job(JOB).run_id
+    for instance_id in instances[1:]:
+        route(agent_event(events.JobStarted(JOB, instance_id, 0, now_iso(), run_id=run_id, pid=7)))
+
+    # When node 2's share ends first (its MPI proxy exits), then node 0's command (mpiexec) exits
+    finish_exit(events.JobExited(JOB, instances[2], 0, now_iso(), run_id=run_id, exit_code=0, result="s3://b/r2"))
+    assert plane.job(JOB).status == Status.RUNNING, "a share's end is not the job's"
+    finish_exit(events.JobExited(JOB, instances[0], 0, now_iso(), run_id=run_id, exit_code=0, result="s3://b/r0"))
+
+    # Then the job ended once, with node 0's exit and result
+    record = plane.job(JOB)
+    assert (record.status, record.exit_code, record.result) == (Status.COMPLETED, 0, "s3://b/r0")
