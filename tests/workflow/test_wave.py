@@ -37,16 +37,17 @@ LOW = {
     STATE_TRANSITION: Rate(5, 30),
 }
 CONCURRENCY = 12
-# The APIs the wave must have met a throttle on: each a retry path (the SDK's retries, then the workflow's Retry or
-# Lambda's event queue; for the final-dump orders, a later sender carrying those a throttle put back).
-THROTTLED_APIS = {
-    "dynamodb:GetItem",
-    "dynamodb:UpdateItem",
-    "ec2:CreateFleet",
-    "ssm:SendCommand",
-    "stepfunctions:StartExecution",
-    "stepfunctions:SendTaskSuccess",
-}
+# The retry paths the wave must have met a throttle on, each by one of its APIs: the SDK's retries, then the
+# workflow's Retry or Lambda's event queue; for the final-dump orders, a later sender carrying those a throttle put
+# back. DynamoDB's reads share one bucket: which of GetItem and Query meets it first depends on the machine's speed.
+THROTTLED_PATHS = (
+    {"dynamodb:GetItem", "dynamodb:Query"},
+    {"dynamodb:UpdateItem"},
+    {"ec2:CreateFleet"},
+    {"ssm:SendCommand"},
+    {"stepfunctions:StartExecution"},
+    {"stepfunctions:SendTaskSuccess"},
+)
 
 
 def _assert_all_recovered_once(plane: ControlPlane, agents: SimulatedAgents, result: wave.WaveResult) -> None:
@@ -109,9 +110,11 @@ def test_a_wave_throttled_on_every_path_still_recovers_every_job_once(
     # step Lambda refused, Lambda's event queue, the state transitions' delays, a later sender carrying the final-dump
     # orders a throttle put back (several to one command); and every job recovered once
     meter = result.throttles
-    assert {api for api, n in meter["throttled"].items() if n > 0} >= THROTTLED_APIS, meter["throttled"]
+    throttled = {api for api, n in meter["throttled"].items() if n > 0}
     retried = {api for api, n in meter["retried"].items() if n > 0}
-    assert retried >= THROTTLED_APIS - {"ssm:SendCommand"}, meter["retried"]
+    for path in THROTTLED_PATHS:
+        assert path & throttled, (path, meter["throttled"])
+        assert path == {"ssm:SendCommand"} or path & retried, (path, meter["retried"])
     assert kept_back, "no final-dump order was put back for a later sender"
     commands_sent = plane.ssm.list_commands()["Commands"]
     carried = [len(c["InstanceIds"]) for c in commands_sent if c["DocumentName"] == plane.documents["final-dump"]]
