@@ -57,25 +57,7 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
 
     if spec.nodes > 1:
         return _register_node(deps, instance, spec)
-    record = JobRecord(
-        job_id=spec.job_id,
-        status=Status.PENDING,
-        generation=spec.generation,
-        instance_id=instance_id,
-        az=instance.az,
-        subnet_id=instance.subnet_id,
-        vpc_id=instance.vpc_id,
-        instance_type=instance.instance_type,
-        image_id=instance.image_id,
-        storage=spec.storage,
-        interval_s=spec.interval_s,
-        tags={k: v for k, v in spec.to_tags().items() if k != tags.RUN},  # spotcr mints the run, never the user
-        fallback_types=spec.fallback_types,
-        run_id=tags.new_run_id(),
-        next_checkpoint_at=_start_deadline(deps),
-        updated_at=deps.iso_now(),
-    )
-    registered = deps.registry.register(record)
+    registered = deps.registry.register(_pending(deps, instance, spec))
     if registered.instance_id != instance_id:
         return _reject(deps, instance_id, f"{tags.JOB}: job {spec.job_id} already runs on {registered.instance_id}")
     tag_run(deps, registered, instance.tags)
@@ -99,7 +81,27 @@ def _register_node(deps: Deps, instance: Instance, spec: tags.JobSpec) -> dict[s
     if not instance.private_ips:
         return _reject(deps, instance.instance_id, f"{tags.NODE}: {instance.instance_id} has no private address")
     node = NodeRecord(spec.node_index, instance.instance_id, node_address(instance))
-    first = JobRecord(
+    first = _pending(deps, instance, spec, node_count=spec.nodes, nodes=(node,), launch_key=new_launch_key())
+    registered = deps.registry.register(first)
+    if registered.run_id != first.run_id and registered.node_of(instance.instance_id) != node:
+        if problem := _join_problem(registered, spec, instance):
+            return _reject(deps, instance.instance_id, problem)
+        coordinator = {"instance_type": instance.instance_type, "image_id": instance.image_id}
+        joined = deps.registry.join_node(registered, node, deps.iso_now(), coordinator)
+        if joined is None:
+            current = deps.registry.get(spec.job_id) or registered
+            return _reject(deps, instance.instance_id, _join_problem(current, spec, instance) or "the job moved on")
+        registered = joined
+    deps.cloud.tag_instance(instance.instance_id, {tags.RUN: registered.run_id})
+    registered = efs_access.open_for(deps, registered)
+    logger.info("node registered", job_id=spec.job_id, instance_id=instance.instance_id, node=spec.node_index)
+    return {"registered": True, "job_id": spec.job_id, "node": spec.node_index, "nodes": len(registered.nodes)}
+
+
+def _pending(deps: Deps, instance: Instance, spec: tags.JobSpec, **values: Any) -> JobRecord:
+    """A new run of the job on this instance, PENDING until it starts, with a run id minted here (`values`: a job
+    over several VMs' nodes)."""
+    return JobRecord(
         job_id=spec.job_id,
         status=Status.PENDING,
         generation=spec.generation,
@@ -115,25 +117,9 @@ def _register_node(deps: Deps, instance: Instance, spec: tags.JobSpec) -> dict[s
         fallback_types=spec.fallback_types,
         run_id=tags.new_run_id(),
         next_checkpoint_at=_start_deadline(deps),
-        node_count=spec.nodes,
-        nodes=(node,),
-        launch_key=new_launch_key(),
         updated_at=deps.iso_now(),
+        **values,
     )
-    registered = deps.registry.register(first)
-    if registered.run_id != first.run_id and registered.node_of(instance.instance_id) != node:
-        if problem := _join_problem(registered, spec, instance):
-            return _reject(deps, instance.instance_id, problem)
-        coordinator = {"instance_type": instance.instance_type, "image_id": instance.image_id}
-        joined = deps.registry.join_node(registered, node, deps.iso_now(), coordinator)
-        if joined is None:
-            current = deps.registry.get(spec.job_id) or registered
-            return _reject(deps, instance.instance_id, _join_problem(current, spec, instance) or "the job moved on")
-        registered = joined
-    deps.cloud.tag_instance(instance.instance_id, {tags.RUN: registered.run_id})
-    registered = efs_access.open_for(deps, registered)
-    logger.info("node registered", job_id=spec.job_id, instance_id=instance.instance_id, node=spec.node_index)
-    return {"registered": True, "job_id": spec.job_id, "node": spec.node_index, "nodes": len(registered.nodes)}
 
 
 def _job_tags(spec: tags.JobSpec) -> dict[str, str]:
