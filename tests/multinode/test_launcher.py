@@ -17,6 +17,8 @@ import pytest
 from spotcr_agent import launch
 from spotcr_agent.nodeport import Gate, NodePort, agent_actions
 
+from tests.support import wait_for
+
 LAUNCHER = str(Path(__file__).parent / "jobs" / "spotcr-launch")
 NODES = ("127.0.0.1", "127.0.0.3")  # node 0 and node 1, both on loopback
 KEY = secrets.token_hex(32)
@@ -121,3 +123,35 @@ def test_host_and_command_are_read_as_ssh_would_read_them(argv: list[str], host:
 def test_a_launch_that_names_no_node_or_command_is_refused(argv: list[str], message: str) -> None:
     with pytest.raises(launch.LaunchError, match=message):
         launch.launch(argv, environ())
+
+
+def test_mpiexec_names_its_control_port_by_node_0s_address_through_the_jobs_environment(tmp_path: Path) -> None:
+    # Given the environment node 0's agent starts the job with, its launcher a stand-in that records what Hydra runs
+    record = tmp_path / "launched"
+    stand_in = tmp_path / "record-launch"
+    stand_in.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {record}\nexit 1\n')
+    stand_in.chmod(0o755)
+    hosts, hydra = tmp_path / "hosts", tmp_path / "hydra.conf"
+    hosts.write_text("10.9.8.7\n10.9.8.8\n")
+    hydra.write_text(launch.hydra_options("10.9.8.7"))
+    env = launch.job_env(("10.9.8.7", "10.9.8.8"), 0, KEY, str(stand_in), hosts_file=hosts, hydra_file=hydra)
+
+    # When mpiexec starts two ranks (its launches fail at once: nothing is started, and it waits on; it is stopped)
+    mpiexec = subprocess.Popen(
+        ["mpiexec", "-n", "2", "true"], env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+    def launched() -> bool:
+        return record.exists() and record.read_text().count("--control-port") >= 2
+
+    try:
+        wait_for(launched, what="Hydra's launches", timeout=30)
+    finally:
+        mpiexec.kill()
+        mpiexec.wait(10)
+
+    # Then Hydra asked to start its proxy on each node, naming its control port by node 0's node address
+    words = record.read_text().splitlines()
+    assert {"10.9.8.7", "10.9.8.8"} <= set(words)
+    ports = [words[i + 1] for i, word in enumerate(words) if word == "--control-port"]
+    assert ports and all(port.startswith("10.9.8.7:") for port in ports), ports

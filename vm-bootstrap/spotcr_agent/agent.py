@@ -483,16 +483,16 @@ class Agent:
 
     def _launcher_env(self) -> dict[str, str]:
         """On node 0 of a job over several VMs: what makes `mpiexec` start its processes on every node through
-        spotcr-launch (launch.job_env), with the node list in a hosts file it names."""
+        spotcr-launch (launch.job_env), with the node list in a hosts file it names, and Hydra's own options in a
+        config file it names (launch.hydra_options)."""
         config = self.config
         if not config.nodes or config.node_index != 0:
             return {}
-        hosts = config.state_dir / "hosts"
+        hosts, hydra = config.state_dir / "hosts", config.state_dir / "hydra.conf"
         hosts.write_text("".join(f"{address}\n" for address in config.nodes))
-        env = launch.job_env(config.nodes, config.node_index, config.launch_key, config.launcher, hosts)
-        if interface := nodes.interface_of(config.nodes[config.node_index]):
-            env["HYDRA_IFACE"] = interface
-        return env
+        hydra.write_text(launch.hydra_options(config.nodes[config.node_index]))
+        key, launcher = config.launch_key, config.launcher
+        return launch.job_env(config.nodes, config.node_index, key, launcher, hosts_file=hosts, hydra_file=hydra)
 
     def delete_earlier_runs(self) -> list[str]:
         """Old runs are pruned: once this VM started a new run of the job name, the checkpoints of the name's earlier

@@ -49,15 +49,25 @@ class LaunchError(Exception):
     """The command could not be started on its node; the message says why."""
 
 
-def job_env(nodes: Sequence[str], index: int, launch_key: str, launcher: str, hosts_file: Path) -> dict[str, str]:
+def hydra_options(address: str) -> str:
+    """MPICH's Hydra's config file (mpiexec options it applies to every run): its control port is named by node
+    0's node address, which the other nodes reach and a backup takes over. By default Hydra names it by the host
+    name, which resolves to each node itself; `-iface` would take the interface's first address, the instance's
+    primary one on EC2, which does not move."""
+    return f"-localhost {address}\n"
+
+
+def job_env(
+    nodes: Sequence[str], index: int, launch_key: str, launcher: str, *, hosts_file: Path, hydra_file: Path
+) -> dict[str, str]:
     """What node 0's job is started with so that `mpiexec -n N ./prog` uses every node through spotcr-launch."""
     return {
         NODES_ENV: ",".join(nodes),
         NODE_ENV: str(index),
         KEY_ENV: launch_key,
-        # MPICH's Hydra: the nodes, the launcher, and the interface whose address its control port names (the
-        # host name would resolve to each node itself).
+        # MPICH's Hydra: the nodes, the launcher, and its options (hydra_options).
         "HYDRA_HOST_FILE": str(hosts_file),
+        "HYDRA_CONFIG_FILE": str(hydra_file),
         "HYDRA_LAUNCHER": "ssh",
         "HYDRA_LAUNCHER_EXEC": launcher,
         # Open MPI (4: orte, 5: prte): the same.

@@ -109,14 +109,6 @@ def hold_address(address: str, primary: Callable[[], str], run: Run = subprocess
     return name
 
 
-def interface_of(address: str, run: Run = subprocess.run) -> str:
-    """The network interface that holds `address` here ("" when none does, or `ip` cannot tell)."""
-    try:
-        return _interfaces(run).get(address, ("",))[0]
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def _interfaces(run: Run) -> dict[str, tuple[str, ipaddress.IPv4Interface]]:
     """Each IPv4 address this VM holds: its interface's name, and the address with its network."""
     shown = run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
