@@ -266,6 +266,20 @@ def _ec2_terminate(t: GrantTargets) -> list[Grant]:
     ]
 
 
+def _ec2_addresses(t: GrantTargets) -> list[Grant]:
+    return [
+        Grant(
+            iam.PolicyStatement(
+                actions=["ec2:AssignPrivateIpAddresses"],
+                resources=[_arn(t, "ec2", "network-interface", "*")],
+            ),
+            "A node of a job over several VMs keeps its private address for the run: the recovery moves it to the "
+            "node's backup (AllowReassignment). Network interfaces carry no spotcr tag to scope by; EC2 moves an "
+            "address only within its subnet, and the recovery moves only an address its job's record names.",
+        )
+    ]
+
+
 def _ec2_volumes(t: GrantTargets) -> list[Grant]:
     """Volumes and snapshots spotcr created carry spotcr:stack (written only at creation, ec2:CreateAction): attach,
     detach, snapshot and delete require it, never the user-writable spotcr:job alone. The instances they attach to
@@ -511,6 +525,7 @@ CAPABILITIES: dict[str, Callable[[GrantTargets], list[Grant]]] = {
     catalog.EC2_LAUNCH: _ec2_launch,
     catalog.EC2_TERMINATE: _ec2_terminate,
     catalog.EC2_VOLUMES: _ec2_volumes,
+    catalog.EC2_ADDRESSES: _ec2_addresses,
     catalog.START_RECOVERY: _start_recovery,
     catalog.TASK_CALLBACK: _task_callback,
     catalog.PUBLISH_FAILURE: _publish_failure,

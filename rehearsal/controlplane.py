@@ -36,7 +36,19 @@ from spotcr_functions.handlers import _edge
 from spotcr_functions.models import JobRecord
 
 from rehearsal.iam import enforce, principals
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, dynamodb, fleet, iam, ssm, stack, stepfunctions, wrap
+from rehearsal.localaws import (
+    ACCOUNT,
+    REGION,
+    addresses,
+    awslambda,
+    dynamodb,
+    fleet,
+    iam,
+    ssm,
+    stack,
+    stepfunctions,
+    wrap,
+)
 from rehearsal.localaws import throttle as rate_limits
 from rehearsal.localaws.iam import STACK_CONTEXT
 from rehearsal.polling import wait_for
@@ -503,6 +515,7 @@ class ControlPlane:
         stepfunctions.parse_once(patches)
         fleet.launch_template_tags(patches)
         fleet.idempotent_launches(patches)
+        addresses.reassigned_addresses(patches)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()
         self.ec2 = boto3.client("ec2", region_name=REGION)

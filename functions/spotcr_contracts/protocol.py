@@ -30,16 +30,18 @@ Order
 
 Who may record
 6. A checkpoint MUST be recorded as the job's newest only when its instance may record (`may_record`): the
-   instance that runs the job while it is active, or while it recovers the interrupted instance (its final
-   dump) until the restore is ordered (`Registry.close_generation`). After that its dumps are late and MUST NOT
-   be recorded. The checkpoint it replaces becomes the fallback for a failed restore.
+   instance that runs the job while it is active, or while it recovers the one that takes the final dump
+   (`final_dump_taker`: the interrupted instance; for a job over several VMs node 0's, whose agent dumps every
+   node) until the restore is ordered (`Registry.close_generation`). After that its dumps are late and MUST
+   NOT be recorded. The checkpoint it replaces becomes the fallback for a failed restore.
 7. Only facts from authenticated sources MUST move the job: a checkpoint, a restore and an exit are taken from
    SSM's report of a command on that instance, never from an event a job VM can put on the bus.
 
 One live copy
 8. A checkpoint MUST NOT be restored until the interrupted instance's copy of the job is known gone: it is
    terminated, stopped, or its final dump at this generation ended the job there (`job_gone_from`) and it was
-   not started again since the warning (`restarted`).
+   not started again since the warning (`restarted`). For a job over several VMs this holds for the interrupted
+   node's instance; every other node's share ends by the final dump, or by its agent before it restores.
 9. A backup MUST be recorded only while its generation recovers (`Registry.record_backup`); a backup launched
    for a generation that moved on SHOULD be terminated at once. Only the recorded backup's ready report (or its
    failed boot) MUST move the recovery, and no such report MUST be lost to the order of the two: one that comes
@@ -52,7 +54,9 @@ Exactly one end
     such write wins, and a record that ended MUST NOT be written again by any end (`exit_ends_job` is None).
     Only a new registration of the same name replaces an ended record.
 11. An exit MUST end the job only when it comes from the instance the job runs on at its generation, from the backup
-    right after its restore, or from the interrupted primary just before its final dump (`exit_ends_job`).
+    right after its restore, or from the interrupted primary just before its final dump (`exit_ends_job`). For a
+    job over several VMs, only node 0 runs the command: while it recovers, node 0's exit ends the job after the
+    restore, and before it only with success (a node's loss makes MPI fail the others, which the restore undoes).
 12. A recovery that gives up MUST fail only the generation it recovers; a job that ended meanwhile keeps its end.
 
 Run `python -m spotcr_contracts.protocol` to print this text as the page docs/design/protocol.md.
@@ -106,6 +110,10 @@ class Record(Protocol):
     def backup_instance_id(self) -> str | None: ...
     @property
     def interrupted_at(self) -> str | None: ...
+    @property
+    def node_count(self) -> int: ...
+    @property
+    def interrupted_node(self) -> int | None: ...
 
     def arrival(self, key: str) -> dict[str, Any] | None: ...
 
@@ -131,8 +139,14 @@ def may_record(record: Record, instance_id: str) -> bool:
     if record.status in ACTIVE:
         return instance_id == record.instance_id
     if record.status == Status.RECOVERING:
-        return instance_id == record.recovering_from and not record.restore_ordered_at
+        return instance_id == final_dump_taker(record) and not record.restore_ordered_at
     return False
+
+
+def final_dump_taker(record: Record) -> str | None:
+    """Rule 6: the instance a recovery's final dump is ordered to: the interrupted one; for a job over several VMs
+    node 0's (until Finish, `instance_id`), whose agent coordinates every node's dump."""
+    return record.instance_id if record.node_count else record.recovering_from
 
 
 def is_newer(record: Record, checkpoint_id: str) -> bool:
@@ -150,6 +164,8 @@ def exit_ends_job(record: Record, event: Exit) -> str | None:
     if record.status in ACTIVE:
         same = event.instance_id == record.instance_id and event.generation == record.generation
         return "on its instance" if same else None
+    if record.node_count:
+        return _node_0_exit_ends_job(record, event)
     # RECOVERING: the backup ran the restored job and it ended before Finish; or the primary's job ended just
     # before the warning (a recorded exit code: -1 is a VM that stopped, whose job recovery must bring back).
     if event.instance_id == record.backup_instance_id and event.generation == record.generation:
@@ -161,6 +177,18 @@ def exit_ends_job(record: Record, event: Exit) -> str | None:
     if interrupted and event.exit_code != UNKNOWN_EXIT_CODE:
         return "on the interrupted primary before its final dump"
     return None
+
+
+def _node_0_exit_ends_job(record: Record, event: Exit) -> str | None:
+    """Rule 11 for a job over several VMs while it recovers: node 0 runs the command. After the restore its exit
+    at this generation ends the job (from node 0's instance, or its backup when node 0 is the one recovered); before
+    it only a success does, since a node's loss makes MPI end the other nodes' processes with an error."""
+    node_0 = record.backup_instance_id if record.interrupted_node == 0 else record.instance_id
+    if record.restore_ordered_at:
+        same = event.instance_id == node_0 and event.generation == record.generation
+        return "on node 0 right after the restore" if same else None
+    before = event.instance_id == record.instance_id and event.generation in (record.generation - 1, record.generation)
+    return "on node 0 before the interruption" if before and event.exit_code == 0 else None
 
 
 def job_gone_from(record: Record, instance_id: str) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from aws_lambda_powertools import Logger
 from spotcr_contracts import commands, events, results, tags
-from spotcr_contracts.protocol import exit_ends_job, is_newer, may_record, of_this_run
+from spotcr_contracts.protocol import exit_ends_job, final_dump_taker, is_newer, may_record, of_this_run
 
 from spotcr_functions import efs_access, jobs, rendezvous
 from spotcr_functions.deps import Deps
@@ -84,24 +84,26 @@ def _waiting_for_run(event: events.AgentEvent) -> bool:
 
 def _last_checkpoint_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
     """The primary may commit its final dump (on its own IMDS notice) at the generation it served before the
-    warning bumped it; while the job recovers, that checkpoint is exactly the one recovery wants. A final dump
+    warning bumped it; while the job recovers, that checkpoint is exactly the one recovery wants (for a job over
+    several VMs, node 0's, which takes every node's dumps: rule 6's `final_dump_taker`). A final dump
     that failed there and stopped the job says the old copy is gone, which the restore waits for."""
     failed_and_stopped = isinstance(event, events.CheckpointFailed) and event.kind == "final" and event.job_stopped
     return (
         (isinstance(event, events.CheckpointCompleted) or failed_and_stopped)
         and record.status == Status.RECOVERING
         and event.generation == record.generation - 1
-        and event.instance_id == record.recovering_from
+        and event.instance_id == final_dump_taker(record)
     )
 
 
 def _exit_of_interrupted_primary(record: JobRecord, event: events.AgentEvent) -> bool:
-    """The job ended on the primary just before the warning: that exit is the last thing its generation did."""
+    """The job ended on the primary (node 0 of a job over several VMs) just before the warning: that exit is the
+    last thing its generation did."""
     return (
         isinstance(event, events.JobExited)
         and record.status == Status.RECOVERING
         and event.generation == record.generation - 1
-        and event.instance_id == record.recovering_from
+        and event.instance_id == final_dump_taker(record)
     )
 
 
@@ -338,7 +340,8 @@ def _ended_by(record: JobRecord, event: events.JobExited) -> bool:
 
 
 def _release_vm(deps: Deps, record: JobRecord, event: events.JobExited) -> str:
-    """Terminate the VM the job ended on once its result is stored, if spotcr launched it (a backup).
+    """Terminate the VM the job ended on once its result is stored, if spotcr launched it (a backup), and the
+    backups among a job's other nodes.
 
     Never the user's own instance. Without a stored result the work dir on the VM is the only copy of the
     job's output: the VM is left running and the record's reason says so."""
@@ -350,6 +353,12 @@ def _release_vm(deps: Deps, record: JobRecord, event: events.JobExited) -> str:
             result_error=event.result_error,
         )
         return f"kept {event.instance_id}: result not stored"
+    # A job over several VMs ended on node 0: its other nodes' backups go too (their shares ended with it).
+    others = [node.instance_id for node in record.nodes if node.instance_id != event.instance_id]
+    for instance_id in others:
+        other = deps.cloud.describe_instance(instance_id)
+        if other is not None and tags.launched_by_spotcr(other.tags):
+            deps.cloud.terminate_instance(instance_id)
     instance = deps.cloud.describe_instance(event.instance_id)
     if instance is None or not tags.launched_by_spotcr(instance.tags):
         return f"kept {event.instance_id}: not launched by spotcr"

@@ -26,6 +26,7 @@ EC2_TAG = "ec2:tag"  # spotcr:run and spotcr:error on job instances (registering
 EC2_LAUNCH = "ec2:launch"  # RunInstances from the launch template, PassRole for the job profile
 EC2_TERMINATE = "ec2:terminate"  # terminate job instances of the launch template, cancel their spot requests
 EC2_VOLUMES = "ec2:volumes"  # attach, detach, snapshot, create and delete job volumes and snapshots
+EC2_ADDRESSES = "ec2:addresses"  # move a node's private address to its backup (a job over several VMs)
 START_RECOVERY = "states:start-recovery"
 TASK_CALLBACK = "states:callback"
 PUBLISH_FAILURE = "sns:publish"
@@ -99,8 +100,9 @@ FUNCTIONS: tuple[Function, ...] = (
         name="interruption",
         handler="spotcr_functions.handlers.interruption.handler",
         description="Spot or capacity-reservation interruption warning: fence, order the final dump, start recovery.",
-        # A warned node of a job over several VMs fails its job (recovery._node_lost): the other nodes are marked,
-        # terminated if spotcr launched them, the access point deleted, the failure notified.
+        # A node of a job over several VMs warned while another node recovers fails the job
+        # (recovery._second_node_lost): its nodes are marked, terminated if spotcr launched them, the access point
+        # deleted, the failure notified.
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
@@ -250,6 +252,7 @@ FUNCTIONS: tuple[Function, ...] = (
         handler="spotcr_functions.handlers.workflow.restore",
         description="Recovery step: retire the interrupted instance, order the restore, wait for SSM's result of it.",
         # A final dump whose answer never arrived is read from SSM before the restore (checkpoints.settle_final_dump).
+        # A job over several VMs: the interrupted node's address moves to its backup first.
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
@@ -257,6 +260,7 @@ FUNCTIONS: tuple[Function, ...] = (
             SEND_COMMAND,
             EC2_DESCRIBE,
             EC2_TERMINATE,
+            EC2_ADDRESSES,
             COMMAND_RESULTS,
         ),
         workflow_step=True,
@@ -305,10 +309,12 @@ FUNCTIONS: tuple[Function, ...] = (
         name="recovery-ended",
         handler="spotcr_functions.handlers.recovery_ended.handler",
         description="A recovery that failed past its Catch, timed out or was aborted: mark the job FAILED, notify.",
+        # A job over several VMs: its other nodes are marked, and terminated if spotcr launched them (jobs.retire).
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
             EC2_DESCRIBE,
+            EC2_TAG,
             EC2_TERMINATE,
             EC2_VOLUMES,
             PUBLISH_FAILURE,
@@ -330,7 +336,16 @@ FUNCTIONS: tuple[Function, ...] = (
         name="fail-recovery",
         handler="spotcr_functions.handlers.workflow.fail",
         description="Recovery step: mark the job FAILED, terminate its backup, delete what the hand-over made.",
-        capabilities=(JOBS_READ, JOBS_WRITE, EC2_DESCRIBE, EC2_TERMINATE, EC2_VOLUMES, EFS_ACCESS_POINT_DELETE),
+        # A job over several VMs: its other nodes are marked, and terminated if spotcr launched them (jobs.retire).
+        capabilities=(
+            JOBS_READ,
+            JOBS_WRITE,
+            EC2_DESCRIBE,
+            EC2_TAG,
+            EC2_TERMINATE,
+            EC2_VOLUMES,
+            EFS_ACCESS_POINT_DELETE,
+        ),
         workflow_step=True,
         timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
     ),

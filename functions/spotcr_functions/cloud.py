@@ -55,13 +55,20 @@ class Instance:
     # The private addresses of its primary network interface, the primary one first: a job over several VMs takes
     # a node's address from them (jobs.node_address).
     private_ips: tuple[str, ...] = ()
+    interface_id: str = ""  # its primary network interface, which a node's address moves to
+
+
+def _primary_interface(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    for interface in raw.get("NetworkInterfaces", []):
+        if interface.get("Attachment", {}).get("DeviceIndex", 0) == 0:
+            return interface
+    return {}
 
 
 def _primary_interface_ips(raw: Mapping[str, Any]) -> tuple[str, ...]:
-    for interface in raw.get("NetworkInterfaces", []):
-        if interface.get("Attachment", {}).get("DeviceIndex", 0) == 0:
-            found = sorted(interface.get("PrivateIpAddresses", []), key=lambda a: not a.get("Primary"))
-            return tuple(str(a["PrivateIpAddress"]) for a in found)
+    if interface := _primary_interface(raw):
+        found = sorted(interface.get("PrivateIpAddresses", []), key=lambda a: not a.get("Primary"))
+        return tuple(str(a["PrivateIpAddress"]) for a in found)
     return (str(raw["PrivateIpAddress"]),) if raw.get("PrivateIpAddress") else ()
 
 
@@ -206,8 +213,17 @@ class Cloud:
                     launched_at=_iso(raw.get("LaunchTime")),
                     image_id=raw.get("ImageId", ""),
                     private_ips=_primary_interface_ips(raw),
+                    interface_id=str(_primary_interface(raw).get("NetworkInterfaceId") or ""),
                 )
         return None
+
+    def move_private_address(self, interface_id: str, address: str) -> None:
+        """Make `address` a secondary private address of this network interface, taking it from any interface of the
+        subnet that holds it (AllowReassignment): a node's address moving to its backup. EC2 refuses an address
+        outside the interface's subnet."""
+        self.ec2.assign_private_ip_addresses(
+            NetworkInterfaceId=interface_id, PrivateIpAddresses=[address], AllowReassignment=True
+        )
 
     def tag_instance(self, instance_id: str, tags: Mapping[str, str]) -> None:
         self.ec2.create_tags(Resources=[instance_id], Tags=[{"Key": k, "Value": v} for k, v in tags.items()])

@@ -69,6 +69,9 @@ class JobRecord:
     node_count: int = 0
     nodes: tuple[NodeRecord, ...] = ()
     launch_key: str | None = None
+    # While such a job recovers: the index of the node whose instance (recovering_from) was warned or lost, and
+    # whose share the backup takes over with its address.
+    interrupted_node: int | None = None
     updated_at: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)  # token_* and event_* attributes
 
@@ -98,6 +101,13 @@ class JobRecord:
     def node_of(self, instance_id: str) -> NodeRecord | None:
         """The node this instance holds, if any."""
         return next((node for node in self.nodes if node.instance_id == instance_id), None)
+
+    def node(self, index: int) -> NodeRecord:
+        """The node of this index (KeyError naming it when the record lists none)."""
+        found = next((node for node in self.nodes if node.index == index), None)
+        if found is None:
+            raise KeyError(f"job {self.job_id} lists no node {index}")
+        return found
 
     def token(self, key: str) -> dict[str, Any] | None:
         value = self.extra.get(token_attribute(key))

@@ -10,13 +10,13 @@ from aws_lambda_powertools import Logger
 from botocore.exceptions import ClientError
 from spotcr_contracts import commands, names, results, tags
 from spotcr_contracts.names import client_token
-from spotcr_contracts.protocol import job_gone_from, parse_time, restarted
+from spotcr_contracts.protocol import final_dump_taker, job_gone_from, parse_time, restarted
 
 from spotcr_functions import agent_events, checkpoints, efs_access, final_dumps, jobs, rendezvous
 from spotcr_functions.cloud import CAPACITY_ERRORS, NOT_RUNNING_STATES, Instance, Throttled, error_code
 from spotcr_functions.deps import Deps
 from spotcr_functions.gpus import matching_fallbacks
-from spotcr_functions.models import ACTIVE, JobRecord, Status
+from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status
 from spotcr_functions.observability import SERVICE, Metric
 from spotcr_functions.registry import (
     FINAL_DUMP_COMMAND,
@@ -66,7 +66,8 @@ def on_interruption_warning(
     if record is None:
         return on_backup_down(deps, instance_id, warned_at, reason="interruption-warning", final_dump=True)
     if record.node_count:
-        return _node_lost(deps, record, instance_id, f"{source} interruption warning ({action})")
+        reason = f"{source}-interruption:{action}"
+        return _node_interrupted(deps, record, instance_id, warned_at, reason=reason, final_dump=True)
     bumped = _bump(deps, record, instance_id, warned_at, final_dump=True)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
@@ -90,7 +91,7 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     if record.status not in ACTIVE:
         return _already_recovering(deps, record.job_id, instance_id)
     if record.node_count:
-        return _node_lost(deps, record, instance_id, f"{state} without a warning")
+        return _node_interrupted(deps, record, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     bumped = _bump(deps, record, instance_id, at)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
@@ -99,28 +100,66 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": False}
 
 
-def _node_lost(deps: Deps, record: JobRecord, instance_id: str, what: str) -> dict[str, Any]:
-    """A node of a job over several VMs was warned or lost. Recovering such a job is not built yet
-    (docs/design/multinode.md): the job ends FAILED, saying so and naming its newest checkpoint, and its other
-    nodes are retired (jobs.retire). Nothing is restored, so no share ever runs twice."""
-    if record.status not in ACTIVE:
+def _node_interrupted(
+    deps: Deps, record: JobRecord, instance_id: str, at: str, *, reason: str, final_dump: bool
+) -> dict[str, Any]:
+    """A node of a job over several VMs was warned or lost: the whole job recovers (docs/design/multinode.md). The
+    fencing write names the node; a warning's final dump goes to node 0, whose agent dumps every node; a backup in
+    the job's subnet takes over the node's address; node 0 then restores every node from the job's checkpoint.
+
+    One node per recovery: a second node interrupted while the first's recovery runs fails the job, saying so,
+    with its newest checkpoint named; a backup lost while it restores starts the next cycle as for one VM."""
+    if record.status in ENDED:
         return {"action": "ignored", "reason": f"job is {record.status.value}", "job_id": record.job_id}
+    if record.status == Status.RECOVERING and instance_id == record.backup_instance_id:
+        return _backup_lost(deps, record, instance_id, at, reason=reason, final_dump=final_dump)
+    if record.status == Status.RECOVERING and instance_id != record.recovering_from and record.node_of(instance_id):
+        return _second_node_lost(deps, record, instance_id, reason)
+    bumped = deps.registry.bump_node(record.job_id, instance_id, at, final_dump=final_dump)
+    if bumped is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    logger.warning(
+        "a node of a job over several VMs was interrupted", job_id=record.job_id, node=bumped.interrupted_node
+    )
+    if final_dump:
+        _recover_with_final_dump(deps, bumped, instance_id, reason=reason)
+    else:
+        _start(deps, bumped, instance_id, reason=reason, final_dump=False)
+    return {
+        "action": "recovering",
+        "job_id": bumped.job_id,
+        "generation": bumped.generation,
+        "final_dump": final_dump,
+        "node": bumped.interrupted_node,
+    }
+
+
+def _second_node_lost(deps: Deps, record: JobRecord, instance_id: str, reason: str) -> dict[str, Any]:
+    """Another node went while one node's recovery runs: recovering two nodes at once is not built yet, so the
+    recovery of this generation fails (rule 12) rather than restore a job missing a node: the job is FAILED, its
+    nodes and backup retired, the workflow's waits released (it then finds the job moved on), the failure
+    notified."""
     node = record.node_of(instance_id)
-    index = node.index if node else 0
-    reason = (
-        f"node {index} ({instance_id}) of this job over {record.node_count} VMs: {what}; recovering a job over "
-        "several VMs is not built yet (docs/design/multinode.md)"
+    cause = (
+        f"node {node.index if node else '?'} ({instance_id}, {reason}) went while node {record.interrupted_node} "
+        "recovers; recovering two nodes at once is not built yet (docs/design/multinode.md)"
     )
     if record.checkpoint_id:
-        reason += f"; its newest coordinated checkpoint is {record.checkpoint_id}"
-    ended = deps.registry.end(record, Status.FAILED, {"reason": reason, "updated_at": deps.iso_now()})
-    if ended is None:
+        cause += f"; the job's newest checkpoint is {record.checkpoint_id}"
+    failed = deps.registry.fail_recovery(record.job_id, record.generation, cause, deps.iso_now())
+    if failed is None:
         return _already_recovering(deps, record.job_id, instance_id)
-    logger.error("a node of a job over several VMs was lost; the job failed", job_id=record.job_id, node=index)
-    efs_access.close_for(deps, ended)
-    jobs.retire(deps, [n.instance_id for n in record.nodes if n.instance_id != instance_id], reason)
-    deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {record.job_id} failed", reason)
-    return {"action": "failed", "job_id": record.job_id, "reason": reason}
+    logger.error("a second node went during a recovery; the job failed", job_id=record.job_id, instance_id=instance_id)
+    efs_access.close_for(deps, failed)
+    instances = [*(n.instance_id for n in record.nodes), record.recovering_from, record.backup_instance_id]
+    jobs.retire(deps, list(dict.fromkeys(i for i in instances if i)), cause)
+    for key in WAIT_KEYS:
+        token = record.token(key)
+        if token and token.get("generation") == record.generation:
+            deps.cloud.complete_task(str(token["token"]), {}, error="StaleGeneration", cause=cause)
+    deps.metric(Metric.RECOVERIES_FAILED, "Count", 1)
+    deps.cloud.notify(deps.settings.failure_topic_arn, f"spotcr job {record.job_id} failed", cause)
+    return {"action": "failed", "job_id": record.job_id, "reason": cause}
 
 
 def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
@@ -149,7 +188,8 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
         # starts the workflow, once; it waits for the final dump if the fencing write was a warning's (which records
         # the order with it: sent since, or left to the workflow's wait to send).
         ordered = current.extra.get(FINAL_DUMP_COMMAND) or {}
-        final_dump = ordered.get("generation") == current.generation and ordered.get("instance_id") == instance_id
+        taker = final_dump_taker(current)
+        final_dump = ordered.get("generation") == current.generation and ordered.get("instance_id") == taker
         started = _start(deps, current, instance_id, reason="retry", final_dump=final_dump)
         logger.info("duplicate event: recovery already under way", job_id=job_id, started_now=started)
         return {"action": "duplicate", "job_id": job_id, "generation": current.generation}
@@ -160,8 +200,9 @@ def _already_recovering(deps: Deps, job_id: str, instance_id: str) -> dict[str, 
 def _recover_with_final_dump(deps: Deps, record: JobRecord, instance_id: str, reason: str) -> None:
     """Send the fenced record's final-dump order with every other one queued meanwhile (final_dumps),
     then start the workflow, so that a wave's backups launch at once; orders a throttle kept back are tried again
-    after that. The agent's own IMDS poll has begun the dump meanwhile; the command, once there, records it."""
-    throttled = final_dumps.send(deps, [final_dumps.order_of(record, instance_id)])
+    after that. The agent's own IMDS poll has begun the dump meanwhile; the command, once there, records it. The
+    order goes to the instance that takes the final dump (rule 6: node 0's for a job over several VMs)."""
+    throttled = final_dumps.send(deps, [final_dumps.order_of(record, final_dump_taker(record) or instance_id)])
     _start(deps, record, instance_id, reason=reason, final_dump=True)
     if throttled:
         final_dumps.send(deps, for_s=final_dumps.SEND_S)
@@ -239,7 +280,7 @@ def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     backup elsewhere waits for the volume to move through a snapshot (minutes, then lazily loaded blocks)."""
     record = _current(deps, job_id, generation)
     stack_subnets = deps.settings.subnet_ids
-    if not stack_subnets:
+    if not stack_subnets or record.node_count:  # a node's address moves only within its subnet
         subnets = [(record.subnet_id, record.az)]
     else:
         # Only the stack's subnets have the routes and endpoints a job VM needs; the job's own comes first.
@@ -286,6 +327,8 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
     backup_tags = {**record.tags, tags.MODE: "restore", tags.GENERATION: str(generation)}
     if record.run_id:
         backup_tags[tags.RUN] = record.run_id  # the backup serves this run: it restores only this run's checkpoints
+    if record.interrupted_node is not None:
+        backup_tags[tags.NODE] = str(record.interrupted_node)  # the node whose share and address it takes over
     settings = deps.settings
     # The version is explicit: $Default stays version 1, whose user data may name an agent asset since replaced.
     template = (settings.launch_template_id, settings.launch_template_version)
@@ -441,6 +484,8 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed.
     record = checkpoints.settle_final_dump(deps, record)
     _retire_primary(deps, record)
+    if record.interrupted_node is not None:
+        record = _take_over_address(deps, record, backup_instance_id)
     # Then close the generation to the interrupted instance: a final dump that outlived its wait is never recorded
     # after this, so the checkpoint chosen below stays the job's newest until the backup commits its own.
     closed = deps.registry.close_generation(job_id, generation, deps.iso_now())
@@ -460,13 +505,47 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
         "Attempt": attempt,
         "Sequence": str(record.dump_sequence),  # minted by close_generation: the backup ranks after the primary
     }
-    command_id = deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, backup_instance_id, values)
-    ordered = {"command_id": command_id, "instance_id": backup_instance_id, "generation": generation}
+    target = restore_target(record)
+    command_id = deps.cloud.send_command(deps.settings.restore_document, commands.RESTORE, target, values)
+    ordered = {"command_id": command_id, "instance_id": target, "generation": generation}
     deps.registry.record_restore_order(
         job_id, generation, restore_command_attribute(attempt), {**ordered, "ordered_at": deps.iso_now()}
     )
-    logger.info("restore ordered", job_id=job_id, instance_id=backup_instance_id, checkpoint_id=checkpoint_id)
+    logger.info("restore ordered", job_id=job_id, instance_id=target, checkpoint_id=checkpoint_id)
     return {"checkpoint_id": checkpoint_id, "command_id": command_id}
+
+
+def restore_target(record: JobRecord) -> str:
+    """The instance the restore is ordered to: the backup; for a job over several VMs node 0's, whose agent
+    restores every node's part (the backup, when node 0 is the node recovered)."""
+    if record.node_count and record.interrupted_node != 0:
+        return record.instance_id
+    return str(record.backup_instance_id)
+
+
+def _take_over_address(deps: Deps, record: JobRecord, backup_instance_id: str) -> JobRecord:
+    """Rule 8 holds for the interrupted node: its address moves to the backup (within the job's subnet), and the
+    record names the backup as the node's before the restore is ordered. Repeated for a second attempt, it changes
+    nothing."""
+    index = int(record.interrupted_node or 0)
+    address = record.node(index).address
+    held = deps.cloud.describe_instance(record.recovering_from) if record.recovering_from else None
+    if held is not None and held.state != "terminated" and held.private_ips[:1] == (address,):
+        # A primary address never moves: it is free once its instance is terminated (the workflow retries).
+        raise PrimaryStillRunning(
+            f"job {record.job_id}: node {index}'s address {address} is the primary one of {held.instance_id}, "
+            f"which is {held.state}; it moves once that instance is terminated"
+        )
+    backup = deps.cloud.describe_instance(backup_instance_id)
+    if backup is None or not backup.interface_id:
+        raise RestoreFailed(f"job {record.job_id}: backup {backup_instance_id} has no network interface")
+    if address not in backup.private_ips:
+        deps.cloud.move_private_address(backup.interface_id, address)
+        logger.info("node address moved", job_id=record.job_id, node=index, address=address, to=backup_instance_id)
+    moved = deps.registry.move_node(record.job_id, record.generation, index, backup_instance_id, deps.iso_now())
+    if moved is None:
+        raise StaleGeneration(f"job {record.job_id} moved on before node {index}'s address moved")
+    return moved
 
 
 _GONE = frozenset({"stopping", "stopped", "shutting-down", "terminated"})
@@ -516,7 +595,7 @@ def on_restore_command(deps: Deps, command_id: str, instance_id: str, document_n
     if document_name != deps.settings.restore_document:
         return {"action": "ignored", "reason": f"not the restore document: {document_name}"}
     record = jobs.record_tagged_on(deps, instance_id)
-    if record is None or record.status != Status.RECOVERING or record.backup_instance_id != instance_id:
+    if record is None or record.status != Status.RECOVERING or restore_target(record) != instance_id:
         logger.info("restore command of an instance that is no job's backup", instance_id=instance_id)
         return {"action": "ignored", "reason": "not a recovering job's backup"}
     invocation = deps.cloud.command_invocation(command_id, instance_id) or {}
@@ -653,17 +732,19 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     backup = deps.cloud.describe_instance(record.backup_instance_id)
     answers = [record.arrival(key) or {} for key in reversed(RESTORE_KEYS)]  # the last attempt's answer first
     restored = next((a.get("output") or {} for a in answers if a and not a.get("error")), {})
+    # The job's instance is the one the restore was ordered to: the backup, or node 0's for a job over several VMs.
+    instance_id = restore_target(record)
     values: dict[str, Any] = {
-        "instance_id": record.backup_instance_id,
-        "az": record.backup_az,
+        "instance_id": instance_id,
+        "az": record.backup_az,  # one subnet for every node of a job over several VMs
         "next_checkpoint_at": deps.unix_now() + record.interval_s,
         "updated_at": deps.iso_now(),
     }
-    if backup is not None:
+    if backup is not None and instance_id == backup.instance_id:
         values |= {"subnet_id": backup.subnet_id, "instance_type": backup.instance_type, "image_id": backup.image_id}
     if record.handover_volume_id:
         values["volume_id"] = record.handover_volume_id
-    updated = deps.registry.finish_recovery(job_id, generation, values)
+    updated = deps.registry.finish_recovery(job_id, generation, values, backup=record.backup_instance_id)
     if updated is None:
         raise StaleGeneration(f"job {job_id} moved on before its recovery finished")
     if record.handover_volume_id and record.volume_id and record.handover_volume_id != record.volume_id:
@@ -710,6 +791,9 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
         _tidy_failed(deps, record)
     if record and record.backup_instance_id:
         deps.cloud.terminate_instance(record.backup_instance_id)
+    if record and record.node_count:  # the other nodes wait locked for a restore that never comes
+        gone = (record.recovering_from, record.backup_instance_id)
+        jobs.retire(deps, [n.instance_id for n in record.nodes if n.instance_id not in gone], reason)
     deps.metric(Metric.RECOVERIES_FAILED, "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
     return {"job_id": job_id, "marked_failed": True, "message": f"spotcr job {job_id}: {reason}"}
@@ -789,13 +873,20 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
     are released, and a warning orders the backup's own final dump: its agent takes it as soon as it runs the job.
     """
     record = jobs.record_tagged_on(deps, instance_id)
-    if record is not None and record.node_of(instance_id) is not None:
-        return _node_lost(deps, record, instance_id, reason)
+    if record is not None and record.node_count and record.node_of(instance_id) is not None:
+        return _node_interrupted(deps, record, instance_id, at, reason=reason, final_dump=final_dump)
     if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
         logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)
         return {"action": "ignored", "reason": "no job on this instance"}
     if record.backup_instance_id != instance_id:
         return _already_recovering(deps, record.job_id, instance_id)
+    return _backup_lost(deps, record, instance_id, at, reason=reason, final_dump=final_dump)
+
+
+def _backup_lost(
+    deps: Deps, record: JobRecord, instance_id: str, at: str, *, reason: str, final_dump: bool
+) -> dict[str, Any]:
+    """The recorded backup went while it restores: the next generation recovers from it."""
     bumped = deps.registry.bump_backup(record, at, final_dump=final_dump)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)

@@ -321,11 +321,35 @@ class Registry:
                 return bumped
         return None
 
+    def bump_node(self, job_id: str, instance_id: str, at: str, *, final_dump: bool = False) -> JobRecord | None:
+        """The fencing write of a job over several VMs: generation+1 once per interrupted node, only while the job is
+        active and `instance_id` holds that node. `interrupted_node` names the node whose share the backup takes over;
+        a warning's final dump is ordered to node 0's instance (rule 6, `final_dump_taker`), whose agent dumps every
+        node. Its agents take no final dump on their own notice, so no early one is carried. None: not active on
+        that node (a duplicate, or the job moved on)."""
+        for _ in range(5):  # a periodic dump's claim or settlement may move the status between the read and the write
+            record = self.get(job_id)
+            node = record.node_of(instance_id) if record else None
+            if record is None or node is None or record.status not in ACTIVE:
+                return None
+            condition = _at(record.generation, record.status) & Attr(f"nodes.{node.index}.instance_id").eq(instance_id)
+            values = {
+                **_fenced(record.generation, instance_id, at),
+                "status": Status.RECOVERING.value,
+                "interrupted_node": node.index,
+                **_final_dump_intent(record.instance_id, record.generation + 1, final_dump),
+            }
+            bumped = self._write(job_id, values, FENCE_CLEARS, condition, add=(DUMP_SEQUENCE,))
+            if bumped is not None:
+                return bumped
+        return None
+
     def bump_backup(self, seen: JobRecord, at: str, *, final_dump: bool = False) -> JobRecord | None:
         """The fencing write for a backup lost while it restores: generation+1, recovering from that backup (and, on
         its warning, `final_dump` as in bump_generation)."""
         condition = _at(seen.generation, Status.RECOVERING) & Attr("backup_instance_id").eq(seen.backup_instance_id)
-        ordered = _final_dump_intent(str(seen.backup_instance_id), seen.generation + 1, final_dump)
+        taker = seen.instance_id if seen.node_count else str(seen.backup_instance_id)  # rule 6: final_dump_taker
+        ordered = _final_dump_intent(taker, seen.generation + 1, final_dump)
         return self._write(
             seen.job_id,
             {**_fenced(seen.generation, seen.backup_instance_id, at), **ordered},
@@ -405,6 +429,14 @@ class Registry:
         values = {"handover_snapshot_id": snapshot_id} if snapshot_id else {"handover_volume_id": volume_id}
         return self._write(job_id, values, condition=_at(generation))
 
+    def move_node(self, job_id: str, generation: int, index: int, instance_id: str, at: str) -> JobRecord | None:
+        """A job over several VMs: the interrupted node's address now belongs to its backup (EC2 moved it, after
+        rule 8 held for the interrupted instance), so the node is the backup's from here on. Only the recorded backup
+        of this generation's interrupted node."""
+        condition = _at(generation, Status.RECOVERING) & Attr("backup_instance_id").eq(instance_id)
+        condition &= Attr("interrupted_node").eq(index)
+        return self._write(job_id, {f"nodes.{index}.instance_id": instance_id, "updated_at": at}, condition=condition)
+
     def close_generation(self, job_id: str, generation: int, at: str) -> JobRecord | None:
         """The recovery orders a restore: from now on the interrupted instance's checkpoints of this generation are
         late and never recorded (rule 6), so the checkpoint chosen from the returned record is the newest the job
@@ -419,13 +451,16 @@ class Registry:
         """The restore command one attempt sent to the backup."""
         return self._write(job_id, {attribute: ordered}, condition=_at(generation, Status.RECOVERING))
 
-    def finish_recovery(self, job_id: str, generation: int, values: Mapping[str, Any]) -> JobRecord | None:
-        """The backup (values' instance_id) is the job's instance: RUNNING again at this generation (None: the job
-        moved on). Its ready report kept before it was recorded, if any, is done with."""
+    def finish_recovery(
+        self, job_id: str, generation: int, values: Mapping[str, Any], *, backup: str | None = None
+    ) -> JobRecord | None:
+        """The job runs again on values' instance_id (the backup; node 0's for a job over several VMs): RUNNING again
+        at this generation (None: the job moved on). The backup's ready report kept before it was recorded, if any,
+        is done with."""
         handed_over = ("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id")
-        early_ready = event_attribute(early_ready_key(str(values["instance_id"])))
+        early_ready = event_attribute(early_ready_key(str(backup or values["instance_id"])))
         running = {"status": Status.RUNNING.value, **values}
-        remove = (*handed_over, "restore_ordered_at", early_ready)
+        remove = (*handed_over, "restore_ordered_at", "interrupted_node", early_ready)
         return self._write(job_id, running, remove, _at(generation, Status.RECOVERING))
 
     def fail_recovery(self, job_id: str, generation: int, reason: str, at: str) -> JobRecord | None:

@@ -257,10 +257,13 @@ def vend(deps: Deps, job_id: str | None, user_arn: str | None) -> dict[str, Any]
 def node_answer(record: JobRecord, instance_id: str) -> dict[str, Any]:
     """What a node of a job over several VMs learns with its credentials: every node's address in index order, its
     own index, and the run's launch key (docs/design/multinode.md). Only once every node registered: until then
-    Refused (404), which the agent asks again after. Nothing for a single-VM job."""
+    Refused (404), which the agent asks again after. A recovery's backup learns the node it takes over. Nothing for
+    a single-VM job."""
     if not record.node_count:
         return {}
     node = record.node_of(instance_id)
+    if node is None and instance_id == record.backup_instance_id and record.interrupted_node is not None:
+        node = record.node(record.interrupted_node)
     if node is None:
         raise Refused(403, f"instance {instance_id} holds no node of job {record.job_id}")
     listed = nodes.addresses(record.nodes, record.node_count)

@@ -234,6 +234,10 @@ def _ec2_cancel_spot(call: Call, state: State) -> list[Request]:
     ]
 
 
+def _ec2_assign_addresses(call: Call, state: State) -> list[Request]:
+    return [_ec2_existing(call, state, "ec2:AssignPrivateIpAddresses", call.params["NetworkInterfaceId"])]
+
+
 def _ec2_create_volume(call: Call, state: State) -> list[Request]:
     tags = _tag_specifications(call)
     context: dict[str, ContextValue] = {
@@ -512,6 +516,7 @@ OPERATIONS: dict[tuple[str, str], Callable[[Call, State], list[Request]]] = {
     ("ec2", "RunInstances"): _ec2_run_instances,
     ("ec2", "CreateFleet"): _ec2_create_fleet,
     ("ec2", "TerminateInstances"): _ec2_on_instances,
+    ("ec2", "AssignPrivateIpAddresses"): _ec2_assign_addresses,
     ("ec2", "SendSpotInstanceInterruptions"): _ec2_on_instances,  # FIS's aws:ec2:send-spot-instance-interruptions
     ("ec2", "StopInstances"): _ec2_on_instances,
     ("ec2", "CancelSpotInstanceRequests"): _ec2_cancel_spot,

@@ -134,36 +134,6 @@ def test_node_tags_that_make_no_job_are_refused_with_the_tag_named(
     assert refusal in plane.instance_tags(instance_id)[tag_names.ERROR]
 
 
-@pytest.mark.parametrize("event", ["spot-interruption-warning", "state-change-terminated"])
-@pytest.mark.parametrize("lost", [0, 2])
-def test_a_lost_node_fails_the_job_saying_recovery_over_several_vms_is_not_built(
-    plane: ControlPlane, event: str, lost: int
-) -> None:
-    # Given a job running on three nodes
-    instances = [register(plane, node_tags(index)) for index in range(3)]
-    route(agent_event(_started(instances[0])))
-
-    # When one node is warned, or goes without a warning
-    route(ec2_event(event, instances[lost]))
-
-    # Then the job fails with the reason, nothing is launched or restored, and the other nodes are retired
-    record = plane.job(JOB)
-    assert record.status == Status.FAILED and record.generation == 0
-    assert f"node {lost} ({instances[lost]})" in str(record.reason)
-    assert "recovering a job over several VMs is not built yet" in str(record.reason)
-    assert plane.executions() == [] and plane.backups() == [] and plane.sent_commands() == []
-    assert any("not built yet" in message for message in plane.notifications())
-    for index, instance_id in enumerate(instances):
-        if index != lost:
-            assert state(plane, instance_id) in ("shutting-down", "terminated")
-            assert "not built yet" in plane.instance_tags(instance_id)[tag_names.ERROR]
-
-    # And the others' own state changes afterwards change nothing
-    for instance_id in instances:
-        route(ec2_event("state-change-terminated", instance_id))
-    assert plane.job(JOB) == record
-
-
 def test_a_periodic_dump_is_ordered_to_node_0_only_and_its_job_checkpoint_recorded(plane: ControlPlane) -> None:
     # Given a job running on three nodes
     instances = [register(plane, node_tags(index)) for index in range(3)]
@@ -182,10 +152,6 @@ def test_a_periodic_dump_is_ordered_to_node_0_only_and_its_job_checkpoint_record
     )
     record = plane.job(JOB)
     assert (record.status, record.checkpoint_id) == (Status.RUNNING, checkpoint)
-
-    # And a node warned afterwards fails the job naming that checkpoint, from which nothing is restored yet
-    route(ec2_event("spot-interruption-warning", instances[2]))
-    assert f"its newest coordinated checkpoint is {checkpoint}" in str(plane.job(JOB).reason)
 
 
 def test_only_node_0s_exit_ends_the_job_another_nodes_share_ending_moves_nothing(plane: ControlPlane) -> None:

@@ -1,0 +1,173 @@
+"""The control plane recovers a job over several VMs (docs/design/multinode.md): the fencing write names the node,
+node 0's agent takes every node's final dump, a backup in the job's subnet takes over the node and its address, and
+node 0's agent restores every node; the agents are played, the handlers and the workflow are real."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from spotcr_contracts import events
+from spotcr_contracts import tags as tag_names
+from spotcr_functions.models import Status
+
+from rehearsal.controlplane import (
+    ControlPlane,
+    agent_event,
+    checkpoint_id,
+    ec2_event,
+    finish_checkpoint,
+    finish_exit,
+    finish_restore,
+    now_iso,
+    route,
+)
+from tests.functions.support import answer, instance_session, request
+from tests.functions.test_multinode_registration import JOB, node_tags, register, state
+from tests.workflow.support import order_periodic, ordered_sequence
+
+pytestmark = pytest.mark.claim("At most one live copy")
+
+
+def running_job(plane: ControlPlane, nodes: int = 3) -> tuple[list[str], str]:
+    """A job running on `nodes` VMs with one coordinated periodic checkpoint; its instances and that checkpoint."""
+    instances = [register(plane, node_tags(index, nodes)) for index in range(nodes)]
+    route(agent_event(events.JobStarted(JOB, instances[0], 0, now_iso(), pid=4242)))
+    sequence = order_periodic(plane, JOB, instances[0])
+    periodic = checkpoint_id("periodic", 0, sequence=sequence)
+    run_id = plane.job(JOB).run_id
+    finish_checkpoint(
+        events.CheckpointCompleted(
+            JOB, instances[0], 0, now_iso(), run_id=run_id, checkpoint_id=periodic, kind="periodic"
+        )
+    )
+    assert plane.job(JOB).checkpoint_id == periodic
+    return instances, periodic
+
+
+def addresses_of(plane: ControlPlane, instance_id: str) -> list[str]:
+    [interface] = plane.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0][
+        "NetworkInterfaces"
+    ]
+    return [a["PrivateIpAddress"] for a in interface["PrivateIpAddresses"]]
+
+
+def credentials(instance_id: str) -> tuple[int, dict[str, Any]]:
+    return answer(request(JOB, instance_session(instance_id)))
+
+
+@pytest.mark.parametrize("lost", [2, 0])
+@pytest.mark.parametrize("event", ["spot-interruption-warning", "state-change-terminated"])
+def test_a_node_warned_or_lost_moves_to_a_backup_with_its_address_and_node_0_restores_the_job(
+    plane: ControlPlane, vending: list[dict[str, Any]], lost: int, event: str
+) -> None:
+    # Given a job running on three VMs with a coordinated periodic checkpoint
+    instances, periodic = running_job(plane)
+    record = plane.job(JOB)
+    address, subnet = record.node(lost).address, record.subnet_id
+    warned = event == "spot-interruption-warning"
+
+    # When node `lost` is warned (or goes without a warning)
+    route(ec2_event(event, instances[lost]))
+
+    # Then one fencing write names the node, and a warning's final dump is ordered to node 0 (its agent dumps all)
+    record = plane.job(JOB)
+    assert (record.status, record.generation, record.interrupted_node) == (Status.RECOVERING, 1, lost)
+    assert record.recovering_from == instances[lost]
+    dumps = plane.sent_commands("final-dump")
+    assert [d["instances"] for d in dumps] == ([[instances[0]]] if warned else [])
+
+    # And one backup launches in the job's subnet, tagged as that node, and learns the node it takes over
+    record = plane.wait_until(lambda: (r := plane.job(JOB)).backup_instance_id and r, "the backup launch")
+    backup = str(record.backup_instance_id)
+    [launched] = plane.backups()
+    assert launched["SubnetId"] == subnet
+    backup_tags = plane.instance_tags(backup)
+    assert (backup_tags[tag_names.NODE], backup_tags[tag_names.NODES]) == (str(lost), "3")
+    status, body = credentials(backup)
+    assert status == 200, body
+    assert (body["Node"], body["Nodes"]) == (lost, [node.address for node in record.nodes])
+
+    # When node 0 commits the job's final dump (warned) and the backup's agent is ready
+    restored = periodic
+    if warned:
+        plane.wait_for_token(JOB, "final-dump")
+        sequence = ordered_sequence(plane, instances[0], "final")
+        restored = checkpoint_id("final", 1, sequence=sequence)
+        finish_checkpoint(
+            events.CheckpointCompleted(
+                JOB, instances[0], 1, now_iso(), run_id=record.run_id, checkpoint_id=restored, kind="final"
+            )
+        )
+    route(agent_event(events.AgentReady(JOB, backup, 1, now_iso(), mode="restore")))
+
+    # Then the interrupted node is terminated, its address moves to the backup, and the restore goes to node 0
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    node_0 = backup if lost == 0 else instances[0]
+    assert restore["instances"] == [node_0]
+    assert restore["parameters"]["CheckpointId"] == restored
+    assert state(plane, instances[lost]) == "terminated"
+    assert address in addresses_of(plane, backup)
+    assert plane.job(JOB).node(lost).instance_id == backup
+
+    # When node 0's agent answers that every node restored
+    finish_restore(events.RestoreCompleted(JOB, node_0, 1, now_iso(), checkpoint_id=restored, seconds=2.0, pid=7))
+
+    # Then the job runs at generation 1 on its nodes, node 0's instance the job's, every other node untouched
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    record = plane.job(JOB)
+    assert (record.status, record.generation, record.instance_id) == (Status.RUNNING, 1, node_0)
+    expected = [backup if index == lost else instance for index, instance in enumerate(instances)]
+    assert [node.instance_id for node in record.nodes] == expected
+    assert record.interrupted_node is None and record.checkpoint_id == restored
+    for index, instance_id in enumerate(instances):
+        if index != lost:
+            assert state(plane, instance_id) == "running"
+            assert tag_names.ERROR not in plane.instance_tags(instance_id)
+
+    # And its next periodic dump is ordered to node 0 again
+    order_periodic(plane, JOB, node_0)
+    assert plane.sent_commands("checkpoint")[-1]["instances"] == [node_0]
+
+
+def test_a_second_node_lost_while_one_recovers_fails_the_job_and_retires_every_node(plane: ControlPlane) -> None:
+    # Given a job over three VMs recovering node 1
+    instances, periodic = running_job(plane)
+    route(ec2_event("state-change-terminated", instances[1]))
+    record = plane.wait_until(lambda: (r := plane.job(JOB)).backup_instance_id and r, "the backup launch")
+
+    # When node 2 goes too
+    route(ec2_event("spot-interruption-warning", instances[2]))
+
+    # Then the job fails naming both nodes and its newest checkpoint; nothing is restored; every VM is retired
+    record = plane.job(JOB)
+    assert record.status == Status.FAILED
+    assert f"node 2 ({instances[2]}" in str(record.reason) and "while node 1 recovers" in str(record.reason)
+    assert f"newest checkpoint is {periodic}" in str(record.reason)
+    assert plane.sent_commands("restore") == []
+    assert any("recovering two nodes at once is not built yet" in m for m in plane.notifications())
+    for instance_id in [*instances, plane.backups()[0]["InstanceId"]]:
+        assert state(plane, instance_id) in ("shutting-down", "terminated")
+
+
+def test_node_0s_failure_after_a_node_is_lost_is_undone_by_the_recovery_its_success_is_kept(
+    plane: ControlPlane,
+) -> None:
+    # Given a job over two VMs whose node 1 went without a warning
+    instances, _ = running_job(plane, nodes=2)
+    run_id = plane.job(JOB).run_id
+    route(ec2_event("state-change-terminated", instances[1]))
+
+    # When MPI on node 0 fails for the lost peer, and its agent reports the exit at either generation
+    for generation in (0, 1):
+        exited = events.JobExited(JOB, instances[0], generation, now_iso(), run_id=run_id, exit_code=1)
+        finish_exit(exited)
+
+    # Then the recovery goes on: the restore will bring the job back from its checkpoint
+    record = plane.job(JOB)
+    assert (record.status, record.generation) == (Status.RECOVERING, 1)
+
+    # And a success reported before the restore is the job's end: restoring it would run it twice
+    finish_exit(events.JobExited(JOB, instances[0], 0, now_iso(), run_id=run_id, exit_code=0, result="s3://b/r"))
+    record = plane.job(JOB)
+    assert (record.status, record.exit_code) == (Status.COMPLETED, 0)
