@@ -61,3 +61,23 @@ def test_a_node_address_that_cannot_be_held_is_refused_naming_why(
 ) -> None:
     with pytest.raises(nodes.NodeError, match=message):
         nodes.hold_address(address, lambda: primary, run=FakeIp(fails=fails))
+
+
+def test_a_backup_holds_the_address_without_its_route_until_its_share_is_restored() -> None:
+    # A backup puts the address on before EC2 moved it there: nothing may leave from it yet
+    ip = FakeIp()
+    assert nodes.hold_address("10.0.1.50", lambda: "10.0.1.23", run=ip, route=False) == "ens5"
+    assert ip.ran == [["ip", "addr", "add", "10.0.1.50/24", "dev", "ens5"]]
+
+    # Once restored there, connections to the subnet leave from it
+    held = FakeIp(SHOWN + "2: ens5    inet 10.0.1.50/24 scope global secondary ens5\\       valid_lft forever\n")
+    nodes.route_from("10.0.1.50", run=held)
+    assert held.ran == [["ip", "route", "replace", "10.0.1.0/24", "dev", "ens5", "src", "10.0.1.50"]]
+
+
+def test_an_interfaces_own_first_address_is_its_subnets_source_already() -> None:
+    ip = FakeIp()
+    nodes.route_from("10.0.1.23", run=ip)
+    assert ip.ran == []
+    with pytest.raises(nodes.NodeError, match=r"no interface holds node address 10\.0\.1\.99"):
+        nodes.route_from("10.0.1.99", run=ip)

@@ -31,7 +31,12 @@ def run(agent: Agent, metadata: Metadata, stop: threading.Event, poll_s: float =
     with contextlib.ExitStack() as serving:
         if agent.config.nodes:  # a multi-node job: the coordinator (node 0's agent) drives this node over its port
             address = agent.config.nodes[agent.config.node_index]
-            nodes.hold_address(address, lambda: metadata.get("meta-data/local-ipv4") or "")
+            backup = agent.config.mode == "restore"
+            if backup:
+                # A backup takes over a node's address locked: the other nodes' connections get nothing from it
+                # (never a reset) until its share is restored; the coordinated restore unlocks it.
+                nodes.lock(address, ",".join(a for a in agent.config.nodes if a != address))
+            nodes.hold_address(address, lambda: metadata.get("meta-data/local-ipv4") or "", route=not backup)
             serving.enter_context(nodeport.serve(agent))
         _watch(agent, metadata, stop, poll_s)
 

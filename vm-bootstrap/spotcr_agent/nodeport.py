@@ -192,6 +192,7 @@ def agent_actions(agent: Any, address: str, peers: str, unlocked: str = "") -> d
         if not isinstance(checkpoint, str) or not isinstance(generation, int) or not isinstance(sequence, int | None):
             raise ValueError(f"a restore names its part's checkpoint, the generation and the sequence, not {body}")
         agent.end_share_for_restore(generation)
+        nodes.route_from(address)  # a backup's address is its own by now: the control plane moved it before this
         outcome = agent.restore(generation, checkpoint, sequence=sequence, exact=True)
         return {"checkpoint_id": outcome.checkpoint_id, "seconds": outcome.seconds}
 

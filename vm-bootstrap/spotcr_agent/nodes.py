@@ -83,12 +83,13 @@ def unlock(iptables: str = "iptables") -> None:
 Run = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
-def hold_address(address: str, primary: Callable[[], str], run: Run = subprocess.run) -> str:
+def hold_address(address: str, primary: Callable[[], str], run: Run = subprocess.run, *, route: bool = True) -> str:
     """Put the node address on the interface that holds this instance's own address (`primary`, asked only when
     needed), unless an interface holds it already; returns that interface's name. EC2 assigns a secondary private
-    address to the interface, but Debian configures only the primary one. Connections to the subnet then leave from
-    the node address (the subnet's route gets it as source), so every connection between nodes names node
-    addresses at both ends, and a backup that takes the address over takes them all."""
+    address to the interface, but Debian configures only the primary one. With `route`, connections to the subnet
+    then leave from the node address (`route_from`), so every connection between nodes names node addresses at both
+    ends, and a backup that takes the address over takes them all. A backup holds the address without `route` until
+    its share is restored: before the control plane moves the address to it, EC2 drops what it sends from it."""
     interfaces = _interfaces(run)
     if address in interfaces:
         return interfaces[address][0]
@@ -98,15 +99,33 @@ def hold_address(address: str, primary: Callable[[], str], run: Run = subprocess
     name, network = interfaces[own][0], interfaces[own][1].network
     if ipaddress.IPv4Address(address) not in network:
         raise NodeError(f"node address {address} is not in {network}, the subnet of this instance's {own}")
-    for argv in (
-        ["ip", "addr", "add", f"{address}/{network.prefixlen}", "dev", name],
-        ["ip", "route", "replace", str(network), "dev", name, "src", address],
-    ):
-        result = run(argv, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise NodeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
-    log.info("node address %s put on %s; connections to %s leave from it", address, name, network)
+    _ip(run, ["ip", "addr", "add", f"{address}/{network.prefixlen}", "dev", name])
+    log.info("node address %s put on %s", address, name)
+    if route:
+        _route(run, name, network, address)
     return name
+
+
+def route_from(address: str, run: Run = subprocess.run) -> None:
+    """Make the node address the source of new connections to its subnet, unless it is its interface's own first
+    address (which is the source already)."""
+    interfaces = _interfaces(run)
+    if address not in interfaces:
+        raise NodeError(f"no interface holds node address {address}")
+    name, network = interfaces[address][0], interfaces[address][1].network
+    if next(held for held, (interface, _) in interfaces.items() if interface == name) != address:
+        _route(run, name, network, address)
+
+
+def _route(run: Run, name: str, network: ipaddress.IPv4Network, address: str) -> None:
+    _ip(run, ["ip", "route", "replace", str(network), "dev", name, "src", address])
+    log.info("connections to %s leave from node address %s", network, address)
+
+
+def _ip(run: Run, argv: list[str]) -> None:
+    result = run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise NodeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
 
 
 def _interfaces(run: Run) -> dict[str, tuple[str, ipaddress.IPv4Interface]]:
