@@ -61,6 +61,13 @@ def parse(argv: list[str]) -> Options:
         help="upgrade the stack S s after the submission (a new agent asset and launch template version), before the "
         "first interruption: its backup must boot the new version",
     )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="a job over N VMs (an MPI command: mpiexec -n ... just works; --storage efs or fsx); interruption i hits "
+        "node i mod N, node 1 first; its result is compared with the same command run on one VM",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each phase may take (default 300)")
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
     parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where each run's files go (rehearsal-runs/)")
@@ -93,6 +100,7 @@ def parse(argv: list[str]) -> Options:
         timeout_s=args.timeout,
         missed_warning=args.missed_warning,
         upgrade_at_s=args.upgrade_at,
+        nodes=args.nodes,
     )
 
 

@@ -61,7 +61,20 @@ from rehearsal import store_credentials as local_store_credentials
 from rehearsal.iam import enforce, principals
 from rehearsal.iam import requests as iam_requests
 from rehearsal.iam.policy import Principal, Request
-from rehearsal.localaws import ACCOUNT, REGION, awslambda, dynamodb, fis, fleet, s3, stack, stepfunctions, tags_of, wrap
+from rehearsal.localaws import (
+    ACCOUNT,
+    REGION,
+    addresses,
+    awslambda,
+    dynamodb,
+    fis,
+    fleet,
+    s3,
+    stack,
+    stepfunctions,
+    tags_of,
+    wrap,
+)
 from rehearsal.localaws import iam as local_iam
 from rehearsal.localaws import ssm as local_ssm
 from rehearsal.localaws import throttle as rate_limits
@@ -120,6 +133,7 @@ class LocalCloud:
         self.store_credentials_url = ""  # the store-credentials function URL stand-in, on the VMs' network
         self.store_credentials_granted: dict[str, int] = {}  # instance id -> store sessions the URL vended to it
         self.file_system_id = ""  # the stack's EFS (moto): access points only; efs VMs mount shared_storage
+        self.subnet_id = ""  # the stack's job subnet: the VM network's (created with the stack)
         self.vms: dict[str, LocalVM] = {}
         self.volumes = LoopVolumes(run_dir / "volumes")
         self.managed_instances = local_ssm.ManagedInstances(ACCOUNT)
@@ -333,6 +347,13 @@ class LocalCloud:
             },
         )["LaunchTemplate"]["LaunchTemplateId"]
         self.image_id = image_id
+        # The stack's job subnet is the VM network's: an instance's address in EC2's books is its VM's, and a node's
+        # address moves only within it, as in a VPC.
+        assert self.network is not None, "the VM network comes first"
+        vpc_id = ec2.create_vpc(CidrBlock=str(self.network.subnet))["Vpc"]["VpcId"]
+        self.subnet_id = ec2.create_subnet(
+            VpcId=vpc_id, CidrBlock=str(self.network.subnet), AvailabilityZone=f"{REGION}a"
+        )["Subnet"]["SubnetId"]
         local_account.create_spot_role(self.client("iam"))  # the stack's SpotServiceLinkedRole
         role_arn = self.client("iam").create_role(
             RoleName=f"{PREFIX}-role", AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": []})
@@ -364,6 +385,7 @@ class LocalCloud:
             store_role_arn=f"arn:aws:iam::{ACCOUNT}:role/{names['store_role']}",
             job_role_name=names["job_role"],
             file_system_id=self.file_system_id,
+            subnet_ids=(self.subnet_id,),
             # The tag value the stack's grants require on the volumes and snapshots spotcr creates.
             stack_name=principals.function_setting(principals.template(STACK_CONTEXT), ENV["stack_name"]),
         )
@@ -453,6 +475,7 @@ class LocalCloud:
             outputs[document_output(command.name)] = self.settings_env[ENV[document_setting(command.name)]]
         outputs["ProbeDocument"] = f"{PREFIX}-{PROBE.name}"
         outputs["EfsFileSystemId"] = self.file_system_id
+        outputs["JobSubnets"] = self.subnet_id
         for kind, output in fis_templates.OUTPUTS.items():
             created = fis.create_experiment_template(
                 clientToken=str(uuid.uuid4()),
@@ -528,6 +551,7 @@ class LocalCloud:
         stepfunctions.parse_once(patches)
         fleet.launch_template_tags(patches)
         fleet.idempotent_launches(patches)
+        addresses.reassigned_addresses(patches)
 
         def send_to_targets(original: Any) -> Any:
             def hooked(rule: Any, event: dict[str, Any], transform_input: bool = True) -> None:
@@ -647,6 +671,22 @@ class LocalCloud:
 
         wrap(patches, EC2Backend, "terminate_instances", terminate_instances)
 
+        def assign_private_ip_addresses(original: Any) -> Any:
+            def hooked(backend: Any, eni_id: str, private_ip_addresses: list[str] | None = None, *args: Any) -> Any:
+                # EC2 moved the addresses to this interface (localaws.addresses checked the move as EC2 does): the
+                # VM network now delivers them to its VM.
+                eni = original(backend, eni_id, private_ip_addresses, *args)
+                vm = cloud.vms.get(eni.instance.id) if eni.instance is not None else None
+                for address in private_ip_addresses or []:
+                    if vm is not None and cloud.network is not None and vm.host_interface:
+                        cloud._await_gone_holder(backend, address, vm)
+                        cloud.network.move(address, vm.host_interface)
+                return eni
+
+            return hooked
+
+        wrap(patches, EC2Backend, "assign_private_ip_addresses", assign_private_ip_addresses)
+
         def attach_volume(original: Any) -> Any:
             def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
                 attachment = original(backend, volume_id, instance_id, *args, **kwargs)
@@ -677,6 +717,19 @@ class LocalCloud:
             return hooked
 
         wrap(patches, EC2Backend, "detach_volume", detach_volume)
+
+    def _await_gone_holder(self, backend: Any, address: str, to: LocalVM, timeout_s: float = 30.0) -> None:
+        """EC2 deletes a terminated instance's interface with it: the VM of a terminated instance that held the
+        address leaves the network (its clean-up runs beside), waited for here. A live holder is left to `move`,
+        which refuses it."""
+        assert self.network is not None
+        deadline = time.monotonic() + timeout_s
+        while (holder := self.network.holder(address)) and holder != to.host_interface:
+            held_by = next((v for v in list(self.vms.values()) if v.host_interface == holder), None)
+            terminated = held_by is not None and backend.get_instance(held_by.instance_id).state == "terminated"
+            if not terminated or time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
 
     def call_handler(self, name: str, payload: Any) -> Any:
         """Run the stack's function `name` (as deployed: PREFIX-<catalog name>) in this process, as Lambda would."""
@@ -746,6 +799,11 @@ class LocalCloud:
         self.timeline.label(instance_id, f"{role} g{generation}\n{instance_id[:12]}")
         user_data = base64.b64decode(str(instance.user_data)) if instance.user_data else b""
         assert self.network is not None, "instances launch only while the local cloud runs"
+        # EC2 gives the instance its private address at launch; here the VM network does, and moto's books say so.
+        address = self.network.reserve()
+        interface = instance.nics[0]
+        interface.private_ip_address = address
+        interface.private_ip_addresses = [{"Primary": True, "PrivateIpAddress": address}]
         vm = LocalVM(
             instance_id=instance_id,
             instance_type=instance.instance_type,
@@ -758,6 +816,7 @@ class LocalCloud:
             shared_storage=self.shared_storage,
             boot_commands=self.boot_commands,
             agent_command=self.agent_command,
+            address=address,
         )
         with self._lock:
             self.vms[instance_id] = vm

@@ -73,6 +73,7 @@ class Options:
     stop_file: str = ""  # the sample job exits with STOPPED_EXIT_CODE once this file is in its work dir
     missed_warning: bool = False  # the notice is lost: no final dump, the backup restores the newest periodic one
     upgrade_at_s: float | None = None  # the stack upgraded (new agent asset and launch template version) at this second
+    nodes: int = 1  # > 1: a job over this many VMs (MPI); interruption i hits node i % nodes, node 1 first
 
 
 @dataclass
@@ -192,7 +193,8 @@ class Watcher:
         newest = max((d["checkpoint_id"] for d in self.final_dumps), default="", key=_order_or_none)
         if newest and not event.checkpoint_id:
             say.say(f"! started from the beginning although final dump {newest} is committed (not restorable)")
-        elif newest and checkpoint_order(newest) > checkpoint_order(event.checkpoint_id):
+        elif newest and checkpoint_order(newest)[:3] > checkpoint_order(event.checkpoint_id)[:3]:
+            # (A job over several VMs: each node's part of one final dump has its own VM's time in its id.)
             lost = (int(newest.split("-")[0]) - int(event.checkpoint_id.split("-")[0])) / 1000
             say.say(
                 f"! restored from {event.checkpoint_id} although final dump {newest} is committed: "
@@ -485,7 +487,7 @@ class Rehearsal:
         reference = threading.Thread(target=self._reference, args=(expected_box,), daemon=True)
         self.cloud.boot_commands = self._boot_commands()
         say(f"local cloud up at {self.cloud.endpoint}; run files in {self.run_dir}")
-        instance_id = self._submit()
+        instance_id = self._submit()  # node 0's, of a job over several VMs
         self.watcher.wait(lambda t, e: t == "JobStarted" and e.instance_id == instance_id, 120, "the job to start")
         if options.reference is None:
             reference.start()
@@ -535,10 +537,17 @@ class Rehearsal:
         return outcome
 
     def _interruption(self, number: int, current: str, generation: int) -> tuple[str, int]:
-        """One interruption of the job's current VM, once it has checkpointed; returns where the job runs again."""
+        """One interruption of the job's current VM (of one of its nodes), once it has checkpointed; returns where
+        the job runs again (node 0's VM)."""
         self._await_periodic(current, generation, number)
-        newest = str(self.job_record().get("checkpoint_id", ""))
-        warned = self._interrupt(current, number)
+        record = self.job_record()
+        newest = str(record.get("checkpoint_id", ""))
+        target = current
+        if self.options.nodes > 1:
+            node = number % self.options.nodes
+            target = str(record["nodes"][str(node)]["M"]["instance_id"]["S"])
+            self.timeline.say(f"interruption {number} hits node {node} of {self.options.nodes}: {target}")
+        warned = self._interrupt(target, number)
         restored = self.watcher.wait(
             restored_after(generation),
             self.options.timeout_s,
@@ -565,7 +574,19 @@ class Rehearsal:
                 "the work done after it runs again"
             )
         self.timeline.say(f"interruption {number}: warning to running again in {recovery:.1f} s")
+        if self.options.nodes > 1:  # every node restored; node 0's VM takes the job's dumps
+            return self._running_again(restored.generation), restored.generation
         return restored.instance_id, restored.generation
+
+    def _running_again(self, generation: int) -> str:
+        """A job over several VMs runs again once the recovery finished: the instance the record names (node 0's)."""
+        deadline = time.monotonic() + self.options.timeout_s
+        while (record := self.job_record()).get("status") != "RUNNING" or int(record["generation"]) != generation:
+            if time.monotonic() > deadline:
+                raise RehearsalFailed(f"the recovery of generation {generation} did not finish: {record}")
+            self._fail_if_ended(f"the recovery of generation {generation} finished")
+            time.sleep(0.2)
+        return str(record["instance_id"])
 
     def _recovery_health(self, number: int) -> None:
         self._workflow_health()
@@ -667,11 +688,16 @@ class Rehearsal:
         self.timeline.restart()
         self.timeline.say(f"submitting job {self.job_id}: {job_tags[tags.COMMAND]}")
         cloud = Cloud(self.cloud.endpoint, REGION, PREFIX)
+        nodes = self.options.nodes
+        each = [actions.node_tags(job_tags, index) for index in range(nodes)] if nodes > 1 else [job_tags]
         with self.cloud.as_cli_user():
-            submitted = actions.submit(
-                cloud, job_tags, instance_id=None, instance_type="c5.large", on_demand=False, say=lambda _line: None
-            )
-        return str(submitted["instance_id"])
+            submitted = [
+                actions.submit(
+                    cloud, node, instance_id=None, instance_type="c5.large", on_demand=False, say=lambda _line: None
+                )
+                for node in each
+            ]
+        return str(submitted[0]["instance_id"])
 
     def job_tags(self) -> dict[str, str]:
         """The job's tags as `spotcr submit` makes them: RehearsalFailed names a bad one."""
@@ -690,6 +716,7 @@ class Rehearsal:
                 restart_from_scratch=None,
                 # The file compared is declared: a job that ends without it fails instead of storing a result.
                 result=options.result_file,
+                nodes=options.nodes if options.nodes > 1 else None,
             )
         except tags.InvalidJobTags as error:
             raise RehearsalFailed(f"the job cannot be submitted: {error}") from None
@@ -709,7 +736,11 @@ class Rehearsal:
             # The control plane records a checkpoint from SSM's answer to its command, which may come after the
             # agent's CheckpointCompleted on the bus: the fault that follows must find the newest one recorded.
             ids = [e.checkpoint_id for e in done if isinstance(e, agent_events.CheckpointCompleted)]
-            return bool(ids) and self.job_record().get("checkpoint_id") == max(ids, key=checkpoint_order)
+            newest = self.job_record().get("checkpoint_id")
+            if self.options.nodes > 1:  # node 0's own part is not the job's checkpoint, which names every node's
+                parts = max(ids, key=checkpoint_order)
+                return bool(newest) and checkpoint_order(str(newest))[:3] >= checkpoint_order(parts)[:3]
+            return bool(ids) and newest == max(ids, key=checkpoint_order)
 
         def refusals() -> list[str]:
             failed = self.watcher.matching(lambda t, e: t == "CheckpointFailed" and e.instance_id == instance_id)

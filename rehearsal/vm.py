@@ -76,6 +76,7 @@ IMDS_ADDRESS = "169.254.169.254"
 VM_INTERFACE = "eth0"
 _LINK_PREFIX = "scr"  # scr<pid>n<n> bridges, scr<pid>v<n> veths: the creating process's PID in hex
 _ALLOCATION_LOCK = Path("/run/lock/spotcr-vm-network.lock")
+_GUARD_PREFIX = "SCRGUARD-"  # + a VM link's name without _LINK_PREFIX: the link's source check (ebtables chain)
 _networks = itertools.count(1)
 _veths = itertools.count(1)
 
@@ -89,7 +90,17 @@ def _ip(*args: str, netns_pid: int | None = None) -> str:
 
 
 def _remove_stale_links() -> None:
-    """Bridges left by test processes that were killed before they could clean up."""
+    """Bridges, and source checks of VM links, left by test processes that were killed before they could clean
+    up."""
+    for chain in _ebtables("-L").split("\nBridge chain: ")[1:]:
+        name = chain.split(",")[0]
+        owner, separator, _ = name.removeprefix(_GUARD_PREFIX).partition("v")
+        try:
+            dead = name.startswith(_GUARD_PREFIX) and separator and not Path(f"/proc/{int(owner, 16)}").exists()
+        except ValueError:
+            continue
+        if dead:
+            _unguard(_LINK_PREFIX + name.removeprefix(_GUARD_PREFIX))
     for line in _ip("-o", "link", "show", "type", "bridge").splitlines():
         name = line.split(":")[1].strip().split("@")[0]
         owner, separator, _ = name.removeprefix(_LINK_PREFIX).partition("n")
@@ -132,6 +143,8 @@ class VmNetwork:
         self.mac = "02:5c:" + ":".join(f"{b:02x}" for b in subnet.network_address.packed)  # locally administered
         self._next_host = 2
         self._held: dict[str, str] = {}  # address -> the host end of the link of the VM that holds it
+        self._reserved: set[str] = set()  # given to an instance at launch, its VM not booted yet
+        self._pids: dict[str, int] = {}  # host end of a link -> the PID whose network namespace it leads to
         self.closed = False
 
     @classmethod
@@ -172,8 +185,21 @@ class VmNetwork:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def attach(self, pid: int, imds_port: int, takeover: str = "") -> tuple[str, str]:
-        """Give the network namespace of `pid` an address here, and 169.254.169.254:80 forwarded to its IMDS.
+    def reserve(self) -> str:
+        """The next free address, for an instance being launched: EC2 gives it its private address at launch, its
+        VM boots with it (`attach(address=)`)."""
+        if self.closed:
+            raise VmError(f"VM network {self.bridge} is closed")
+        if self._next_host > 254:
+            raise VmError(f"VM network {self.bridge} is full")
+        address = str(self.subnet.network_address + self._next_host)
+        self._next_host += 1
+        self._reserved.add(address)
+        return address
+
+    def attach(self, pid: int, imds_port: int, takeover: str = "", address: str = "") -> tuple[str, str]:
+        """Give the network namespace of `pid` an address here (`address`: one reserved for it), and
+        169.254.169.254:80 forwarded to its IMDS.
 
         takeover: a gone VM's address to take over (as a secondary private IP or a network interface moved to a
         backup in the same subnet on EC2), refused while a live VM holds it; the address comes locked against
@@ -184,6 +210,10 @@ class VmNetwork:
             raise VmError(f"VM network {self.bridge} is closed")
         if takeover:
             address = self._free_for_takeover(takeover)
+        elif address:
+            if address not in self._reserved:
+                raise VmError(f"{address} was not reserved on {self.bridge}")
+            self._reserved.discard(address)
         elif self._next_host > 254:
             raise VmError(f"VM network {self.bridge} is full")
         else:
@@ -195,8 +225,10 @@ class VmNetwork:
         mac = "02:5d:" + ":".join(f"{b:02x}" for b in ipaddress.IPv4Address(address).packed)
         vm_end = ["peer", "name", VM_INTERFACE, "address", mac, "netns", str(pid)]
         _ip("link", "add", host_end, "type", "veth", *vm_end)
+        _guard(host_end, address)
         _ip("link", "set", host_end, "master", self.bridge, "up")
         self._held[address] = host_end
+        self._pids[host_end] = pid
         if takeover:
             for rule in nodes.lock_rules(address, str(self.subnet), unlocked=self.gateway):
                 _iptables(pid, rule)
@@ -220,23 +252,53 @@ class VmNetwork:
             raise VmError(f"cannot take over {address}: a live VM holds it (its link {self._held[address]})")
         return address
 
+    def holder(self, address: str) -> str | None:
+        """The host end of the link of the VM that holds `address`, if any."""
+        return self._held.get(address)
+
+    def move(self, address: str, host_end: str) -> None:
+        """EC2's AssignPrivateIpAddresses with AllowReassignment, within the subnet: `address` becomes the VM's whose
+        link is `host_end` (its source check lets it through), refused while another live VM holds it (the control
+        plane moves a node's address only once its VM is gone). The other VMs forget where the address was, as the
+        VPC's network, which keeps no ARP cache, routes to the new holder at once. EC2 configures nothing in the VM:
+        the agent puts the address on its interface."""
+        holder = self._held.get(address)
+        if holder == host_end:
+            return
+        if holder is not None:
+            raise VmError(f"cannot move {address}: a live VM holds it (its link {holder})")
+        if ipaddress.IPv4Address(address) not in self.subnet or address == self.gateway:
+            raise VmError(f"cannot move {address}: not a VM address of {self.subnet}")
+        _allow(host_end, address)
+        self._held[address] = host_end
+        for other, pid in self._pids.items():
+            if other != host_end:
+                flush = ["nsenter", "-t", str(pid), "-n", "ip", "neigh", "flush", "to", address]
+                subprocess.run(flush, capture_output=True, check=False)  # a VM gone meanwhile: nothing to forget
+
     def release(self, address: str) -> None:
-        """The VM that held `address` is gone: its link leaves the bridge, so that a VM taking the address over is
-        never a second holder. The link goes at once: a gone VM's network namespace may outlive its processes for
-        a while (the kernel keeps a closed connection's socket until it times out), and must not answer meanwhile.
-        """
+        """The VM that held `address` is gone: its link leaves the bridge, so that a VM taking the address (or any
+        other it held) over is never a second holder. The link goes at once: a gone VM's network namespace may
+        outlive its processes for a while (the kernel keeps a closed connection's socket until it times out), and
+        must not answer meanwhile."""
         host_end = self._held.get(address)
         if host_end is None:
             return
         subprocess.run(["ip", "link", "delete", host_end], capture_output=True, check=False)  # gone already: fine
         if _link_exists(host_end):
             raise VmError(f"{address}: cannot remove the link {host_end} of the VM that held it")
-        del self._held[address]
+        _unguard(host_end)
+        self._pids.pop(host_end, None)
+        for held in [a for a, end in self._held.items() if end == host_end]:
+            del self._held[held]
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True, check=False)
+            for host_end in list(self._pids):
+                _unguard(host_end)
+            self._pids.clear()
 
 
 def _iptables(pid: int, rule: list[str]) -> None:
@@ -244,6 +306,42 @@ def _iptables(pid: int, rule: list[str]) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise VmError(f"`{' '.join(argv)}` failed in the VM's network: {result.stderr.strip()}")
+
+
+def _ebtables(*args: str, check: bool = True) -> str:
+    result = subprocess.run(["ebtables-nft", *args], capture_output=True, text=True, check=False)
+    if check and result.returncode != 0:
+        raise VmError(f"`ebtables-nft {' '.join(args)}` failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def _guard_chain(host_end: str) -> str:
+    return _GUARD_PREFIX + host_end.removeprefix(_LINK_PREFIX)
+
+
+def _guard(host_end: str, address: str) -> None:
+    """EC2's source check on a VM's link: what the VM sends from an address its interface was not given (ARP or
+    IPv4) goes nowhere. A VM that configures a node address before EC2 moved it to its interface is not heard."""
+    chain = _guard_chain(host_end)
+    _ebtables("-N", chain, "-P", "RETURN")
+    for kind in ("ARP", "IPv4"):
+        _ebtables("-A", chain, "-p", kind, "-j", "DROP")
+    _allow(host_end, address)
+    for hook in ("FORWARD", "INPUT"):
+        _ebtables("-A", hook, "-i", host_end, "-j", chain)
+
+
+def _allow(host_end: str, address: str) -> None:
+    chain = _guard_chain(host_end)
+    _ebtables("-I", chain, "1", "-p", "ARP", "--arp-ip-src", address, "-j", "RETURN")
+    _ebtables("-I", chain, "1", "-p", "IPv4", "--ip-src", address, "-j", "RETURN")
+
+
+def _unguard(host_end: str) -> None:
+    chain = _guard_chain(host_end)
+    for hook in ("FORWARD", "INPUT"):
+        _ebtables("-D", hook, "-i", host_end, "-j", chain, check=False)
+    _ebtables("-X", chain, check=False)
 
 
 def _link_exists(name: str) -> bool:
@@ -268,12 +366,14 @@ class LocalVM:
         boot_commands: list[list[str]] | None = None,
         agent_command: list[str] | None = None,
         takeover: str = "",
+        address: str = "",
     ) -> None:
         self.instance_id = instance_id
         self.instance_type = instance_type
         self.root = root / instance_id
         self.network = network
         self.takeover = takeover  # a gone VM's address this one boots with (VmNetwork.attach)
+        self.reserved = address  # the address EC2 gave the instance at launch (VmNetwork.reserve), if any
         self.address = ""  # the VM's private address, known once it has booted
         self.host_interface = ""  # the host end of its link to the network's bridge
         self.imds = Imds(instance_id, instance_type, availability_zone, user_data, tags, host=network.gateway)
@@ -365,7 +465,9 @@ class LocalVM:
             if self._process.poll() is not None or time.monotonic() > deadline:
                 raise VmError(f"{self.instance_id}: VM did not come up, see {self.log_path}")
             time.sleep(0.01)
-        self.address, self.host_interface = self.network.attach(self.init_pid, self.imds.port, self.takeover)
+        self.address, self.host_interface = self.network.attach(
+            self.init_pid, self.imds.port, self.takeover, self.reserved
+        )
         self.imds.local_ipv4 = self.address
         # vm_init starts the boot commands only now, as cloud-init runs once the network is up.
         go = self.root / "go.new"

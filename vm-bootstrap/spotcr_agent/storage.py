@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 EBS_LINK_PREFIX = "nvme-Amazon_Elastic_Block_Store_vol"
 DEVICE_WAIT_S = 300.0
+NODE_ROOT = "node-"  # + a node's index: its checkpoints' root on a file system the job's nodes share
 NFS_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
 
 
@@ -73,7 +74,13 @@ def open_store(config: AgentConfig) -> CheckpointStore:
         raise StorageError(
             f"storage {config.storage}: {mounted_at(config)} is not mounted; run `spotcr-agent bootstrap`"
         )
-    return CheckpointStore.for_directory(config.mount_point, config.job_id, run_id=config.run_id)
+    root = config.mount_point
+    if config.nodes:
+        # A job over several VMs shares its file system: each node's own checkpoints (its parts of the job's) have
+        # a root of their own, so two nodes' dumps never meet; the job manifests stay at the mount's root.
+        root = root / f"{NODE_ROOT}{config.node_index}"
+        root.mkdir(exist_ok=True)
+    return CheckpointStore.for_directory(root, config.job_id, run_id=config.run_id)
 
 
 def result_backend(config: AgentConfig, job_storage: Backend) -> Backend:
