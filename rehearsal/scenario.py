@@ -74,6 +74,7 @@ class Options:
     missed_warning: bool = False  # the notice is lost: no final dump, the backup restores the newest periodic one
     upgrade_at_s: float | None = None  # the stack upgraded (new agent asset and launch template version) at this second
     nodes: int = 1  # > 1: a job over this many VMs (MPI); interruption i hits node i % nodes, node 1 first
+    during_periodic: bool = False  # the warning comes while the next periodic dump runs (ordered, not committed)
 
 
 @dataclass
@@ -540,6 +541,8 @@ class Rehearsal:
         """One interruption of the job's current VM (of one of its nodes), once it has checkpointed; returns where
         the job runs again (node 0's VM)."""
         self._await_periodic(current, generation, number)
+        if self.options.during_periodic:
+            self._await_periodic_ordered(number)
         record = self.job_record()
         newest = str(record.get("checkpoint_id", ""))
         target = current
@@ -564,7 +567,9 @@ class Rehearsal:
         self.restored_from.append(restored.checkpoint_id)
         self.newest_periodic.append(newest)
         if self.options.missed_warning:
-            if restored.checkpoint_id != newest:
+            # A job over several VMs: a node's part of the job's checkpoint has its own VM's time in its id.
+            same = checkpoint_order(restored.checkpoint_id)[:3] == checkpoint_order(newest)[:3] if newest else False
+            if not (same if self.options.nodes > 1 else restored.checkpoint_id == newest):
                 raise RehearsalFailed(
                     f"interruption {number}: with the warning missed the job was restored from "
                     f"{restored.checkpoint_id or 'nothing'}, not from the newest periodic checkpoint {newest}"
@@ -577,6 +582,20 @@ class Rehearsal:
         if self.options.nodes > 1:  # every node restored; node 0's VM takes the job's dumps
             return self._running_again(restored.generation), restored.generation
         return restored.instance_id, restored.generation
+
+    def _await_periodic_ordered(self, number: int) -> None:
+        """Until the scheduler has ordered the next periodic dump (the job CHECKPOINTING), then a moment more, so
+        that the warning comes while that dump runs (on every node of a job over several VMs)."""
+        deadline = time.monotonic() + self.options.timeout_s
+        while self.job_record().get("status") != "CHECKPOINTING":
+            if time.monotonic() > deadline:
+                raise RehearsalFailed(
+                    f"interruption {number}: no periodic dump ordered within {self.options.timeout_s} s"
+                )
+            self._fail_if_ended(f"interruption {number}")
+            time.sleep(0.05)
+        time.sleep(0.3)
+        self.timeline.say(f"interruption {number} comes while a periodic dump runs")
 
     def _running_again(self, generation: int) -> str:
         """A job over several VMs runs again once the recovery finished: the instance the record names (node 0's)."""

@@ -30,7 +30,7 @@ from spotcr_contracts.events import (
 from spotcr_contracts.layout import AGENT_LOGS
 from spotcr_contracts.results import StatusResult
 
-from . import agentlog, aliases, deadline, launch, nodes, result, storage
+from . import agentlog, aliases, deadline, launch, nodeport, nodes, result, storage
 from .carry import Layout
 from .checkpoint import (
     Checkpointer,
@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 4000  # an event's log tail: EventBridge entries stay far below their 256 KiB limit
 COMMAND_NOT_STARTED = 127  # as a shell reports a command it could not run
+# Node 0 of a job over several VMs: how long a failure waits while another node does not answer (Agent._exit_held):
+# past the time EC2 takes to say an instance went and the recovery to fence the job.
+EXIT_HOLD_S = 120.0
 
 
 class WrongJob(ValueError):
@@ -71,6 +74,7 @@ class Agent:
     _store: Store | None = None
     _store_run: str = ""
     _launchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _exit_held_since: float | None = None  # node 0: when a failure first waited for an unreachable node
 
     @property
     def state(self) -> StateFile:
@@ -471,6 +475,9 @@ class Agent:
         with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
             admit(state, generation)
             if state.job_status != "running":
+                # A share that ended by itself (MPI ends the others when a node goes) left its connections
+                # closing too: CRIU cannot put them back while the kernel holds them.
+                nodes.drop_connections(self.config.nodes[self.config.node_index])
                 return False
             if job_alive(state.job_pid, state.job_start_time) and not stop_job(state.job_pid, state.job_start_time):
                 raise RestoreError(f"the share (pid {state.job_pid}) outlived SIGKILL; it is not known to be gone")
@@ -534,7 +541,10 @@ class Agent:
         event; a commit that fails is reported with its reason instead, and the VM keeps the work dir."""
         self._launchers = [launcher for launcher in self._launchers if launcher.poll() is None]
         with self.state.locked() as state:
-            if state.job_status == "running" and not job_alive(state.job_pid, state.job_start_time):
+            running = state.job_status == "running"
+            if running and job_alive(state.job_pid, state.job_start_time):
+                self._exit_held_since = None  # a job that runs (again) has no failure held
+            elif running:
                 final = state.final_dump()
                 if final is not None and final.status in ("running", "done"):
                     return None  # CRIU stopped the job for its final dump: it continues on another VM
@@ -542,7 +552,7 @@ class Agent:
                 state.exit_code = UNKNOWN_EXIT_CODE if code is None else code
                 state.job_status = "exited"
                 log.info("job %s exited with code %d", self.config.job_id, state.exit_code)
-            if not self._result_due(state):
+            if not self._result_due(state) or self._exit_held(state):
                 return None
         # One commit at a time: the daemon and a dump order's process may both see the end.
         with exclusive(self.config.state_dir / "result.lock"):
@@ -571,6 +581,24 @@ class Agent:
             result_missing=",".join(missing),
         )
         return exit_code
+
+    def _exit_held(self, state: AgentState) -> bool:
+        """Node 0 of a job over several VMs: a failure while another node's agent does not answer is most likely MPI
+        ending the job for that node's loss, which the control plane recovers from the job's checkpoint once EC2
+        says the node went. The failure is held (EXIT_HOLD_S at most), so that the recovery's fencing comes before
+        it: a restore ordered meanwhile brings the job back, and the failure is never reported."""
+        config = self.config
+        if not config.nodes or config.node_index != 0 or state.exit_code == 0:
+            return False
+        now = time.monotonic()
+        self._exit_held_since = self._exit_held_since or now
+        if now - self._exit_held_since > EXIT_HOLD_S:
+            return False
+        key = bytes.fromhex(config.launch_key)
+        unreachable = [a for i, a in enumerate(config.nodes) if i and not nodeport.answers(i, a, key)]
+        if unreachable:
+            log.warning("the job failed while node(s) %s do not answer: its exit waits for their recovery", unreachable)
+        return bool(unreachable)
 
     @staticmethod
     def _result_due(state: AgentState) -> bool:

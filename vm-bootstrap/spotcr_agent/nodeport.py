@@ -39,7 +39,7 @@ MAX_SKEW_S = 60.0
 MAX_BODY = 64 * 1024
 DATE, NONCE, SIGNATURE = "X-Spotcr-Date", "X-Spotcr-Nonce", "X-Spotcr-Signature"
 # How long the coordinator waits for one step's answer: a dump of a large share takes minutes.
-STEP_TIMEOUT_S = {"lock": 30.0, "dump": 900.0, "commit": 900.0, "unlock": 30.0, "restore": 900.0}
+STEP_TIMEOUT_S = {"lock": 30.0, "dump": 900.0, "commit": 900.0, "unlock": 30.0, "restore": 900.0, "probe": 2.0}
 
 Action = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
@@ -314,6 +314,18 @@ class RemoteNode:
             raise NodeError(f"node {self.index} ({self.address}) refused {action}: {_reason(error)}") from error
         except (urllib.error.URLError, TimeoutError, OSError) as error:
             raise NodeUnreachable(f"node {self.index} ({self.address}) did not answer {action}: {error}") from error
+
+
+def answers(index: int, address: str, key: bytes) -> bool:
+    """Whether node `index`'s agent answers on its port at all: its refusal of the probe, which no node serves,
+    is an answer."""
+    try:
+        RemoteNode(index, address, key).ask("probe")
+    except NodeUnreachable:
+        return False
+    except NodeError:
+        return True
+    return True
 
 
 def _reason(error: urllib.error.HTTPError) -> str:

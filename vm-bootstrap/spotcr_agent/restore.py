@@ -244,6 +244,9 @@ class Restorer:
                     state.job_id = self.job_id
                     state.job_pid, state.job_start_time = pid, start_time
                     state.job_status, state.exit_code = "running", None
+                    # A share that ended here before its job's restore (a node of a job over several VMs, ended
+                    # by MPI when another node went) committed that end's result: the restored job's end is its own.
+                    state.result, state.result_error, state.result_missing = "", "", ""
                     state.last_checkpoint = candidate
                     # A new run of the job here: earlier final dumps are not its own; one asked meanwhile is.
                     state.final_dumps = {k: v for k, v in state.final_dumps.items() if int(k) > generation}
