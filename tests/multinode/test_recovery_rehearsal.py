@@ -1,0 +1,64 @@
+"""A job over three bare local VMs survives the loss of any node through the real handlers, workflow, agents and
+CRIU (issue 25's acceptance): MPICH over TCP between the nodes, started by plain `mpiexec` in the job's command;
+each run ends with the result of the same command run on one VM, byte for byte, and the leak check.
+
+Never two live copies of a node's share: the control plane moves a node's address to its backup only once the
+interrupted instance is terminated, and the local network refuses the move while a live VM holds the address
+(rehearsal.vm.VmNetwork.move); only the backup's share then runs with that address."""
+
+import pytest
+
+from tests.rehearsal.support import e2e_rehearsal
+from tests.workloads.build import build_all
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.criu,
+    pytest.mark.workload,
+    pytest.mark.timeout(420),
+    pytest.mark.claim("The result equals an uninterrupted run's"),
+]
+
+NODES = 3
+
+
+def rehearsal(tmp_path, steps=700, **changes):
+    command = f"mpiexec -n {NODES} {build_all() / 'mpi'} {steps} 40"
+    return e2e_rehearsal(
+        tmp_path,
+        nodes=NODES,
+        storage="efs",
+        command=command,
+        result_file="result.txt",
+        timeout_s=150.0,
+        timeline_png=False,
+        **changes,
+    )
+
+
+def test_a_warned_node_and_then_another_move_to_backups_and_the_job_ends_as_uninterrupted(tmp_path):
+    # Given an MPI job over three VMs, when node 1 is warned, and after its recovery node 2
+    run, lines = rehearsal(tmp_path, steps=1000, interruptions=2)
+    outcome = run.run()
+    # Then each node's share moved to a backup with its address, every node restored from the final dump
+    assert len(outcome.recoveries_s) == 2, "\n".join(lines)
+    assert all(restored.endswith("-final") for restored in outcome.restored_from), outcome.restored_from
+    # And the job ended with the uninterrupted run's result
+    assert outcome.identical, "\n".join(lines)
+
+
+def test_a_node_lost_without_a_warning_restores_every_node_from_the_periodic_checkpoint(tmp_path):
+    # Given an MPI job over three VMs, when node 1 goes with no warning (no final dump; MPI fails on the others)
+    run, lines = rehearsal(tmp_path, missed_warning=True)
+    outcome = run.run()  # checks the restore used the newest periodic checkpoint
+    # Then the job ended with the uninterrupted run's result
+    assert outcome.identical, "\n".join(lines)
+
+
+def test_a_node_warned_while_a_coordinated_periodic_dump_runs_recovers(tmp_path):
+    # Given an MPI job over three VMs, when node 1 is warned while the next periodic dump runs on every node
+    run, lines = rehearsal(tmp_path, during_periodic=True)
+    outcome = run.run()
+    # Then the periodic dump ends before the final dump, and the job ends with the uninterrupted run's result
+    assert outcome.restored_from and outcome.restored_from[0].endswith("-final"), "\n".join(lines)
+    assert outcome.identical, "\n".join(lines)
