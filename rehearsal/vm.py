@@ -271,6 +271,8 @@ class VmNetwork:
             raise VmError(f"cannot move {address}: not a VM address of {self.subnet}")
         _allow(host_end, address)
         self._held[address] = host_end
+        # The host (the local cloud, the VMs' IMDS) is on the bridge too.
+        subprocess.run(["ip", "neigh", "flush", "to", address, "dev", self.bridge], capture_output=True, check=False)
         for other, pid in self._pids.items():
             if other != host_end:
                 flush = ["nsenter", "-t", str(pid), "-n", "ip", "neigh", "flush", "to", address]

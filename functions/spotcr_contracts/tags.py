@@ -74,7 +74,8 @@ RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
-SHARED_STORAGES = ("efs", "fsx")  # what a job over several VMs can use today: one file system all its nodes mount
+# What a job over several VMs can use today: one store all its nodes share (one EBS volume per node is not built).
+SHARED_STORAGES = ("s3", "efs", "fsx")
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
 # loopback, so listeners and connections within the job come back; others are reset) or close (always closed).
 TCP_POLICIES = ("established", "close")
@@ -330,7 +331,7 @@ def _parse_nodes(tags: Mapping[str, str], storage: str) -> tuple[int, int]:
     nodes = _parse_int(tags, NODES, 1, 1, MAX_NODES)
     node_index = _parse_int(tags, NODE, 0, 0, nodes - 1)
     if nodes > 1 and storage not in SHARED_STORAGES:
-        raise InvalidJobTags(STORAGE, f"a job over several VMs needs efs or fsx storage for now, not {storage}")
+        raise InvalidJobTags(STORAGE, f"a job over several VMs needs s3, efs or fsx storage for now, not {storage}")
     return nodes, node_index
 
 

@@ -9,6 +9,7 @@ import time
 import pytest
 from spotcr_agent.nodeport import RemoteNode
 from spotcr_agent.nodes import CheckpointFailed, JobManifest, NodeError, coordinated_checkpoint, read_manifest
+from spotcr_agent.store.backends import DirectoryBackend
 
 from tests.agent.vm_agent import RUN_ID, JobVM
 from tests.support import wait_for
@@ -69,14 +70,14 @@ def test_a_coordinated_checkpoint_restores_both_nodes_on_backups_with_their_addr
     job_nodes = start_two_nodes(bare_vm, volumes, steps)
 
     # When a coordinated periodic checkpoint is taken, the job on both nodes runs on past it
-    manifest = coordinate(dumps_apart(job_nodes), commit=lambda manifest: manifest.write(volumes[0]))
+    manifest = coordinate(dumps_apart(job_nodes), commit=lambda manifest: manifest.write(DirectoryBackend(volumes[0])))
     assert not any(node.locked() for node in job_nodes)
     at_checkpoint = len(job_nodes[1].job.progress())
     wait_for(lambda: len(job_nodes[1].job.progress()) >= at_checkpoint + 5, what="progress after the checkpoint")
     # And both nodes are lost; a backup for each takes over its address and restores its part of the checkpoint
     for node in job_nodes:
         node.job.vm.terminate()
-    stored = read_manifest(volumes[0], "job-1", RUN_ID, manifest.checkpoint_id)
+    stored = read_manifest(DirectoryBackend(volumes[0]), "job-1", RUN_ID, manifest.checkpoint_id)
     assert [part.address for part in stored.nodes] == [node.address for node in job_nodes]
     backups = []
     for part, volume in zip(stored.nodes, volumes, strict=True):
@@ -217,7 +218,7 @@ def test_node_0s_agent_coordinates_the_nodes_its_daemons_serve(bare_vm, tmp_path
     for job, part in zip(jobs, manifest.nodes, strict=True):
         assert part.checkpoint_id in job.agent("checkpoint-ids")["ids"]
         assert "-g1-s1-periodic" in part.checkpoint_id
-    assert read_manifest(volumes[0], "job-1", RUN_ID, manifest.checkpoint_id) == manifest
+    assert read_manifest(DirectoryBackend(volumes[0]), "job-1", RUN_ID, manifest.checkpoint_id) == manifest
     for daemon in daemons:
         daemon.join(180)
     for job in jobs:

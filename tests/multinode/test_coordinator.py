@@ -6,6 +6,7 @@ import threading
 
 import pytest
 from spotcr_agent.nodes import CheckpointFailed, JobManifest, NodePart, coordinated_checkpoint, read_manifest
+from spotcr_agent.store.backends import DirectoryBackend
 
 
 class RecordingNode:
@@ -127,10 +128,12 @@ def test_a_failed_final_dump_leaves_the_nodes_locked_for_the_recovery(tmp_path):
 
 def test_a_job_manifest_is_written_whole_and_read_back(tmp_path):
     job_nodes, _ = nodes(2)
-    manifest, _ = checkpoint(job_nodes, tmp_path / "serial", commit=lambda manifest: manifest.write(tmp_path))
+    manifest, _ = checkpoint(
+        job_nodes, tmp_path / "serial", commit=lambda manifest: manifest.write(DirectoryBackend(tmp_path))
+    )
     path = tmp_path / "jobs/job-1/runs/r-1/nodes/1700000000500-g1-s4-periodic.json"
     assert json.loads(path.read_text())["nodes"][1]["address"] == "198.18.7.3"
-    assert read_manifest(tmp_path, "job-1", "r-1", manifest.checkpoint_id) == manifest
+    assert read_manifest(DirectoryBackend(tmp_path), "job-1", "r-1", manifest.checkpoint_id) == manifest
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 

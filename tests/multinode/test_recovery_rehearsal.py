@@ -1,6 +1,7 @@
 """A job over three bare local VMs survives the loss of any node through the real handlers, workflow, agents and
-CRIU (issue 25's acceptance): MPICH over TCP between the nodes, started by plain `mpiexec` in the job's command;
-each run ends with the result of the same command run on one VM, byte for byte, and the leak check.
+CRIU (issue 25's acceptance): MPICH over TCP between the nodes, started by plain `mpiexec` in the job's command,
+its checkpoints on EFS (S3 in the last test); each run ends with the result of the same command run on one VM, byte
+for byte, and the leak check.
 
 Never two live copies of a node's share: the control plane moves a node's address to its backup only once the
 interrupted instance is terminated, and the local network refuses the move while a live VM holds the address
@@ -22,12 +23,12 @@ pytestmark = [
 NODES = 3
 
 
-def rehearsal(tmp_path, steps=700, **changes):
+def rehearsal(tmp_path, steps=700, storage="efs", **changes):
     command = f"mpiexec -n {NODES} {build_all() / 'mpi'} {steps} 40"
     return e2e_rehearsal(
         tmp_path,
         nodes=NODES,
-        storage="efs",
+        storage=storage,
         command=command,
         result_file="result.txt",
         timeout_s=150.0,
@@ -56,8 +57,9 @@ def test_a_node_lost_without_a_warning_restores_every_node_from_the_periodic_che
 
 
 def test_a_node_warned_while_a_coordinated_periodic_dump_runs_recovers(tmp_path):
-    # Given an MPI job over three VMs, when node 1 is warned while the next periodic dump runs on every node
-    run, lines = rehearsal(tmp_path, during_periodic=True)
+    # Given an MPI job over three VMs storing its checkpoints in S3, when node 1 is warned while the next periodic
+    # dump runs on every node
+    run, lines = rehearsal(tmp_path, storage="s3", during_periodic=True)
     outcome = run.run()
     # Then the periodic dump ends before the final dump, and the job ends with the uninterrupted run's result
     assert outcome.restored_from and outcome.restored_from[0].endswith("-final"), "\n".join(lines)

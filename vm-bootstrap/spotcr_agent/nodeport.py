@@ -244,7 +244,7 @@ def coordinate(
         generation=generation,
         sequence=sequence,
         kind=kind,
-        commit=lambda manifest: manifest.write(config.mount_point),
+        commit=lambda manifest: manifest.write(agent.store().backend),
         serial=config.state_dir / "coordinated.lock",
         clock=clock,
     )
@@ -256,7 +256,7 @@ def coordinate_restore(
     """Node 0's agent restores the job's coordinated checkpoint over every node's port, its own included: each node
     its own part, then every node unlocked (nodes.coordinated_restore)."""
     config = agent.config
-    manifest = nodes.read_manifest(config.mount_point, config.job_id, agent.run_id(), checkpoint_id)
+    manifest = nodes.read_manifest(agent.store().backend, config.job_id, agent.run_id(), checkpoint_id)
     key, order = bytes.fromhex(config.launch_key), {"generation": generation, "sequence": sequence}
     remote = [RemoteNode(i, address, key, order=order, clock=clock) for i, address in enumerate(config.nodes)]
     nodes.coordinated_restore(remote, manifest)

@@ -28,6 +28,7 @@ from spotcr_contracts.layout import run_prefix
 from spotcr_contracts.results import KINDS
 
 from .state import exclusive
+from .store.backends import Backend
 
 log = logging.getLogger(__name__)
 
@@ -230,24 +231,18 @@ class JobManifest:
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a job manifest: {error}") from error
 
-    def path(self, root: Path) -> Path:
-        return manifest_path(root, self.job_id, self.run_id, self.checkpoint_id)
-
-    def write(self, root: Path) -> None:
-        """Write it whole or not at all, under the run's prefix on the job's shared storage (node 0's for EBS)."""
-        path = self.path(root)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(self.to_json()))
-        partial.rename(path)
+    def write(self, backend: Backend) -> None:
+        """Write it whole or not at all (one put), under the run's prefix in the job's store, which every node
+        shares (S3, EFS, FSx)."""
+        backend.put(manifest_key(self.job_id, self.run_id, self.checkpoint_id), json.dumps(self.to_json()).encode())
 
 
-def manifest_path(root: Path, job_id: str, run_id: str, checkpoint: str) -> Path:
-    return root / run_prefix(job_id, run_id) / JOB_MANIFESTS / f"{checkpoint}.json"
+def manifest_key(job_id: str, run_id: str, checkpoint: str) -> str:
+    return f"{run_prefix(job_id, run_id)}{JOB_MANIFESTS}/{checkpoint}.json"
 
 
-def read_manifest(root: Path, job_id: str, run_id: str, checkpoint: str) -> JobManifest:
-    return JobManifest.from_json(json.loads(manifest_path(root, job_id, run_id, checkpoint).read_text()))
+def read_manifest(backend: Backend, job_id: str, run_id: str, checkpoint: str) -> JobManifest:
+    return JobManifest.from_json(json.loads(backend.get(manifest_key(job_id, run_id, checkpoint))))
 
 
 def coordinated_checkpoint(

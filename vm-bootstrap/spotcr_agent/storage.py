@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 
 EBS_LINK_PREFIX = "nvme-Amazon_Elastic_Block_Store_vol"
 DEVICE_WAIT_S = 300.0
-NODE_ROOT = "node-"  # + a node's index: its checkpoints' root on a file system the job's nodes share
 NFS_OPTIONS = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport"
 
 
@@ -66,21 +65,19 @@ def store_session(config: AgentConfig) -> Any:
 
 def open_store(config: AgentConfig) -> CheckpointStore:
     """The job's checkpoint store; a file-system storage must be mounted (never fill the root disk)."""
+    # A job over several VMs shares its store: each node's own checkpoints (its parts of the job's) have a part of
+    # the run's of their own; the job manifests stay at the run's (spotcr_agent.nodes).
+    part = f"node-{config.node_index}" if config.nodes else ""
     if config.storage == "s3":
+        session = store_session(config)
         return CheckpointStore.for_s3(
-            config.bucket, config.job_id, region=config.region, session=store_session(config), run_id=config.run_id
+            config.bucket, config.job_id, region=config.region, session=session, run_id=config.run_id, part=part
         )
     if not is_mount(mounted_at(config)):
         raise StorageError(
             f"storage {config.storage}: {mounted_at(config)} is not mounted; run `spotcr-agent bootstrap`"
         )
-    root = config.mount_point
-    if config.nodes:
-        # A job over several VMs shares its file system: each node's own checkpoints (its parts of the job's) have
-        # a root of their own, so two nodes' dumps never meet; the job manifests stay at the mount's root.
-        root = root / f"{NODE_ROOT}{config.node_index}"
-        root.mkdir(exist_ok=True)
-    return CheckpointStore.for_directory(root, config.job_id, run_id=config.run_id)
+    return CheckpointStore.for_directory(config.mount_point, config.job_id, run_id=config.run_id, part=part)
 
 
 def result_backend(config: AgentConfig, job_storage: Backend) -> Backend:

@@ -160,6 +160,7 @@ class CheckpointStore:
         full_every: int = FULL_EVERY,
         run_id: str = "",
         pack_size: int = PACK_SIZE,
+        part: str = "",
     ) -> None:
         self.backend = backend
         self.full_every = full_every
@@ -169,7 +170,9 @@ class CheckpointStore:
         self.workers = workers
         self.compression_level = compression_level
         self.chunking = chunking or Chunking()
-        self._prefix = run_prefix(job_id, run_id)
+        # A node of a job over several VMs keeps its own checkpoints (its parts of the job's) under a part of the run
+        # of its own, so that two nodes' dumps never meet in a store they share.
+        self._prefix = run_prefix(job_id, run_id) + (f"{part}/" if part else "")
         self.sleep: Callable[[float], None] = time.sleep  # tests force interleavings through it
         self.sweep_lease_s = SWEEP_LEASE_S
 
@@ -185,6 +188,7 @@ class CheckpointStore:
         chunking: Chunking | None = None,
         session: Any = None,
         run_id: str = "",
+        part: str = "",
     ) -> CheckpointStore:
         """A store in an S3 bucket; the client honours AWS_ENDPOINT_URL and the usual AWS environment, and uses
         `session` (a boto3 session, e.g. the job's vended store credentials) when given."""
@@ -192,7 +196,13 @@ class CheckpointStore:
             bucket, max_connections=workers + 4, region=region or None, session=session, scope=job_prefix(job_id)
         )
         return cls(
-            backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking, run_id=run_id
+            backend,
+            job_id,
+            workers=workers,
+            compression_level=compression_level,
+            chunking=chunking,
+            run_id=run_id,
+            part=part,
         )
 
     @classmethod
@@ -205,11 +215,18 @@ class CheckpointStore:
         compression_level: int = 1,
         chunking: Chunking | None = None,
         run_id: str = "",
+        part: str = "",
     ) -> CheckpointStore:
         """A store on a mounted file system (EBS, EFS, FSx for Lustre) at root."""
         backend = DirectoryBackend(Path(root))
         return cls(
-            backend, job_id, workers=workers, compression_level=compression_level, chunking=chunking, run_id=run_id
+            backend,
+            job_id,
+            workers=workers,
+            compression_level=compression_level,
+            chunking=chunking,
+            run_id=run_id,
+            part=part,
         )
 
     @property
