@@ -94,22 +94,21 @@ def _remove_stale_links() -> None:
     up."""
     for chain in _ebtables("-L").split("\nBridge chain: ")[1:]:
         name = chain.split(",")[0]
-        owner, separator, _ = name.removeprefix(_GUARD_PREFIX).partition("v")
-        try:
-            dead = name.startswith(_GUARD_PREFIX) and separator and not Path(f"/proc/{int(owner, 16)}").exists()
-        except ValueError:
-            continue
-        if dead:
+        if _of_a_dead_process(name, _GUARD_PREFIX, "v"):
             _unguard(_LINK_PREFIX + name.removeprefix(_GUARD_PREFIX))
     for line in _ip("-o", "link", "show", "type", "bridge").splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        owner, separator, _ = name.removeprefix(_LINK_PREFIX).partition("n")
-        try:
-            dead = name.startswith(_LINK_PREFIX) and separator and not Path(f"/proc/{int(owner, 16)}").exists()
-        except ValueError:
-            continue
-        if dead:
+        if _of_a_dead_process(name, _LINK_PREFIX, "n"):
             subprocess.run(["ip", "link", "delete", name], capture_output=True, check=False)
+
+
+def _of_a_dead_process(name: str, prefix: str, separator: str) -> bool:
+    """Whether `name` (prefix, the PID in hex of the process that made it, separator, ...) is a gone process's."""
+    owner, found, _ = name.removeprefix(prefix).partition(separator)
+    try:
+        return name.startswith(prefix) and bool(found) and not Path(f"/proc/{int(owner, 16)}").exists()
+    except ValueError:
+        return False
 
 
 _STATE_SOURCE = vm_init.STATE_SOURCE  # + the PID, in hex, of the process that booted the VM

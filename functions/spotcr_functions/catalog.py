@@ -95,6 +95,18 @@ REGISTERING_TIMEOUT_S = VOLUME_WAIT_SECONDS + 30
 # Final states whose execution may have left the job RECOVERING (no Catch ran, or the Catch itself failed).
 ENDED_STATUSES = ("FAILED", "TIMED_OUT", "ABORTED")
 
+# What failing a recovery (recovery.fail) calls: the record, the backup and the hand-over's volume, the access
+# point; for a job over several VMs its other nodes are marked, and terminated if spotcr launched them (jobs.retire).
+FAILING_A_RECOVERY = (
+    JOBS_READ,
+    JOBS_WRITE,
+    EC2_DESCRIBE,
+    EC2_TAG,
+    EC2_TERMINATE,
+    EC2_VOLUMES,
+    EFS_ACCESS_POINT_DELETE,
+)
+
 FUNCTIONS: tuple[Function, ...] = (
     Function(
         name="interruption",
@@ -309,17 +321,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="recovery-ended",
         handler="spotcr_functions.handlers.recovery_ended.handler",
         description="A recovery that failed past its Catch, timed out or was aborted: mark the job FAILED, notify.",
-        # A job over several VMs: its other nodes are marked, and terminated if spotcr launched them (jobs.retire).
-        capabilities=(
-            JOBS_READ,
-            JOBS_WRITE,
-            EC2_DESCRIBE,
-            EC2_TAG,
-            EC2_TERMINATE,
-            EC2_VOLUMES,
-            PUBLISH_FAILURE,
-            EFS_ACCESS_POINT_DELETE,
-        ),
+        capabilities=(*FAILING_A_RECOVERY, PUBLISH_FAILURE),
         timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
         rules=(
             Rule(
@@ -336,16 +338,7 @@ FUNCTIONS: tuple[Function, ...] = (
         name="fail-recovery",
         handler="spotcr_functions.handlers.workflow.fail",
         description="Recovery step: mark the job FAILED, terminate its backup, delete what the hand-over made.",
-        # A job over several VMs: its other nodes are marked, and terminated if spotcr launched them (jobs.retire).
-        capabilities=(
-            JOBS_READ,
-            JOBS_WRITE,
-            EC2_DESCRIBE,
-            EC2_TAG,
-            EC2_TERMINATE,
-            EC2_VOLUMES,
-            EFS_ACCESS_POINT_DELETE,
-        ),
+        capabilities=FAILING_A_RECOVERY,
         workflow_step=True,
         timeout_s=REGISTERING_TIMEOUT_S,  # detaching a hand-over volume waits for it (cloud.VOLUME_WAIT_SECONDS)
     ),
