@@ -88,10 +88,10 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
         return on_backup_down(deps, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     if record.status == Status.COMPLETED and state == "terminated":
         return _delete_finished_volume(deps, record)
+    if record.node_count:  # node 0 (a job over several VMs), whether the job runs or recovers another node
+        return _node_interrupted(deps, record, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     if record.status not in ACTIVE:
         return _already_recovering(deps, record.job_id, instance_id)
-    if record.node_count:
-        return _node_interrupted(deps, record, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     bumped = _bump(deps, record, instance_id, at)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)

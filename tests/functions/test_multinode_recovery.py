@@ -130,19 +130,22 @@ def test_a_node_warned_or_lost_moves_to_a_backup_with_its_address_and_node_0_res
     assert plane.sent_commands("checkpoint")[-1]["instances"] == [node_0]
 
 
-def test_a_second_node_lost_while_one_recovers_fails_the_job_and_retires_every_node(plane: ControlPlane) -> None:
+@pytest.mark.parametrize(("second", "event"), [(2, "spot-interruption-warning"), (0, "state-change-terminated")])
+def test_a_second_node_lost_while_one_recovers_fails_the_job_and_retires_every_node(
+    plane: ControlPlane, second: int, event: str
+) -> None:
     # Given a job over three VMs recovering node 1
     instances, periodic = running_job(plane)
     route(ec2_event("state-change-terminated", instances[1]))
     record = plane.wait_until(lambda: (r := plane.job(JOB)).backup_instance_id and r, "the backup launch")
 
-    # When node 2 goes too
-    route(ec2_event("spot-interruption-warning", instances[2]))
+    # When another node goes too (node 0, the job's instance, included)
+    route(ec2_event(event, instances[second]))
 
     # Then the job fails naming both nodes and its newest checkpoint; nothing is restored; every VM is retired
     record = plane.job(JOB)
     assert record.status == Status.FAILED
-    assert f"node 2 ({instances[2]}" in str(record.reason) and "while node 1 recovers" in str(record.reason)
+    assert f"node {second} ({instances[second]}" in str(record.reason) and "while node 1 recovers" in str(record.reason)
     assert f"newest checkpoint is {periodic}" in str(record.reason)
     assert plane.sent_commands("restore") == []
     assert any("recovering two nodes at once is not built yet" in m for m in plane.notifications())
