@@ -3,7 +3,6 @@ every node when one goes, and the control plane's recovery, fenced once EC2 says
 
 from spotcr_agent import agent as agent_module
 from spotcr_agent import nodeport
-from spotcr_agent.state import AgentState
 
 from tests.agent.conftest import make_agent, make_config
 
@@ -13,30 +12,27 @@ NODES = ("127.0.0.1", "127.0.0.77")  # node 1's agent on a loopback address of i
 
 def test_a_failure_waits_while_a_node_does_not_answer_and_is_reported_once_it_does(tmp_path, publisher) -> None:
     agent = make_agent(make_config(tmp_path, nodes=NODES, launch_key=KEY), publisher)
-    failed = AgentState(job_status="exited", exit_code=7)
 
     # While node 1's agent answers nothing, node 0's failure is held
-    assert agent._exit_held(failed)
+    assert agent._exit_held(7)
 
     # Once it answers (a refusal of the probe is an answer), the failure is the job's
     with nodeport.NodePort(NODES[1], nodeport.PORT, nodeport.Gate(bytes.fromhex(KEY)), {}):
-        assert not agent._exit_held(failed)
+        assert not agent._exit_held(7)
 
     # A success is never held
-    assert not agent._exit_held(AgentState(job_status="exited", exit_code=0))
+    assert not agent._exit_held(0)
 
 
 def test_a_failure_is_held_no_longer_than_the_hold(tmp_path, publisher, monkeypatch) -> None:
     agent = make_agent(make_config(tmp_path, nodes=NODES, launch_key=KEY), publisher)
     monkeypatch.setattr(agent_module, "EXIT_HOLD_S", 0.0)
-    failed = AgentState(job_status="exited", exit_code=7)
     agent._exit_held_since = 1.0  # held since long ago
-    assert not agent._exit_held(failed)
+    assert not agent._exit_held(7)
 
 
 def test_another_node_or_a_single_vm_job_never_holds(tmp_path, publisher) -> None:
-    failed = AgentState(job_status="exited", exit_code=7)
     node_1 = make_agent(make_config(tmp_path / "n1", nodes=NODES, node_index=1, launch_key=KEY), publisher)
     single = make_agent(make_config(tmp_path / "one"), publisher)
-    assert not node_1._exit_held(failed)
-    assert not single._exit_held(failed)
+    assert not node_1._exit_held(7)
+    assert not single._exit_held(7)

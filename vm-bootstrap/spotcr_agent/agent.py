@@ -552,8 +552,11 @@ class Agent:
                 state.exit_code = UNKNOWN_EXIT_CODE if code is None else code
                 state.job_status = "exited"
                 log.info("job %s exited with code %d", self.config.job_id, state.exit_code)
-            if not self._result_due(state) or self._exit_held(state):
+            if not self._result_due(state):
                 return None
+            ended_with = state.exit_code
+        if self._exit_held(ended_with):  # asks the other nodes: never while holding the state
+            return None
         # One commit at a time: the daemon and a dump order's process may both see the end.
         with exclusive(self.config.state_dir / "result.lock"):
             with self.state.locked() as state:
@@ -582,13 +585,13 @@ class Agent:
         )
         return exit_code
 
-    def _exit_held(self, state: AgentState) -> bool:
+    def _exit_held(self, exit_code: int | None) -> bool:
         """Node 0 of a job over several VMs: a failure while another node's agent does not answer is most likely MPI
         ending the job for that node's loss, which the control plane recovers from the job's checkpoint once EC2
         says the node went. The failure is held (EXIT_HOLD_S at most), so that the recovery's fencing comes before
         it: a restore ordered meanwhile brings the job back, and the failure is never reported."""
         config = self.config
-        if not config.nodes or config.node_index != 0 or state.exit_code == 0:
+        if not config.nodes or config.node_index != 0 or exit_code == 0:
             return False
         now = time.monotonic()
         self._exit_held_since = self._exit_held_since or now
