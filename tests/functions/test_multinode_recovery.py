@@ -22,8 +22,7 @@ from rehearsal.controlplane import (
     now_iso,
     route,
 )
-from tests.functions.support import answer, instance_session, request
-from tests.functions.test_multinode_registration import JOB, node_tags, register, state
+from tests.functions.support import JOB, credentials, node_tags, register, state
 from tests.workflow.support import order_periodic, ordered_sequence
 
 pytestmark = pytest.mark.claim("At most one live copy")
@@ -50,10 +49,6 @@ def addresses_of(plane: ControlPlane, instance_id: str) -> list[str]:
         "NetworkInterfaces"
     ]
     return [a["PrivateIpAddress"] for a in interface["PrivateIpAddresses"]]
-
-
-def credentials(instance_id: str) -> tuple[int, dict[str, Any]]:
-    return answer(request(JOB, instance_session(instance_id)))
 
 
 @pytest.mark.parametrize("lost", [2, 0])

@@ -22,33 +22,10 @@ from rehearsal.controlplane import (
     now_iso,
     route,
 )
-from tests.functions.support import answer, instance_session, request
+from tests.functions.support import JOB, credentials, node_tags, register
 from tests.workflow.support import order_periodic
 
 pytestmark = pytest.mark.claim("One identity per run")
-
-JOB = "mpi-7"
-
-
-def node_tags(index: int, nodes: int = 3, extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {
-        tag_names.JOB: JOB,
-        tag_names.COMMAND: "mpiexec -n 6 /opt/job/solver",
-        tag_names.STORAGE: "efs",
-        tag_names.NODES: str(nodes),
-        tag_names.NODE: str(index),
-        **(extra or {}),
-    }
-
-
-def register(plane: ControlPlane, job_tags: dict[str, str], az: str = f"{REGION}a") -> str:
-    instance_id = plane.launch_job_instance(job_tags, az)
-    route(ec2_event("state-change-running", instance_id))
-    return instance_id
-
-
-def credentials(instance_id: str) -> tuple[int, dict[str, Any]]:
-    return answer(request(JOB, instance_session(instance_id)))
 
 
 def test_three_nodes_registered_in_any_order_are_one_job_with_one_run(
@@ -86,11 +63,6 @@ def test_three_nodes_registered_in_any_order_are_one_job_with_one_run(
     late = register(plane, node_tags(1))
     assert "already runs on" in plane.instance_tags(late)[tag_names.ERROR]
     assert [node.instance_id for node in plane.job(JOB).nodes] == [first, middle, second]
-
-
-def state(plane: ControlPlane, instance_id: str) -> str:
-    reservations = plane.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
-    return str(reservations[0]["Instances"][0]["State"]["Name"])
 
 
 def _started(instance_id: str) -> Any:
