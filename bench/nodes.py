@@ -32,6 +32,7 @@ from typing import Any
 
 from spotcr_agent import nodeport, nodes
 from spotcr_agent.config import AgentConfig, default_workdir
+from spotcr_agent.store.backends import DirectoryBackend
 
 from bench.pipeline import describe_machine
 from rehearsal.vm import LocalVM, VmNetwork, bare_vm
@@ -141,7 +142,7 @@ def one_round(root: Path, network: VmNetwork, count: int, gib: float) -> dict[st
                 generation=1,
                 sequence=sequence,
                 kind=kind,
-                commit=lambda manifest: manifest.write(root / "node-0"),
+                commit=lambda manifest: manifest.write(DirectoryBackend(root / "node-0")),
                 serial=root / "coordinated.lock",
             )
             if kind == "periodic":
