@@ -21,14 +21,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.layout import run_prefix
 from spotcr_contracts.results import KINDS
 
 from .state import exclusive
-from .store.backends import Backend
+
+if TYPE_CHECKING:  # spotcr-launch imports this module with the standard library only
+    from .store.backends import Backend
 
 log = logging.getLogger(__name__)
 
