@@ -65,10 +65,10 @@ where:
 	@case "$(CURDIR)/" in /tmp/* | /var/tmp/* | /dev/shm/*) echo "spotcr: the checkout $(CURDIR) is under /tmp, /var/tmp or /dev/shm, which every local VM replaces with an empty tmpfs; clone it elsewhere (e.g. under \$$HOME)" >&2; exit 2;; esac
 
 # Two pytest processes side by side: the tests marked `vms` (local VMs, CRIU, timed notices) one after another, and
-# every other test; the second's report follows the first's. About 25 minutes on 2 cores, where one process took 40.
+# every other test; the second's report follows the first's. Each lists its slowest tests: the VM half sets the time.
 test: where setup workload-deps tracked-deps lint
-	@$(PY) -m pytest -m "not vms and not gpu" > .build/pytest-others.log 2>&1 & others=$$!; \
-	$(PY) -m pytest -m "vms and not gpu"; vms=$$?; \
+	@$(PY) -m pytest -m "not vms and not gpu" --durations=15 > .build/pytest-others.log 2>&1 & others=$$!; \
+	$(PY) -m pytest -m "vms and not gpu" --durations=40; vms=$$?; \
 	wait $$others; others=$$?; \
 	echo "== the tests without VMs (.build/pytest-others.log) =="; cat .build/pytest-others.log; \
 	test $$vms -eq 0 && test $$others -eq 0

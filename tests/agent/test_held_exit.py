@@ -36,3 +36,19 @@ def test_another_node_or_a_single_vm_job_never_holds(tmp_path, publisher) -> Non
     single = make_agent(make_config(tmp_path / "one"), publisher)
     assert not node_1._exit_held(7)
     assert not single._exit_held(7)
+
+
+def test_a_held_failure_is_never_reported_once_the_restore_ends_the_share(tmp_path, publisher) -> None:
+    # Given node 0 whose share failed (a node went) and whose failure waits, unreported
+    agent = make_agent(make_config(tmp_path, nodes=NODES, launch_key=KEY, generation=1), publisher)
+    with agent.state.locked() as state:
+        state.job_status, state.exit_code, state.generation = "exited", 255, 1
+
+    # When the job's restore at generation 2 comes (node 1's backup now answers, so nothing holds the failure)
+    assert not agent.end_share_for_restore(2)
+
+    # Then the failure is the replaced share's, never reported as the restored job's end
+    with nodeport.NodePort(NODES[1], nodeport.PORT, nodeport.Gate(bytes.fromhex(KEY)), {}):
+        assert agent.watch_job() is None
+    assert not publisher.of("JobExited")
+    assert agent.state.read().job_status == "replaced"

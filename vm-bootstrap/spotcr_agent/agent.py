@@ -471,12 +471,20 @@ class Agent:
         was lost without a warning, so no final dump ended this one): the share is killed here, its whole tree
         confirmed gone, its connections destroyed (nodes.drop_connections), and recorded as "replaced", never
         reported as the job's exit, since its restore follows at once. True when a share was ended; False when none
-        ran (a final dump ended it, or it never started)."""
+        ran (a final dump ended it, or it never started).
+
+        A share that ended by itself (MPI ends the others when a node goes) and whose end was not reported yet (node
+        0 holds a failure: Agent._exit_held) is "replaced" too: reported now, at the generation just admitted, its
+        failure would end the job that this restore brings back."""
         with exclusive(self.config.state_dir / "dump.lock"), self.state.locked() as state:
             admit(state, generation)
             if state.job_status != "running":
-                # A share that ended by itself (MPI ends the others when a node goes) left its connections
-                # closing too: CRIU cannot put them back while the kernel holds them.
+                if self._result_due(state):
+                    log.warning(
+                        "node %d: the share's unreported exit is replaced by the restore", self.config.node_index
+                    )
+                    state.job_status = "replaced"
+                # Its connections are closing too: CRIU cannot put them back while the kernel holds them.
                 nodes.drop_connections(self.config.nodes[self.config.node_index])
                 return False
             if job_alive(state.job_pid, state.job_start_time) and not stop_job(state.job_pid, state.job_start_time):
