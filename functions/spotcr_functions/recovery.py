@@ -483,9 +483,9 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
         raise ValueError(f"job {job_id} has no backup instance to restore on")
     # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed.
     record = checkpoints.settle_final_dump(deps, record)
-    _retire_primary(deps, record)
+    interrupted = _retire_primary(deps, record)
     if record.interrupted_node is not None:
-        record = _take_over_address(deps, record, backup_instance_id)
+        record = _take_over_address(deps, record, backup_instance_id, interrupted)
     # Then close the generation to the interrupted instance: a final dump that outlived its wait is never recorded
     # after this, so the checkpoint chosen below stays the job's newest until the backup commits its own.
     closed = deps.registry.close_generation(job_id, generation, deps.iso_now())
@@ -523,13 +523,12 @@ def restore_target(record: JobRecord) -> str:
     return str(record.backup_instance_id)
 
 
-def _take_over_address(deps: Deps, record: JobRecord, backup_instance_id: str) -> JobRecord:
+def _take_over_address(deps: Deps, record: JobRecord, backup_instance_id: str, held: Instance | None) -> JobRecord:
     """Rule 8 holds for the interrupted node: its address moves to the backup (within the job's subnet), and the
-    record names the backup as the node's before the restore is ordered. Repeated for a second attempt, it changes
-    nothing."""
+    record names the backup as the node's before the restore is ordered. `held`: the interrupted instance as
+    _retire_primary last described it. Repeated for a second attempt, it changes nothing."""
     index = int(record.interrupted_node or 0)
     address = record.node(index).address
-    held = deps.cloud.describe_instance(record.recovering_from) if record.recovering_from else None
     if held is not None and held.state != "terminated" and held.private_ips[:1] == (address,):
         # A primary address never moves: it is free once its instance is terminated (the workflow retries).
         raise PrimaryStillRunning(
@@ -699,29 +698,31 @@ def check_restore(deps: Deps, job_id: str, generation: int, attempt: str) -> dic
     return {"restored": False}
 
 
-def _retire_primary(deps: Deps, record: JobRecord) -> None:
+def _retire_primary(deps: Deps, record: JobRecord) -> Instance | None:
     """The job never runs in two places: before the backup restores, the interrupted instance is terminated and its
     persistent spot request cancelled, so a stopped or hibernated primary that EC2 starts again later cannot resume
     the job (hibernation resumes its processes from RAM before any agent could fence them).
 
     One live copy (spotcr_contracts.protocol, rule 8): the restore waits (PrimaryStillRunning, retried by the
-    workflow) until EC2 says the primary is gone, unless nothing of the job can run there."""
+    workflow) until EC2 says the primary is gone, unless nothing of the job can run there. Returns the instance as
+    last described (None when there is none to retire), so the caller need not ask EC2 again."""
     instance_id = record.recovering_from
     if not instance_id or instance_id == record.backup_instance_id:
-        return
+        return None
     instance = deps.cloud.describe_instance(instance_id)
     if instance is None or instance.state == "terminated":
-        return
+        return instance
     if instance.spot_request_id:
         deps.cloud.cancel_spot_request(instance.spot_request_id)
     deps.cloud.terminate_instance(instance_id)
     logger.info("interrupted instance terminated", job_id=record.job_id, instance_id=instance_id, was=instance.state)
     gone = job_gone_from(record, instance.instance_id) and not restarted(record, instance.launched_at)
     if instance.state in NOT_RUNNING_STATES or gone:
-        return
+        return instance
     after = deps.cloud.describe_instance(instance_id)
     if after is not None and after.state != "terminated":
         raise PrimaryStillRunning(f"job {record.job_id}: interrupted instance {instance_id} is {after.state}")
+    return after
 
 
 def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
