@@ -208,8 +208,8 @@ def _submit_nodes(args: argparse.Namespace, job: dict[str, str]) -> int:
         raise CommandError("--nodes launches every node: tag running instances with spotcr:nodes and spotcr:node", 2)
     say = _progress(args)
     say(
-        f"job {args.job} over {args.nodes} VMs in one subnet: a warned or lost node moves to a backup there with its "
-        "address; two nodes lost at once fail the job for now (docs/design/multinode.md)"
+        f"job {args.job} over {args.nodes} VMs in one subnet: each warned or lost node moves to a backup there with "
+        "its address (docs/design/multinode.md)"
     )
     launched = [
         actions.submit(

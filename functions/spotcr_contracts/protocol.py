@@ -41,8 +41,11 @@ One live copy
 8. A checkpoint MUST NOT be restored until the interrupted instance's copy of the job is known gone: it is
    terminated, stopped, or its final dump at this generation ended the job there (`job_gone_from`) and it was
    not started again since the warning (`restarted`). For a job over several VMs this holds for the interrupted
-   node's instance; every other node's share ends by the final dump, or by its agent before it restores.
-9. A backup MUST be recorded only while its generation recovers (`Registry.record_backup`); a backup launched
+   node's instance and for each node lost while it recovers before its restore is ordered
+   (`Registry.add_lost_node`, a backup of its own each); every other node's share ends by the final dump, or by
+   its agent before it restores. A node lost after the restore is ordered fails the recovery (rule 12).
+9. A backup MUST be recorded only while its generation recovers (`Registry.record_backup`,
+   `Registry.record_lost_backup`); a backup launched
    for a generation that moved on SHOULD be terminated at once. Only the recorded backup's ready report (or its
    failed boot) MUST move the recovery, and no such report MUST be lost to the order of the two: one that comes
    while no backup is recorded is kept under its instance's id (`Registry.keep_early_ready`) and moves the
@@ -116,6 +119,7 @@ class Record(Protocol):
     def interrupted_node(self) -> int | None: ...
 
     def arrival(self, key: str) -> dict[str, Any] | None: ...
+    def node_0_instance(self) -> str: ...
 
 
 class Exit(Protocol):
@@ -181,11 +185,11 @@ def exit_ends_job(record: Record, event: Exit) -> str | None:
 
 def _node_0_exit_ends_job(record: Record, event: Exit) -> str | None:
     """Rule 11 for a job over several VMs while it recovers: node 0 runs the command. After the restore its exit
-    at this generation ends the job (from node 0's instance, or its backup when node 0 is the one recovered); before
-    it only a success does, since a node's loss makes MPI end the other nodes' processes with an error."""
-    node_0 = record.backup_instance_id if record.interrupted_node == 0 else record.instance_id
+    at this generation ends the job (from the instance that holds node 0 by then: its backup when node 0 is one of
+    the nodes recovered); before it only a success does, since a node's loss makes MPI end the other nodes'
+    processes with an error."""
     if record.restore_ordered_at:
-        same = event.instance_id == node_0 and event.generation == record.generation
+        same = event.instance_id == record.node_0_instance() and event.generation == record.generation
         return "on node 0 right after the restore" if same else None
     before = event.instance_id == record.instance_id and event.generation in (record.generation - 1, record.generation)
     return "on node 0 before the interruption" if before and event.exit_code == 0 else None

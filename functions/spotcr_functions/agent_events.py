@@ -119,6 +119,10 @@ def _agent_ready(deps: Deps, record: JobRecord, event: Any) -> dict[str, Any]:
             logger.info("ready report kept until its instance is recorded as the backup", instance_id=event.instance_id)
             return {"action": "kept", "reason": "not recorded as the backup yet"}
         record = kept or record
+    if event.instance_id != record.backup_instance_id and record.node_count and record.status == Status.RECOVERING:
+        # Maybe the backup of a node lost during the recovery (recorded yet or not): the restore step reads it.
+        deps.registry.note_ready(record.job_id, record.generation, event.instance_id, deps.iso_now())
+        return {"action": "kept", "reason": "a lost node's backup, or none of the job's"}
     if event.instance_id != record.backup_instance_id:
         # Only the backup the recovery recorded moves it, never a VM someone tagged spotcr:mode=restore
         # (jobs.register_instance tags that one spotcr:error).
@@ -144,6 +148,11 @@ def _bootstrap_failed(deps: Deps, record: JobRecord, event: Any) -> dict[str, An
             deps, record.job_id, "backup-ready", record.generation, {}, error="BootstrapFailed", cause=cause
         )
         return {"action": "backup-failed"}
+    if record.status == Status.RECOVERING and record.node_count:  # maybe a lost node's backup: as _agent_ready
+        deps.registry.note_ready(
+            record.job_id, record.generation, event.instance_id, deps.iso_now(), error="BootstrapFailed", cause=cause
+        )
+        return {"action": "kept", "reason": "a lost node's backup, or none of the job's"}
     if event.instance_id == record.instance_id and record.status == Status.PENDING:
         failed = {"reason": f"bootstrap failed: {cause}", "updated_at": deps.iso_now()}
         if deps.registry.end(record, Status.FAILED, failed):
@@ -376,8 +385,9 @@ def _stop_recovery(deps: Deps, record: JobRecord, ran_on: str, reason: str) -> N
         token = record.token(key)
         if token and token.get("generation") == record.generation:
             deps.cloud.complete_task(str(token["token"]), {}, error="StaleGeneration", cause=f"the job ended: {reason}")
-    if record.backup_instance_id and record.backup_instance_id != ran_on:
-        deps.cloud.terminate_instance(record.backup_instance_id)
+    for backup in record.backups():
+        if backup != ran_on:
+            deps.cloud.terminate_instance(backup)
 
 
 def _record_checkpoint(deps: Deps, record: JobRecord, checkpoint_id: str, instance_id: str) -> bool:

@@ -199,9 +199,11 @@ def _confirm_backup(deps: Deps, instance_id: str, instance_tags: Mapping[str, st
     job_id = instance_tags.get(tags.JOB, "")
     record = deps.registry.get(job_id) if tags.JOB_NAME.fullmatch(job_id) else None
     if record is not None and instance_tags.get(tags.RUN) == record.run_id:
-        if instance_id in (record.backup_instance_id, record.instance_id, record.recovering_from):
+        if instance_id in (*record.backups(), record.instance_id, record.recovering_from):
             return {"registered": False, "reason": "backup launched by spotcr"}
-        launching = record.status == Status.RECOVERING and record.backup_instance_id is None
+        node = instance_tags.get(tags.NODE, "")
+        lost = node.isdigit() and int(node) in record.lost_nodes  # a lost node's backup, recorded right after too
+        launching = record.status == Status.RECOVERING and (record.backup_instance_id is None or lost)
         if launching and instance_tags.get(tags.GENERATION) == str(record.generation):
             # The recovery records its backup right after RunInstances returns: no verdict before that.
             return {"registered": False, "reason": "backup of this generation not recorded yet"}

@@ -109,6 +109,26 @@ class JobRecord:
             raise KeyError(f"job {self.job_id} lists no node {index}")
         return found
 
+    @property
+    def lost_nodes(self) -> dict[int, LostNode]:
+        """The other nodes lost while this recovery runs, before its restore was ordered, by index."""
+        found = {}
+        for attribute, value in self.extra.items():
+            if attribute.startswith(LOST_NODE_PREFIX) and isinstance(value, dict):
+                found[int(attribute.removeprefix(LOST_NODE_PREFIX))] = LostNode.from_item(value)
+        return dict(sorted(found.items()))
+
+    def node_0_instance(self) -> str:
+        """The instance that holds node 0 now (a recovery moves it before it orders the restore); the job's own
+        instance for a single-VM job."""
+        node = next((node for node in self.nodes if node.index == 0), None)
+        return node.instance_id if node else self.instance_id
+
+    def backups(self) -> tuple[str, ...]:
+        """Every backup this recovery launched: the interrupted node's (or the one VM's), and each lost node's."""
+        lost = (node.backup for node in self.lost_nodes.values())
+        return tuple(backup for backup in (self.backup_instance_id, *lost) if backup)
+
     def token(self, key: str) -> dict[str, Any] | None:
         value = self.extra.get(token_attribute(key))
         return value if isinstance(value, dict) else None
@@ -116,6 +136,28 @@ class JobRecord:
     def arrival(self, key: str) -> dict[str, Any] | None:
         value = self.extra.get(event_attribute(key))
         return value if isinstance(value, dict) else None
+
+
+LOST_NODE_PREFIX = "lost_node_"
+
+
+@dataclass(frozen=True)
+class LostNode:
+    """A node of a job over several VMs lost while another node's recovery runs, before its restore was ordered
+    (a wave warns several nodes at once): the same restore brings it back, on a backup of its own that takes over
+    its address (docs/design/multinode.md). Kept in the record as lost_node_<index>."""
+
+    instance_id: str  # the node's instance that was warned or lost
+    backup: str = ""  # its backup, once launched
+    ready: bool = False  # the backup's agent reported ready
+
+    @classmethod
+    def from_item(cls, item: Mapping[str, Any]) -> LostNode:
+        return cls(str(item["instance_id"]), str(item.get("backup") or ""), bool(item.get("ready")))
+
+
+def lost_node_attribute(index: int) -> str:
+    return f"{LOST_NODE_PREFIX}{index}"
 
 
 def token_attribute(key: str) -> str:

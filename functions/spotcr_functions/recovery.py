@@ -48,6 +48,19 @@ class PrimaryStillRunning(Exception):
     """The interrupted instance may still run the job; the workflow retries the restore until it is terminated."""
 
 
+class NoCapacity(Exception):
+    """No candidate launched a lost node's backup: the recovery fails, as the workflow's NoCapacity does."""
+
+
+class NodeWithoutBackup(Exception):
+    """A node lost during this recovery has no backup yet: the workflow launches one (LaunchLostNodes), then
+    comes back to the restore."""
+
+
+class NodeBackupNotReady(Exception):
+    """A lost node's backup has not reported ready yet: the workflow retries the restore until it has."""
+
+
 def execution_name(record: JobRecord) -> str:
     """The recovery execution of the record's interruption (names.execution_name)."""
     return names.execution_name(record.job_id, record.generation, record.recovering_from, record.interrupted_at)
@@ -107,14 +120,19 @@ def _node_interrupted(
     fencing write names the node; a warning's final dump goes to node 0, whose agent dumps every node; a backup in
     the job's subnet takes over the node's address; node 0 then restores every node from the job's checkpoint.
 
-    One node per recovery: a second node interrupted while the first's recovery runs fails the job, saying so,
-    with its newest checkpoint named; a backup lost while it restores starts the next cycle as for one VM."""
+    Another node interrupted while the recovery runs, before its restore is ordered (a wave warns several nodes at
+    once), joins it: the same restore brings it back on a backup of its own (_another_node_lost). After the order,
+    or when its backup goes, the job fails, saying so, with its newest checkpoint named. The recovered node's
+    backup lost while it restores starts the next cycle as for one VM."""
     if record.status in ENDED:
         return {"action": "ignored", "reason": f"job is {record.status.value}", "job_id": record.job_id}
     if record.status == Status.RECOVERING and instance_id == record.backup_instance_id:
         return _backup_lost(deps, record, instance_id, at, reason=reason, final_dump=final_dump)
-    if record.status == Status.RECOVERING and instance_id != record.recovering_from and record.node_of(instance_id):
-        return _second_node_lost(deps, record, instance_id, reason)
+    if record.status == Status.RECOVERING and instance_id in record.backups():
+        return _nodes_lost(deps, record, f"the backup {instance_id} of a lost node went ({reason})")
+    node = record.node_of(instance_id)
+    if record.status == Status.RECOVERING and instance_id != record.recovering_from and node is not None:
+        return _another_node_lost(deps, record, node.index, instance_id, at=at, reason=reason)
     bumped = deps.registry.bump_node(record.job_id, instance_id, at, final_dump=final_dump)
     if bumped is None:
         return _already_recovering(deps, record.job_id, instance_id)
@@ -134,24 +152,43 @@ def _node_interrupted(
     }
 
 
-def _second_node_lost(deps: Deps, record: JobRecord, instance_id: str, reason: str) -> dict[str, Any]:
-    """Another node went while one node's recovery runs: recovering two nodes at once is not built yet, so the
-    recovery of this generation fails (rule 12) rather than restore a job missing a node: the job is FAILED, its
-    nodes and backup retired, the workflow's waits released (it then finds the job moved on), the failure
-    notified."""
-    node = record.node_of(instance_id)
-    cause = (
-        f"node {node.index if node else '?'} ({instance_id}, {reason}) went while node {record.interrupted_node} "
-        "recovers; recovering two nodes at once is not built yet (docs/design/multinode.md)"
-    )
+def _another_node_lost(
+    deps: Deps, record: JobRecord, index: int, instance_id: str, *, at: str, reason: str
+) -> dict[str, Any]:
+    """Node `index` went while another node's recovery runs. Before the restore is ordered it joins the recovery
+    (Registry.add_lost_node): the checkpoint is the job's (a warning's final dump, already ordered, dumps every node;
+    with none, the newest one), and the restore step waits until the node has a backup of its own, which the
+    workflow launches (launch_lost_backups), then moves its address there too. After the order, the job fails
+    (_nodes_lost): the restore in flight would miss the node."""
+    if (lost := record.lost_nodes.get(index)) is not None and lost.instance_id == instance_id:
+        return _already_recovering(deps, record.job_id, instance_id)
+    added = deps.registry.add_lost_node(record, index, instance_id, at)
+    if added is not None:
+        logger.warning("another node went during the recovery; the same restore recovers it", node=index)
+        return {"action": "joined", "job_id": record.job_id, "generation": record.generation, "node": index}
+    fresh = deps.registry.get(record.job_id)
+    if fresh is None or fresh.generation != record.generation or fresh.status != Status.RECOVERING:
+        return _already_recovering(deps, record.job_id, instance_id)
+    if index in fresh.lost_nodes or fresh.node_of(instance_id) is None:
+        return _already_recovering(deps, record.job_id, instance_id)
+    return _nodes_lost(deps, fresh, f"node {index} ({instance_id}, {reason}) went after the restore was ordered")
+
+
+def _nodes_lost(deps: Deps, record: JobRecord, why: str) -> dict[str, Any]:
+    """A node went where the recovery cannot take it in (its restore already ordered, or the backup launched for
+    it gone): the recovery of this generation fails (rule 12) rather than restore a job missing a node: the job is
+    FAILED, its nodes and backups retired, the workflow's waits released (it then finds the job moved on), the
+    failure notified."""
+    cause = f"{why} while node {record.interrupted_node} recovers (docs/design/multinode.md)"
     if record.checkpoint_id:
         cause += f"; the job's newest checkpoint is {record.checkpoint_id}"
     failed = deps.registry.fail_recovery(record.job_id, record.generation, cause, deps.iso_now())
     if failed is None:
-        return _already_recovering(deps, record.job_id, instance_id)
-    logger.error("a second node went during a recovery; the job failed", job_id=record.job_id, instance_id=instance_id)
+        return {"action": "ignored", "reason": "the job moved on", "job_id": record.job_id}
+    logger.error("a node went where the recovery cannot take it in; the job failed", job_id=record.job_id, why=why)
     efs_access.close_for(deps, failed)
-    instances = [*(n.instance_id for n in record.nodes), record.recovering_from, record.backup_instance_id]
+    instances = [*(n.instance_id for n in record.nodes), record.recovering_from, *record.backups()]
+    instances += [lost.instance_id for lost in record.lost_nodes.values()]
     jobs.retire(deps, list(dict.fromkeys(i for i in instances if i)), cause)
     for key in WAIT_KEYS:
         token = record.token(key)
@@ -324,37 +361,10 @@ def _restorable_fallbacks(deps: Deps, record: JobRecord) -> list[str]:
 
 def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidate: dict[str, Any]) -> dict[str, Any]:
     record = _current(deps, job_id, generation)
-    backup_tags = {**record.tags, tags.MODE: "restore", tags.GENERATION: str(generation)}
-    if record.run_id:
-        backup_tags[tags.RUN] = record.run_id  # the backup serves this run: it restores only this run's checkpoints
-    if record.interrupted_node is not None:
-        backup_tags[tags.NODE] = str(record.interrupted_node)  # the node whose share and address it takes over
-    settings = deps.settings
-    # The version is explicit: $Default stays version 1, whose user data may name an agent asset since replaced.
-    template = (settings.launch_template_id, settings.launch_template_version)
-    image_id = candidate.get("image_id", record.image_id)  # a plan made before plans named it: the job's own
     if candidate.get("image_warning"):
         _warn_image(deps, record, candidate["image_warning"])
     token = client_token(execution_name(record), str(index))
-    try:
-        if candidate["spot"]:
-            overrides = candidate.get("overrides") or [candidate]  # a plan made before fleets named one
-            instance = _launch_spot(deps, template, overrides, image_id=image_id, backup_tags=backup_tags, token=token)
-        else:
-            instance = deps.cloud.run_instance(
-                launch_template=template,
-                instance_type=candidate["instance_type"],
-                subnet_id=candidate["subnet_id"],
-                image_id=image_id,
-                tags=backup_tags,
-                client_token=token,
-            )
-    except ClientError as error:
-        code = error_code(error)
-        if code in CAPACITY_ERRORS:
-            logger.info("no capacity for this candidate", job_id=job_id, candidate=candidate, error=code)
-            raise CapacityUnavailable(f"{code}: candidate {index}") from error
-        raise
+    instance = _launch(deps, record, candidate, node=record.interrupted_node, token=token, what=f"candidate {index}")
     updated = deps.registry.record_backup(job_id, generation, instance.instance_id, instance.az, deps.iso_now())
     if updated is None:
         deps.cloud.terminate_instance(instance.instance_id)
@@ -375,6 +385,69 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
         "instance_type": instance.instance_type,
         "market": market,
     }
+
+
+def launch_lost_backups(deps: Deps, job_id: str, generation: int, candidates: list[dict[str, Any]]) -> dict[str, Any]:
+    """A backup for each node lost during this recovery that has none (NodeWithoutBackup sent the workflow here):
+    the plan's candidates in order, as for the recovered node's backup, each tagged with its node. No capacity for
+    one fails the recovery (NoCapacity), as it does for the first."""
+    record = _current(deps, job_id, generation)
+    launched = {}
+    for index, lost in record.lost_nodes.items():
+        if lost.backup:
+            continue
+        for number, candidate in enumerate(candidates):
+            token = client_token(execution_name(record), f"node-{index}-{number}")
+            try:
+                what = f"candidate {number} for node {index}"
+                instance = _launch(deps, record, candidate, node=index, token=token, what=what)
+            except CapacityUnavailable:
+                continue
+            if deps.registry.record_lost_backup(job_id, generation, index, instance.instance_id, deps.iso_now()):
+                launched[str(index)] = instance.instance_id
+                logger.info("lost node's backup launched", job_id=job_id, node=index, instance_id=instance.instance_id)
+                break
+            deps.cloud.terminate_instance(instance.instance_id)
+            raise StaleGeneration(f"job {job_id} moved on while node {index}'s backup launched")
+        else:
+            raise NoCapacity(f"job {job_id}: no candidate launched a backup for node {index} in its subnet")
+    return {"launched": launched}
+
+
+def _launch(
+    deps: Deps, record: JobRecord, candidate: dict[str, Any], *, node: int | None, token: str, what: str
+) -> Instance:
+    """One backup from one candidate (spot fleet or on demand), tagged for the job's run and generation and, for a
+    job over several VMs, with the node whose share and address it takes over. CapacityUnavailable: none there."""
+    backup_tags = {**record.tags, tags.MODE: "restore", tags.GENERATION: str(record.generation)}
+    if record.run_id:
+        backup_tags[tags.RUN] = record.run_id  # the backup serves this run: it restores only this run's checkpoints
+    if node is not None:
+        backup_tags[tags.NODE] = str(node)
+    settings = deps.settings
+    # The version is explicit: $Default stays version 1, whose user data may name an agent asset since replaced.
+    template = (settings.launch_template_id, settings.launch_template_version)
+    image_id = candidate.get("image_id", record.image_id)  # a plan made before plans named it: the job's own
+    try:
+        if candidate["spot"]:
+            overrides = candidate.get("overrides") or [candidate]  # a plan made before fleets named one
+            instance = _launch_spot(deps, template, overrides, image_id=image_id, backup_tags=backup_tags, token=token)
+        else:
+            instance = deps.cloud.run_instance(
+                launch_template=template,
+                instance_type=candidate["instance_type"],
+                subnet_id=candidate["subnet_id"],
+                image_id=image_id,
+                tags=backup_tags,
+                client_token=token,
+            )
+    except ClientError as error:
+        code = error_code(error)
+        if code in CAPACITY_ERRORS:
+            logger.info("no capacity for this candidate", job_id=record.job_id, candidate=candidate, error=code)
+            raise CapacityUnavailable(f"{code}: {what}") from error
+        raise
+    return instance
 
 
 def _launch_spot(
@@ -483,9 +556,11 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
         raise ValueError(f"job {job_id} has no backup instance to restore on")
     # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed.
     record = checkpoints.settle_final_dump(deps, record)
+    if record.lost_nodes:
+        record = _take_over_lost_nodes(deps, record)
     interrupted = _retire_primary(deps, record)
     if record.interrupted_node is not None:
-        record = _take_over_address(deps, record, backup_instance_id, interrupted)
+        record = _take_over_address(deps, record, record.interrupted_node, backup_instance_id, interrupted)
     # Then close the generation to the interrupted instance: a final dump that outlived its wait is never recorded
     # after this, so the checkpoint chosen below stays the job's newest until the backup commits its own.
     closed = deps.registry.close_generation(job_id, generation, deps.iso_now())
@@ -516,18 +591,38 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
 
 
 def restore_target(record: JobRecord) -> str:
-    """The instance the restore is ordered to: the backup; for a job over several VMs node 0's, whose agent
-    restores every node's part (the backup, when node 0 is the node recovered)."""
-    if record.node_count and record.interrupted_node != 0:
-        return record.instance_id
+    """The instance the restore is ordered to: the backup; for a job over several VMs the one that holds node 0 by
+    then (its backup, when node 0 is one of the nodes recovered), whose agent restores every node's part."""
+    if record.node_count:
+        return record.node_0_instance()
     return str(record.backup_instance_id)
 
 
-def _take_over_address(deps: Deps, record: JobRecord, backup_instance_id: str, held: Instance | None) -> JobRecord:
-    """Rule 8 holds for the interrupted node: its address moves to the backup (within the job's subnet), and the
-    record names the backup as the node's before the restore is ordered. `held`: the interrupted instance as
-    _retire_primary last described it. Repeated for a second attempt, it changes nothing."""
-    index = int(record.interrupted_node or 0)
+def _take_over_lost_nodes(deps: Deps, record: JobRecord) -> JobRecord:
+    """The nodes lost during this recovery, each as the recovered node: once every one has a backup that reported
+    ready (NodeWithoutBackup, NodeBackupNotReady: the workflow launches, then retries), each lost instance is
+    retired (rule 8) and its address moves to its backup. A backup whose boot failed fails the recovery."""
+    for index, lost in record.lost_nodes.items():
+        if not lost.backup:
+            raise NodeWithoutBackup(f"job {record.job_id}: node {index}, lost during the recovery, has no backup yet")
+        report = record.arrival(early_ready_key(lost.backup))  # by instance: kept whenever it came (note_ready)
+        if report is None:
+            raise NodeBackupNotReady(f"job {record.job_id}: node {index}'s backup {lost.backup} is not ready yet")
+        if report.get("error"):
+            raise LaunchFailed(f"node {index}'s backup {lost.backup} failed to boot: {report.get('cause')}"[:1000])
+    for index, lost in record.lost_nodes.items():
+        if record.node(index).instance_id != lost.backup:
+            held = _retire(deps, record, lost.instance_id)
+            record = _take_over_address(deps, record, index, lost.backup, held)
+    return record
+
+
+def _take_over_address(
+    deps: Deps, record: JobRecord, index: int, backup_instance_id: str, held: Instance | None
+) -> JobRecord:
+    """Rule 8 holds for the node's interrupted instance: its address moves to the backup (within the job's subnet),
+    and the record names the backup as the node's before the restore is ordered. `held`: the interrupted instance
+    as _retire last described it. Repeated for a second attempt, it changes nothing."""
     address = record.node(index).address
     if held is not None and held.state != "terminated" and held.private_ips[:1] == (address,):
         # A primary address never moves: it is free once its instance is terminated (the workflow retries).
@@ -541,7 +636,8 @@ def _take_over_address(deps: Deps, record: JobRecord, backup_instance_id: str, h
     if address not in backup.private_ips:
         deps.cloud.move_private_address(backup.interface_id, address)
         logger.info("node address moved", job_id=record.job_id, node=index, address=address, to=backup_instance_id)
-    moved = deps.registry.move_node(record.job_id, record.generation, index, backup_instance_id, deps.iso_now())
+    move = deps.registry.move_lost_node if index in record.lost_nodes else deps.registry.move_node
+    moved = move(record.job_id, record.generation, index, backup_instance_id, deps.iso_now())
     if moved is None:
         raise StaleGeneration(f"job {record.job_id} moved on before node {index}'s address moved")
     return moved
@@ -709,6 +805,11 @@ def _retire_primary(deps: Deps, record: JobRecord) -> Instance | None:
     instance_id = record.recovering_from
     if not instance_id or instance_id == record.backup_instance_id:
         return None
+    return _retire(deps, record, instance_id)
+
+
+def _retire(deps: Deps, record: JobRecord, instance_id: str) -> Instance | None:
+    """_retire_primary for one instance the job recovers from (a lost node's too)."""
     instance = deps.cloud.describe_instance(instance_id)
     if instance is None or instance.state == "terminated":
         return instance
@@ -745,7 +846,7 @@ def finish(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
         values |= {"subnet_id": backup.subnet_id, "instance_type": backup.instance_type, "image_id": backup.image_id}
     if record.handover_volume_id:
         values["volume_id"] = record.handover_volume_id
-    updated = deps.registry.finish_recovery(job_id, generation, values, backup=record.backup_instance_id)
+    updated = deps.registry.finish_recovery(job_id, generation, values, backup=record.backup_instance_id, seen=record)
     if updated is None:
         raise StaleGeneration(f"job {job_id} moved on before its recovery finished")
     if record.handover_volume_id and record.volume_id and record.handover_volume_id != record.volume_id:
@@ -790,10 +891,10 @@ def fail(deps: Deps, job_id: str, generation: int, error: str, cause: str) -> di
     efs_access.close_for(deps, updated)
     if record:
         _tidy_failed(deps, record)
-    if record and record.backup_instance_id:
-        deps.cloud.terminate_instance(record.backup_instance_id)
+    for backup in record.backups() if record else ():
+        deps.cloud.terminate_instance(backup)
     if record and record.node_count:  # the other nodes wait locked for a restore that never comes
-        gone = (record.recovering_from, record.backup_instance_id)
+        gone = (record.recovering_from, *record.backups())
         jobs.retire(deps, [n.instance_id for n in record.nodes if n.instance_id not in gone], reason)
     deps.metric(Metric.RECOVERIES_FAILED, "Count", 1)
     logger.error("job failed", job_id=job_id, generation=generation, reason=reason)
@@ -874,7 +975,7 @@ def on_backup_down(deps: Deps, instance_id: str, at: str, *, reason: str, final_
     are released, and a warning orders the backup's own final dump: its agent takes it as soon as it runs the job.
     """
     record = jobs.record_tagged_on(deps, instance_id)
-    if record is not None and record.node_count and record.node_of(instance_id) is not None:
+    if record is not None and record.node_count and (record.node_of(instance_id) or instance_id in record.backups()):
         return _node_interrupted(deps, record, instance_id, at, reason=reason, final_dump=final_dump)
     if record is None or instance_id not in (record.backup_instance_id, record.recovering_from):
         logger.info("instance event for an instance that runs no job", instance_id=instance_id, reason=reason)

@@ -15,7 +15,15 @@ from spotcr_contracts.nodes import NodeRecord
 
 from spotcr_functions import registry_schema
 from spotcr_functions.cloud import CLIENT_CONFIG
-from spotcr_functions.models import ACTIVE, ENDED, JobRecord, Status, event_attribute, token_attribute
+from spotcr_functions.models import (
+    ACTIVE,
+    ENDED,
+    JobRecord,
+    Status,
+    event_attribute,
+    lost_node_attribute,
+    token_attribute,
+)
 
 
 def restore_key(attempt: str) -> str:
@@ -339,7 +347,9 @@ class Registry:
                 "interrupted_node": node.index,
                 **_final_dump_intent(record.instance_id, record.generation + 1, final_dump),
             }
-            bumped = self._write(job_id, values, FENCE_CLEARS, condition, add=(DUMP_SEQUENCE,))
+            bumped = self._write(
+                job_id, values, (*FENCE_CLEARS, *lost_attributes(record)), condition, add=(DUMP_SEQUENCE,)
+            )
             if bumped is not None:
                 return bumped
         return None
@@ -370,7 +380,7 @@ class Registry:
         return self._write(
             seen.job_id,
             {**_fenced(seen.generation, seen.instance_id, at), "status": Status.RECOVERING.value, **chosen},
-            (*FENCE_CLEARS, *(() if previous_checkpoint_id else ("previous_checkpoint_id",))),
+            (*FENCE_CLEARS, *lost_attributes(seen), *(() if previous_checkpoint_id else ("previous_checkpoint_id",))),
             _at(seen.generation, seen.status),
         )
 
@@ -437,6 +447,40 @@ class Registry:
         condition &= Attr("interrupted_node").eq(index)
         return self._write(job_id, {f"nodes.{index}.instance_id": instance_id, "updated_at": at}, condition=condition)
 
+    def add_lost_node(self, seen: JobRecord, index: int, instance_id: str, at: str) -> JobRecord | None:
+        """Another node of a job over several VMs went while this recovery runs, before its restore was ordered: the
+        same restore brings it back, on a backup of its own (no new generation: the checkpoint is the job's, and
+        every node is restored from it). Once per node, only while `instance_id` still holds it. None otherwise."""
+        attribute = lost_node_attribute(index)
+        condition = _at(seen.generation, Status.RECOVERING) & Attr("restore_ordered_at").not_exists()
+        condition &= Attr(f"nodes.{index}.instance_id").eq(instance_id) & Attr("interrupted_node").ne(index)
+        condition &= Attr(attribute).not_exists()
+        return self._write(
+            seen.job_id, {attribute: {"instance_id": instance_id}, "updated_at": at}, condition=condition
+        )
+
+    def record_lost_backup(self, job_id: str, generation: int, index: int, backup: str, at: str) -> JobRecord | None:
+        """The backup launched for a lost node (None: the job moved on or another backup is recorded: terminate it)."""
+        attribute = lost_node_attribute(index)
+        condition = _at(generation, Status.RECOVERING) & Attr(attribute).exists()
+        condition &= Attr(f"{attribute}.backup").not_exists() | Attr(f"{attribute}.backup").eq(backup)
+        return self._write(job_id, {f"{attribute}.backup": backup, "updated_at": at}, condition=condition)
+
+    def note_ready(
+        self, job_id: str, generation: int, instance_id: str, at: str, *, error: str = "", cause: str = ""
+    ) -> JobRecord | None:
+        """A backup's readiness report (ready, or `error` BootstrapFailed with its `cause`) kept by instance while
+        this generation recovers: the restore step reads a lost node's backup's from here (None: moved on)."""
+        output = {} if error else {"instance_id": instance_id}
+        report = {"output": output, "error": error, "cause": cause, "at": at, "generation": generation}
+        values = {event_attribute(early_ready_key(instance_id)): report}
+        return self._write(job_id, values, condition=_at(generation, Status.RECOVERING))
+
+    def move_lost_node(self, job_id: str, generation: int, index: int, backup: str, at: str) -> JobRecord | None:
+        """As move_node, for a lost node: its address now belongs to its recorded backup."""
+        condition = _at(generation, Status.RECOVERING) & Attr(f"{lost_node_attribute(index)}.backup").eq(backup)
+        return self._write(job_id, {f"nodes.{index}.instance_id": backup, "updated_at": at}, condition=condition)
+
     def close_generation(self, job_id: str, generation: int, at: str) -> JobRecord | None:
         """The recovery orders a restore: from now on the interrupted instance's checkpoints of this generation are
         late and never recorded (rule 6), so the checkpoint chosen from the returned record is the newest the job
@@ -452,15 +496,21 @@ class Registry:
         return self._write(job_id, {attribute: ordered}, condition=_at(generation, Status.RECOVERING))
 
     def finish_recovery(
-        self, job_id: str, generation: int, values: Mapping[str, Any], *, backup: str | None = None
+        self,
+        job_id: str,
+        generation: int,
+        values: Mapping[str, Any],
+        *,
+        backup: str | None = None,
+        seen: JobRecord | None = None,
     ) -> JobRecord | None:
         """The job runs again on values' instance_id (the backup; node 0's for a job over several VMs): RUNNING again
         at this generation (None: the job moved on). The backup's ready report kept before it was recorded, if any,
-        is done with."""
+        is done with, and so are the lost nodes `seen` names, with their backups' reports."""
         handed_over = ("backup_instance_id", "backup_az", "handover_snapshot_id", "handover_volume_id")
         early_ready = event_attribute(early_ready_key(str(backup or values["instance_id"])))
         running = {"status": Status.RUNNING.value, **values}
-        remove = (*handed_over, "restore_ordered_at", "interrupted_node", early_ready)
+        remove = (*handed_over, "restore_ordered_at", "interrupted_node", early_ready, *lost_attributes(seen))
         return self._write(job_id, running, remove, _at(generation, Status.RECOVERING))
 
     def fail_recovery(self, job_id: str, generation: int, reason: str, at: str) -> JobRecord | None:
@@ -525,6 +575,16 @@ def _condition_arguments(condition: ConditionBase) -> dict[str, Any]:
     if built.attribute_value_placeholders:
         arguments["ExpressionAttributeValues"] = built.attribute_value_placeholders
     return arguments
+
+
+def lost_attributes(record: JobRecord | None) -> tuple[str, ...]:
+    """The lost nodes this record names and their backups' ready reports: cleared when its recovery ends and by
+    the next fencing write, so that no later recovery takes them for its own."""
+    if record is None:
+        return ()
+    lost = record.lost_nodes
+    reports = (event_attribute(early_ready_key(node.backup)) for node in lost.values() if node.backup)
+    return (*(lost_node_attribute(index) for index in lost), *reports)
 
 
 def _at(generation: int, status: Status | None = None) -> ConditionBase:

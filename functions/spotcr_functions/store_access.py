@@ -118,7 +118,7 @@ def check_job_name(job_id: str | None) -> str:
 
 def instances_of(record: JobRecord) -> tuple[str, ...]:
     """The instances that may hold the job: current, backup, and the one a recovery is moving it from."""
-    candidates = [record.instance_id, record.backup_instance_id, *(node.instance_id for node in record.nodes)]
+    candidates: list[str | None] = [record.instance_id, *record.backups(), *(n.instance_id for n in record.nodes)]
     if record.status == Status.RECOVERING:
         candidates.append(record.recovering_from)
     return tuple(instance for instance in candidates if instance)
@@ -264,6 +264,9 @@ def node_answer(record: JobRecord, instance_id: str) -> dict[str, Any]:
     node = record.node_of(instance_id)
     if node is None and instance_id == record.backup_instance_id and record.interrupted_node is not None:
         node = record.node(record.interrupted_node)
+    lost = next((index for index, lost in record.lost_nodes.items() if lost.backup == instance_id), None)
+    if node is None and lost is not None:
+        node = record.node(lost)
     if node is None:
         raise Refused(403, f"instance {instance_id} holds no node of job {record.job_id}")
     listed = nodes.addresses(record.nodes, record.node_count)

@@ -126,24 +126,71 @@ def test_a_node_warned_or_lost_moves_to_a_backup_with_its_address_and_node_0_res
 
 
 @pytest.mark.parametrize(("second", "event"), [(2, "spot-interruption-warning"), (0, "state-change-terminated")])
-def test_a_second_node_lost_while_one_recovers_fails_the_job_and_retires_every_node(
-    plane: ControlPlane, second: int, event: str
+def test_nodes_lost_together_each_move_to_a_backup_of_its_own_and_one_restore_brings_the_job_back(
+    plane: ControlPlane, vending: list[dict[str, Any]], second: int, event: str
 ) -> None:
-    # Given a job over three VMs recovering node 1
+    # Given a job over three VMs recovering node 1, its backup launched
+    instances, periodic = running_job(plane)
+    addresses = [node.address for node in plane.job(JOB).nodes]
+    route(ec2_event("state-change-terminated", instances[1]))
+    record = plane.wait_until(lambda: (r := plane.job(JOB)).backup_instance_id and r, "the backup launch")
+    backup_1 = str(record.backup_instance_id)
+
+    # When another node goes too before the restore is ordered (a wave; node 0, the job's instance, included)
+    route(ec2_event(event, instances[second]))
+
+    # Then it joins the recovery: no new generation, no failure
+    record = plane.job(JOB)
+    assert (record.status, record.generation, list(record.lost_nodes)) == (Status.RECOVERING, 1, [second])
+
+    # When the first backup is ready, the workflow launches the lost node's own backup, tagged as that node
+    route(agent_event(events.AgentReady(JOB, backup_1, 1, now_iso(), mode="restore")))
+    record = plane.wait_until(lambda: (r := plane.job(JOB)).lost_nodes[second].backup and r, "the second backup")
+    backup_2 = record.lost_nodes[second].backup
+    assert plane.instance_tags(backup_2)[tag_names.NODE] == str(second)
+    status, body = credentials(backup_2)
+    assert (status, body.get("Node")) == (200, second), body
+    assert plane.sent_commands("restore") == []  # not before that backup is ready
+
+    # When it is ready too
+    route(agent_event(events.AgentReady(JOB, backup_2, 1, now_iso(), mode="restore")))
+
+    # Then both lost instances are terminated, each address moved to its backup, and one restore goes to node 0
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    node_0 = backup_2 if second == 0 else instances[0]
+    assert restore["instances"] == [node_0]
+    assert restore["parameters"]["CheckpointId"] == periodic
+    for index, backup in ((1, backup_1), (second, backup_2)):
+        assert state(plane, instances[index]) in ("shutting-down", "terminated")
+        assert addresses[index] in addresses_of(plane, backup)
+
+    # When node 0's agent answers that every node restored, the job runs on its nodes at generation 1
+    finish_restore(events.RestoreCompleted(JOB, node_0, 1, now_iso(), checkpoint_id=periodic, seconds=2.0, pid=7))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    record = plane.job(JOB)
+    expected = {1: backup_1, second: backup_2}
+    assert [node.instance_id for node in record.nodes] == [
+        expected.get(i, instance) for i, instance in enumerate(instances)
+    ]
+    assert (record.status, record.generation, record.instance_id, record.lost_nodes) == (Status.RUNNING, 1, node_0, {})
+
+
+def test_a_node_lost_after_the_restore_was_ordered_fails_the_job_and_retires_every_node(plane: ControlPlane) -> None:
+    # Given a job over three VMs whose node 1 went, its restore ordered to node 0
     instances, periodic = running_job(plane)
     route(ec2_event("state-change-terminated", instances[1]))
     record = plane.wait_until(lambda: (r := plane.job(JOB)).backup_instance_id and r, "the backup launch")
+    route(agent_event(events.AgentReady(JOB, str(record.backup_instance_id), 1, now_iso(), mode="restore")))
+    plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
 
-    # When another node goes too (node 0, the job's instance, included)
-    route(ec2_event(event, instances[second]))
+    # When node 2 goes too: the restore in flight would miss it
+    route(ec2_event("spot-interruption-warning", instances[2]))
 
-    # Then the job fails naming both nodes and its newest checkpoint; nothing is restored; every VM is retired
+    # Then the job fails naming the node and its newest checkpoint, and every VM is retired
     record = plane.job(JOB)
     assert record.status == Status.FAILED
-    assert f"node {second} ({instances[second]}" in str(record.reason) and "while node 1 recovers" in str(record.reason)
+    assert f"node 2 ({instances[2]}" in str(record.reason) and "after the restore was ordered" in str(record.reason)
     assert f"newest checkpoint is {periodic}" in str(record.reason)
-    assert plane.sent_commands("restore") == []
-    assert any("recovering two nodes at once is not built yet" in m for m in plane.notifications())
     for instance_id in [*instances, plane.backups()[0]["InstanceId"]]:
         assert state(plane, instance_id) in ("shutting-down", "terminated")
 

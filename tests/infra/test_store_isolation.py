@@ -277,7 +277,7 @@ def test_only_registering_and_ending_functions_manage_access_points(custom_synth
     deleters = {name for name, actions in holders if "elasticfilesystem:DeleteAccessPoint" in actions}
     assert creators == {"statechange", "tagchange", "agentevents"}
     # The scheduler closes the access point of a job it fails for never starting (jobs.time_out_pending), and the
-    # interruption function that of a job over several VMs it fails for a second node warned
-    # (recovery._second_node_lost)
+    # interruption function that of a job over several VMs it fails for a node warned after its restore was ordered
+    # (recovery._nodes_lost)
     ended = {"failrecovery", "recoveryended", "commandresult", "scheduler", "interruption"}
     assert deleters == {"statechange", "tagchange", "agentevents", *ended}

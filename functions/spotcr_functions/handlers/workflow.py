@@ -26,6 +26,8 @@ def plan(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
 @tracer.capture_lambda_handler
 @_edge.throttles_named
 def launch_backup(event: dict[str, Any], context: LambdaContext) -> dict[str, Any]:
+    if event.get("lost_nodes"):  # LaunchLostNodes: a backup for each node lost during the recovery
+        return recovery.launch_lost_backups(_edge.deps(), *_job(event), list(event["candidates"]))
     return recovery.launch_backup(_edge.deps(), *_job(event), int(event["index"]), dict(event["candidate"]))
 
 
