@@ -342,6 +342,7 @@ def _unguard(host_end: str) -> None:
     chain = _guard_chain(host_end)
     for hook in ("FORWARD", "INPUT"):
         _ebtables("-D", hook, "-i", host_end, "-j", chain, check=False)
+    _ebtables("-F", chain, check=False)  # ebtables-nft deletes only an empty chain
     _ebtables("-X", chain, check=False)
 
 

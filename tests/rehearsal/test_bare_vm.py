@@ -131,8 +131,15 @@ def test_the_imds_answers_at_its_ec2_address_inside_the_vm_also_after_its_primar
     assert after.stdout == before.stdout
 
 
+def guard_chains():
+    """The source checks of VM links on this machine (rehearsal.vm's ebtables chains)."""
+    listed = subprocess.run(["ebtables", "-L"], capture_output=True, text=True, check=True).stdout
+    return {line.split(",")[0] for line in listed.split("Bridge chain: ")[1:] if line.startswith("SCRGUARD-")}
+
+
 def test_the_network_and_its_links_are_removed(tmp_path):
     # Given a network with a VM on it
+    chains = guard_chains()
     with VmNetwork.create() as network:
         with bare_vm(tmp_path, network) as vm:
             assert bridge_ports(network).count("\n") == 1
@@ -140,8 +147,9 @@ def test_the_network_and_its_links_are_removed(tmp_path):
         # When the VM ends, its end of the link goes with its namespace
         assert not Path(f"/proc/{init_pid}").exists()
         assert bridge_ports(network) == ""
-    # Then closing the network leaves nothing on the host
+    # Then closing the network leaves nothing on the host: no bridge, no source check of the VM's link
     assert network.bridge not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert guard_chains() <= chains
     assert not list((tmp_path).glob("i-*"))
 
 
