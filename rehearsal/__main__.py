@@ -68,6 +68,12 @@ def parse(argv: list[str]) -> Options:
         help="a job over N VMs (an MPI command: mpiexec -n ... just works; --storage efs or fsx); interruption i hits "
         "node i mod N, node 1 first; its result is compared with the same command run on one VM",
     )
+    parser.add_argument(
+        "--wave",
+        type=int,
+        default=1,
+        help="with --nodes: each interruption hits this many nodes at once (a capacity wave), from node i mod N on",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each phase may take (default 300)")
     parser.add_argument("--keep-vms", action="store_true", help="keep each VM's files under the run directory")
     parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where each run's files go (rehearsal-runs/)")
@@ -81,6 +87,8 @@ def parse(argv: list[str]) -> Options:
             parser.error(f"{', '.join(given)}: only for the sample job, not with --command")
     elif args.result is not None:
         parser.error("--result goes with --command (the sample job's result is result.txt)")
+    if not 1 <= args.wave <= args.nodes:
+        parser.error(f"--wave {args.wave}: from 1 to --nodes ({args.nodes})")
     if args.upgrade_at is not None and args.upgrade_at < 0:
         parser.error(f"--upgrade-at {args.upgrade_at:g}: seconds after the submission, 0 or more")
     return Options(
@@ -101,6 +109,7 @@ def parse(argv: list[str]) -> Options:
         missed_warning=args.missed_warning,
         upgrade_at_s=args.upgrade_at,
         nodes=args.nodes,
+        wave=args.wave,
     )
 
 

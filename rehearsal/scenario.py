@@ -74,6 +74,7 @@ class Options:
     missed_warning: bool = False  # the notice is lost: no final dump, the backup restores the newest periodic one
     upgrade_at_s: float | None = None  # the stack upgraded (new agent asset and launch template version) at this second
     nodes: int = 1  # > 1: a job over this many VMs (MPI); interruption i hits node i % nodes, node 1 first
+    wave: int = 1  # a job over several VMs: each interruption hits this many nodes at once, from node i % nodes on
     during_periodic: bool = False  # the warning comes while the next periodic dump runs (ordered, not committed)
 
 
@@ -545,12 +546,13 @@ class Rehearsal:
             self._await_periodic_ordered(number)
         record = self.job_record()
         newest = str(record.get("checkpoint_id", ""))
-        target = current
+        targets = [current]
         if self.options.nodes > 1:
-            node = number % self.options.nodes
-            target = str(record["nodes"][str(node)]["M"]["instance_id"]["S"])
-            self.timeline.say(f"interruption {number} hits node {node} of {self.options.nodes}: {target}")
-        warned = self._interrupt(target, number)
+            hit = [(number + k) % self.options.nodes for k in range(self.options.wave)]
+            targets = [str(record["nodes"][str(node)]["M"]["instance_id"]["S"]) for node in hit]
+            which = " and ".join(f"node {node} ({target})" for node, target in zip(hit, targets, strict=True))
+            self.timeline.say(f"interruption {number} hits {which} of {self.options.nodes} at once")
+        warned = min(self._interrupt(target, number) for target in targets)
         restored = self.watcher.wait(
             restored_after(generation),
             self.options.timeout_s,

@@ -135,7 +135,7 @@ def _node_interrupted(
         return _another_node_lost(deps, record, node.index, instance_id, at=at, reason=reason)
     bumped = deps.registry.bump_node(record.job_id, instance_id, at, final_dump=final_dump)
     if bumped is None:
-        return _already_recovering(deps, record.job_id, instance_id)
+        return _not_bumped(deps, record.job_id, instance_id, at=at, reason=reason)
     logger.warning(
         "a node of a job over several VMs was interrupted", job_id=record.job_id, node=bumped.interrupted_node
     )
@@ -150,6 +150,16 @@ def _node_interrupted(
         "final_dump": final_dump,
         "node": bumped.interrupted_node,
     }
+
+
+def _not_bumped(deps: Deps, job_id: str, instance_id: str, *, at: str, reason: str) -> dict[str, Any]:
+    """The fencing write found the job no longer active: another node's warning of the same wave fenced it first
+    (this node then joins that recovery), or this event is a duplicate."""
+    fresh = deps.registry.get(job_id)
+    node = fresh.node_of(instance_id) if fresh else None
+    if fresh and node and fresh.status == Status.RECOVERING and fresh.recovering_from != instance_id:
+        return _another_node_lost(deps, fresh, node.index, instance_id, at=at, reason=reason)
+    return _already_recovering(deps, job_id, instance_id)
 
 
 def _another_node_lost(
@@ -345,7 +355,13 @@ def plan(deps: Deps, job_id: str, generation: int) -> dict[str, Any]:
     candidates.append({"instance_type": record.instance_type, "subnet_id": home[0], "az": home[1], "spot": False})
     image = _backup_image(deps, record)  # once per recovery (one DescribeImages): every candidate launches from it
     candidates = [{**candidate, **image} for candidate in candidates]
-    return {"storage": record.storage, "candidates": candidates, "candidate_count": len(candidates)}
+    # `nodes`: a job over several VMs (LaunchLostNodesEarly launches the backups of nodes lost with the first).
+    return {
+        "storage": record.storage,
+        "candidates": candidates,
+        "candidate_count": len(candidates),
+        "nodes": record.node_count,
+    }
 
 
 def _restorable_fallbacks(deps: Deps, record: JobRecord) -> list[str]:
@@ -556,11 +572,10 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
         raise ValueError(f"job {job_id} has no backup instance to restore on")
     # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed.
     record = checkpoints.settle_final_dump(deps, record)
-    if record.lost_nodes:
-        record = _take_over_lost_nodes(deps, record)
-    interrupted = _retire_primary(deps, record)
-    if record.interrupted_node is not None:
-        record = _take_over_address(deps, record, record.interrupted_node, backup_instance_id, interrupted)
+    if record.node_count:
+        record = _take_over_nodes(deps, record)
+    else:
+        _retire_primary(deps, record)
     # Then close the generation to the interrupted instance: a final dump that outlived its wait is never recorded
     # after this, so the checkpoint chosen below stays the job's newest until the backup commits its own.
     closed = deps.registry.close_generation(job_id, generation, deps.iso_now())
@@ -598,10 +613,31 @@ def restore_target(record: JobRecord) -> str:
     return str(record.backup_instance_id)
 
 
-def _take_over_lost_nodes(deps: Deps, record: JobRecord) -> JobRecord:
-    """The nodes lost during this recovery, each as the recovered node: once every one has a backup that reported
-    ready (NodeWithoutBackup, NodeBackupNotReady: the workflow launches, then retries), each lost instance is
-    retired (rule 8) and its address moves to its backup. A backup whose boot failed fails the recovery."""
+def _take_over_nodes(deps: Deps, record: JobRecord) -> JobRecord:
+    """A job over several VMs: the recovered node and each node lost during this recovery, once every lost node has
+    a backup that reported ready (NodeWithoutBackup, NodeBackupNotReady: the workflow launches, then retries; a
+    backup whose boot failed fails the recovery). Each node's interrupted instance is retired (rule 8) and its
+    address moves to its backup; every node is tried before a primary address that must wait for its instance's
+    termination is retried (PrimaryStillRunning), so that the instances terminate together."""
+    _check_lost_backups(record)
+    moves = {index: (lost.instance_id, lost.backup) for index, lost in record.lost_nodes.items()}
+    if record.interrupted_node is not None and record.recovering_from and record.backup_instance_id:
+        moves[record.interrupted_node] = (record.recovering_from, record.backup_instance_id)
+    waiting = []
+    for index, (interrupted, backup) in sorted(moves.items()):
+        if record.node(index).instance_id == backup:
+            continue  # moved by an earlier try of this step
+        try:
+            held = _retire(deps, record, interrupted) if interrupted != backup else None
+            record = _take_over_address(deps, record, index, backup, held)
+        except PrimaryStillRunning as error:
+            waiting.append(str(error))
+    if waiting:
+        raise PrimaryStillRunning("; ".join(waiting)[:1000])
+    return record
+
+
+def _check_lost_backups(record: JobRecord) -> None:
     for index, lost in record.lost_nodes.items():
         if not lost.backup:
             raise NodeWithoutBackup(f"job {record.job_id}: node {index}, lost during the recovery, has no backup yet")
@@ -610,11 +646,6 @@ def _take_over_lost_nodes(deps: Deps, record: JobRecord) -> JobRecord:
             raise NodeBackupNotReady(f"job {record.job_id}: node {index}'s backup {lost.backup} is not ready yet")
         if report.get("error"):
             raise LaunchFailed(f"node {index}'s backup {lost.backup} failed to boot: {report.get('cause')}"[:1000])
-    for index, lost in record.lost_nodes.items():
-        if record.node(index).instance_id != lost.backup:
-            held = _retire(deps, record, lost.instance_id)
-            record = _take_over_address(deps, record, index, lost.backup, held)
-    return record
 
 
 def _take_over_address(

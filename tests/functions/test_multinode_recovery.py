@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
+from spotcr_functions import recovery
+from spotcr_functions.handlers import _edge
 from spotcr_functions.models import Status
 
 from rehearsal.controlplane import (
@@ -216,3 +218,19 @@ def test_node_0s_failure_after_a_node_is_lost_is_undone_by_the_recovery_its_succ
     finish_exit(events.JobExited(JOB, instances[0], 0, now_iso(), run_id=run_id, exit_code=0, result="s3://b/r"))
     record = plane.job(JOB)
     assert (record.status, record.exit_code) == (Status.COMPLETED, 0)
+
+
+def test_a_node_whose_warning_lost_the_race_to_fence_the_job_joins_the_recovery(plane: ControlPlane) -> None:
+    # Given a job over three VMs, read as running by node 2's warning handler
+    instances, _ = running_job(plane)
+    seen = plane.job(JOB)
+
+    # When node 1's warning fences the job first, then node 2's handler goes on from what it read
+    route(ec2_event("spot-interruption-warning", instances[1]))
+    deps = _edge.deps()
+    answer = recovery._node_interrupted(deps, seen, instances[2], now_iso(), reason="wave", final_dump=True)
+
+    # Then node 2 joins node 1's recovery instead of being dropped as a duplicate
+    record = plane.job(JOB)
+    assert answer["action"] == "joined", answer
+    assert (record.generation, record.interrupted_node, list(record.lost_nodes)) == (1, 1, [2])

@@ -47,11 +47,13 @@ def run_it(run):
     return outcome
 
 
-def test_a_warned_node_and_then_another_move_to_backups_and_the_job_ends_as_uninterrupted(tmp_path):
-    # Given an MPI job over three VMs, when node 1 is warned, and after its recovery node 2
-    run, lines = rehearsal(tmp_path, interruptions=2)
+def test_two_nodes_warned_at_once_and_then_two_more_move_to_backups_and_the_job_ends_as_uninterrupted(tmp_path):
+    # Given an MPI job over three VMs, when a wave warns nodes 1 and 2 at once, and after their recovery nodes 2
+    # and 0 (the coordinator) at once
+    run, lines = rehearsal(tmp_path, interruptions=2, wave=2)
     outcome = run_it(run)
-    # Then each node's share moved to a backup with its address, every node restored from the final dump
+    # Then each recovery moved both nodes' shares to backups with their addresses, every node restored from the
+    # final dump
     assert len(outcome.recoveries_s) == 2, "\n".join(lines)
     assert all(restored.endswith("-final") for restored in outcome.restored_from), outcome.restored_from
     # And the job ended with the uninterrupted run's result
