@@ -404,9 +404,10 @@ def launch_backup(deps: Deps, job_id: str, generation: int, index: int, candidat
 
 
 def launch_lost_backups(deps: Deps, job_id: str, generation: int, candidates: list[dict[str, Any]]) -> dict[str, Any]:
-    """A backup for each node lost during this recovery that has none (NodeWithoutBackup sent the workflow here):
-    the plan's candidates in order, as for the recovered node's backup, each tagged with its node. No capacity for
-    one fails the recovery (NoCapacity), as it does for the first."""
+    """A backup for each node lost during this recovery that has none, right after the recovered node's backup
+    launched (LaunchLostNodesEarly) and again when the restore step found one without (NodeWithoutBackup): the
+    plan's candidates in order, each backup tagged with its node. No capacity for one fails the recovery
+    (NoCapacity), as it does for the first."""
     record = _current(deps, job_id, generation)
     launched = {}
     for index, lost in record.lost_nodes.items():
