@@ -283,7 +283,7 @@ def test_submit_nodes_launches_every_node_of_a_job_over_several_vms_in_one_subne
         assert (tags["spotcr:job"], tags["spotcr:nodes"], tags["spotcr:node"]) == ("mpi-7", "3", str(index))
         assert tags["spotcr:command"] == "mpiexec -n 6 ./solver" and tags["spotcr:storage"] == "efs"
     assert len({subnet for _, subnet in found.values()}) == 1
-    assert "a warned or lost node moves to a backup there with its address" in capsys.readouterr().err
+    assert "each warned or lost node moves to a backup there with its address" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
