@@ -2,6 +2,7 @@
 
 import os
 import socket
+import stat
 
 import pytest
 from spotcr_agent.carry import (
@@ -56,7 +57,7 @@ def test_only_addresses_this_machine_has_count_as_here():
 
 
 def test_a_restore_never_replaces_or_removes_what_was_there_before(tmp_path):
-    # Given a carried dir with a file and a symlink, where one carried file already exists on this machine
+    # Given a carried dir with a file, a symlink and a FIFO, where one carried file already exists on this machine
     fetched = tmp_path / "fetched"
     place = tmp_path / "vm"
     place.mkdir()
@@ -70,6 +71,7 @@ def test_a_restore_never_replaces_or_removes_what_was_there_before(tmp_path):
         entries.append(Entry(str(path), "file", 0o640, os.getuid(), os.getgid(), 1_000_000_000_000, len(data)))
     entries.append(Entry(str(place / "d"), "dir", 0o750, os.getuid(), os.getgid(), 2_000_000_000_000))
     entries.append(Entry(str(place / "d" / "link"), "symlink", 0o777, 0, 0, 0, target="new.log"))
+    entries.append(Entry(str(place / "d" / "fifo"), "fifo", 0o600, os.getuid(), os.getgid(), 1_000_000_000_000))
 
     # When they are put back
     created = put_back(entries, fetched)
@@ -79,6 +81,8 @@ def test_a_restore_never_replaces_or_removes_what_was_there_before(tmp_path):
     assert (place / "d" / "new.log").stat().st_mode & 0o777 == 0o640
     assert (place / "d").stat().st_mtime_ns == 2_000_000_000_000
     assert os.readlink(place / "d" / "link") == "new.log"
+    assert stat.S_ISFIFO((place / "d" / "fifo").stat().st_mode)
+    assert (place / "d" / "fifo").stat().st_mode & 0o777 == 0o600
     assert existing.read_bytes() == b"this machine's own"
     assert str(existing) not in created
 

@@ -477,10 +477,11 @@ def image_differences(records: Iterable[Mapping[str, Any]]) -> list[str]:
 
 @dataclass(frozen=True)
 class Entry:
-    """One thing carried from a VM-local place: a file (its bytes travel in the checkpoint), a dir or a symlink."""
+    """One thing carried from a VM-local place: a file (its bytes travel in the checkpoint), a dir, a symlink or a
+    FIFO (its name and mode: the bytes in the pipe travel in CRIU's images)."""
 
     path: str
-    kind: str  # file | dir | symlink
+    kind: str  # file | dir | symlink | fifo
     mode: int
     uid: int
     gid: int
@@ -512,8 +513,10 @@ def _entry(path: str, st: os.stat_result) -> Entry | None:
         kind, size, target = "dir", 0, ""
     elif stat.S_ISLNK(st.st_mode):
         kind, size, target = "symlink", 0, os.readlink(path)
+    elif stat.S_ISFIFO(st.st_mode):
+        kind, size, target = "fifo", 0, ""  # Open MPI's mpirun holds one in its session dir under /tmp
     else:
-        return None  # sockets, FIFOs and device nodes: nothing a restore could put back
+        return None  # sockets and device nodes: nothing a restore could put back
     mode = stat.S_IMODE(st.st_mode)
     return Entry(path, kind, mode, st.st_uid, st.st_gid, st.st_mtime_ns, size, target)
 
@@ -600,6 +603,8 @@ def put_back(entries: Iterable[Entry], fetched: Path) -> list[str]:
             path.mkdir()
         elif entry.kind == "symlink":
             path.symlink_to(entry.target)
+        elif entry.kind == "fifo":
+            os.mkfifo(path, entry.mode)
         else:
             source = fetched / stored_name(entry.path)
             with open(source, "rb") as data, open(path, "xb") as out:

@@ -4,7 +4,8 @@
 - /tmp/hsperf/<pid>: a file mapped shared with its descriptor closed, as a default JVM's hsperfdata;
 - /var/tmp/spill-<n>: closed files read back at the end, as GNU sort's spills;
 - an unlinked 3 MiB temp file (over CRIU's default 1 MiB ghost limit), as tempfile.TemporaryFile spilling;
-- a named POSIX semaphore in /dev/shm (glibc links it from an unlinked temp name: CRIU needs --link-remap).
+- a named POSIX semaphore in /dev/shm (glibc links it from an unlinked temp name: CRIU needs --link-remap);
+- a FIFO in /tmp held open both ways with bytes in it, as Open MPI's mpirun holds its debugger_attach_fifo.
 Writes progress.log each step and result.txt at the end; both the same for any run that ends.
 """
 
@@ -38,6 +39,8 @@ ghost.flush()
 semaphore = libc.sem_open(b"/spotcr-vmlocal", os.O_CREAT, 0o600, 0)
 if not semaphore or semaphore == ctypes.c_void_p(-1).value:
     sys.exit(f"sem_open failed: errno {ctypes.get_errno()}")
+os.mkfifo("/tmp/vmlocal/attach_fifo", 0o600)
+fifo = os.open("/tmp/vmlocal/attach_fifo", os.O_RDWR | os.O_NONBLOCK)  # held for the whole run
 
 with open("progress.log", "a") as progress:
     for step in range(steps):
@@ -48,6 +51,7 @@ with open("progress.log", "a") as progress:
             with open(f"/var/tmp/spill-{step}", "w") as spill:
                 spill.write(f"spilled at {step}\n" * 100)
         libc.sem_post(semaphore)
+        os.write(fifo, b"f")  # the pipe's buffered bytes travel in CRIU's images, the FIFO's name in the carry
         progress.write(f"step {step}\n")
         progress.flush()
         time.sleep(step_seconds)
@@ -63,3 +67,4 @@ with open("result.txt", "w") as result:
     result.write(f"spills {hashlib.sha256(spills.encode()).hexdigest()}\n")
     result.write(f"ghost {ghost.read() == ghost_bytes}\n")
     result.write(f"semaphore {value.value}\n")
+    result.write(f"fifo {len(os.read(fifo, 1 << 16))}\n")
