@@ -19,6 +19,7 @@ BUILDS = {
     "openmp": ("openmp.c", ["gcc", "-O2", "-fopenmp", "-o", "{out}", "{src}"], ["gcc", "--version"]),
     "io_uring": ("io_uring.c", ["gcc", "-O2", "-o", "{out}", "{src}"], ["gcc", "--version"]),
     "mpi": ("mpi.c", ["mpicc", "-O2", "-o", "{out}", "{src}"], ["mpicc", "--version"]),
+    "mpi-openmpi": ("mpi.c", ["mpicc.openmpi", "-O2", "-o", "{out}", "{src}"], ["mpicc.openmpi", "--version"]),
 }
 
 
@@ -30,7 +31,8 @@ def _tool_version(argv: list[str]) -> str:
 
 
 def build_all() -> Path:
-    """The directory holding every built program (java/, goroutines, openmp, mpi); builds what is missing."""
+    """The directory holding every built program (java/, goroutines, openmp, mpi, mpi-openmpi); builds what is
+    missing."""
     digest = hashlib.sha256()
     for name, (source, _, version) in sorted(BUILDS.items()):
         digest.update(name.encode() + (PROGRAMS / source).read_bytes() + _tool_version(version).encode())

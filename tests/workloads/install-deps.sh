@@ -7,6 +7,8 @@ declare -A package=(
   [redis-server]=redis-server
   [mpicc]=libmpich-dev
   [mpiexec]=mpich
+  [mpicc.openmpi]=libopenmpi-dev
+  [mpiexec.openmpi]=openmpi-bin
   [java]=default-jre-headless
   [javac]=default-jdk-headless
   [go]=golang-go
@@ -27,3 +29,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# Open MPI beside MPICH takes Debian's mpicc and mpiexec (a higher priority): they stay MPICH's, as a user of the
+# one has them; the suite calls Open MPI's by their own names (mpicc.openmpi, mpiexec.openmpi).
+multiarch=$(gcc -print-multiarch)
+update-alternatives --set mpi /usr/bin/mpicc.mpich >/dev/null
+update-alternatives --set mpirun /usr/bin/mpirun.mpich >/dev/null
+update-alternatives --set "mpi-$multiarch" "/usr/include/$multiarch/mpich" >/dev/null

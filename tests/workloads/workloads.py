@@ -87,6 +87,15 @@ WORKLOADS = (
         # no other VM has: the restore keeps that address on the backup's loopback.
         holds=("processes:mpi:2", "maps:/SYSV", "listen-vm:"),
     ),
+    Workload(
+        "openmpi-two-ranks",
+        lambda built: (
+            *("mpiexec.openmpi", "--allow-run-as-root", "--oversubscribe", "-n", "2"),
+            *(str(built / "mpi-openmpi"), *_args()),
+        ),
+        # Its shared memory between the ranks (vader), and mpirun's session dir in /tmp, which holds a FIFO
+        holds=("processes:mpi-openmpi:2", "maps:/dev/shm/vader_segment", "open:/tmp/ompi."),
+    ),
     # Jobs with mount namespaces of their own (MPI launchers, sandboxes, containers): every one of them must find
     # the restoring VM's files, so the result is compared on the backup, where every write must have landed.
     Workload(
