@@ -423,10 +423,7 @@ class Registry:
         the backup, kept while this generation recovers and has no backup recorded, or has recorded this one in
         between (None: another backup, or the job moved on)."""
         no_other_backup = Attr("backup_instance_id").not_exists() | Attr("backup_instance_id").eq(instance_id)
-        output = {} if error else {"instance_id": instance_id}
-        report = {"output": output, "error": error, "cause": cause, "at": at, "generation": generation}
-        values = {event_attribute(early_ready_key(instance_id)): report}
-        return self._write(job_id, values, condition=_at(generation, Status.RECOVERING) & no_other_backup)
+        return self.note_ready(job_id, generation, instance_id, at, error=error, cause=cause, only_if=no_other_backup)
 
     def record_image_warning(self, job_id: str, generation: int, warning: str) -> JobRecord | None:
         """Why this generation's backup launched from the template's image."""
@@ -467,14 +464,24 @@ class Registry:
         return self._write(job_id, {f"{attribute}.backup": backup, "updated_at": at}, condition=condition)
 
     def note_ready(
-        self, job_id: str, generation: int, instance_id: str, at: str, *, error: str = "", cause: str = ""
+        self,
+        job_id: str,
+        generation: int,
+        instance_id: str,
+        at: str,
+        *,
+        error: str = "",
+        cause: str = "",
+        only_if: ConditionBase | None = None,
     ) -> JobRecord | None:
         """A backup's readiness report (ready, or `error` BootstrapFailed with its `cause`) kept by instance while
-        this generation recovers: the restore step reads a lost node's backup's from here (None: moved on)."""
+        this generation recovers (and `only_if` holds): the restore step reads a lost node's backup's from here
+        (None: moved on)."""
         output = {} if error else {"instance_id": instance_id}
         report = {"output": output, "error": error, "cause": cause, "at": at, "generation": generation}
         values = {event_attribute(early_ready_key(instance_id)): report}
-        return self._write(job_id, values, condition=_at(generation, Status.RECOVERING))
+        condition = _at(generation, Status.RECOVERING)
+        return self._write(job_id, values, condition=condition if only_if is None else condition & only_if)
 
     def move_lost_node(self, job_id: str, generation: int, index: int, backup: str, at: str) -> JobRecord | None:
         """As move_node, for a lost node: its address now belongs to its recorded backup."""
