@@ -148,12 +148,11 @@ class LostNode:
     its address (docs/design/multinode.md). Kept in the record as lost_node_<index>."""
 
     instance_id: str  # the node's instance that was warned or lost
-    backup: str = ""  # its backup, once launched
-    ready: bool = False  # the backup's agent reported ready
+    backup: str = ""  # its backup, once launched (its ready report is kept by instance: Registry.note_ready)
 
     @classmethod
     def from_item(cls, item: Mapping[str, Any]) -> LostNode:
-        return cls(str(item["instance_id"]), str(item.get("backup") or ""), bool(item.get("ready")))
+        return cls(str(item["instance_id"]), str(item.get("backup") or ""))
 
 
 def lost_node_attribute(index: int) -> str:
