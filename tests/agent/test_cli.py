@@ -190,7 +190,6 @@ LAUNCH_KEY = "ab" * 32
         ((NODES[0], NODES[0]), {}, "two or more distinct addresses"),
         (NODES, {"node_index": 2}, "node_index: must be from 0 to 1, got 2"),
         (NODES, {"launch_key": "ab" * 8}, "launch_key: a multi-node job needs the run's launch key"),
-        (NODES, {"storage": "ebs"}, "a multi-node job needs a store its nodes share"),
     ],
 )
 def test_a_multi_node_config_that_cannot_work_is_refused(tmp_path, nodes, overrides, message):

@@ -288,6 +288,12 @@ class Agent:
             (log.info if plan.fits else log.warning)("deadline: %s", plan.reason)
         return plan
 
+    def mount_handed_over(self) -> None:
+        """A backup's EBS volume reaches it only with its restore (storage.handed_over_at_restore): mounted before
+        anything reads the store, once its device appears; a storage already mounted is used as is."""
+        if storage.handed_over_at_restore(self.config):
+            storage.prepare(self.config)
+
     def restore(
         self,
         generation: int,
@@ -304,8 +310,7 @@ class Agent:
         with self.state.locked() as state:
             state.run_id = state.run_id or self.config.run_id  # a backup serves the run it was launched for
         try:
-            if storage.handed_over_at_restore(self.config):
-                storage.prepare(self.config)  # waits for the handed-over volume's device, then mounts it
+            self.mount_handed_over()
             restorer = Restorer(
                 job_id=self.config.job_id,
                 workdir=self.config.workdir,

@@ -124,10 +124,6 @@ class AgentConfig:
             raise ConfigError(f"node_index: must be from 0 to {len(self.nodes) - 1}, got {self.node_index}")
         if not re.fullmatch(r"[0-9a-f]{64,}", self.launch_key):
             raise ConfigError("launch_key: a multi-node job needs the run's launch key, 32 bytes or more in hex")
-        if self.storage == "ebs":
-            raise ConfigError(
-                "storage: a multi-node job needs a store its nodes share (s3, efs or fsx) for now, not ebs"
-            )
 
     def to_json(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)

@@ -256,6 +256,7 @@ def coordinate_restore(
     """Node 0's agent restores the job's coordinated checkpoint over every node's port, its own included: each node
     its own part, then every node unlocked (nodes.coordinated_restore)."""
     config = agent.config
+    agent.mount_handed_over()  # node 0's EBS volume, which holds the job manifests, when node 0 moved
     manifest = nodes.read_manifest(agent.store().backend, config.job_id, agent.run_id(), checkpoint_id)
     key, order = bytes.fromhex(config.launch_key), {"generation": generation, "sequence": sequence}
     remote = [RemoteNode(i, address, key, order=order, clock=clock) for i, address in enumerate(config.nodes)]

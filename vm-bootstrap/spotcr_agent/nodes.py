@@ -234,8 +234,8 @@ class JobManifest:
             raise ValueError(f"not a job manifest: {error}") from error
 
     def write(self, backend: Backend) -> None:
-        """Write it whole or not at all (one put), under the run's prefix in the job's store, which every node
-        shares (S3, EFS, FSx)."""
+        """Write it whole or not at all (one put), under the run's prefix in node 0's store: the one every node
+        shares (S3, EFS, FSx), or node 0's own EBS volume."""
         backend.put(manifest_key(self.job_id, self.run_id, self.checkpoint_id), json.dumps(self.to_json()).encode())
 
 
