@@ -26,11 +26,13 @@ def new_launch_key() -> str:
 
 @dataclass(frozen=True)
 class NodeRecord:
-    """One node of the job: its index, the instance that holds its address now, and that address."""
+    """One node of the job: its index, the instance that holds its address now, that address, and for EBS storage
+    the node's own volume (its parts of the job's checkpoints), which moves with the address."""
 
     index: int
     instance_id: str
     address: str
+    volume_id: str = ""
 
     def __post_init__(self) -> None:
         if self.index < 0:
@@ -38,11 +40,17 @@ class NodeRecord:
         ipaddress.IPv4Address(self.address)  # ValueError naming it when it is no IPv4 address
 
     def to_item(self) -> dict[str, Any]:
-        return {"index": self.index, "instance_id": self.instance_id, "address": self.address}
+        item = {"index": self.index, "instance_id": self.instance_id, "address": self.address}
+        return item | ({"volume_id": self.volume_id} if self.volume_id else {})
 
     @classmethod
     def from_item(cls, item: Mapping[str, Any]) -> NodeRecord:
-        return cls(index=int(item["index"]), instance_id=str(item["instance_id"]), address=str(item["address"]))
+        return cls(
+            index=int(item["index"]),
+            instance_id=str(item["instance_id"]),
+            address=str(item["address"]),
+            volume_id=str(item.get("volume_id", "")),
+        )
 
 
 def addresses(nodes: tuple[NodeRecord, ...], count: int) -> tuple[str, ...] | None:

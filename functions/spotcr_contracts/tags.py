@@ -74,8 +74,6 @@ RUN_ID_PATTERN = r"^r-[0-9a-f]{16}$"
 JOB_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 STORAGES = ("s3", "ebs", "efs", "fsx")
-# What a job over several VMs can use today: one store all its nodes share (one EBS volume per node is not built).
-SHARED_STORAGES = ("s3", "efs", "fsx")
 # What a restore does with the job's TCP connections: established (the old VM's address is kept on the backup's
 # loopback, so listeners and connections within the job come back; others are reset) or close (always closed).
 TCP_POLICIES = ("established", "close")
@@ -217,7 +215,7 @@ def parse_job_tags(tags: Mapping[str, str]) -> JobSpec:
     spec_uri = tags.get(SPEC)
     if spec_uri is not None and not _S3_URI.match(spec_uri):
         raise InvalidJobTags(SPEC, "must be s3://bucket/key with a DNS-style bucket name")
-    nodes, node_index = _parse_nodes(tags, storage)
+    nodes, node_index = _parse_nodes(tags)
     if not command and spec_uri is None:
         raise InvalidJobTags(COMMAND, f"a job needs {COMMAND} or {SPEC}")
     workdir = tags.get(WORKDIR)
@@ -323,15 +321,14 @@ def _parse_int(tags: Mapping[str, str], tag: str, default: int, low: int, high: 
     return value
 
 
-def _parse_nodes(tags: Mapping[str, str], storage: str) -> tuple[int, int]:
-    """spotcr:nodes and spotcr:node: both or neither; the index below the count; storage all nodes share."""
+def _parse_nodes(tags: Mapping[str, str]) -> tuple[int, int]:
+    """spotcr:nodes and spotcr:node: both or neither; the index below the count. Every storage serves such a job:
+    S3, EFS and FSx shared by its nodes, EBS one volume per node."""
     if (NODES in tags) != (NODE in tags):
         present, missing = (NODES, NODE) if NODES in tags else (NODE, NODES)
         raise InvalidJobTags(missing, f"a job over several VMs has both {NODES} and {NODE}; {present} is set alone")
     nodes = _parse_int(tags, NODES, 1, 1, MAX_NODES)
     node_index = _parse_int(tags, NODE, 0, 0, nodes - 1)
-    if nodes > 1 and storage not in SHARED_STORAGES:
-        raise InvalidJobTags(STORAGE, f"a job over several VMs needs s3, efs or fsx storage for now, not {storage}")
     return nodes, node_index
 
 

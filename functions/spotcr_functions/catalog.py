@@ -264,7 +264,7 @@ FUNCTIONS: tuple[Function, ...] = (
         handler="spotcr_functions.handlers.workflow.restore",
         description="Recovery step: retire the interrupted instance, order the restore, wait for SSM's result of it.",
         # A final dump whose answer never arrived is read from SSM before the restore (checkpoints.settle_final_dump).
-        # A job over several VMs: the interrupted node's address moves to its backup first.
+        # A job over several VMs: each recovered node's address (and EBS volume) moves to its backup first.
         capabilities=(
             JOBS_READ,
             JOBS_WRITE,
@@ -273,6 +273,7 @@ FUNCTIONS: tuple[Function, ...] = (
             EC2_DESCRIBE,
             EC2_TERMINATE,
             EC2_ADDRESSES,
+            EC2_VOLUMES,
             COMMAND_RESULTS,
         ),
         workflow_step=True,

@@ -83,7 +83,8 @@ def _register_node(deps: Deps, instance: Instance, spec: tags.JobSpec) -> dict[s
     node = NodeRecord(spec.node_index, instance.instance_id, node_address(instance))
     first = _pending(deps, instance, spec, node_count=spec.nodes, nodes=(node,), launch_key=new_launch_key())
     registered = deps.registry.register(first)
-    if registered.run_id != first.run_id and registered.node_of(instance.instance_id) != node:
+    held = registered.node_of(instance.instance_id)  # a duplicate event finds the node (with its volume) in place
+    if registered.run_id != first.run_id and (held is None or (held.index, held.address) != (node.index, node.address)):
         if problem := _join_problem(registered, spec, instance):
             return _reject(deps, instance.instance_id, problem)
         coordinator = {"instance_type": instance.instance_type, "image_id": instance.image_id}
@@ -92,6 +93,8 @@ def _register_node(deps: Deps, instance: Instance, spec: tags.JobSpec) -> dict[s
             current = deps.registry.get(spec.job_id) or registered
             return _reject(deps, instance.instance_id, _join_problem(current, spec, instance) or "the job moved on")
         registered = joined
+    if spec.storage == "ebs" and not registered.node(spec.node_index).volume_id:
+        registered = _create_node_volume(deps, registered, registered.node(spec.node_index))
     deps.cloud.tag_instance(instance.instance_id, {tags.RUN: registered.run_id})
     registered = efs_access.open_for(deps, registered)
     logger.info("node registered", job_id=spec.job_id, instance_id=instance.instance_id, node=spec.node_index)
@@ -222,13 +225,27 @@ def _reject(deps: Deps, instance_id: str, reason: str) -> dict[str, Any]:
 
 def _create_job_volume(deps: Deps, record: JobRecord) -> JobRecord:
     """The job's encrypted EBS volume, in the instance's AZ; the agent waits for the device to appear."""
+    volume_id = _attached_volume(deps, record, record.instance_id)
+    updated = deps.registry.record_volume(record.job_id, record.instance_id, volume_id)
+    return updated or record
+
+
+def _create_node_volume(deps: Deps, record: JobRecord, node: NodeRecord) -> JobRecord:
+    """A node's own EBS volume (a job over several VMs, one volume per node), in the job's AZ; it holds the node's
+    parts of the job's checkpoints (and node 0's the job manifests), and moves with the node's address."""
+    volume_id = _attached_volume(deps, record, node.instance_id)
+    updated = deps.registry.record_node_volume(record.job_id, node.index, node.instance_id, volume_id)
+    return updated or record
+
+
+def _attached_volume(deps: Deps, record: JobRecord, instance_id: str) -> str:
+    """A new encrypted volume of the job's, attached to the instance (one per instance: the client token)."""
     volume_id = deps.cloud.create_volume(
         az=record.az,
         size_gib=deps.settings.ebs_volume_gib,
         tags={tags.JOB: record.job_id, tags.STACK: deps.settings.stack_name},
-        client_token=client_token(record.job_id, record.instance_id),
+        client_token=client_token(record.job_id, instance_id),
     )
     deps.cloud.wait_volume_available(volume_id)
-    deps.cloud.attach_volume(volume_id, record.instance_id)
-    updated = deps.registry.record_volume(record.job_id, record.instance_id, volume_id)
-    return updated or record
+    deps.cloud.attach_volume(volume_id, instance_id)
+    return volume_id

@@ -98,9 +98,9 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     """The missed-warning case: the job's current instance went away and no warning started recovery."""
     record = deps.registry.by_instance(instance_id)
     if record is None:
-        return on_backup_down(deps, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
+        return _other_instance_down(deps, instance_id, state, at)
     if record.status == Status.COMPLETED and state == "terminated":
-        return _delete_finished_volume(deps, record)
+        return _delete_finished_volume(deps, record, instance_id)
     if record.node_count:  # node 0 (a job over several VMs), whether the job runs or recovers another node
         return _node_interrupted(deps, record, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
     if record.status not in ACTIVE:
@@ -111,6 +111,15 @@ def on_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[
     logger.warning("instance went down without a warning; recovering from the newest checkpoint", job_id=record.job_id)
     _start(deps, bumped, instance_id, reason=f"missed-warning:{state}", final_dump=False)
     return {"action": "recovering", "job_id": bumped.job_id, "generation": bumped.generation, "final_dump": False}
+
+
+def _other_instance_down(deps: Deps, instance_id: str, state: str, at: str) -> dict[str, Any]:
+    """An instance that is no job's own went: a finished job's node other than node 0 (its EBS volume goes with
+    it), else a backup, or a node of a job over several VMs (on_backup_down)."""
+    tagged = jobs.record_tagged_on(deps, instance_id) if state == "terminated" else None
+    if tagged is not None and tagged.status == Status.COMPLETED and tagged.node_of(instance_id):
+        return _delete_finished_volume(deps, tagged, instance_id)
+    return on_backup_down(deps, instance_id, at, reason=f"missed-warning:{state}", final_dump=False)
 
 
 def _node_interrupted(
@@ -209,16 +218,19 @@ def _nodes_lost(deps: Deps, record: JobRecord, why: str) -> dict[str, Any]:
     return {"action": "failed", "job_id": record.job_id, "reason": cause}
 
 
-def _delete_finished_volume(deps: Deps, record: JobRecord) -> dict[str, Any]:
-    """A completed EBS job's volume goes with its instance, unless the deployment keeps finished volumes."""
-    if record.storage != "ebs" or not record.volume_id or deps.settings.keep_finished_volumes:
+def _delete_finished_volume(deps: Deps, record: JobRecord, instance_id: str) -> dict[str, Any]:
+    """A completed EBS job's volume goes with its instance (a job over several VMs: each node's with the node's
+    instance), unless the deployment keeps finished volumes."""
+    node = record.node_of(instance_id)
+    volume_id = node.volume_id if node else record.volume_id
+    if record.storage != "ebs" or not volume_id or deps.settings.keep_finished_volumes:
         return {"action": "ignored", "reason": "job completed; nothing to delete"}
-    if not deps.cloud.delete_volume(record.volume_id):
-        logger.warning("finished job's volume still attached; kept", job_id=record.job_id, volume_id=record.volume_id)
-        return {"action": "ignored", "reason": f"volume {record.volume_id} still attached"}
-    deps.registry.forget_volume(record.job_id, record.generation, deps.iso_now())
-    logger.info("finished job's volume deleted", job_id=record.job_id, volume_id=record.volume_id)
-    return {"action": "volume-deleted", "job_id": record.job_id, "volume_id": record.volume_id}
+    if not deps.cloud.delete_volume(volume_id):
+        logger.warning("finished job's volume still attached; kept", job_id=record.job_id, volume_id=volume_id)
+        return {"action": "ignored", "reason": f"volume {volume_id} still attached"}
+    deps.registry.forget_volume(record.job_id, record.generation, deps.iso_now(), node.index if node else None)
+    logger.info("finished job's volume deleted", job_id=record.job_id, volume_id=volume_id)
+    return {"action": "volume-deleted", "job_id": record.job_id, "volume_id": volume_id}
 
 
 def _bump(deps: Deps, record: JobRecord, instance_id: str, at: str, final_dump: bool = False) -> JobRecord | None:
@@ -619,7 +631,8 @@ def _take_over_nodes(deps: Deps, record: JobRecord) -> JobRecord:
     a backup that reported ready (NodeWithoutBackup, NodeBackupNotReady: the workflow launches, then retries; a
     backup whose boot failed fails the recovery). Each node's interrupted instance is retired (rule 8) and its
     address moves to its backup; every node is tried before a primary address that must wait for its instance's
-    termination is retried (PrimaryStillRunning), so that the instances terminate together."""
+    termination is retried (PrimaryStillRunning), so that the instances terminate together. A node's EBS volume
+    moves before its address: the record names the backup as the node's only once both are there."""
     _check_lost_backups(record)
     moves = {index: (lost.instance_id, lost.backup) for index, lost in record.lost_nodes.items()}
     if record.interrupted_node is not None and record.recovering_from and record.backup_instance_id:
@@ -630,6 +643,8 @@ def _take_over_nodes(deps: Deps, record: JobRecord) -> JobRecord:
             continue  # moved by an earlier try of this step
         try:
             held = _retire(deps, record, interrupted) if interrupted != backup else None
+            if record.node(index).volume_id:
+                _take_over_volume(deps, record, index, backup)
             record = _take_over_address(deps, record, index, backup, held)
         except PrimaryStillRunning as error:
             waiting.append(str(error))
@@ -647,6 +662,26 @@ def _check_lost_backups(record: JobRecord) -> None:
             raise NodeBackupNotReady(f"job {record.job_id}: node {index}'s backup {lost.backup} is not ready yet")
         if report.get("error"):
             raise LaunchFailed(f"node {index}'s backup {lost.backup} failed to boot: {report.get('cause')}"[:1000])
+
+
+def _take_over_volume(deps: Deps, record: JobRecord, index: int, backup_instance_id: str) -> None:
+    """The node's EBS volume goes to its backup once its interrupted instance let it go: EC2 detaches a data volume
+    when the instance is terminated (rule 8 holds by then), so it is never attached twice nor detached while its
+    file system is mounted. Same AZ: the backup is in the job's subnet. Repeated, it changes nothing."""
+    volume_id = record.node(index).volume_id
+    volume = deps.cloud.volume(volume_id)
+    if volume is None:
+        raise RestoreFailed(f"job {record.job_id}: node {index}'s volume {volume_id} does not exist")
+    holders = [a["InstanceId"] for a in volume.get("Attachments", []) if a.get("State") in ("attaching", "attached")]
+    if backup_instance_id in holders:
+        return
+    if volume["State"] != "available":
+        holder = f"attached to {', '.join(holders)}" if holders else volume["State"]
+        raise PrimaryStillRunning(
+            f"job {record.job_id}: node {index}'s volume {volume_id} is {holder}; it moves once that is over"
+        )
+    deps.cloud.attach_volume(volume_id, backup_instance_id)
+    logger.info("node volume moved", job_id=record.job_id, node=index, volume_id=volume_id, to=backup_instance_id)
 
 
 def _take_over_address(

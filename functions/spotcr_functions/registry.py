@@ -149,8 +149,12 @@ class Registry:
             clauses.append(f"{path} = :set{index}")
         expression = ("SET " + ", ".join(clauses)) if clauses else ""
         if remove:
-            names |= {f"#remove{index}": attribute for index, attribute in enumerate(remove)}
-            expression += " REMOVE " + ", ".join(f"#remove{index}" for index in range(len(remove)))
+            paths = []
+            for index, attribute in enumerate(remove):
+                parts = attribute.split(".")
+                names |= {f"#remove{index}_{part}": name for part, name in enumerate(parts)}
+                paths.append(".".join(f"#remove{index}_{part}" for part in range(len(parts))))
+            expression += " REMOVE " + ", ".join(paths)
         if add:
             names |= {f"#add{index}": attribute for index, attribute in enumerate(add)}
             values[":one"] = 1
@@ -179,6 +183,12 @@ class Registry:
     def record_volume(self, job_id: str, instance_id: str, volume_id: str) -> JobRecord | None:
         """The job's EBS volume, created for the instance that registered it."""
         return self._write(job_id, {"volume_id": volume_id}, condition=Attr("instance_id").eq(instance_id))
+
+    def record_node_volume(self, job_id: str, index: int, instance_id: str, volume_id: str) -> JobRecord | None:
+        """Node `index`'s EBS volume (a job over several VMs, one volume per node), created for the instance that
+        holds the node."""
+        condition = Attr(f"nodes.{index}.instance_id").eq(instance_id)
+        return self._write(job_id, {f"nodes.{index}.volume_id": volume_id}, condition=condition)
 
     def record_access_point(self, job_id: str, run_id: str, access_point_arn: str) -> JobRecord | None:
         """The run's EFS access point, unless another registration of the run stored its own or the run ended."""
@@ -268,9 +278,10 @@ class Registry:
         condition = _at(seen.generation, seen.status) & Attr("instance_id").eq(seen.instance_id) & backup
         return self._write(seen.job_id, {"status": status.value, **values}, ("next_checkpoint_at",), condition)
 
-    def forget_volume(self, job_id: str, generation: int, at: str) -> JobRecord | None:
-        """A finished job's volume was deleted with its instance."""
-        return self._write(job_id, {"updated_at": at}, ("volume_id",), _at(generation))
+    def forget_volume(self, job_id: str, generation: int, at: str, node: int | None = None) -> JobRecord | None:
+        """A finished job's volume (`node`: that node's) was deleted with its instance."""
+        attribute = "volume_id" if node is None else f"nodes.{node}.volume_id"
+        return self._write(job_id, {"updated_at": at}, (attribute,), _at(generation))
 
     # Fencing (rule 1).
 

@@ -289,7 +289,6 @@ def test_submit_nodes_launches_every_node_of_a_job_over_several_vms_in_one_subne
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--nodes", "3", "--storage", "ebs"], "spotcr:storage: a job over several VMs needs s3, efs or fsx storage"),
         (["--nodes", "17", "--storage", "efs"], "spotcr:nodes: must be between 1 and 16, got 17"),
         (["--nodes", "2", "--storage", "efs", "--instance", "i-0123456789abcdef0"], "--nodes launches every node"),
     ],

@@ -234,3 +234,73 @@ def test_a_node_whose_warning_lost_the_race_to_fence_the_job_joins_the_recovery(
     record = plane.job(JOB)
     assert answer["action"] == "joined", answer
     assert (record.generation, record.interrupted_node, list(record.lost_nodes)) == (1, 1, [2])
+
+
+def volumes_by_instance(plane: ControlPlane) -> dict[str, str]:
+    """Every attached volume of the job, by the instance it is attached to."""
+    volumes = plane.ec2.describe_volumes(Filters=[{"Name": "tag:spotcr:job", "Values": [JOB]}])["Volumes"]
+    return {a["InstanceId"]: v["VolumeId"] for v in volumes for a in v["Attachments"] if a["State"] == "attached"}
+
+
+def test_with_ebs_each_node_has_its_own_volume_which_moves_with_the_node_and_goes_when_the_job_ends(
+    plane: ControlPlane, vending: list[dict[str, Any]]
+) -> None:
+    # Given a job over three VMs with EBS storage: one volume per node, attached to it at its registration
+    instances = [register(plane, node_tags(i, extra={tag_names.STORAGE: "ebs"})) for i in range(3)]
+    record = plane.job(JOB)
+    volumes = [node.volume_id for node in record.nodes]
+    assert all(volumes) and len(set(volumes)) == 3
+    assert volumes_by_instance(plane) == dict(zip(instances, volumes, strict=True))
+    route(ec2_event("state-change-running", instances[1]))  # a duplicate registration keeps the node's volume
+    assert [node.volume_id for node in plane.job(JOB).nodes] == volumes
+    route(agent_event(events.JobStarted(JOB, instances[0], 0, now_iso(), pid=4242)))
+
+    # When node 1 and then node 2 go without a warning, before the restore
+    route(ec2_event("state-change-terminated", instances[1]))
+    record = plane.wait_until(lambda: (r := plane.job(JOB)).backup_instance_id and r, "the backup launch")
+    backup_1 = str(record.backup_instance_id)
+    route(ec2_event("state-change-terminated", instances[2]))
+    route(agent_event(events.AgentReady(JOB, backup_1, 1, now_iso(), mode="restore")))
+    record = plane.wait_until(lambda: (r := plane.job(JOB)).lost_nodes[2].backup and r, "the second backup")
+    backup_2 = record.lost_nodes[2].backup
+    route(agent_event(events.AgentReady(JOB, backup_2, 1, now_iso(), mode="restore")))
+
+    # Then, once their instances are terminated, each lost node's volume is on its backup before the restore
+    [restore] = plane.wait_until(lambda: plane.sent_commands("restore"), "the restore command")
+    assert restore["instances"] == [instances[0]]
+    assert volumes_by_instance(plane) == {instances[0]: volumes[0], backup_1: volumes[1], backup_2: volumes[2]}
+    assert [node.volume_id for node in plane.job(JOB).nodes] == volumes
+    finish_restore(events.RestoreCompleted(JOB, instances[0], 1, now_iso(), checkpoint_id="", seconds=2.0, pid=7))
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+
+    # When the job ends and its nodes' instances are terminated: every node's volume goes with its instance
+    run_id = plane.job(JOB).run_id
+    finish_exit(events.JobExited(JOB, instances[0], 1, now_iso(), run_id=run_id, exit_code=0, result="s3://b/r"))
+    assert plane.job(JOB).status == Status.COMPLETED
+    for instance_id in (instances[0], backup_1, backup_2):
+        plane.ec2.terminate_instances(InstanceIds=[instance_id])
+        route(ec2_event("state-change-terminated", instance_id))
+    assert plane.ec2.describe_volumes(Filters=[{"Name": "tag:spotcr:job", "Values": [JOB]}])["Volumes"] == []
+    assert [node.volume_id for node in plane.job(JOB).nodes] == ["", "", ""]
+
+
+def test_a_node_whose_volume_is_still_attached_waits_for_its_instance_to_let_it_go(
+    plane: ControlPlane, vending: list[dict[str, Any]]
+) -> None:
+    # Given a job over two VMs with EBS storage recovering node 1, whose old instance still holds its volume
+    instances = [register(plane, node_tags(i, 2, extra={tag_names.STORAGE: "ebs"})) for i in range(2)]
+    record = plane.job(JOB)
+    backup = plane.launch_job_instance({tag_names.JOB: JOB}, f"{record.az}")
+    volume = record.node(1).volume_id
+    deps = _edge.deps()
+
+    # Then the hand-over waits (the workflow retries), naming the volume and who holds it, and attaches nothing
+    with pytest.raises(recovery.PrimaryStillRunning, match=f"node 1's volume {volume} is attached to {instances[1]}"):
+        recovery._take_over_volume(deps, record, 1, backup)
+    assert volumes_by_instance(plane)[instances[1]] == volume
+
+    # When the instance is terminated, the volume goes to the backup; a second try changes nothing
+    plane.ec2.terminate_instances(InstanceIds=[instances[1]])
+    recovery._take_over_volume(deps, record, 1, backup)
+    recovery._take_over_volume(deps, record, 1, backup)
+    assert volumes_by_instance(plane) == {instances[0]: record.node(0).volume_id, backup: volume}

@@ -95,7 +95,6 @@ def test_a_node_that_is_not_the_jobs_is_refused_and_never_gets_the_run(
         ({tag_names.NODES: "3"}, "spotcr:node: a job over several VMs has both"),
         ({tag_names.NODES: "3", tag_names.NODE: "3"}, "spotcr:node: must be between 0 and 2"),
         ({tag_names.NODES: "17", tag_names.NODE: "0"}, "spotcr:nodes: must be between 1 and 16"),
-        ({tag_names.NODES: "2", tag_names.NODE: "0", tag_names.STORAGE: "ebs"}, "needs s3, efs or fsx storage"),
     ],
 )
 def test_node_tags_that_make_no_job_are_refused_with_the_tag_named(
