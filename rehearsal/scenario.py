@@ -532,11 +532,34 @@ class Rehearsal:
         self.outcome = outcome
         for check in self.before_cleanup:
             check()
+        self._end_own_nodes()
         left = leaks.wait_until_tidy(self.cloud.client, options.leak_grace_s)
         if left:
             raise RehearsalFailed(leaks.describe(left))
         say("leak check: no instance, volume, snapshot, access point or command left but the job's checkpoints")
         return outcome
+
+    def _end_own_nodes(self) -> None:
+        """A job over several VMs ends with the nodes the user launched still running (spotcr terminates only the
+        backups it launched): the user terminates them, as on AWS, and each node's EBS volume goes with its
+        instance (the leak check then finds none)."""
+        if self.options.nodes < 2:
+            return
+        ec2 = self.cloud.client("ec2")
+        filters = [
+            {"Name": f"tag:{tags.JOB}", "Values": [self.job_id]},
+            {"Name": "instance-state-name", "Values": ["running"]},
+        ]
+        reservations = ec2.describe_instances(Filters=filters)["Reservations"]
+        own = [
+            instance["InstanceId"]
+            for reservation in reservations
+            for instance in reservation["Instances"]
+            if not tags.launched_by_spotcr({t["Key"]: t["Value"] for t in instance.get("Tags", [])})
+        ]
+        if own:
+            self.timeline.say(f"the job ended: the user terminates its own nodes {', '.join(own)}")
+            ec2.terminate_instances(InstanceIds=own)
 
     def _interruption(self, number: int, current: str, generation: int) -> tuple[str, int]:
         """One interruption of the job's current VM (of one of its nodes), once it has checkpointed; returns where

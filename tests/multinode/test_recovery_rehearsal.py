@@ -1,7 +1,7 @@
 """A job over three bare local VMs survives the loss of any node through the real handlers, workflow, agents and
 CRIU (issue 25's acceptance): MPICH over TCP between the nodes, started by plain `mpiexec` in the job's command,
-its checkpoints on EFS (S3 in the last test); each run ends with the result of the same command run on one VM, byte
-for byte, and the leak check.
+its checkpoints on one EBS volume per node, on EFS and on S3 (one storage per test); each run ends with the result of
+the same command run on one VM, byte for byte, and the leak check.
 
 Never two live copies of a node's share: the control plane moves a node's address to its backup only once the
 interrupted instance is terminated, and the local network refuses the move while a live VM holds the address
@@ -48,12 +48,12 @@ def run_it(run):
 
 
 def test_two_nodes_warned_at_once_and_then_two_more_move_to_backups_and_the_job_ends_as_uninterrupted(tmp_path):
-    # Given an MPI job over three VMs, when a wave warns nodes 1 and 2 at once, and after their recovery nodes 2
-    # and 0 (the coordinator) at once
-    run, lines = rehearsal(tmp_path, interruptions=2, wave=2)
+    # Given an MPI job over three VMs, each node's checkpoints on its own EBS volume, when a wave warns nodes 1 and 2
+    # at once, and after their recovery nodes 2 and 0 (the coordinator, whose volume holds the job manifests) at once
+    run, lines = rehearsal(tmp_path, storage="ebs", interruptions=2, wave=2)
     outcome = run_it(run)
-    # Then each recovery moved both nodes' shares to backups with their addresses, every node restored from the
-    # final dump
+    # Then each recovery moved both nodes' shares to backups with their addresses and volumes, every node restored
+    # from the final dump
     assert len(outcome.recoveries_s) == 2, "\n".join(lines)
     assert all(restored.endswith("-final") for restored in outcome.restored_from), outcome.restored_from
     # And the job ended with the uninterrupted run's result
