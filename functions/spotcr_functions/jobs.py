@@ -69,9 +69,11 @@ def register_instance(deps: Deps, instance_id: str) -> dict[str, Any]:  # noqa: 
 
 
 def node_address(instance: Instance) -> str:
-    """A node's address: its first secondary private address, the one a backup can take over (EC2 moves only
-    secondary addresses); without one, its primary address (a node then cannot move: docs/design/multinode.md)."""
-    return instance.private_ips[1] if len(instance.private_ips) > 1 else instance.private_ips[0]
+    """A node's address: its primary private address, the one MPI listens on and names to the other nodes (MPICH's
+    ranks take the interface's first address, whatever else it holds). It moves to a backup once its instance is
+    terminated (EC2 frees it with the instance's interface), as a secondary address there (docs/design/multinode.md:
+    a secondary node address left the ranks' listeners on an address that never moves)."""
+    return instance.private_ips[0]
 
 
 def _register_node(deps: Deps, instance: Instance, spec: tags.JobSpec) -> dict[str, Any]:

@@ -701,13 +701,28 @@ def _take_over_address(
     if backup is None or not backup.interface_id:
         raise RestoreFailed(f"job {record.job_id}: backup {backup_instance_id} has no network interface")
     if address not in backup.private_ips:
-        deps.cloud.move_private_address(backup.interface_id, address)
+        try:
+            deps.cloud.move_private_address(backup.interface_id, address)
+        except ClientError as error:
+            if held is None or held.private_ips[:1] != (address,) or not _in_use(error):
+                raise
+            # EC2 frees a terminated instance's primary address with its interface, which may lag its state.
+            raise PrimaryStillRunning(
+                f"job {record.job_id}: node {index}'s address {address} is still held by the interface of "
+                f"{held.instance_id} ({held.state}): {error_code(error)}"
+            ) from error
         logger.info("node address moved", job_id=record.job_id, node=index, address=address, to=backup_instance_id)
     move = deps.registry.move_lost_node if index in record.lost_nodes else deps.registry.move_node
     moved = move(record.job_id, record.generation, index, backup_instance_id, deps.iso_now())
     if moved is None:
         raise StaleGeneration(f"job {record.job_id} moved on before node {index}'s address moved")
     return moved
+
+
+def _in_use(error: ClientError) -> bool:
+    """EC2's answer for an address another interface holds (InvalidIPAddress.InUse, "Address ... is in use")."""
+    code = error_code(error)
+    return code == "InvalidIPAddress.InUse" or (code == "InvalidParameterValue" and "in use" in str(error))
 
 
 _GONE = frozenset({"stopping", "stopped", "shutting-down", "terminated"})

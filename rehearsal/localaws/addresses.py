@@ -1,9 +1,9 @@
 """What moto's AssignPrivateIpAddresses lacks, done as AWS does ("Assign secondary private IPv4 addresses", EC2 User
 Guide; the AssignPrivateIpAddresses API reference):
 - an address must lie in the network interface's subnet (a node's address moves only within its subnet);
-- an address another interface holds is refused unless AllowReassignment, and with it moves: it leaves the interface
-  that held it (moto adds it to the new one and leaves it on the old, two holders AWS never has); a primary
-  address never moves;
+- an address another interface holds is refused (InvalidIPAddress.InUse) unless AllowReassignment, and with it
+  moves: it leaves the interface that held it (moto adds it to the new one and leaves it on the old, two holders
+  AWS never has); a primary address never moves;
 - a terminated instance's primary interface is deleted with it, so its addresses are free (moto keeps it).
 Entered into the caller's ExitStack, and undone when it closes."""
 
@@ -17,7 +17,7 @@ from rehearsal.localaws import wrap
 
 
 def reassigned_addresses(patches: contextlib.ExitStack) -> None:
-    from moto.ec2.exceptions import InvalidParameterValue
+    from moto.ec2.exceptions import EC2ClientError, InvalidParameterValue
     from moto.ec2.responses.elastic_network_interfaces import ElasticNetworkInterfaces
 
     def make(original: Any) -> Any:
@@ -35,7 +35,7 @@ def reassigned_addresses(patches: contextlib.ExitStack) -> None:
                     if other is eni or not held or gone:
                         continue
                     if not reassign or held[0].get("Primary"):
-                        raise InvalidParameterValue(f"Address {address} is in use by {other.id}")
+                        raise EC2ClientError("InvalidIPAddress.InUse", f"Address {address} is in use.")
                     other.private_ip_addresses = [a for a in other.private_ip_addresses if a not in held]
             return original(response)
 

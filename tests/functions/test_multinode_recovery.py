@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 from spotcr_contracts import events
 from spotcr_contracts import tags as tag_names
 from spotcr_functions import recovery
@@ -304,3 +305,31 @@ def test_a_node_whose_volume_is_still_attached_waits_for_its_instance_to_let_it_
     recovery._take_over_volume(deps, record, 1, backup)
     recovery._take_over_volume(deps, record, 1, backup)
     assert volumes_by_instance(plane) == {instances[0]: record.node(0).volume_id, backup: volume}
+
+
+def test_a_primary_address_ec2_has_not_freed_yet_is_waited_for_not_failed(
+    plane: ControlPlane, vending: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given node 1's instance terminated, whose interface EC2 has not deleted yet (its primary address still held)
+    instances = [register(plane, node_tags(i, 2)) for i in range(2)]
+    record = plane.job(JOB)
+    backup = plane.launch_job_instance({tag_names.JOB: JOB}, record.az)
+    plane.ec2.terminate_instances(InstanceIds=[instances[1]])
+    deps = _edge.deps()
+    held = deps.cloud.describe_instance(instances[1])
+    errors = {"InvalidIPAddress.InUse": f"Address {record.node(1).address} is in use.", "UnauthorizedOperation": "no"}
+
+    def refuse(code: str) -> Any:
+        def move(interface_id: str, address: str) -> None:
+            raise ClientError({"Error": {"Code": code, "Message": errors[code]}}, "AssignPrivateIpAddresses")
+
+        return move
+
+    # Then the address move waits (the workflow retries) while EC2 says the address is in use
+    monkeypatch.setattr(deps.cloud, "move_private_address", refuse("InvalidIPAddress.InUse"))
+    with pytest.raises(recovery.PrimaryStillRunning, match=f"still held by the interface of {instances[1]}"):
+        recovery._take_over_address(deps, record, 1, backup, held)
+    # And any other refusal fails the step as it is
+    monkeypatch.setattr(deps.cloud, "move_private_address", refuse("UnauthorizedOperation"))
+    with pytest.raises(ClientError, match="UnauthorizedOperation"):
+        recovery._take_over_address(deps, record, 1, backup, held)
