@@ -141,19 +141,11 @@ class Registry:
         values: dict[str, Any] = {}
         clauses = []
         for index, (attribute, value) in enumerate(set_values.items()):
-            # A dotted attribute is a path into a map (nodes.2): one name placeholder per part.
-            parts = attribute.split(".")
-            names |= {f"#set{index}_{part}": name for part, name in enumerate(parts)}
             values[f":set{index}"] = value
-            path = ".".join(f"#set{index}_{part}" for part in range(len(parts)))
-            clauses.append(f"{path} = :set{index}")
+            clauses.append(f"{_path(names, f'set{index}', attribute)} = :set{index}")
         expression = ("SET " + ", ".join(clauses)) if clauses else ""
         if remove:
-            paths = []
-            for index, attribute in enumerate(remove):
-                parts = attribute.split(".")
-                names |= {f"#remove{index}_{part}": name for part, name in enumerate(parts)}
-                paths.append(".".join(f"#remove{index}_{part}" for part in range(len(parts))))
+            paths = [_path(names, f"remove{index}", attribute) for index, attribute in enumerate(remove)]
             expression += " REMOVE " + ", ".join(paths)
         if add:
             names |= {f"#add{index}": attribute for index, attribute in enumerate(add)}
@@ -603,6 +595,14 @@ def lost_attributes(record: JobRecord | None) -> tuple[str, ...]:
     lost = record.lost_nodes
     reports = (event_attribute(early_ready_key(node.backup)) for node in lost.values() if node.backup)
     return (*(lost_node_attribute(index) for index in lost), *reports)
+
+
+def _path(names: dict[str, str], tag: str, attribute: str) -> str:
+    """The placeholder path of an attribute in an update expression, its names added to `names`: a dotted
+    attribute is a path into a map (nodes.2.volume_id), one name placeholder per part."""
+    parts = attribute.split(".")
+    names |= {f"#{tag}_{part}": name for part, name in enumerate(parts)}
+    return ".".join(f"#{tag}_{part}" for part in range(len(parts)))
 
 
 def _at(generation: int, status: Status | None = None) -> ConditionBase:
