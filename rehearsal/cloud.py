@@ -546,6 +546,7 @@ class LocalCloud:
         patches = self._patches
         self.functions.serve(patches)
         dynamodb.atomic_requests(patches)
+        dynamodb.wire_form_values(patches)
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
         stepfunctions.parse_once(patches)

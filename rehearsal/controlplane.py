@@ -509,6 +509,7 @@ class ControlPlane:
         wrap(patches, MotoCommand, "__init__", _restore_runs)
         FUNCTIONS.serve(patches)
         dynamodb.atomic_requests(patches)
+        dynamodb.wire_form_values(patches)
         ssm.to_instance_ids_only(patches)
         stepfunctions.keep_failure_cause(patches)
         stepfunctions.lambda_errors_named(patches)
@@ -545,6 +546,9 @@ class ControlPlane:
         self.file_system_id = boto3.client("efs", region_name=REGION).create_file_system(CreationToken="spotcr")[
             "FileSystemId"
         ]
+        # moto builds a REST service's request router on its first request: for Lambda's, seconds under a wave's
+        # load, with every other request of the local AWS waiting behind it. AWS has no such pause: built here.
+        boto3.client("lambda", region_name=REGION).list_functions()
         function_arns = {function.name: FUNCTIONS.arn(function.name) for function in catalog.FUNCTIONS}
         definition = stack.recovery_definition(function_arns, self.documents, self.topic_arn)
         self.state_machine_arn = self.sfn.create_state_machine(

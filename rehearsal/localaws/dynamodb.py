@@ -1,7 +1,10 @@
 """DynamoDB: one request at a time, since DynamoDB applies each item write whole. moto checks a write's condition,
 then applies its actions to the stored item in place, one by one. Its server serves each request in a thread of
 its own, so without this a read could see half a write (an ended job's status without its exit code), and two
-conditional writes could both pass the same condition (two ends of one job)."""
+conditional writes could both pass the same condition (two ends of one job).
+
+Also: moto's items leave its backend already in DynamoDB's wire form, and `wire_form_values` lets a plain one
+through as it is rather than walking it through every member of the AttributeValue shape."""
 
 from __future__ import annotations
 
@@ -10,6 +13,10 @@ import threading
 from typing import Any
 
 from rehearsal.localaws import wrap
+
+# AttributeValue members whose value moto's backend already holds as DynamoDB's JSON carries it: strings, numbers as
+# strings, booleans, lists of strings. B and BS are base64 on the wire, M and L hold AttributeValues of their own.
+_PLAIN = frozenset({"S", "N", "BOOL", "NULL", "SS", "NS"})
 
 # Re-entrant: a request served in-process by a handler already inside one (none today) must not wait for itself.
 _ONE_AT_A_TIME = threading.RLock()
@@ -27,3 +34,25 @@ def atomic_requests(patches: contextlib.ExitStack) -> None:
         return call_action
 
     wrap(patches, DynamoHandler, "call_action", make)
+
+
+def wire_form_values(patches: contextlib.ExitStack) -> None:
+    """Until `patches` closes, moto's JSON serializer copies a plain AttributeValue ({"S": "..."}, {"N": "1"}, ...)
+    into the response as it is. Its walk of each one through the shape's ten members, each looked up by a model
+    picker, was most of a GetItem's time (4 ms of about 5 here), and in a wave of a hundred jobs the local AWS
+    serves one request at a time (rehearsal/controlplane.py): an artefact AWS does not have. The bytes sent are the
+    same (tests/localaws/test_dynamodb.py); maps, lists and binary values take moto's own path."""
+    from moto.core.serialize import BaseJSONSerializer
+
+    def make(original: Any) -> Any:
+        def serialize(serializer: Any, serialized: Any, value: Any, shape: Any, key: str) -> None:
+            if shape.name == "AttributeValue" and isinstance(value, dict) and len(value) == 1 and key:
+                [(kind, plain)] = value.items()
+                if kind in _PLAIN and plain is not None:
+                    serializer._default_serialize(serialized, value, shape, key)
+                    return
+            original(serializer, serialized, value, shape, key)
+
+        return serialize
+
+    wrap(patches, BaseJSONSerializer, "_serialize_type_structure", make)

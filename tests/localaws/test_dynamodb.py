@@ -84,3 +84,55 @@ def test_of_two_writes_on_one_condition_only_the_first_passes(table):
     # Then the first ends it and the second is refused
     assert outcomes == ["ended 0", "refused 1"]
     assert table.get_item(Key={"job_id": "j"})["Item"]["exit_code"] == 0
+
+
+def _bodies(patched: bool) -> list[bytes]:
+    """The raw response bodies of a write and reads of an item holding every kind of value, with or without
+    wire_form_values."""
+    bodies: list[bytes] = []
+
+    def keep(response_dict: dict[str, Any], **_kwargs: Any) -> None:
+        bodies.append(response_dict["body"])
+
+    with mock_aws(), contextlib.ExitStack() as patches:
+        if patched:
+            dynamodb.wire_form_values(patches)
+        client = boto3.client("dynamodb", region_name=REGION)
+        client.create_table(
+            TableName=TABLE,
+            KeySchema=[{"AttributeName": "job_id", "KeyType": "HASH"}],
+            AttributeDefinitions=[{"AttributeName": "job_id", "AttributeType": "S"}],
+            BillingMode="PAY_PER_REQUEST",
+        )
+        item = {
+            "job_id": {"S": "j"},
+            "empty": {"S": ""},
+            "count": {"N": "-12.5"},
+            "blob": {"B": b"\x00\xffbytes"},
+            "names": {"SS": ["a", "b"]},
+            "numbers": {"NS": ["1", "2"]},
+            "blobs": {"BS": [b"x", b"y"]},
+            "done": {"BOOL": False},
+            "none": {"NULL": True},
+            "arrivals": {"M": {"final-dump": {"M": {"generation": {"N": "3"}, "output": {"M": {}}}}}},
+            "history": {"L": [{"S": "x"}, {"N": "1"}, {"L": []}, {"B": b"z"}]},
+        }
+        client.meta.events.register("before-parse.dynamodb.*", keep)
+        client.put_item(TableName=TABLE, Item=item, ReturnValues="ALL_OLD")
+        client.get_item(TableName=TABLE, Key={"job_id": {"S": "j"}}, ConsistentRead=True)
+        client.update_item(
+            TableName=TABLE,
+            Key={"job_id": {"S": "j"}},
+            UpdateExpression="SET #c = #c + :one, arrivals.#r = :m",
+            ExpressionAttributeNames={"#c": "count", "#r": "restore"},
+            ExpressionAttributeValues={":one": {"N": "1"}, ":m": {"M": {"at": {"S": "now"}}}},
+            ReturnValues="ALL_NEW",
+        )
+        client.scan(TableName=TABLE)
+    return bodies
+
+
+def test_plain_values_pass_through_as_the_same_bytes_moto_writes():
+    # Given the same requests against the local DynamoDB with and without plain values passed through
+    # Then every response is the same, byte for byte, binary values, maps and lists included
+    assert _bodies(patched=True) == _bodies(patched=False)
