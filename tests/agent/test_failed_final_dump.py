@@ -12,18 +12,20 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from spotcr_agent import daemon
+from spotcr_agent import daemon, inflight
 from spotcr_agent import scratch as scratch_room
 from spotcr_agent.checkpoint import CheckpointError
 from spotcr_agent.criu import Criu, CriuError
 from spotcr_agent.deadline import GiB, Sample
 from spotcr_agent.restore import RestoreError
 from spotcr_agent.runner import process_start_time, process_tree
+from spotcr_agent.state import exclusive
 from spotcr_agent.store import CheckpointStore, StoreUnavailable
 
 from tests.support import wait_for
@@ -195,6 +197,76 @@ def test_a_final_dump_that_cannot_fit_the_notice_is_not_begun_and_the_job_stops(
                 agent.checkpoint("final", 2)
         else:
             assert "CRIU was started" in failed.reason
+    finally:
+        for pid in _alive(tree):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def _periodic_commit_in_flight(agent: Any, commit: inflight.Commit, ends_by_itself_s: float) -> threading.Thread:
+    """A periodic dump's commit holding the dump lock, telling its progress (with `commit`'s figures) until it is
+    told to stop or ends by itself."""
+    holding = threading.Event()
+
+    def run() -> None:
+        with exclusive(agent.state.dir / "dump.lock"):
+            holding.set()
+            until = time.time() + ends_by_itself_s
+            while time.time() < until and not inflight.abandoned(agent.state.dir, commit.checkpoint_id):
+                now = time.time()  # the same rate, measured now
+                inflight.record(agent.state.dir, replace(commit, started=commit.started + now - commit.at, at=now))
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    holding.wait(5)
+    return thread
+
+
+@pytest.mark.parametrize("ends_in_s", [75, 1])
+def test_a_final_dump_stops_a_periodic_commit_that_cannot_end_before_the_reclaim(
+    tmp_path, publisher, monkeypatch, ends_in_s
+):
+    # Given a running job whose one periodic dump, a minute ago, took 4 s of CRIU and 60 s of the store for 4 GiB,
+    # nearly all of it sending: alone, a final dump's least time (4 s) fits a 15 s notice
+    agent, tree = _running(tmp_path, publisher, "none", monkeypatch)
+    agent.criu = _CriuNotToRun()
+    monkeypatch.setattr("spotcr_agent.checkpoint.Checkpointer._carried", lambda *args, **kwargs: {})
+    now = time.time()
+    parent = f"{int((now - 60) * 1000)}-g2-s1-periodic"
+    sample = Sample(parent, 4 * GiB, 4 * GiB, 4 * GiB, 0.0, 4.0, 60.0, 1.0, 1.0, 1.0, 57.0)
+    with agent.state.locked() as state:
+        state.generation, state.dump_samples, state.last_checkpoint = 2, [sample.to_json()], parent
+    # And the next periodic dump, frozen 30 s after it, committing: at its rate so far it ends in 75 s (or, for
+    # comparison, in 1 s), and 60% of what it hashed had changed since its parent
+    done = 4 * GiB * 25 // (25 + ends_in_s)
+    frozen = f"{int((now - 30) * 1000)}-g2-s2-periodic"
+    commit = inflight.Commit(frozen, parent, now - 25, now, done, 4 * GiB, done * 3 // 5)
+    holder = _periodic_commit_in_flight(agent, commit, ends_by_itself_s=ends_in_s)
+    reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    try:
+        # When the notice comes with 15 s left
+        began = time.monotonic()
+        daemon._check_interruption(agent, notice)
+        waited = time.monotonic() - began
+        holder.join(5)
+
+        [failed] = publisher.of("CheckpointFailed")
+        if ends_in_s == 75:
+            # Then the commit that would end a minute after the reclaim is told to stop, and the final dump goes on
+            # at once, without it
+            assert inflight.abandoned(agent.state.dir, commit.checkpoint_id)
+            assert waited < 5
+        else:
+            # Then one that ends before the reclaim is waited for
+            assert not inflight.abandoned(agent.state.dir, commit.checkpoint_id)
+            assert waited >= 1
+        # And either way the final dump counts the 2% a second the commit saw changing: over the minute since the
+        # last checkpoint, all 4 GiB to send at the 71 MiB/s the job's store sent, so it is not begun, and the job
+        # stops for the backup to restore that checkpoint now
+        assert failed.reason.startswith("the final dump cannot fit the 1")
+        assert "sending the 100% changed since the last checkpoint" in failed.reason
+        assert _alive(tree) == []
     finally:
         for pid in _alive(tree):
             subprocess.run(["kill", "-9", str(pid)], check=False)

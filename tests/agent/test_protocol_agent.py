@@ -292,7 +292,7 @@ class _LockProbeStore:
     def check(self):
         pass
 
-    def commit(self, image_dir, meta, extra_files=None, still_writing=None):
+    def commit(self, image_dir, meta, extra_files=None, still_writing=None, *, keep_going=None):
         with open(self.lock_path, "a") as probe:
             try:
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)

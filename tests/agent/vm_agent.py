@@ -48,10 +48,10 @@ SPOT_NOTICE = {"meta-data/spot/instance-action": '{"action":"terminate","time":"
 class StreamingBreaks(CheckpointStore):
     """A store whose upload breaks off while CRIU still writes the final dump (a network blip)."""
 
-    def commit(self, image_dir, meta, extra_files=None, still_writing=None, inherited=None):
+    def commit(self, image_dir, meta, extra_files=None, still_writing=None, inherited=None, *, keep_going=None):
         if still_writing is not None:
             raise StoreError("connection reset while streaming the final dump")
-        return super().commit(image_dir, meta, extra_files, inherited=inherited)
+        return super().commit(image_dir, meta, extra_files, inherited=inherited, keep_going=keep_going)
 
 
 def _store(config):

@@ -14,6 +14,8 @@ from spotcr_agent.store import (
     CheckpointExists,
     CheckpointNotFound,
     CheckpointStore,
+    CommitAbandoned,
+    CommitProgress,
     CorruptCheckpoint,
     StoreUnavailable,
     UnsupportedManifest,
@@ -113,6 +115,45 @@ def test_second_checkpoint_sends_only_the_changed_region(store: CheckpointStore,
     assert second.bytes_uploaded <= 0.10 * first.bytes_uploaded
     assert second.chunks_uploaded < 0.15 * second.chunks_total
     store.fetch(second.checkpoint_id, tmp_path / "restore")
+    assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
+
+
+def test_a_commit_tells_its_progress_and_stops_before_its_manifest_when_told_to(
+    store: CheckpointStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a committed checkpoint, then a quarter of its 64 MiB rewritten, with progress told at every chunk
+    monkeypatch.setattr("spotcr_agent.store.store.PROGRESS_S", 0.0)
+    images = tmp_path / "img"
+    pages = bytearray(random_bytes(64 * MiB, seed=4))
+    write_images(images, bytes(pages))
+    store.commit(images, meta(1))
+    pages[: 16 * MiB] = random_bytes(16 * MiB, seed=5)
+    (images / "pages-1.img").write_bytes(bytes(pages))
+    total = sum(p.stat().st_size for p in images.rglob("*") if p.is_file())
+
+    # When the next commit is let go on
+    seen: list[CommitProgress] = []
+
+    def keep_going(progress: CommitProgress) -> bool:
+        seen.append(progress)
+        return True
+
+    store.commit(images, meta(2, parent=1), keep_going=keep_going)
+
+    # Then it was told how far it was, of all it reads, and how much of what it hashed had changed
+    assert len(seen) > 10 and {p.total for p in seen} == {total}
+    assert [p.done for p in seen] == sorted(p.done for p in seen) and 0 < seen[-1].done <= total
+    assert 0 < seen[-1].changed <= 17 * MiB
+
+    # And when a third is told to stop at its first report
+    (images / "pages-1.img").write_bytes(random_bytes(64 * MiB, seed=6))
+    with pytest.raises(CommitAbandoned, match="abandoned before its manifest"):
+        store.commit(images, meta(3, parent=2), keep_going=lambda progress: False)
+
+    # Then nothing of it is committed, no commit of it is left in flight, and the one before still restores whole
+    assert store.checkpoint_ids() == [checkpoint_id(2), checkpoint_id(1)]
+    assert not list(store.backend.scan(f"{run_keys(store)}commits/"))
+    store.fetch(checkpoint_id(2), tmp_path / "restore")
     assert (tmp_path / "restore/images/pages-1.img").read_bytes() == pages
 
 

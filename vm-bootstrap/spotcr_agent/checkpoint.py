@@ -37,7 +37,7 @@ from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.layout import CRIU_LOGS, job_prefix
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, deadline, gpu, mounts, tracking
+from . import aliases, carry, deadline, gpu, inflight, mounts, tracking
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -45,7 +45,7 @@ from .criu import Criu, CriuError, dump_stats
 from .host import HostInfo
 from .runner import JobFiles, checkpointable_problem, job_alive, open_files, stop_job
 from .state import AgentState, FinalDump, StateFile, admit, exclusive, pid_alive
-from .store import Backend, CheckpointMeta, ChunkRef, CommitResult, Manifest
+from .store import Backend, CheckpointMeta, ChunkRef, CommitProgress, CommitResult, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class Store(Protocol):
         extra_files: Mapping[str, Path] | None = None,
         still_writing: Callable[[], bool] | None = None,
         inherited: Mapping[str, tuple[str, Path]] | None = None,
+        *,
+        keep_going: Callable[[CommitProgress], bool] | None = None,
     ) -> CommitResult: ...
 
     def checkpoint_ids(self) -> list[str]: ...
@@ -280,7 +282,9 @@ class Checkpointer:
                 extra = self._carried(scratch, scratch / "workdir", copied=scratch / "carried")
                 extra.update({tracking.images_prefix(1) + n: p for n, p in tracking.dir_files(pre).items()})
                 inherited = base.files(shift=2) if base else {}
-                result = self.store.commit(top, meta, extra_files=extra, **_inheriting(inherited))
+                result = self.store.commit(
+                    top, meta, extra_files=extra, keep_going=self._in_flight(meta), **_inheriting(inherited)
+                )
             except BaseException:
                 # The pre-dump reset the kernel's dirty bits: the chain no longer covers every change since its top.
                 tracking.discard(self.scratch_dir)
@@ -363,8 +367,24 @@ class Checkpointer:
         # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
         self.on_resumed()
         extra = self._carried(scratch, snapshot, copied=scratch / "carried")
-        result = self.store.commit(scratch / "images", meta, extra_files=extra)
+        result = self.store.commit(scratch / "images", meta, extra_files=extra, keep_going=self._in_flight(meta))
         return self._committed(meta, result, time.monotonic() - started, frozen)
+
+    def _in_flight(self, meta: CheckpointMeta) -> Callable[[CommitProgress], bool]:
+        """A periodic commit's progress, recorded for a final dump, which may ask it to stop (inflight.py)."""
+        started = time.time()
+
+        def keep_going(progress: CommitProgress) -> bool:
+            commit = inflight.Commit(
+                meta.checkpoint_id, meta.parent, started, time.time(), progress.done, progress.total, progress.changed
+            )
+            inflight.record(self.state.dir, commit)
+            if inflight.abandoned(self.state.dir, meta.checkpoint_id):
+                log.warning("periodic commit %s stopped: the final dump takes over", meta.checkpoint_id)
+                return False
+            return True
+
+        return keep_going
 
     def _final(self, generation: int) -> CheckpointOutcome:
         with self.state.locked() as state:
@@ -449,7 +469,8 @@ class Checkpointer:
 
     def _take_final_in_scratch(self, checkpoint: str, generation: int, tracked: bool, why: str) -> CheckpointOutcome:
         started = time.monotonic()
-        with exclusive(self.state.dir / "dump.lock"):
+        reclaim_at = self.reclaim_at() if self.reclaim_at is not None else None
+        with exclusive(self.state.dir / "dump.lock", while_held=self._commit_in_the_way(reclaim_at)):
             with self.state.locked() as state:
                 if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
@@ -457,11 +478,12 @@ class Checkpointer:
                 samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
             self._check_checkpointable(pid)
             base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
-            if base is None and samples and self.reclaim_at is not None and (reclaim_at := self.reclaim_at()):
+            if base is None and samples and reclaim_at:
                 since = time.time() - deadline.checkpoint_seconds(parent) if parent else 0.0
                 left = reclaim_at - time.time()  # EC2's time by this VM's clock (Amazon Time Sync on EC2)
                 # None left means this clock runs ahead (EC2 would have taken the VM already): begin the dump.
-                if left > 0 and (why_not := deadline.cannot_fit(samples, since, left)):
+                seen = _dirtying_seen(inflight.read(self.state.dir), parent)
+                if left > 0 and (why_not := deadline.cannot_fit(samples, since, left, dirty_seen=seen)):
                     raise CheckpointError(why_not)
             if base is not None:
                 how = f"incremental: dump on {len(base.dirs)} parent image dirs ({on}; {why})"
@@ -480,6 +502,30 @@ class Checkpointer:
                     scratch, checkpoint, generation, pid, parent, base=base, started=started
                 )
                 return dataclasses.replace(outcome, scratch=room[1], memory_tracking=how)
+
+    def _commit_in_the_way(self, reclaim_at: float | None) -> Callable[[], None]:
+        """While a periodic commit holds the dump lock: asks it to stop once its end, at its rate so far, falls after
+        the reclaim (inflight.py)."""
+        asked: set[str] = set()
+
+        def check() -> None:
+            commit = inflight.in_flight(self.state.dir)
+            ends_at = commit.ends_at() if commit is not None else None
+            if commit is None or ends_at is None or reclaim_at is None or commit.checkpoint_id in asked:
+                return
+            if ends_at > reclaim_at:
+                log.warning(
+                    "periodic commit %s would end %.0f s after the reclaim (%.0f%% of %.2f GiB in %.1f s): stopping it",
+                    commit.checkpoint_id,
+                    ends_at - reclaim_at,
+                    100 * commit.done / max(commit.total, 1),
+                    commit.total / deadline.GiB,
+                    commit.at - commit.started,
+                )
+                inflight.abandon(self.state.dir, commit.checkpoint_id)
+                asked.add(commit.checkpoint_id)
+
+        return check
 
     def _take_final_into(
         self,
@@ -724,6 +770,14 @@ class Checkpointer:
             compress_seconds=round(result.compress_seconds, 3),
             upload_seconds=round(result.upload_seconds, 3),
         )
+
+
+def _dirtying_seen(commit: inflight.Commit | None, parent: str | None) -> list[float]:
+    """The dirty rate a periodic commit measured, not committed, on top of the checkpoint a final dump builds on."""
+    if commit is None or commit.parent != parent:  # none, or one that committed: its sample has the rate
+        return []
+    rate = commit.dirty_per_s()
+    return [rate] if rate is not None else []
 
 
 @contextlib.contextmanager

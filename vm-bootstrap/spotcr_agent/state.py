@@ -11,10 +11,13 @@ import dataclasses
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+LOCK_POLL_S = 0.1
 
 
 class StaleGeneration(RuntimeError):
@@ -120,12 +123,25 @@ def admit(state: AgentState, generation: int) -> None:
 
 
 @contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[None]:
-    """Held while CRIU dumps or restores: two CRIU runs on one job never overlap."""
+def exclusive(path: Path, while_held: Callable[[], None] | None = None) -> Iterator[None]:
+    """Held while CRIU dumps or restores: two CRIU runs on one job never overlap. `while_held` is called every
+    LOCK_POLL_S while another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        if while_held is None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        while while_held is not None and not _took(lock):
+            while_held()
+            time.sleep(LOCK_POLL_S)
         yield
+
+
+def _took(lock: IO[str]) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def pid_alive(pid: int) -> bool:

@@ -5,13 +5,14 @@ from .chunking import Chunking
 from .errors import (
     CheckpointExists,
     CheckpointNotFound,
+    CommitAbandoned,
     CorruptCheckpoint,
     StoreError,
     StoreUnavailable,
     UnsupportedManifest,
 )
 from .manifest import FORMAT_VERSION, CheckpointMeta, ChunkRef, FileEntry, Manifest, OpenFile
-from .store import CheckpointStore, CommitResult, PruneResult
+from .store import CheckpointStore, CommitProgress, CommitResult, PruneResult
 
 __all__ = [
     "FORMAT_VERSION",
@@ -22,6 +23,8 @@ __all__ = [
     "CheckpointStore",
     "ChunkRef",
     "Chunking",
+    "CommitAbandoned",
+    "CommitProgress",
     "CommitResult",
     "CorruptCheckpoint",
     "DirectoryBackend",

@@ -11,6 +11,14 @@ class StoreUnavailable(StoreError):
     """The store cannot be used at all: a missing mount, an unwritable directory, a missing bucket."""
 
 
+class CommitAbandoned(StoreError):
+    """The committer's keep_going said stop: nothing of this checkpoint was committed."""
+
+    def __init__(self, checkpoint_id: str) -> None:
+        super().__init__(f"the commit of checkpoint {checkpoint_id} was abandoned before its manifest")
+        self.checkpoint_id = checkpoint_id
+
+
 class CheckpointNotFound(StoreError):
     def __init__(self, checkpoint_id: str, location: str) -> None:
         super().__init__(f"checkpoint {checkpoint_id} is not committed in {location}")

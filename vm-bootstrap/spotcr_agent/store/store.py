@@ -69,7 +69,7 @@ from spotcr_contracts.layout import job_prefix, run_prefix
 
 from .backends import Backend, DirectoryBackend, ObjectNotFound, S3Backend
 from .chunking import PAGE, Chunker, Chunking
-from .errors import CheckpointNotFound, CorruptCheckpoint, StoreError, UnsupportedManifest
+from .errors import CheckpointNotFound, CommitAbandoned, CorruptCheckpoint, StoreError, UnsupportedManifest
 from .manifest import (
     CHUNK_HASHES,
     HASH_ALGORITHM,
@@ -106,6 +106,7 @@ PACKS_IN_FLIGHT = 4  # packs being written at once: a commit holds at most 5 x P
 FETCH_RANGE = 8 * 1024 * 1024  # a restore's ranged GETs of adjacent chunks stop at this size: parallel parts
 PACKS = "chunks/packs/"  # under chunks/: what a later run may prune (store_access.PRUNABLE) covers packs too
 FULL_EVERY = 10  # every 10th periodic checkpoint sends all its chunks again (final dumps always deduplicate)
+PROGRESS_S = 0.25  # how often a commit with keep_going reports its progress and asks whether to go on
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,16 @@ class CommitResult:
     upload_seconds: float = 0.0
     objects_uploaded: int = 0  # pack objects written (requests, the manifest and markers aside)
     chunks_unchanged: int = 0  # chunks found to be the parent's by their place and fast digest, not hashed
+
+
+@dataclass(frozen=True)
+class CommitProgress:
+    """How far a commit of complete files is: raw bytes cut into chunks, of all the files hold, and of those the
+    bytes of chunks hashed so far that the parent checkpoint did not hold."""
+
+    done: int
+    total: int
+    changed: int
 
 
 @dataclass(frozen=True)
@@ -240,10 +251,14 @@ class CheckpointStore:
         extra_files: Mapping[str, Path] | None = None,
         still_writing: Callable[[], bool] | None = None,
         inherited: Mapping[str, tuple[str, Path]] | None = None,
+        *,
+        keep_going: Callable[[CommitProgress], bool] | None = None,
     ) -> CommitResult:
         """Store every regular file under image_dir (as images/<name>) and extra_files, then commit.
 
         With still_writing, files are read as CRIU writes them, until it returns False; then they are finished.
+        keep_going (for files already complete) is told the commit's progress every PROGRESS_S; once it answers
+        False the commit stops before its manifest and raises CommitAbandoned.
         inherited: files known to hold the same bytes as a file of the parent checkpoint (meta.parent), by name
         here -> (name there, local copy); each is described by the parent's entry without being read, unless the
         parent lacks it, a chunk of it is no longer in the store, or this commit sends every chunk afresh: then
@@ -261,7 +276,9 @@ class CheckpointStore:
         self.backend.put(marker, b"")
         try:
             self._wait_for_sweeps(marker)
-            return self._commit(image_dir, meta, extra_files, still_writing, started, inherited=inherited or {})
+            return self._commit(
+                image_dir, meta, extra_files, still_writing, started, inherited=inherited or {}, keep_going=keep_going
+            )
         finally:
             self.backend.delete([marker])
 
@@ -274,6 +291,7 @@ class CheckpointStore:
         started: float,
         *,
         inherited: Mapping[str, tuple[str, Path]],
+        keep_going: Callable[[CommitProgress], bool] | None = None,
     ) -> CommitResult:
         known, in_parent, parent_since_full, parent_at = self._known_chunks(meta.parent)
         since_full = parent_since_full + 1 if known else 0
@@ -292,6 +310,7 @@ class CheckpointStore:
             in_parent=in_parent,
             parent_at=parent_at,
             record_fast=meta.kind != "final",
+            watch=_watch(meta.checkpoint_id, image_dir, extra_files, unread, keep_going) if keep_going else None,
         )
         try:
             with uploader:
@@ -747,6 +766,7 @@ class _Uploader:
         in_parent: set[str],
         parent_at: Mapping[tuple[str, int], ChunkRef],
         record_fast: bool,
+        watch: Callable[[_Uploader], None] | None = None,
     ) -> None:
         self._packer = packer
         self._in_parent = in_parent
@@ -767,6 +787,8 @@ class _Uploader:
         self.read_s = 0.0  # added to by the reading thread (_FileTail.pump)
         self.hash_s = self.compress_s = 0.0
         self.unchanged_chunks = 0  # chunks found unchanged by their fast digest, without a chunk id
+        self.bytes_handed = 0  # raw bytes cut into chunks so far, unchanged ones included
+        self._watch = watch
 
     def __enter__(self) -> _Uploader:
         return self
@@ -798,6 +820,12 @@ class _Uploader:
         with self._lock:
             self.unchanged_chunks += 1
         return there
+
+    def handed(self, size: int) -> None:
+        """A chunk of `size` bytes was cut (stored, or found to be the parent's)."""
+        self.bytes_handed += size
+        if self._watch is not None:
+            self._watch(self)
 
     def submit(self, data: bytes | memoryview, path: str, offset: int) -> Future[ChunkRef]:
         """Store the chunk at `offset` of file `path` (unless the store holds it); its ChunkRef once done."""
@@ -895,6 +923,7 @@ class _FileTail:
             same = self._same.pop(self._handed, None)
             self._chunks.append(same or uploader.submit(chunk, self.path, self._handed))
             self._handed += len(chunk)
+            uploader.handed(len(chunk))
 
     def pump(self, uploader: _Uploader) -> int:
         """Read everything written so far; hand complete chunks to the uploader."""
@@ -958,6 +987,32 @@ class _FileTail:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+def _watch(
+    checkpoint_id: str,
+    image_dir: Path,
+    extra_files: Mapping[str, Path] | None,
+    unread: Mapping[str, Path],
+    keep_going: Callable[[CommitProgress], bool],
+) -> Callable[[_Uploader], None]:
+    """An uploader's watch that tells keep_going the commit's progress every PROGRESS_S and stops the commit (in the
+    thread cutting chunks) once it answers False."""
+    files = [p for d, _, names in os.walk(image_dir) for p in (Path(d) / n for n in names) if p.is_file()]
+    total = sum(
+        p.stat().st_size for p in [*files, *map(Path, (extra_files or {}).values()), *map(Path, unread.values())]
+    )
+    asked = time.monotonic()
+
+    def watch(uploader: _Uploader) -> None:
+        nonlocal asked
+        if time.monotonic() - asked < PROGRESS_S:
+            return
+        asked = time.monotonic()
+        if not keep_going(CommitProgress(uploader.bytes_handed, total, uploader.bytes_changed)):
+            raise CommitAbandoned(checkpoint_id)
+
+    return watch
 
 
 def _allow_many_open_files() -> None:

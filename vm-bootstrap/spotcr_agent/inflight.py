@@ -1,0 +1,85 @@
+"""A periodic dump's commit in flight, as a final dump sees it.
+
+A periodic dump commits under the dump lock once its job runs again, and a final dump waits for that lock. A commit
+that cannot end before EC2 reclaims the VM made the final dump wait for nothing: the VM went with neither committed,
+and the backup restored the checkpoint before, at the end of the notice. So:
+- the periodic commit records its progress here every store.PROGRESS_S (`record`), and stops before its manifest
+  once asked to (`abandoned`: store.CommitAbandoned);
+- the final dump, while it waits for the lock, predicts the commit's end from that progress at the commit's own
+  rate so far (`Commit.ends_at`), and asks it to stop when that falls after the reclaim (`abandon`); it then takes
+  the lock at once, and its own deadline decides (deadline.cannot_fit): the dump, or the job stopped for the backup
+  to restore the newest committed checkpoint now;
+- what the stopped commit measured of how much of the job's memory changed since its parent counts for that
+  decision (`Commit.dirty_per_s`): the job's own figure, where one full dump alone has none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import deadline
+
+PROGRESS = "periodic-commit.json"
+ABANDON = "abandon-periodic"
+FRESH_S = 2.0  # a progress older than this says nothing of the commit now (it may be blocked on the store)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A periodic dump's commit at one moment: raw bytes cut into chunks, of all, and of those changed."""
+
+    checkpoint_id: str
+    parent: str | None
+    started: float  # unix time the commit began
+    at: float  # unix time of these figures
+    done: int
+    total: int
+    changed: int
+
+    def ends_at(self) -> float | None:
+        """When the commit ends at its rate so far; None before it has cut anything."""
+        if self.done <= 0 or self.at <= self.started:
+            return None
+        return self.at + (self.at - self.started) * max(0, self.total - self.done) / self.done
+
+    def dirty_per_s(self) -> float | None:
+        """Share of the job's bytes changed per second between the parent's freeze and this one's, in what the
+        commit has hashed so far; None without a parent or before any byte."""
+        since = deadline.since_parent(self.checkpoint_id, self.parent)
+        if self.done <= 0 or since <= 0:
+            return None
+        return self.changed / self.done / since
+
+
+def record(state_dir: Path, commit: Commit) -> None:
+    tmp = state_dir / f".{PROGRESS}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(asdict(commit)))
+    tmp.replace(state_dir / PROGRESS)
+
+
+def read(state_dir: Path) -> Commit | None:
+    try:
+        return Commit(**json.loads((state_dir / PROGRESS).read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+def in_flight(state_dir: Path) -> Commit | None:
+    """The commit's figures if they are fresh (FRESH_S)."""
+    commit = read(state_dir)
+    return commit if commit is not None and time.time() - commit.at < FRESH_S else None
+
+
+def abandon(state_dir: Path, checkpoint_id: str) -> None:
+    (state_dir / ABANDON).write_text(checkpoint_id)
+
+
+def abandoned(state_dir: Path, checkpoint_id: str) -> bool:
+    try:
+        return (state_dir / ABANDON).read_text() == checkpoint_id
+    except FileNotFoundError:
+        return False
