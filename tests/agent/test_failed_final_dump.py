@@ -213,7 +213,7 @@ def _periodic_commit_in_flight(agent: Any, commit: inflight.Commit, ends_by_itse
             until = time.time() + ends_by_itself_s
             while time.time() < until and not inflight.abandoned(agent.state.dir, commit.checkpoint_id):
                 now = time.time()  # the same rate, measured now
-                inflight.record(agent.state.dir, replace(commit, started=commit.started + now - commit.at, at=now))
+                inflight.record(agent.state.dir, replace(commit, first_at=commit.first_at + now - commit.at, at=now))
                 time.sleep(0.05)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -240,7 +240,7 @@ def test_a_final_dump_stops_a_periodic_commit_that_cannot_end_before_the_reclaim
     # comparison, in 1 s), and 60% of what it hashed had changed since its parent
     done = 4 * GiB * 25 // (25 + ends_in_s)
     frozen = f"{int((now - 30) * 1000)}-g2-s2-periodic"
-    commit = inflight.Commit(frozen, parent, now - 25, now, done, 4 * GiB, done * 3 // 5)
+    commit = inflight.Commit(frozen, parent, now - 25, 0, now, done, 4 * GiB, changed=done * 3 // 5)
     holder = _periodic_commit_in_flight(agent, commit, ends_by_itself_s=ends_in_s)
     reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})

@@ -372,11 +372,22 @@ class Checkpointer:
 
     def _in_flight(self, meta: CheckpointMeta) -> Callable[[CommitProgress], bool]:
         """A periodic commit's progress, recorded for a final dump, which may ask it to stop (inflight.py)."""
-        started = time.time()
+        first: list[tuple[float, int]] = []
 
         def keep_going(progress: CommitProgress) -> bool:
+            now = time.time()
+            if not first:
+                first.append((now, progress.done))
+            first_at, first_done = first[0]
             commit = inflight.Commit(
-                meta.checkpoint_id, meta.parent, started, time.time(), progress.done, progress.total, progress.changed
+                meta.checkpoint_id,
+                meta.parent,
+                first_at,
+                first_done,
+                now,
+                progress.done,
+                progress.total,
+                progress.changed,
             )
             inflight.record(self.state.dir, commit)
             if inflight.abandoned(self.state.dir, meta.checkpoint_id):
@@ -515,12 +526,14 @@ class Checkpointer:
                 return
             if ends_at > reclaim_at:
                 log.warning(
-                    "periodic commit %s would end %.0f s after the reclaim (%.0f%% of %.2f GiB in %.1f s): stopping it",
+                    "periodic commit %s would end %.0f s after the reclaim (%.0f%% of %.2f GiB, %.1f s since %.0f%%):"
+                    " stopping it",
                     commit.checkpoint_id,
                     ends_at - reclaim_at,
                     100 * commit.done / max(commit.total, 1),
                     commit.total / deadline.GiB,
-                    commit.at - commit.started,
+                    commit.at - commit.first_at,
+                    100 * commit.first_done / max(commit.total, 1),
                 )
                 inflight.abandon(self.state.dir, commit.checkpoint_id)
                 asked.add(commit.checkpoint_id)

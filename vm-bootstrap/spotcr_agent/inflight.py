@@ -26,31 +26,37 @@ from . import deadline
 PROGRESS = "periodic-commit.json"
 ABANDON = "abandon-periodic"
 FRESH_S = 2.0  # a progress older than this says nothing of the commit now (it may be blocked on the store)
+# Bytes a commit cuts before its rate and its changed share say anything: its first files are CRIU's small images,
+# which change whole every time, and its first second pays for listing the parent's chunks.
+MEASURED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
 class Commit:
-    """A periodic dump's commit at one moment: raw bytes cut into chunks, of all, and of those changed."""
+    """A periodic dump's commit at one moment: raw bytes cut into chunks, of all, and of those changed (counted
+    as they are hashed, a little behind)."""
 
     checkpoint_id: str
     parent: str | None
-    started: float  # unix time the commit began
+    first_at: float  # unix time of the commit's first figures
+    first_done: int
     at: float  # unix time of these figures
     done: int
     total: int
     changed: int
 
     def ends_at(self) -> float | None:
-        """When the commit ends at its rate so far; None before it has cut anything."""
-        if self.done <= 0 or self.at <= self.started:
+        """When the commit ends at its rate since its first figures; None before MEASURED_BYTES of it."""
+        cut = self.done - self.first_done
+        if cut < MEASURED_BYTES or self.at <= self.first_at:
             return None
-        return self.at + (self.at - self.started) * max(0, self.total - self.done) / self.done
+        return self.at + (self.at - self.first_at) * max(0, self.total - self.done) / cut
 
     def dirty_per_s(self) -> float | None:
         """Share of the job's bytes changed per second between the parent's freeze and this one's, in what the
-        commit has hashed so far; None without a parent or before any byte."""
+        commit has hashed so far; None without a parent or before MEASURED_BYTES."""
         since = deadline.since_parent(self.checkpoint_id, self.parent)
-        if self.done <= 0 or since <= 0:
+        if self.done < MEASURED_BYTES or since <= 0:
             return None
         return self.changed / self.done / since
 
