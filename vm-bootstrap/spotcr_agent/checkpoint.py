@@ -487,7 +487,6 @@ class Checkpointer:
                     raise CheckpointError(_not_running(state.job_status, state.exit_code))
                 pid, parent, start_time = state.job_pid, state.last_checkpoint, state.job_start_time
                 samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
-            self._check_checkpointable(pid)
             base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
             if base is None and samples and reclaim_at:
                 since = time.time() - deadline.checkpoint_seconds(parent) if parent else 0.0
@@ -496,6 +495,7 @@ class Checkpointer:
                 seen = _dirtying_seen(inflight.read(self.state.dir), parent)
                 if left > 0 and (why_not := deadline.cannot_fit(samples, since, left, dirty_seen=seen)):
                     raise CheckpointError(why_not)
+            self._check_checkpointable(pid)  # after the deadline: it scans the job and asks the store
             if base is not None:
                 how = f"incremental: dump on {len(base.dirs)} parent image dirs ({on}; {why})"
             else:

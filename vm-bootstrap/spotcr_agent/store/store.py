@@ -719,7 +719,9 @@ class _Packer:
         self.written = len(self._writes)
 
     def abort(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Write no more packs; those being written finish in the background (the process waits for them on exit),
+        unreferenced: swept as a killed commit's are. A final dump waiting for this commit's lock goes on now."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _seal(self) -> None:
         """Hand the pack being filled to a writer thread and start a new one (the caller holds the lock)."""
