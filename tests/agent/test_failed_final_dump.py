@@ -165,19 +165,29 @@ class _CriuNotToRun(_FailingCriu):
         raise CriuError("dump", "CRIU was started")
 
 
+def _one_dump_a_minute_ago(
+    tmp_path: Path, publisher: Any, monkeypatch: pytest.MonkeyPatch, *, criu_s: float, upload_s: float
+) -> tuple[Any, list[tuple[int, int]], float, str]:
+    """A running job at generation 2, with a CRIU that fails saying so if a final dump begins, whose one periodic
+    dump, a minute ago, took criu_s of CRIU and 60 s of the store for 4 GiB (upload_s of the store's 3 + upload_s
+    busy seconds sending). The agent, the job's tree, now, and that checkpoint."""
+    agent, tree = _running(tmp_path, publisher, "none", monkeypatch)
+    agent.criu = _CriuNotToRun()
+    monkeypatch.setattr("spotcr_agent.checkpoint.Checkpointer._carried", lambda *args, **kwargs: {})
+    now = time.time()
+    parent = f"{int((now - 60) * 1000)}-g2-s1-periodic"
+    sample = Sample(parent, 4 * GiB, 4 * GiB, 4 * GiB, 0.0, criu_s, 60.0, 1.0, 1.0, 1.0, upload_s)
+    with agent.state.locked() as state:
+        state.generation, state.dump_samples, state.last_checkpoint = 2, [sample.to_json()], parent
+    return agent, tree, now, parent
+
+
 @pytest.mark.parametrize("seconds_left", [15, 600])
 def test_a_final_dump_that_cannot_fit_the_notice_is_not_begun_and_the_job_stops(
     tmp_path, publisher, monkeypatch, seconds_left
 ):
     # Given a running job whose one periodic dump, a minute ago, took 40 s of CRIU and 60 s of the store for 4 GiB
-    agent, tree = _running(tmp_path, publisher, "none", monkeypatch)
-    agent.criu = _CriuNotToRun()
-    monkeypatch.setattr("spotcr_agent.checkpoint.Checkpointer._carried", lambda *args, **kwargs: {})
-    now = time.time()
-    sample = Sample("1-g2-s1-periodic", 4 * GiB, 4 * GiB, 4 * GiB, 0.0, 40.0, 60.0, 1.0, 1.0, 1.0, 1.0)
-    with agent.state.locked() as state:
-        state.generation, state.dump_samples = 2, [sample.to_json()]
-        state.last_checkpoint = f"{int((now - 60) * 1000)}-g2-s1-periodic"
+    agent, tree, now, _ = _one_dump_a_minute_ago(tmp_path, publisher, monkeypatch, criu_s=40.0, upload_s=1.0)
     reclaim = datetime.fromtimestamp(now + seconds_left, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
     try:
@@ -228,14 +238,7 @@ def test_a_final_dump_stops_a_periodic_commit_that_cannot_end_before_the_reclaim
 ):
     # Given a running job whose one periodic dump, a minute ago, took 4 s of CRIU and 60 s of the store for 4 GiB,
     # nearly all of it sending: alone, a final dump's least time (4 s) fits a 15 s notice
-    agent, tree = _running(tmp_path, publisher, "none", monkeypatch)
-    agent.criu = _CriuNotToRun()
-    monkeypatch.setattr("spotcr_agent.checkpoint.Checkpointer._carried", lambda *args, **kwargs: {})
-    now = time.time()
-    parent = f"{int((now - 60) * 1000)}-g2-s1-periodic"
-    sample = Sample(parent, 4 * GiB, 4 * GiB, 4 * GiB, 0.0, 4.0, 60.0, 1.0, 1.0, 1.0, 57.0)
-    with agent.state.locked() as state:
-        state.generation, state.dump_samples, state.last_checkpoint = 2, [sample.to_json()], parent
+    agent, tree, now, parent = _one_dump_a_minute_ago(tmp_path, publisher, monkeypatch, criu_s=4.0, upload_s=57.0)
     # And the next periodic dump, frozen 30 s after it, committing: at its rate so far it ends in 75 s (or, for
     # comparison, in 1 s), and 60% of what it hashed had changed since its parent
     done = 4 * GiB * 25 // (25 + ends_in_s)
