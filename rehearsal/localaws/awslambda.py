@@ -16,10 +16,51 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spotcr_functions import catalog
+from aws_lambda_powertools.metrics.provider.cloudwatch_emf.cloudwatch import AmazonCloudWatchEMFProvider
+from spotcr_functions import catalog, observability
 
 from rehearsal.iam import enforce
 from rehearsal.localaws import ACCOUNT, REGION, wrap
+
+
+class _PerInvocationMetrics(AmazonCloudWatchEMFProvider):
+    """Powertools' metrics provider with what one invocation adds (metrics, dimensions, metadata) held per thread.
+
+    Lambda runs each concurrent invocation in an execution environment of its own, so the module-level metric set
+    that every handler shares (spotcr_functions.observability) is only ever touched by one invocation at a time.
+    Here concurrent invocations are threads of one process: with one shared set, an invocation's flush could empty
+    it between another's check and serialization, and Powertools raised "Must contain at least one metric"."""
+
+    _invocation = threading.local()
+
+    def _fresh(self, name: str) -> Any:
+        if name == "dimension_sets":
+            return []
+        if name == "dimension_set":
+            return {key: str(value) for key, value in self.default_dimensions.items()}
+        return {}
+
+    @staticmethod
+    def _own(name: str) -> Any:
+        def get(self: _PerInvocationMetrics) -> Any:
+            state = vars(_PerInvocationMetrics._invocation)
+            if name not in state:
+                state[name] = self._fresh(name)
+            return state[name]
+
+        def put(self: _PerInvocationMetrics, value: Any) -> None:
+            setattr(_PerInvocationMetrics._invocation, name, value)
+
+        return property(get, put)
+
+    metric_set = _own("metric_set")
+    dimension_set = _own("dimension_set")
+    dimension_sets = _own("dimension_sets")
+    metadata_set = _own("metadata_set")
+
+
+# Swapping the class of the one provider instance reaches the handlers' `log_metrics` closures, made at import.
+observability.metrics.provider.__class__ = _PerInvocationMetrics
 
 
 @dataclass(frozen=True)
