@@ -8,11 +8,12 @@ starts jobs. The control plane's half is tests/workflow/test_one_live_copy.py.
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,105 @@ def test_a_final_dump_stops_a_periodic_commit_that_cannot_end_before_the_reclaim
         assert failed.reason.startswith("the final dump cannot fit the 1")
         assert "sending the 100% changed since the last checkpoint" in failed.reason
         assert _alive(tree) == []
+    finally:
+        for pid in _alive(tree):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def _periodic_dump_holding_the_lock(
+    agent: Any, checkpoint_id: str, took_lock_at: float, for_s: float
+) -> threading.Thread:
+    """A periodic dump that took the dump lock at `took_lock_at` and holds it, in its freeze (no commit figures yet),
+    for `for_s` or until it is told to stop."""
+    holding = threading.Event()
+
+    def run() -> None:
+        with exclusive(agent.state.dir / "dump.lock"), inflight.holding(agent.state.dir, checkpoint_id):
+            # it names itself as it does on taking the lock, at that earlier time
+            holder = inflight.Holder(checkpoint_id, took_lock_at)
+            (agent.state.dir / inflight.HOLDING).write_text(json.dumps(asdict(holder)))
+            holding.set()
+            until = time.time() + for_s
+            while time.time() < until and not inflight.abandoned(agent.state.dir, checkpoint_id):
+                time.sleep(0.05)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    holding.wait(5)
+    return thread
+
+
+@pytest.mark.parametrize("took_lock_s_ago", [1, 30])
+def test_a_final_dump_that_cannot_fit_does_not_wait_for_a_periodic_dump_that_cannot_either(
+    tmp_path, publisher, monkeypatch, took_lock_s_ago
+):
+    # Given a running job whose one periodic dump, a minute ago, took 40 s of CRIU for 4 GiB: a final dump begun
+    # at a notice with 15 s left cannot fit
+    agent, tree, now, _ = _one_dump_a_minute_ago(tmp_path, publisher, monkeypatch, criu_s=40.0, upload_s=1.0)
+    # And the next periodic dump holds the dump lock in its freeze, for 2 s more: it took the lock 1 s ago (so it
+    # needs at least 40 s from then, past the reclaim), or, for comparison, 30 s ago (it may end 5 s before it)
+    frozen = f"{int((now - took_lock_s_ago) * 1000)}-g2-s2-periodic"
+    holder = _periodic_dump_holding_the_lock(agent, frozen, now - took_lock_s_ago, for_s=2.0)
+    reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    try:
+        # When the notice comes
+        began = time.monotonic()
+        daemon._check_interruption(agent, notice)
+        waited = time.monotonic() - began
+        holder.join(5)
+
+        # Then the job stops for the backup to restore the newest committed checkpoint, with the final dump's reason
+        [failed] = publisher.of("CheckpointFailed")
+        assert failed.reason.startswith("the final dump cannot fit the 1")
+        assert (failed.kind, failed.job_stopped) == ("final", True)
+        assert _alive(tree) == []
+        if took_lock_s_ago == 1:
+            # at once: the periodic dump, which cannot be durable before the reclaim either, is told to stop
+            assert waited < 1.5
+            assert inflight.abandoned(agent.state.dir, frozen)
+        else:
+            # but a periodic dump that may still commit before the reclaim is waited for
+            assert waited >= 1.5
+            assert not inflight.abandoned(agent.state.dir, frozen)
+    finally:
+        for pid in _alive(tree):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+def _notice_in_the_freeze(agent: Any, notice: FakeMetadata) -> Criu:
+    """CRIU whose dump meets the notice while the job is frozen: the final dump runs (the agent's IMDS poll), then
+    CRIU fails, as it does when the job it dumps is killed."""
+
+    class NoticeInTheFreeze(_FailingCriu):
+        def finish_dump(self, process: subprocess.Popen[bytes], log_dir: Path) -> None:
+            process.wait()
+            daemon._check_interruption(agent, notice)
+            raise CriuError("dump", "Error (criu/cr-dump.c:1234): the task exited during the dump")
+
+    return NoticeInTheFreeze()
+
+
+def test_a_periodic_dump_whose_job_the_final_dump_stopped_says_so(tmp_path, publisher, monkeypatch):
+    # Given a running job whose one periodic dump, a minute ago, took 40 s of CRIU for 4 GiB
+    agent, tree, now, _ = _one_dump_a_minute_ago(tmp_path, publisher, monkeypatch, criu_s=40.0, upload_s=1.0)
+    reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    agent.criu = _notice_in_the_freeze(agent, notice)
+    try:
+        # When the notice, with 15 s left, comes while the next periodic dump's CRIU holds the job frozen
+        with pytest.raises(CheckpointError) as failed_periodic:
+            agent.checkpoint("periodic", 2)
+
+        # Then the final dump did not wait for it: it stopped the job, with its reason
+        failed, periodic = publisher.of("CheckpointFailed")
+        assert (failed.kind, failed.job_stopped) == ("final", True)
+        assert failed.reason.startswith("the final dump cannot fit the 1")
+        assert _alive(tree) == []
+        # And the periodic dump's error says why its CRIU failed
+        assert str(failed_periodic.value).startswith("the job was stopped for good during this dump")
+        assert (periodic.kind, periodic.reason) == ("periodic", str(failed_periodic.value))
+        assert inflight.holder(agent.state.dir) is None
     finally:
         for pid in _alive(tree):
             subprocess.run(["kill", "-9", str(pid)], check=False)

@@ -247,7 +247,7 @@ class Checkpointer:
                 # Nothing was frozen for long, nothing committed: this checkpoint is a full dump instead.
                 log.warning("memory tracking: the pre-dump failed, taking a full dump: %s", failed.error)
                 why = f"the pre-dump failed ({failed.error})"
-        with exclusive(self.state.dir / "dump.lock"):
+        with exclusive(self.state.dir / "dump.lock"), inflight.holding(self.state.dir, checkpoint):
             pid, parent = self._running_job(generation)
             self._check_checkpointable(pid)
             # Images (device memory included) and the work dir's copy, in memory when they fit there; refused
@@ -265,7 +265,7 @@ class Checkpointer:
         """A pre-dump (short freeze, pages drained after the job thaws), then at once an incremental dump on top of
         it (frozen for the pages dirtied in between), committed with the chain it links to."""
         started = time.monotonic()
-        with exclusive(self.state.dir / "dump.lock"):
+        with exclusive(self.state.dir / "dump.lock"), inflight.holding(self.state.dir, checkpoint):
             pid, parent = self._running_job(generation)
             start_time = self._job_start_time()
             self._check_checkpointable(pid)
@@ -363,6 +363,10 @@ class Checkpointer:
                 )
             except CriuError as error:
                 at_freeze.raise_own_error()
+                with self.state.locked() as state:
+                    if state.job_status == "stopped":  # by a failed final dump, which did not wait (_hopeless)
+                        why = f"the job was stopped for good during this dump: its final dump failed ({error.reason})"
+                        raise CheckpointError(why) from error
                 raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
         # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
         self.on_resumed()
@@ -481,6 +485,8 @@ class Checkpointer:
     def _take_final_in_scratch(self, checkpoint: str, generation: int, tracked: bool, why: str) -> CheckpointOutcome:
         started = time.monotonic()
         reclaim_at = self.reclaim_at() if self.reclaim_at is not None else None
+        if not tracked and reclaim_at is not None and (why_not := self._hopeless(reclaim_at)):
+            raise CheckpointError(why_not)
         with exclusive(self.state.dir / "dump.lock", while_held=self._commit_in_the_way(reclaim_at)):
             with self.state.locked() as state:
                 if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
@@ -513,6 +519,44 @@ class Checkpointer:
                     scratch, checkpoint, generation, pid, parent, base=base, started=started
                 )
                 return dataclasses.replace(outcome, scratch=room[1], memory_tracking=how)
+
+    def _hopeless(self, reclaim_at: float) -> str:
+        """Why a full final dump is given up at the notice without waiting for the periodic dump that holds the
+        dump lock (inflight.holding): neither a final dump begun now nor that periodic dump, from when it took the
+        lock, can be durable before the reclaim, even at the job's best measured rates (deadline.cannot_fit; a
+        commit with figures of its own ends when its rate says, Commit.ends_at). Waiting for its freeze and its
+        first figures would only hold the backup's restore of the newest committed checkpoint back, so it is asked
+        to stop, and the job is stopped now. "" otherwise: the final dump waits for the lock as before."""
+        dump = inflight.holder(self.state.dir)
+        if dump is None:
+            return ""
+        with self.state.locked() as state:
+            if state.job_status != "running" or not job_alive(state.job_pid, state.job_start_time):
+                return ""
+            parent = state.last_checkpoint
+            samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
+        commit = inflight.in_flight(self.state.dir)
+        seen = _dirtying_seen(commit, parent)
+        parent_at = deadline.checkpoint_seconds(parent) if parent else None
+
+        def cannot_fit(begun: float) -> str:
+            since = begun - parent_at if parent_at is not None else 0.0
+            return deadline.cannot_fit(samples, since, reclaim_at - begun, dirty_seen=seen)
+
+        now = time.time()
+        if now >= reclaim_at or not (why_not := cannot_fit(now)):
+            return ""
+        ends_at = commit.ends_at() if commit is not None and commit.checkpoint_id == dump.checkpoint_id else None
+        if (ends_at is not None and ends_at <= reclaim_at) or (ends_at is None and not cannot_fit(dump.since)):
+            return ""
+        log.warning(
+            "periodic dump %s, holding the dump lock for %.1f s, cannot be durable before the reclaim either:"
+            " stopping it, and the job",
+            dump.checkpoint_id,
+            now - dump.since,
+        )
+        inflight.abandon(self.state.dir, dump.checkpoint_id)
+        return why_not
 
     def _commit_in_the_way(self, reclaim_at: float | None) -> Callable[[], None]:
         """While a periodic commit holds the dump lock: asks it to stop once its end, at its rate so far, falls after

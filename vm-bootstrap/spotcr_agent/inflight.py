@@ -10,14 +10,21 @@ and the backup restored the checkpoint before, at the end of the notice. So:
   the lock at once, and its own deadline decides (deadline.cannot_fit): the dump, or the job stopped for the backup
   to restore the newest committed checkpoint now;
 - what the stopped commit measured of how much of the job's memory changed since its parent counts for that
-  decision (`Commit.dirty_per_s`): the job's own figure, where one full dump alone has none.
+  decision (`Commit.dirty_per_s`): the job's own figure, where one full dump alone has none;
+- a periodic dump names itself here for as long as it holds the dump lock (`holding`: from before its freeze to its
+  commit's end). When neither a final dump begun at the notice nor that periodic dump, from when it took the lock,
+  can be durable before the reclaim even at the job's best measured rates, the final dump does not wait for the
+  lock at all (checkpoint.Checkpointer._hopeless): the job is stopped at once, and the backup restores the newest
+  committed checkpoint as soon as it is up rather than after the periodic dump's freeze and first figures.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +32,7 @@ from . import deadline
 
 PROGRESS = "periodic-commit.json"
 ABANDON = "abandon-periodic"
+HOLDING = "periodic-dump.json"
 FRESH_S = 2.0  # a progress older than this says nothing of the commit now (it may be blocked on the store)
 # Bytes a commit cuts before its rate and its changed share say anything: its first files are CRIU's small images,
 # which change whole every time, and its first second pays for listing the parent's chunks.
@@ -89,3 +97,33 @@ def abandoned(state_dir: Path, checkpoint_id: str) -> bool:
         return (state_dir / ABANDON).read_text() == checkpoint_id
     except FileNotFoundError:
         return False
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The periodic dump that holds the dump lock."""
+
+    checkpoint_id: str
+    since: float  # unix time it took the lock, before its freeze
+
+
+@contextlib.contextmanager
+def holding(state_dir: Path, checkpoint_id: str) -> Iterator[None]:
+    """Names the periodic dump `checkpoint_id` as the dump lock's holder while the block runs (under the lock)."""
+    tmp = state_dir / f".{HOLDING}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(asdict(Holder(checkpoint_id, time.time()))))
+    tmp.replace(state_dir / HOLDING)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir / HOLDING).unlink()
+
+
+def holder(state_dir: Path) -> Holder | None:
+    """The periodic dump named as the dump lock's holder; one that died holding it may still be named (its lock
+    is free then: a final dump that does not wait for it decides what it would have decided on taking the lock)."""
+    try:
+        return Holder(**json.loads((state_dir / HOLDING).read_text()))
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
