@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -339,6 +340,59 @@ def test_a_periodic_dump_commits_inside_the_dump_lock(tmp_path):
 
         # Then no other dump could start meanwhile: two periodic dumps never overlap or commit out of order
         assert store.lock_free_during_commit == [False]
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_periodic_dump_that_waited_for_the_dump_lock_is_named_for_its_freeze(tmp_path):
+    # Given a running job, and another dump holding the dump lock for 1 s more
+    job = subprocess.Popen(["sleep", "30"], start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        config = make_config(tmp_path)
+        Path(config.workdir).mkdir(parents=True)
+        state_dir = Path(config.state_dir)
+        store = _LockProbeStore(state_dir / "dump.lock")
+        committed: list[str] = []
+        store_commit = store.commit
+
+        def commit(image_dir, meta, extra_files=None, still_writing=None, *, keep_going=None):
+            committed.append(meta.checkpoint_id)
+            return store_commit(image_dir, meta, extra_files, still_writing, keep_going=keep_going)
+
+        store.commit = commit  # type: ignore[method-assign]
+        checkpointer = Checkpointer(
+            job_id="job-1",
+            workdir=config.workdir,
+            scratch_dir=config.scratch_dir,
+            state=make_agent(config, None, store).state,
+            store=cast(Any, store),
+            criu=cast(Any, _LockProbeCriu()),
+            host=lambda: HOST,
+        )
+        with checkpointer.state.locked() as state:
+            state.generation, state.job_status = 1, "running"
+            state.job_pid, state.job_start_time = job.pid, process_start_time(job.pid) or 0
+        held, released = threading.Event(), []
+
+        def hold() -> None:
+            with open(state_dir / "dump.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                held.set()
+                time.sleep(1.0)
+                released.append(time.time())
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(5)
+
+        # When a periodic dump is asked for now
+        checkpointer.checkpoint("periodic", 1)
+        holder.join()
+
+        # Then its id names when it took the lock, right before its freeze, not when it was asked for
+        [taken] = committed
+        assert int(taken.split("-")[0]) / 1000 >= released[0] - 0.01
     finally:
         job.kill()
         job.wait()

@@ -237,9 +237,9 @@ class Checkpointer:
 
     def _periodic(self, generation: int) -> CheckpointOutcome:
         started = time.monotonic()
-        checkpoint = self._new_id(generation, "periodic")
         tracked, why = self._tracking()
         if tracked:
+            checkpoint = self._new_id(generation, "periodic")
             try:
                 with _scratch(self.scratch_dir / checkpoint) as scratch:
                     return self._periodic_tracked(scratch, checkpoint, generation, why)
@@ -247,19 +247,27 @@ class Checkpointer:
                 # Nothing was frozen for long, nothing committed: this checkpoint is a full dump instead.
                 log.warning("memory tracking: the pre-dump failed, taking a full dump: %s", failed.error)
                 why = f"the pre-dump failed ({failed.error})"
-        with exclusive(self.state.dir / "dump.lock"), inflight.holding(self.state.dir, checkpoint):
-            pid, parent = self._running_job(generation)
-            self._check_checkpointable(pid)
-            # Images (device memory included) and the work dir's copy, in memory when they fit there; refused
-            # before the freeze otherwise.
-            with (
-                scratch_room.dump_scratch(
-                    self.scratch_dir, self.memory_scratch_dir, pid, self.workdir, gpu_bytes=self._gpu_bytes
-                ) as room,
-                _scratch(room[0] / checkpoint) as scratch,
-            ):
-                outcome = self._periodic_into(scratch, checkpoint, generation, pid, parent, started=started)
-                return dataclasses.replace(outcome, scratch=room[1], memory_tracking=f"full dump: {why}")
+        with exclusive(self.state.dir / "dump.lock"):
+            # Named for now, right before its freeze, not for when it was asked for: a dump that waited for the
+            # lock (another one committing) would otherwise count that wait as time its job had to change memory.
+            checkpoint = self._new_id(generation, "periodic")
+            with inflight.holding(self.state.dir, checkpoint):
+                return self._periodic_full(checkpoint, generation, why, started)
+
+    def _periodic_full(self, checkpoint: str, generation: int, why: str, started: float) -> CheckpointOutcome:
+        """Under the dump lock: a full dump, committed."""
+        pid, parent = self._running_job(generation)
+        self._check_checkpointable(pid)
+        # Images (device memory included) and the work dir's copy, in memory when they fit there; refused
+        # before the freeze otherwise.
+        with (
+            scratch_room.dump_scratch(
+                self.scratch_dir, self.memory_scratch_dir, pid, self.workdir, gpu_bytes=self._gpu_bytes
+            ) as room,
+            _scratch(room[0] / checkpoint) as scratch,
+        ):
+            outcome = self._periodic_into(scratch, checkpoint, generation, pid, parent, started=started)
+            return dataclasses.replace(outcome, scratch=room[1], memory_tracking=f"full dump: {why}")
 
     def _periodic_tracked(self, scratch: Path, checkpoint: str, generation: int, why: str) -> CheckpointOutcome:
         """A pre-dump (short freeze, pages drained after the job thaws), then at once an incremental dump on top of
