@@ -183,14 +183,26 @@ def _one_dump_a_minute_ago(
     return agent, tree, now, parent
 
 
+def _notice(now: float, seconds_left: float) -> FakeMetadata:
+    """IMDS with a spot interruption notice: EC2 reclaims the VM `seconds_left` after `now`."""
+    reclaim = datetime.fromtimestamp(now + seconds_left, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+
+
+def _noticed(agent: Any, notice: FakeMetadata) -> float:
+    """The agent's IMDS poll meets `notice`: the seconds until its final dump was taken or given up."""
+    began = time.monotonic()
+    daemon._check_interruption(agent, notice)
+    return time.monotonic() - began
+
+
 @pytest.mark.parametrize("seconds_left", [15, 600])
 def test_a_final_dump_that_cannot_fit_the_notice_is_not_begun_and_the_job_stops(
     tmp_path, publisher, monkeypatch, seconds_left
 ):
     # Given a running job whose one periodic dump, a minute ago, took 40 s of CRIU and 60 s of the store for 4 GiB
     agent, tree, now, _ = _one_dump_a_minute_ago(tmp_path, publisher, monkeypatch, criu_s=40.0, upload_s=1.0)
-    reclaim = datetime.fromtimestamp(now + seconds_left, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    notice = _notice(now, seconds_left=seconds_left)
     try:
         # When the notice comes with 15 s left (and, for comparison, with 10 minutes left)
         daemon._check_interruption(agent, notice)
@@ -213,18 +225,30 @@ def test_a_final_dump_that_cannot_fit_the_notice_is_not_begun_and_the_job_stops(
             subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
-def _periodic_commit_in_flight(agent: Any, commit: inflight.Commit, ends_by_itself_s: float) -> threading.Thread:
-    """A periodic dump's commit holding the dump lock, telling its progress (with `commit`'s figures) until it is
-    told to stop or ends by itself."""
+def _periodic_dump_holding_the_lock(
+    agent: Any,
+    checkpoint_id: str,
+    for_s: float,
+    *,
+    took_lock_at: float | None = None,
+    commit: inflight.Commit | None = None,
+) -> threading.Thread:
+    """A periodic dump holding the dump lock for `for_s` or until it is told to stop, named as its holder (as of
+    `took_lock_at`, or now); with `commit`, committing: telling its progress with `commit`'s figures."""
     holding = threading.Event()
 
     def run() -> None:
-        with exclusive(agent.state.dir / "dump.lock"):
+        with exclusive(agent.state.dir / "dump.lock"), inflight.holding(agent.state.dir, checkpoint_id):
+            if took_lock_at is not None:  # it names itself as it does on taking the lock, at that earlier time
+                holder = inflight.Holder(checkpoint_id, took_lock_at)
+                (agent.state.dir / inflight.HOLDING).write_text(json.dumps(asdict(holder)))
             holding.set()
-            until = time.time() + ends_by_itself_s
-            while time.time() < until and not inflight.abandoned(agent.state.dir, commit.checkpoint_id):
-                now = time.time()  # the same rate, measured now
-                inflight.record(agent.state.dir, replace(commit, first_at=commit.first_at + now - commit.at, at=now))
+            until = time.time() + for_s
+            while time.time() < until and not inflight.abandoned(agent.state.dir, checkpoint_id):
+                if commit is not None:  # the same rate, measured now
+                    now = time.time()
+                    moved = replace(commit, first_at=commit.first_at + now - commit.at, at=now)
+                    inflight.record(agent.state.dir, moved)
                 time.sleep(0.05)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -245,14 +269,11 @@ def test_a_final_dump_stops_a_periodic_commit_that_cannot_end_before_the_reclaim
     done = 4 * GiB * 25 // (25 + ends_in_s)
     frozen = f"{int((now - 30) * 1000)}-g2-s2-periodic"
     commit = inflight.Commit(frozen, parent, now - 25, 0, now, done, 4 * GiB, changed=done * 3 // 5)
-    holder = _periodic_commit_in_flight(agent, commit, ends_by_itself_s=ends_in_s)
-    reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    holder = _periodic_dump_holding_the_lock(agent, frozen, ends_in_s, commit=commit)
+    notice = _notice(now, seconds_left=15)
     try:
         # When the notice comes with 15 s left
-        began = time.monotonic()
-        daemon._check_interruption(agent, notice)
-        waited = time.monotonic() - began
+        waited = _noticed(agent, notice)
         holder.join(5)
 
         [failed] = publisher.of("CheckpointFailed")
@@ -276,29 +297,6 @@ def test_a_final_dump_stops_a_periodic_commit_that_cannot_end_before_the_reclaim
             subprocess.run(["kill", "-9", str(pid)], check=False)
 
 
-def _periodic_dump_holding_the_lock(
-    agent: Any, checkpoint_id: str, took_lock_at: float, for_s: float
-) -> threading.Thread:
-    """A periodic dump that took the dump lock at `took_lock_at` and holds it, in its freeze (no commit figures yet),
-    for `for_s` or until it is told to stop."""
-    holding = threading.Event()
-
-    def run() -> None:
-        with exclusive(agent.state.dir / "dump.lock"), inflight.holding(agent.state.dir, checkpoint_id):
-            # it names itself as it does on taking the lock, at that earlier time
-            holder = inflight.Holder(checkpoint_id, took_lock_at)
-            (agent.state.dir / inflight.HOLDING).write_text(json.dumps(asdict(holder)))
-            holding.set()
-            until = time.time() + for_s
-            while time.time() < until and not inflight.abandoned(agent.state.dir, checkpoint_id):
-                time.sleep(0.05)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    holding.wait(5)
-    return thread
-
-
 @pytest.mark.parametrize("took_lock_s_ago", [1, 30])
 def test_a_final_dump_that_cannot_fit_does_not_wait_for_a_periodic_dump_that_cannot_either(
     tmp_path, publisher, monkeypatch, took_lock_s_ago
@@ -309,14 +307,11 @@ def test_a_final_dump_that_cannot_fit_does_not_wait_for_a_periodic_dump_that_can
     # And the next periodic dump holds the dump lock in its freeze, for 2 s more: it took the lock 1 s ago (so it
     # needs at least 40 s from then, past the reclaim), or, for comparison, 30 s ago (it may end 5 s before it)
     frozen = f"{int((now - took_lock_s_ago) * 1000)}-g2-s2-periodic"
-    holder = _periodic_dump_holding_the_lock(agent, frozen, now - took_lock_s_ago, for_s=2.0)
-    reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    holder = _periodic_dump_holding_the_lock(agent, frozen, 2.0, took_lock_at=now - took_lock_s_ago)
+    notice = _notice(now, seconds_left=15)
     try:
         # When the notice comes
-        began = time.monotonic()
-        daemon._check_interruption(agent, notice)
-        waited = time.monotonic() - began
+        waited = _noticed(agent, notice)
         holder.join(5)
 
         # Then the job stops for the backup to restore the newest committed checkpoint, with the final dump's reason
@@ -353,8 +348,7 @@ def _notice_in_the_freeze(agent: Any, notice: FakeMetadata) -> Criu:
 def test_a_periodic_dump_whose_job_the_final_dump_stopped_says_so(tmp_path, publisher, monkeypatch):
     # Given a running job whose one periodic dump, a minute ago, took 40 s of CRIU for 4 GiB
     agent, tree, now, _ = _one_dump_a_minute_ago(tmp_path, publisher, monkeypatch, criu_s=40.0, upload_s=1.0)
-    reclaim = datetime.fromtimestamp(now + 15, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    notice = FakeMetadata({"meta-data/spot/instance-action": f'{{"action":"terminate","time":"{reclaim}"}}'})
+    notice = _notice(now, seconds_left=15)
     agent.criu = _notice_in_the_freeze(agent, notice)
     try:
         # When the notice, with 15 s left, comes while the next periodic dump's CRIU holds the job frozen

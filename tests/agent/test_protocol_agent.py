@@ -289,11 +289,13 @@ class _LockProbeStore:
     def __init__(self, lock_path):
         self.lock_path = lock_path
         self.lock_free_during_commit = []
+        self.committed = []  # the checkpoints' ids
 
     def check(self):
         pass
 
     def commit(self, image_dir, meta, extra_files=None, still_writing=None, *, keep_going=None):
+        self.committed.append(meta.checkpoint_id)
         with open(self.lock_path, "a") as probe:
             try:
                 fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -308,6 +310,26 @@ class _LockProbeStore:
         pass
 
 
+def _lock_probe_checkpointer(tmp_path: Path, job_pid: int) -> tuple[Checkpointer, _LockProbeStore]:
+    """A checkpointer of the running job `job_pid` at generation 1, with the fake CRIU and the lock-probing store."""
+    config = make_config(tmp_path)
+    Path(config.workdir).mkdir(parents=True)
+    store = _LockProbeStore(Path(config.state_dir) / "dump.lock")
+    checkpointer = Checkpointer(
+        job_id="job-1",
+        workdir=config.workdir,
+        scratch_dir=config.scratch_dir,
+        state=make_agent(config, None, store).state,
+        store=cast(Any, store),
+        criu=cast(Any, _LockProbeCriu()),
+        host=lambda: HOST,
+    )
+    with checkpointer.state.locked() as state:
+        state.generation, state.job_status = 1, "running"
+        state.job_pid, state.job_start_time = job_pid, process_start_time(job_pid) or 0
+    return checkpointer, store
+
+
 def test_a_periodic_dump_commits_inside_the_dump_lock(tmp_path):
     # Given a running job (its own session, as spotcr starts jobs)
     job = subprocess.Popen(
@@ -318,22 +340,7 @@ def test_a_periodic_dump_commits_inside_the_dump_lock(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        config = make_config(tmp_path)
-        Path(config.workdir).mkdir(parents=True)
-        state_dir = Path(config.state_dir)
-        store = _LockProbeStore(state_dir / "dump.lock")
-        checkpointer = Checkpointer(
-            job_id="job-1",
-            workdir=config.workdir,
-            scratch_dir=config.scratch_dir,
-            state=make_agent(config, None, store).state,
-            store=cast(Any, store),
-            criu=cast(Any, _LockProbeCriu()),
-            host=lambda: HOST,
-        )
-        with checkpointer.state.locked() as state:
-            state.generation, state.job_status = 1, "running"
-            state.job_pid, state.job_start_time = job.pid, process_start_time(job.pid) or 0
+        checkpointer, store = _lock_probe_checkpointer(tmp_path, job.pid)
 
         # When a periodic dump commits
         checkpointer.checkpoint("periodic", 1)
@@ -349,34 +356,11 @@ def test_a_periodic_dump_that_waited_for_the_dump_lock_is_named_for_its_freeze(t
     # Given a running job, and another dump holding the dump lock for 1 s more
     job = subprocess.Popen(["sleep", "30"], start_new_session=True, stdin=subprocess.DEVNULL)
     try:
-        config = make_config(tmp_path)
-        Path(config.workdir).mkdir(parents=True)
-        state_dir = Path(config.state_dir)
-        store = _LockProbeStore(state_dir / "dump.lock")
-        committed: list[str] = []
-        store_commit = store.commit
-
-        def commit(image_dir, meta, extra_files=None, still_writing=None, *, keep_going=None):
-            committed.append(meta.checkpoint_id)
-            return store_commit(image_dir, meta, extra_files, still_writing, keep_going=keep_going)
-
-        store.commit = commit  # type: ignore[method-assign]
-        checkpointer = Checkpointer(
-            job_id="job-1",
-            workdir=config.workdir,
-            scratch_dir=config.scratch_dir,
-            state=make_agent(config, None, store).state,
-            store=cast(Any, store),
-            criu=cast(Any, _LockProbeCriu()),
-            host=lambda: HOST,
-        )
-        with checkpointer.state.locked() as state:
-            state.generation, state.job_status = 1, "running"
-            state.job_pid, state.job_start_time = job.pid, process_start_time(job.pid) or 0
+        checkpointer, store = _lock_probe_checkpointer(tmp_path, job.pid)
         held, released = threading.Event(), []
 
         def hold() -> None:
-            with open(state_dir / "dump.lock", "a") as lock:
+            with open(store.lock_path, "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 held.set()
                 time.sleep(1.0)
@@ -391,7 +375,7 @@ def test_a_periodic_dump_that_waited_for_the_dump_lock_is_named_for_its_freeze(t
         holder.join()
 
         # Then its id names when it took the lock, right before its freeze, not when it was asked for
-        [taken] = committed
+        [taken] = store.committed
         assert int(taken.split("-")[0]) / 1000 >= released[0] - 0.01
     finally:
         job.kill()
