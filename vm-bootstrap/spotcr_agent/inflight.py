@@ -70,9 +70,14 @@ class Commit:
 
 
 def record(state_dir: Path, commit: Commit) -> None:
-    tmp = state_dir / f".{PROGRESS}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(asdict(commit)))
-    tmp.replace(state_dir / PROGRESS)
+    _put(state_dir, PROGRESS, commit)
+
+
+def _put(state_dir: Path, name: str, figures: Commit | Holder) -> None:
+    """Replaces the file whole: a reader never sees half of it."""
+    tmp = state_dir / f".{name}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(asdict(figures)))
+    tmp.replace(state_dir / name)
 
 
 def read(state_dir: Path) -> Commit | None:
@@ -110,9 +115,7 @@ class Holder:
 @contextlib.contextmanager
 def holding(state_dir: Path, checkpoint_id: str) -> Iterator[None]:
     """Names the periodic dump `checkpoint_id` as the dump lock's holder while the block runs (under the lock)."""
-    tmp = state_dir / f".{HOLDING}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(asdict(Holder(checkpoint_id, time.time()))))
-    tmp.replace(state_dir / HOLDING)
+    _put(state_dir, HOLDING, Holder(checkpoint_id, time.time()))
     try:
         yield
     finally:
