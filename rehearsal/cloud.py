@@ -163,6 +163,12 @@ class LocalCloud:
         self._scheduler: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        # moto's books of which volume is attached where (an instance's block-device mapping): its server serves
+        # requests on threads of their own, and a termination's clean-up (_terminated) runs on another. Moto's
+        # TerminateInstances lists the mapping, then reads each entry: a detach between the two failed it with a
+        # KeyError (HTTP 500), where EC2 terminates an instance whatever its volumes are doing. Re-entrant: a
+        # termination detaches its volumes through the hooked DetachVolume.
+        self._volume_books = threading.RLock()
         self._saved_stdout: Any = None
         self._functions_log: Any = None
         self.enforcer: enforce.Enforcer | None = None
@@ -662,7 +668,8 @@ class LocalCloud:
 
         def terminate_instances(original: Any) -> Any:
             def hooked(backend: Any, instance_ids: list[str]) -> Any:
-                result = original(backend, instance_ids)
+                with cloud._volume_books:
+                    result = original(backend, instance_ids)
                 for instance, previous in result:
                     if previous.name != "terminated":  # terminating it again changes nothing, as on EC2
                         cloud.spawn(cloud._terminated, backend, instance.id, name=f"terminated-{instance.id}")
@@ -690,7 +697,8 @@ class LocalCloud:
 
         def attach_volume(original: Any) -> Any:
             def hooked(backend: Any, volume_id: str, instance_id: str, *args: Any, **kwargs: Any) -> Any:
-                attachment = original(backend, volume_id, instance_id, *args, **kwargs)
+                with cloud._volume_books:
+                    attachment = original(backend, volume_id, instance_id, *args, **kwargs)
                 vm = cloud.vms.get(instance_id)
                 # Only volumes attached to a running local VM get a loop device (moto's root volumes do not).
                 if attachment is not None and vm is not None:
@@ -708,8 +716,9 @@ class LocalCloud:
             def hooked(backend: Any, volume_id: str, instance_id: str | None, *args: Any, **kwargs: Any) -> Any:
                 volume = backend.get_volume(volume_id)
                 # DetachVolume may omit InstanceId (moto requires it): the volume's current attachment names it.
-                owner = instance_id or (volume.attachment.instance.id if volume.attachment else None)
-                attachment = original(backend, volume_id, owner, *args, **kwargs)
+                with cloud._volume_books:
+                    owner = instance_id or (volume.attachment.instance.id if volume.attachment else None)
+                    attachment = original(backend, volume_id, owner, *args, **kwargs)
                 vm = cloud.vms.get(owner or "")
                 if vm is not None:
                     vm.detach_device(volume_id)
@@ -853,12 +862,13 @@ class LocalCloud:
         self.emit_ec2(catalog.STATE_CHANGE, instance_id, {"state": "shutting-down"})
         if vm is not None:
             vm.terminate()
-        for volume in list(backend.volumes.values()):
-            attachment = volume.attachment
-            if attachment is not None and attachment.instance.id == instance_id:
-                # Terminating an instance detaches its data volumes.
-                volume.attachment = None
-                attachment.instance.block_device_mapping.pop(attachment.device, None)
+        with self._volume_books:
+            for volume in list(backend.volumes.values()):
+                attachment = volume.attachment
+                if attachment is not None and attachment.instance.id == instance_id:
+                    # Terminating an instance detaches its data volumes.
+                    volume.attachment = None
+                    attachment.instance.block_device_mapping.pop(attachment.device, None)
         self.timeline.point(instance_id, "terminated", f"{instance_id} terminated")
         self.emit_ec2(catalog.STATE_CHANGE, instance_id, {"state": "terminated"})
 
