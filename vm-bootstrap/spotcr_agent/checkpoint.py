@@ -503,11 +503,10 @@ class Checkpointer:
                 samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
             base, on = self._usable_chain(pid, start_time, parent, room_for=0) if tracked else (None, "")
             if base is None and samples and reclaim_at:
-                since = time.time() - deadline.checkpoint_seconds(parent) if parent else 0.0
-                left = reclaim_at - time.time()  # EC2's time by this VM's clock (Amazon Time Sync on EC2)
+                now = time.time()  # EC2's time by this VM's clock (Amazon Time Sync on EC2)
                 # None left means this clock runs ahead (EC2 would have taken the VM already): begin the dump.
                 seen = _dirtying_seen(inflight.read(self.state.dir), parent)
-                if left > 0 and (why_not := deadline.cannot_fit(samples, since, left, dirty_seen=seen)):
+                if now < reclaim_at and (why_not := _cannot_fit_from(samples, parent, now, reclaim_at, seen)):
                     raise CheckpointError(why_not)
             self._check_checkpointable(pid)  # after the deadline: it scans the job and asks the store
             if base is not None:
@@ -545,17 +544,14 @@ class Checkpointer:
             samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
         commit = inflight.in_flight(self.state.dir)
         seen = _dirtying_seen(commit, parent)
-        parent_at = deadline.checkpoint_seconds(parent) if parent else None
-
-        def cannot_fit(begun: float) -> str:
-            since = begun - parent_at if parent_at is not None else 0.0
-            return deadline.cannot_fit(samples, since, reclaim_at - begun, dirty_seen=seen)
-
         now = time.time()
-        if now >= reclaim_at or not (why_not := cannot_fit(now)):
+        if now >= reclaim_at or not (why_not := _cannot_fit_from(samples, parent, now, reclaim_at, seen)):
             return ""
         ends_at = commit.ends_at() if commit is not None and commit.checkpoint_id == dump.checkpoint_id else None
-        if (ends_at is not None and ends_at <= reclaim_at) or (ends_at is None and not cannot_fit(dump.since)):
+        if ends_at is not None:
+            if ends_at <= reclaim_at:  # at its own rate, it commits in time
+                return ""
+        elif not _cannot_fit_from(samples, parent, dump.since, reclaim_at, seen):  # from when it took the lock
             return ""
         log.warning(
             "periodic dump %s, holding the dump lock for %.1f s, cannot be durable before the reclaim either:"
@@ -835,6 +831,15 @@ class Checkpointer:
             compress_seconds=round(result.compress_seconds, 3),
             upload_seconds=round(result.upload_seconds, 3),
         )
+
+
+def _cannot_fit_from(
+    samples: list[deadline.Sample], parent: str | None, begun: float, reclaim_at: float, seen: list[float]
+) -> str:
+    """deadline.cannot_fit for a full dump begun at `begun` (unix time) on top of `parent`, EC2 reclaiming the VM
+    at `reclaim_at`."""
+    since = begun - deadline.checkpoint_seconds(parent) if parent else 0.0
+    return deadline.cannot_fit(samples, since, reclaim_at - begun, dirty_seen=seen)
 
 
 def _dirtying_seen(commit: inflight.Commit | None, parent: str | None) -> list[float]:
