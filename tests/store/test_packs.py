@@ -21,7 +21,7 @@ from botocore import httpchecksum
 from botocore.exceptions import ClientError
 from spotcr_agent.store import CheckpointStore, CorruptCheckpoint, DirectoryBackend, chunking
 from spotcr_agent.store import store as store_module
-from spotcr_agent.store.backends import crc32_header
+from spotcr_agent.store.backends import SEND_BLOCK, _ViewReader, crc32_header
 from spotcr_agent.store.chunking import Chunker, Chunking
 from spotcr_agent.store.manifest import CHUNK_HASHES
 from spotcr_agent.store.store import FETCH_RANGE
@@ -329,6 +329,28 @@ def test_a_directory_store_writes_a_pack_byte_for_byte_past_or_through_the_page_
     finally:
         if mount == "tmpfs":
             shutil.rmtree(root)
+
+
+def test_an_s3_put_hands_a_pack_to_the_connection_uncopied_in_large_blocks() -> None:
+    # Given a pack in page-aligned memory, as the store fills packs, read as an S3 put's body
+    buffer = mmap.mmap(-1, 3 * SEND_BLOCK + 1234)
+    buffer[:] = random_bytes(len(buffer), seed=52)
+    reader = _ViewReader(memoryview(buffer))
+
+    # When urllib3 reads it, asking for its 16 KiB blocks
+    blocks = []
+    while block := reader.read(16 * 1024):
+        blocks.append(block)
+
+    # Then each block is the pack's own memory, SEND_BLOCK long but the last, and together they are the pack
+    assert all(isinstance(block, memoryview) and block.obj is buffer for block in blocks)
+    assert [len(block) for block in blocks] == [SEND_BLOCK, SEND_BLOCK, SEND_BLOCK, 1234]
+    assert b"".join(blocks) == buffer[:]
+
+    # And after a retry's seek back to the start, readinto fills exactly the buffer it is given
+    reader.seek(0)
+    into = bytearray(100)
+    assert reader.readinto(into) == 100 and into == buffer[:100] and reader.tell() == 100
 
 
 def test_a_checkpoint_with_sha256_chunk_ids_restores_verified_by_them(

@@ -74,6 +74,7 @@ WRITE_BLOCK = 1024 * 1024  # a pack is written to a file in writes of this size:
 # write() into a new file took 1.2-2.7 s per 256 MiB, 4 MiB writes up to 3 s, 1 MiB writes 0.13-0.44 s
 DIRECT_BLOCK = 4096  # O_DIRECT writes whole blocks of the device's size (512 or 4096) from memory aligned alike
 DIRECT_MIN = 1024 * 1024  # objects this large (packs) skip the page cache when their memory is page-aligned
+SEND_BLOCK = 1024 * 1024  # a pack is handed to the HTTP connection in blocks of this size, uncopied (_ViewReader)
 
 
 class DirectoryBackend:
@@ -359,7 +360,11 @@ class S3Backend:
 
 class _ViewReader(io.RawIOBase):
     """A pack's memory as the file botocore reads (its CRC32, then the request body) and seeks in: a copy of the
-    whole pack into fresh memory took as long as 4 pack writers sending it, here, in page faults alone."""
+    whole pack into fresh memory took as long as 4 pack writers sending it, here, in page faults alone.
+
+    read() hands out the pack's own memory, SEND_BLOCK at a time however little is asked: urllib3 asks for 16 KiB
+    and sends each block with a sendall() of its own, which copied every block into a new bytes first (1 GiB of
+    32 MiB packs to MinIO, 4 at once: the client's CPU 0.98 s with 16 KiB copies, 0.78 s with this)."""
 
     def __init__(self, view: memoryview) -> None:
         self._view = view
@@ -374,15 +379,16 @@ class _ViewReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._at + size)
-        data = bytes(self._view[self._at : end])
+    def read(self, size: int | None = -1) -> memoryview:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._at + max(size, SEND_BLOCK))
+        data = self._view[self._at : end]
         self._at = max(self._at, end)
         return data
 
     def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
+        data = self._view[self._at : self._at + len(buffer)]
         buffer[: len(data)] = data
+        self._at += len(data)
         return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
