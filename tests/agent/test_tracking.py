@@ -60,7 +60,8 @@ class ChainCriu:
         self._post_dump(action_script)
         return 0.01
 
-    def dump_argv(self, pid, images, logs, *, leave_running, prev_images_dir=None, action_script=None, libdir=None):
+    def dump_argv(self, pid, images, logs, *, leave_running, leave_stopped=False, **options):
+        prev_images_dir, action_script = options.get("prev_images_dir"), options.get("action_script")
         return ["final", str(images), str(prev_images_dir) if prev_images_dir else "", str(action_script)]
 
     def start_dump(self, argv):
