@@ -15,6 +15,14 @@ def _mounted(path: Path) -> bool:
     return subprocess.run(["mountpoint", "-q", str(path)], check=False).returncode == 0
 
 
+def _options(path: Path) -> list[str]:
+    mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return next(fields[3].split(",") for fields in reversed(mounts) if fields[1] == str(path))
+
+
+HUGE_TMPFS = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").exists()
+
+
 def test_free_memory_decides_whether_a_memory_scratch_fits():
     # Given a dump of 3 GiB on a 16 GiB VM (the reserve beside it is 10%: 1.6 GiB)
     def estimate(pid, workdir):
@@ -39,11 +47,26 @@ def test_a_dump_that_fits_in_memory_gets_a_tmpfs_sized_to_it_removed_afterwards(
         assert (where, kind) == (memory, "memory")
         assert _mounted(memory) and scratch.on_tmpfs(memory)
         assert os.statvfs(memory).f_blocks * os.statvfs(memory).f_frsize == 64 * MIB
+        # in huge pages where the kernel has them
+        assert ("huge=within_size" in _options(memory)) == HUGE_TMPFS
         (memory / "cp-1" / "images").mkdir(parents=True)
 
     # And it is unmounted once the dump is committed, leaving nothing on the disk
     assert not _mounted(memory)
     assert list(disk.iterdir()) == []
+
+
+def test_a_kernel_that_refuses_huge_pages_for_tmpfs_gets_a_memory_scratch_in_small_ones(tmp_path, monkeypatch):
+    # Given a kernel that refuses the huge-page option (an option no kernel knows stands in for it)
+    monkeypatch.setattr(scratch, "HUGE_PAGES", "huge=no-such-policy")
+    disk, memory = tmp_path / "disk", tmp_path / "memory"
+    disk.mkdir()
+
+    # When the dump's scratch is chosen, then it is still a tmpfs in memory, mounted without the option
+    with scratch.dump_scratch(disk, memory, os.getpid(), room=lambda pid, workdir: 64 * MIB) as (where, kind):
+        assert (where, kind) == (memory, "memory") and scratch.on_tmpfs(memory)
+        assert not any(option.startswith("huge=") and option != "huge=never" for option in _options(memory))
+    assert not _mounted(memory)
 
 
 def test_a_failed_dump_in_memory_leaves_crius_logs_on_the_disk(tmp_path):

@@ -27,6 +27,11 @@ GIB = 1 << 30
 MEMORY_RESERVE_SHARE = 0.10  # of the VM's memory, left free beside a memory scratch: the job runs on meanwhile
 MEMORY_RESERVE_MIN = 512 << 20
 TMPFS_MAGIC = 0x01021994
+# The memory scratch's pages: 2 MiB ones for the parts of each image file that fill them (small files stay in 4 KiB
+# pages). A 2 GiB job here (Linux 6.18, transparent huge pages "madvise", shmem "never"), twice: CRIU's dump 0.68
+# and 0.69 s against 1.20 and 0.94 s; the store's read of its pages (mapped, XXH3 of each MiB) 0.28 s against
+# 0.42-0.48 s; removing them 0.016 s against 0.18-0.19 s. huge=always took CRIU 2.0-2.8 s.
+HUGE_PAGES = "huge=within_size"
 
 
 class ScratchTooSmall(RuntimeError):
@@ -187,11 +192,14 @@ def dump_scratch(
 
 
 def _mount_tmpfs(path: Path, size: int) -> bool:
+    """Mount the memory scratch, in huge pages where the kernel has them (HUGE_PAGES), else in small ones."""
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run(["umount", str(path)], capture_output=True, check=False)  # a mount a killed agent left
-    argv = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "spotcr-scratch", str(path)]
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        log.warning("no memory scratch (%s); the dump goes to the scratch dir", result.stderr.strip())
-        return False
-    return True
+    result = None
+    for options in (f"size={size},mode=0700,{HUGE_PAGES}", f"size={size},mode=0700"):
+        argv = ["mount", "-t", "tmpfs", "-o", options, "spotcr-scratch", str(path)]
+        result = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if result.returncode == 0:
+            return True
+    log.warning("no memory scratch (%s); the dump goes to the scratch dir", result.stderr.strip() if result else "")
+    return False
