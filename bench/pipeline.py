@@ -175,6 +175,22 @@ def floor(criu: Any, pid: int, tmpfs: Path) -> float:
     return round(seconds, 3)
 
 
+def scratch_floor(criu: Any, pid: int, mount_at: Path, size: int) -> float:
+    """CRIU dumping the job to a tmpfs mounted as the agent mounts its memory scratch (spotcr_agent.scratch: huge
+    pages where they fill, HUGE_PAGES), sized `size`: the floor with the scratch's own advantage in it."""
+    from spotcr_agent import scratch
+
+    disk = mount_at.parent / f"{mount_at.name}-disk"
+    disk.mkdir(parents=True, exist_ok=True)
+    with scratch.dump_scratch(disk, mount_at, pid, room=lambda _pid, _workdir: size) as (where, kind):
+        if kind != "memory":
+            raise RuntimeError(f"no tmpfs could be mounted at {mount_at} for the scratch floor")
+        seconds = float(criu.dump(pid, where / "images", where / "logs", leave_running=True))
+    shutil.rmtree(disk, ignore_errors=True)
+    print(f"  floor in the agent's scratch tmpfs: CRIU {seconds:.2f} s")
+    return round(seconds, 3)
+
+
 def make_store(kind: str, work: Path, job: str) -> Any:
     from spotcr_agent.store import CheckpointStore
 

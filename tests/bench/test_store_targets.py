@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.store import target_rows
+from bench.store import scratch_floor_line, target_rows
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -52,3 +52,15 @@ def test_bytes_sent_are_not_judged_without_a_baseline_of_the_same_size() -> None
     for baseline, says in ((None, "no baseline"), (other_size, "the baseline is for 0.25 GiB, 5%")):
         (sent,) = [r for r in target_rows(run_doc(full_dir_s=2.0, sent=MiB), baseline) if "bytes" in r["figure"]]
         assert sent["met"] is None and says in sent["target"]
+
+
+def test_the_run_is_also_set_against_crius_dump_into_the_agents_own_scratch_tmpfs() -> None:
+    # Given a run whose floors in the agent's scratch tmpfs (huge pages) were 0.8 and 0.7 s
+    doc = run_doc(full_dir_s=2.1, sent=MiB)
+    doc["run"] |= {"scratch_floors": [0.8, 0.7], "scratch_floor": 0.7}
+
+    # Then the line sets each dump against the fastest of them; a run without them has no such line
+    line = scratch_floor_line(doc)
+    assert "0.70 s (the fastest of 0.80, 0.70 s)" in line
+    assert "directory full 3.0x, S3: MinIO on loopback full 3.6x, after a periodic 1.9x" in line
+    assert scratch_floor_line(run_doc(full_dir_s=2.1, sent=MiB)) == ""
