@@ -27,10 +27,12 @@ GIB = 1 << 30
 MEMORY_RESERVE_SHARE = 0.10  # of the VM's memory, left free beside a memory scratch: the job runs on meanwhile
 MEMORY_RESERVE_MIN = 512 << 20
 TMPFS_MAGIC = 0x01021994
-# The memory scratch's pages: 2 MiB ones for the parts of each image file that fill them (small files stay in 4 KiB
-# pages). A 2 GiB job here (Linux 6.18, transparent huge pages "madvise", shmem "never"), twice: CRIU's dump 0.68
-# and 0.69 s against 1.20 and 0.94 s; the store's read of its pages (mapped, XXH3 of each MiB) 0.28 s against
-# 0.42-0.48 s; removing them 0.016 s against 0.18-0.19 s. huge=always took CRIU 2.0-2.8 s.
+# The memory scratch in large pages, where they lie within each image file (small files stay in 4 KiB pages): Linux
+# 6.18 here took folios of 8 KiB to 512 KiB as CRIU wrote (its hugepages-*/stats/shmem_alloc), a few of 2 MiB;
+# Debian 12's 6.1 has only 2 MiB ones for tmpfs (not measured here). A 2 GiB job here (transparent huge pages
+# "madvise", shmem "never"), twice: CRIU's dump 0.68 and 0.69 s against 1.20 and 0.94 s in 4 KiB pages; the store's
+# read of its pages (mapped, XXH3 of each MiB) 0.28 s against 0.42-0.48 s; removing them 0.016 s against 0.18 s.
+# huge=always took CRIU 2.0-2.8 s. Where memory is fragmented the kernel falls back to small pages without waiting.
 HUGE_PAGES = "huge=within_size"
 
 
@@ -192,7 +194,7 @@ def dump_scratch(
 
 
 def _mount_tmpfs(path: Path, size: int) -> bool:
-    """Mount the memory scratch, in huge pages where the kernel has them (HUGE_PAGES), else in small ones."""
+    """Mount the memory scratch, in large pages where the kernel has them (HUGE_PAGES), else in small ones."""
     path.mkdir(parents=True, exist_ok=True)
     subprocess.run(["umount", str(path)], capture_output=True, check=False)  # a mount a killed agent left
     result = None
