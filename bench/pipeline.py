@@ -176,8 +176,8 @@ def floor(criu: Any, pid: int, tmpfs: Path) -> float:
 
 
 def scratch_floor(criu: Any, pid: int, mount_at: Path, size: int) -> float:
-    """CRIU dumping the job to a tmpfs mounted as the agent mounts its memory scratch (spotcr_agent.scratch: huge
-    pages where they fill, HUGE_PAGES), sized `size`: the floor with the scratch's own advantage in it."""
+    """CRIU dumping the job to a tmpfs mounted as the agent mounts its memory scratch (spotcr_agent.scratch: large
+    pages where they fit, HUGE_PAGES), sized `size`: the floor with the scratch's own advantage in it."""
     from spotcr_agent import scratch
 
     disk = mount_at.parent / f"{mount_at.name}-disk"

@@ -324,8 +324,8 @@ def describe_requests(counted: dict[str, int]) -> str:
 
 
 def scratch_floor_line(doc: dict[str, Any]) -> str:
-    """The same dumps against CRIU into a tmpfs mounted as the agent's memory scratch is (huge pages where they
-    fill): the floor with the scratch's own speed-up in it, which the rows' floor (the machine's /dev/shm) lacks."""
+    """The same dumps against CRIU into a tmpfs mounted as the agent's memory scratch is (large pages where they
+    fit): the floor with the scratch's own speed-up in it, which the rows' floor (the machine's /dev/shm) lacks."""
     run = doc["run"]
     if not run.get("scratch_floors"):
         return ""
@@ -336,7 +336,7 @@ def scratch_floor_line(doc: dict[str, Any]) -> str:
         f"after a periodic {run['after']['seconds'] / f:.1f}x"
     )
     return (
-        f"Against CRIU dumping to a tmpfs mounted as the agent's memory scratch is (huge pages where they fill, "
+        f"Against CRIU dumping to a tmpfs mounted as the agent's memory scratch is (large pages where they fit, "
         f"spotcr_agent.scratch.HUGE_PAGES), {f:.2f} s (the fastest of "
         f"{', '.join(f'{s:.2f}' for s in run['scratch_floors'])} s): {ratios}."
     )

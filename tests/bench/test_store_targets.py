@@ -55,7 +55,7 @@ def test_bytes_sent_are_not_judged_without_a_baseline_of_the_same_size() -> None
 
 
 def test_the_run_is_also_set_against_crius_dump_into_the_agents_own_scratch_tmpfs() -> None:
-    # Given a run whose floors in the agent's scratch tmpfs (huge pages) were 0.8 and 0.7 s
+    # Given a run whose floors in the agent's scratch tmpfs (large pages) were 0.8 and 0.7 s
     doc = run_doc(full_dir_s=2.1, sent=MiB)
     doc["run"] |= {"scratch_floors": [0.8, 0.7], "scratch_floor": 0.7}
 
