@@ -600,7 +600,7 @@ class Checkpointer:
         started: float,
     ) -> CheckpointOutcome:
         """job: its PID and start time. CRIU leaves it stopped and exits; the job is killed at once, and the kernel
-        frees its memory (0.14 s for 2 GiB here, about 4 s for 64 GiB) while the commit ends, where CRIU's own kill
+        frees its memory (0.14 s for 2 GiB here: seconds for tens of GiB) while the commit ends, where CRIU's own kill
         waited for that before it exited. The dump is done once the job is confirmed gone, as before: a job that
         exits closes its files (an NFS client writes back then). A GPU job is still killed by CRIU, after its CUDA
         plugin's own end of the dump."""
