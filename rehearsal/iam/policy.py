@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import ipaddress
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -62,9 +63,9 @@ class Decision:
 
 def evaluate(principal: Principal, request: Request) -> Decision:
     """AWS's decision on one request by this principal (see the module's docstring for the order)."""
-    identity = [_Policy.parse(d, f"identity policy {_label(d, i)}") for i, d in enumerate(principal.policies)]
-    boundary = _Policy.parse(principal.boundary, "permissions boundary") if principal.boundary is not None else None
-    sessions = [_Policy.parse(d, f"session policy {_label(d, i)}") for i, d in enumerate(principal.session_policies)]
+    identity = [_parsed(d, f"identity policy {_label(d, i)}") for i, d in enumerate(principal.policies)]
+    boundary = _parsed(principal.boundary, "permissions boundary") if principal.boundary is not None else None
+    sessions = [_parsed(d, f"session policy {_label(d, i)}") for i, d in enumerate(principal.session_policies)]
     context = _Context(principal, request)
     on = f"{request.action} on {request.resource}"
     resource = [_resource_statements(request.resource_policy, principal)] if request.resource_policy else []
@@ -101,6 +102,25 @@ def evaluate_all(principal: Principal, requests: Iterable[Request]) -> Decision:
     if not reasons:
         raise PolicyError("no request to evaluate: an API call makes at least one")
     return Decision(True, "; ".join(reasons))
+
+
+# id(document) -> (a deep copy of the document as parsed, its name, the parse): a role's few policies are evaluated on
+# every request, and parsing them was most of the evaluation. The copy is compared with the document each time, so
+# a document changed in place since is parsed again.
+_PARSED: dict[int, tuple[Any, str, _Policy]] = {}
+_PARSED_MAX = 1024
+
+
+def _parsed(document: Mapping[str, Any], name: str) -> _Policy:
+    """_Policy.parse(document, name), parsed once while the document stays as it was."""
+    cached = _PARSED.get(id(document))
+    if cached is not None and cached[1] == name and cached[0] == document:
+        return cached[2]
+    policy = _Policy.parse(document, name)
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.clear()
+    _PARSED[id(document)] = (copy.deepcopy(document), name, policy)
+    return policy
 
 
 def _label(document: Mapping[str, Any], index: int) -> str:

@@ -401,3 +401,17 @@ def test_a_resource_policy_statement_without_a_principal_is_an_error() -> None:
         evaluate(Principal(SESSION, ()), on_bucket(allow("s3:GetObject")))
     with pytest.raises(PolicyError, match="NotPrincipal"):
         evaluate(Principal(SESSION, ()), on_bucket(allow("s3:GetObject", NotPrincipal={"AWS": ROLE})))
+
+
+def test_a_policy_changed_in_place_is_evaluated_as_it_now_reads() -> None:
+    # Given a principal whose one policy allows reading objects, evaluated once (its parse is kept for the next call)
+    document = policy(allow("s3:GetObject"))
+    principal = Principal(ROLE, (document,))
+    read = Request("s3:GetObject", f"{BUCKET}/k")
+    assert evaluate(principal, read).allowed
+    # When the same document object is changed to deny what it allowed
+    document["Statement"].append(deny("s3:GetObject"))
+    # Then the next evaluation reads the change, and changed back it allows again
+    assert not evaluate(principal, read).allowed
+    document["Statement"].pop()
+    assert evaluate(principal, read).allowed
