@@ -4,7 +4,8 @@ its own, so without this a read could see half a write (an ended job's status wi
 conditional writes could both pass the same condition (two ends of one job).
 
 Also: moto's items leave its backend already in DynamoDB's wire form, and `wire_form_values` lets a plain one
-through as it is rather than walking it through every member of the AttributeValue shape."""
+(or a map or list of plain ones) through as it is rather than walking it through every member of the AttributeValue
+shape."""
 
 from __future__ import annotations
 
@@ -37,22 +38,35 @@ def atomic_requests(patches: contextlib.ExitStack) -> None:
 
 
 def wire_form_values(patches: contextlib.ExitStack) -> None:
-    """Until `patches` closes, moto's JSON serializer copies a plain AttributeValue ({"S": "..."}, {"N": "1"}, ...)
-    into the response as it is. Its walk of each one through the shape's ten members, each looked up by a model
-    picker, was most of a GetItem's time (4 ms of about 5 here), and in a wave of a hundred jobs the local AWS
-    serves one request at a time (rehearsal/controlplane.py): an artefact AWS does not have. The bytes sent are the
-    same (tests/localaws/test_dynamodb.py); maps, lists and binary values take moto's own path."""
+    """Until `patches` closes, moto's JSON serializer copies a plain AttributeValue ({"S": "..."}, {"N": "1"}, ...),
+    or a map or list holding only plain ones, into the response as it is. Its walk of each one through the shape's
+    ten members, each looked up by a model picker, was most of a GetItem's time (4 ms of about 5 here), and in a
+    wave of a hundred jobs the local AWS serves one request at a time (rehearsal/controlplane.py): an artefact AWS
+    does not have. The bytes sent are the same (tests/localaws/test_dynamodb.py); binary values, and the maps and
+    lists holding them, take moto's own path."""
     from moto.core.serialize import BaseJSONSerializer
 
     def make(original: Any) -> Any:
         def serialize(serializer: Any, serialized: Any, value: Any, shape: Any, key: str) -> None:
-            if shape.name == "AttributeValue" and isinstance(value, dict) and len(value) == 1 and key:
-                [(kind, plain)] = value.items()
-                if kind in _PLAIN and plain is not None:
-                    serializer._default_serialize(serialized, value, shape, key)
-                    return
+            if shape.name == "AttributeValue" and key and _wire_form(value):
+                serializer._default_serialize(serialized, value, shape, key)
+                return
             original(serializer, serialized, value, shape, key)
 
         return serialize
 
     wrap(patches, BaseJSONSerializer, "_serialize_type_structure", make)
+
+
+def _wire_form(value: Any) -> bool:
+    """A plain AttributeValue, or a map or list of nothing but plain ones (at any depth)."""
+    if not isinstance(value, dict) or len(value) != 1:
+        return False
+    [(kind, inner)] = value.items()
+    if kind in _PLAIN:
+        return inner is not None
+    if kind == "M":
+        return isinstance(inner, dict) and all(_wire_form(member) for member in inner.values())
+    if kind == "L":
+        return isinstance(inner, list) and all(_wire_form(member) for member in inner)
+    return False

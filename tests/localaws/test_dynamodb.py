@@ -116,6 +116,7 @@ def _bodies(patched: bool) -> list[bytes]:
             "none": {"NULL": True},
             "arrivals": {"M": {"final-dump": {"M": {"generation": {"N": "3"}, "output": {"M": {}}}}}},
             "history": {"L": [{"S": "x"}, {"N": "1"}, {"L": []}, {"B": b"z"}]},
+            "steps": {"L": [{"S": "x"}, {"M": {"at": {"N": "1"}, "by": {"NULL": True}}}, {"L": [{"BOOL": True}]}]},
         }
         client.meta.events.register("before-parse.dynamodb.*", keep)
         client.put_item(TableName=TABLE, Item=item, ReturnValues="ALL_OLD")
@@ -134,5 +135,5 @@ def _bodies(patched: bool) -> list[bytes]:
 
 def test_plain_values_pass_through_as_the_same_bytes_moto_writes():
     # Given the same requests against the local DynamoDB with and without plain values passed through
-    # Then every response is the same, byte for byte, binary values, maps and lists included
+    # Then every response is the same, byte for byte: binary values, and maps and lists with or without them
     assert _bodies(patched=True) == _bodies(patched=False)
