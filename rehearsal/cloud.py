@@ -67,6 +67,7 @@ from rehearsal.localaws import (
     addresses,
     awslambda,
     dynamodb,
+    ec2_tags,
     fis,
     fleet,
     s3,
@@ -558,6 +559,7 @@ class LocalCloud:
         stepfunctions.parse_once(patches)
         fleet.launch_template_tags(patches)
         fleet.idempotent_launches(patches)
+        ec2_tags.own_tags(patches)
         addresses.reassigned_addresses(patches)
 
         def send_to_targets(original: Any) -> Any:

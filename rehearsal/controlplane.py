@@ -42,6 +42,7 @@ from rehearsal.localaws import (
     addresses,
     awslambda,
     dynamodb,
+    ec2_tags,
     fleet,
     iam,
     ssm,
@@ -516,6 +517,7 @@ class ControlPlane:
         stepfunctions.parse_once(patches)
         fleet.launch_template_tags(patches)
         fleet.idempotent_launches(patches)
+        ec2_tags.own_tags(patches)
         addresses.reassigned_addresses(patches)
         _edge._deps.cache_clear()
         _edge._persistence.cache_clear()

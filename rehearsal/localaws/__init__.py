@@ -5,6 +5,7 @@ and the fault suite) and `rehearsal.controlplane.ControlPlane` (moto in-process,
 - `awslambda`: invoking a function runs its catalog handler in-process, signed as the function's role;
 - `ssm`: commands go to their InstanceIds only; managed instances; SSM's command status-change event;
 - `fleet`: CreateFleet tags its instances as RunInstances does, and reports refused launches in Errors;
+- `ec2_tags`: a resource's tags read from its own entry, not by a scan of the account's (the same answer);
 - `dynamodb`: one request at a time, so each item write is whole (moto writes in place, one action at a time);
 - `stepfunctions`: SendTaskFailure keeps its cause;
 - `iam`: the synthesized stack's IAM, enforced on every call (rehearsal/iam/enforce.py);
