@@ -108,6 +108,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "limits": args.limits,
         "throttles": result.throttles,
         "local_aws_queue": {k: round(v, 4) for k, v in result.local_aws_queue.items()},
+        "window_cpu_s": round(result.window_cpu_s, 2),
     }
 
 
@@ -163,6 +164,11 @@ def _report(figures: dict[str, Any]) -> list[str]:
             f" handler makes {REQUESTS_BEFORE_COMMAND} requests before its final-dump command (idempotency,"
             " the job by instance, the fencing write, the outbox), so that queue alone, which AWS does not have,"
             f" takes about {REQUESTS_BEFORE_COMMAND * queue['mean_wait_s']:.1f} s of it"
+        )
+        lines.append(
+            f"- this one Python process (the local AWS, every handler, every simulated agent) used"
+            f" {figures['window_cpu_s']:.1f} s of CPU in those {queue['window_s']:g} s: its one interpreter runs one"
+            " thread at a time, so at about 1 s a second every request waits for the others"
         )
     lines += _throttle_lines(figures)
     for name in ("failed", "stuck", "live_copies", "leaks", "agent_errors", "without_final_dump"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,9 @@ class WaveResult:
     # The local AWS's own queue (one request at a time) over the wave's first QUEUE_WINDOW_S: requests served, and
     # how long each waited for its turn (s: mean, p50, p99)
     local_aws_queue: dict[str, float] = field(default_factory=dict)
+    # CPU seconds this process used over the same window: the local AWS, every handler and every simulated agent
+    # share its one interpreter, which runs one thread at a time (about 1 s of CPU a second at most)
+    window_cpu_s: float = 0.0
 
     def clean(self) -> bool:
         """Every job recovered, none failed or stuck, no job with two live copies, nothing leaked."""
@@ -108,6 +112,10 @@ def run_wave(
         throttled.callback(setattr, controlplane._MOTO, "waits", None)
         began = time.monotonic()
         start = time.time()
+        cpu = [time.process_time()]
+        window = threading.Timer(QUEUE_WINDOW_S, lambda: cpu.append(time.process_time()))
+        window.daemon = True
+        window.start()
         step = warn_within_s / max(1, len(instances) - 1)
         with ThreadPoolExecutor(len(instances), thread_name_prefix="eventbridge") as pool:
             for delivered in [pool.submit(warn, job, start + n * step) for n, job in enumerate(instances)]:
@@ -119,6 +127,8 @@ def run_wave(
         agents.events.join()
     result.throttles = meter.report() if meter else {}
     result.local_aws_queue = _queue_figures([w for at, w in waits if at - began <= QUEUE_WINDOW_S])
+    window.cancel()
+    result.window_cpu_s = cpu[1] - cpu[0] if len(cpu) > 1 else 0.0
     live = _live_instances(plane)
     for job_id, primary in instances.items():
         times = agents.job(job_id)
