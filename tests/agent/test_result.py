@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from spotcr_agent import result, storage
+from spotcr_agent.agent import base_job_env
 from spotcr_agent.checkpoint import CheckpointError
-from spotcr_agent.runner import process_start_time
+from spotcr_agent.runner import process_start_time, start_job
 from spotcr_agent.store.backends import DirectoryBackend, ObjectNotFound, S3Backend
 from spotcr_agent.store.errors import StoreUnavailable
 from spotcr_contracts import layout
@@ -101,6 +103,47 @@ def test_a_job_that_leaves_its_declared_result_is_stored(tmp_path, publisher):
     [exited] = publisher.of("JobExited")
     assert (exited.result_missing, exited.result_error) == ("", "")
     assert result.fetch_result_file(DirectoryBackend(tmp_path / "store"), "job-1", "out/result.txt", exited.run_id)
+
+
+class RestoredDuringCommit(DirectoryBackend):
+    """Before the commit's first file lands, the job is restored here (recorded as Restorer.restore records it) and
+    runs again: the interleaving of a node whose share MPI ended when another node went."""
+
+    def __init__(self, root: Path, agent) -> None:
+        super().__init__(root)
+        self.agent, self.restored = agent, None
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        if self.restored is None:
+            command = (sys.executable, "-c", "import time; time.sleep(0.5)")  # then it ends well
+            self.restored = start_job(command, self.agent.config.workdir, base_job_env(os.environ))
+            with self.agent.state.locked() as state:
+                state.job_pid, state.job_start_time = self.restored.pid, self.restored.start_time
+                state.job_status, state.exit_code = "running", None
+                state.result, state.result_error, state.result_missing = "", "", ""
+        super().put(key, data)
+
+
+@pytest.mark.claim("The result equals an uninterrupted run's")
+def test_an_end_whose_job_was_restored_during_its_commit_is_not_the_jobs_end(tmp_path, publisher):
+    # Given a share that failed (code 255), and a restore that brings the job back while that end's result is stored
+    backend = RestoredDuringCommit(tmp_path / "store", None)
+    agent = _ended(tmp_path, publisher, 255, result_backend=lambda config, job_storage: backend)
+    backend.agent = agent
+
+    # When the agent notices the failed share's end
+    assert agent.watch_job() is None
+
+    # Then that end is neither reported nor kept: the restored job runs, with no result
+    assert publisher.of("JobExited") == []
+    status = agent.status()
+    assert (status.job_status, status.exit_code, status.result) == ("running", None, "")
+    # And the restored job's own end is stored and reported as the job's
+    wait_for(lambda: agent.watch_job() is not None, what="the restored job to end")
+    assert agent.state.read().exit_code == 0
+    [exited] = publisher.of("JobExited")
+    assert exited.exit_code == 0
+    assert result.read_manifest(backend, "job-1", exited.run_id).exit_code == 0
 
 
 class BrokenBackend(DirectoryBackend):

@@ -575,7 +575,7 @@ class Agent:
             with self.state.locked() as state:
                 if not self._result_due(state):
                     return None
-                generation, exit_code = state.generation, state.exit_code
+                generation, exit_code, ended = state.generation, state.exit_code, (state.job_pid, state.job_start_time)
             assert exit_code is not None  # _result_due
             # Only a success needs its declared files: a failed job's work dir is stored as it is, for its diagnosis.
             missing = result.missing_files(self.config.workdir, self.config.result_files) if exit_code == 0 else []
@@ -586,6 +586,11 @@ class Agent:
             else:
                 location, error = self._commit_result(exit_code, generation)
             with self.state.locked() as state:
+                if not self._result_due(state) or (state.job_pid, state.job_start_time) != ended:
+                    # A restore brought the job back here while its share's end was committed (a node of a job over
+                    # several VMs, ended by MPI when another node went): that end, and its result, are not the job's.
+                    log.warning("the job was restored here while its exit was stored: that exit is not reported")
+                    return None
                 state.result, state.result_error, state.result_missing = location, error, ",".join(missing)
         aliases.release(self.config.state_dir)  # the old VM's address is no longer the job's to shadow
         self.emit(
