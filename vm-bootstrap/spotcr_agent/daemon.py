@@ -100,13 +100,13 @@ def _check_interruption(agent: Agent, metadata: Metadata) -> bool:
         log.warning("spot interruption notice: %s; node 0 coordinates the final dump", action.strip())
         return True
     log.warning("spot interruption notice: %s; taking the final dump", action.strip())
-    status = agent.status()
-    if status.job_status == "none" and agent.config.mode == "restore":
+    job_status = agent.state.read().job_status  # not agent.status(): that also reads the store, before the dump
+    if job_status == "none" and agent.config.mode == "restore":
         # A backup warned while it restores: the final dump is taken as soon as the restored job runs.
         log.info("the job is not restored yet; the final dump waits for it")
         return False
-    if status.job_status != "running":
-        log.info("no job runs here (%s); nothing to dump", status.job_status)
+    if job_status != "running":
+        log.info("no job runs here (%s); nothing to dump", job_status)
         return True
     try:
         agent.checkpoint("final", agent.served_generation(), reclaim_at=lambda: reclaim_time(action))
