@@ -111,14 +111,15 @@ class RestoredDuringCommit(DirectoryBackend):
 
     def __init__(self, root: Path, agent) -> None:
         super().__init__(root)
-        self.agent, self.restored = agent, None
+        self.agent, self.restored = agent, False
 
     def put(self, key: str, data: bytes | memoryview) -> None:
-        if self.restored is None:
+        if not self.restored:
             command = (sys.executable, "-c", "import time; time.sleep(0.5)")  # then it ends well
-            self.restored = start_job(command, self.agent.config.workdir, base_job_env(os.environ))
+            job = start_job(command, self.agent.config.workdir, base_job_env(os.environ))
+            self.restored = True
             with self.agent.state.locked() as state:
-                state.job_pid, state.job_start_time = self.restored.pid, self.restored.start_time
+                state.job_pid, state.job_start_time = job.pid, job.start_time
                 state.job_status, state.exit_code = "running", None
                 state.result, state.result_error, state.result_missing = "", "", ""
         super().put(key, data)
