@@ -64,14 +64,20 @@ lint: $(VENV)/.installed
 where:
 	@case "$(CURDIR)/" in /tmp/* | /var/tmp/* | /dev/shm/*) echo "spotcr: the checkout $(CURDIR) is under /tmp, /var/tmp or /dev/shm, which every local VM replaces with an empty tmpfs; clone it elsewhere (e.g. under \$$HOME)" >&2; exit 2;; esac
 
-# Two pytest processes side by side: the tests marked `vms` (local VMs, CRIU, timed notices) one after another, and
-# every other test; the second's report follows the first's. Each lists its slowest tests: the VM half sets the time.
+# Two lanes side by side, one pytest process at a time in each: the tests marked `vms` (local VMs, CRIU, timed
+# notices) but those in VMS_LATER; and every other test, then the `vms` tests in VMS_LATER, so both cores stay busy
+# once the tests without VMs are done. Each lists its slowest tests; the other lane's reports follow the first's.
+VMS_LATER := tests/cli tests/rehearsal
 test: where setup workload-deps tracked-deps lint
-	@$(PY) -m pytest -m "not vms and not gpu" --durations=15 > .build/pytest-others.log 2>&1 & others=$$!; \
-	$(PY) -m pytest -m "vms and not gpu" --durations=40; vms=$$?; \
-	wait $$others; others=$$?; \
+	@{ $(PY) -m pytest -m "not vms and not gpu" --durations=15 > .build/pytest-others.log 2>&1; others=$$?; \
+	  $(PY) -m pytest -m "vms and not gpu" --durations=15 $(VMS_LATER) > .build/pytest-vms-later.log 2>&1; \
+	  later=$$?; test $$others -eq 0 && test $$later -eq 0; } & lane=$$!; \
+	$(PY) -m pytest -m "vms and not gpu" --durations=40 $(addprefix --ignore=,$(VMS_LATER)); vms=$$?; \
+	wait $$lane; lane=$$?; \
 	echo "== the tests without VMs (.build/pytest-others.log) =="; cat .build/pytest-others.log; \
-	test $$vms -eq 0 && test $$others -eq 0
+	echo "== the tests with VMs in $(VMS_LATER), after those (.build/pytest-vms-later.log) =="; \
+	cat .build/pytest-vms-later.log; \
+	test $$vms -eq 0 && test $$lane -eq 0
 
 # A real CUDA job through the agent's checkpoint and restore (CRIU's CUDA plugin); not part of `make test`.
 # Refuses, failing, on a machine without an NVIDIA GPU. Figures: bench/results/gpu_test.json.
