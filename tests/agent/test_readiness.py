@@ -10,6 +10,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.stub import Stubber
+from spotcr_agent import bootstrap as bootstrap_module
 from spotcr_agent import readiness, scratch
 from spotcr_agent.bootstrap import bootstrap
 
@@ -53,6 +54,7 @@ def test_bootstrap_fails_at_the_ssm_step_when_the_agent_never_registers(tmp_path
     publisher = FakePublisher()
     environ = {"SPOTCR_AGENT_CONFIG": str(tmp_path / "agent.json"), "SPOTCR_STATE_DIR": str(tmp_path)}
     args = bootstrap_args(ssm_wait_seconds=0.0)
+    clock = FakeClock()
     # When it bootstraps, Then no readiness is claimed: BootstrapFailed names the ssm step
     code = bootstrap(
         args,
@@ -62,10 +64,13 @@ def test_bootstrap_fails_at_the_ssm_step_when_the_agent_never_registers(tmp_path
         publisher=publisher,
         ping_status=lambda _: None,
         scratch_warning=lambda _: None,
+        sleep=clock.sleep,
     )
     assert code == 1
     assert results[0]["step"] == "ssm" and "not Online" in results[0]["error"]
     assert [event.step for event in publisher.events] == ["ssm"]
+    # No spotcr:run was tagged: the failure names no run, once the bounded wait for one is over (on its own clock)
+    assert publisher.events[0].run_id == "" and clock.now >= bootstrap_module.RUN_WAIT_S
 
 
 def test_bootstrap_reports_scratch_smaller_than_the_instance_memory(tmp_path):
