@@ -28,6 +28,7 @@ TARGET_COMMAND_P99_S = 1.0  # issue 27's: warning to the final-dump command
 # A warning's handler before its SendCommand: idempotency PutItem, the by-instance Query, the consistent GetItem,
 # the fencing UpdateItem, the outbox's UpdateItem (recovery.on_interruption_warning).
 REQUESTS_BEFORE_COMMAND = 5
+WARNING_FUNCTION = "interruption"  # spotcr_functions.catalog: the warning's handler, which sends the command
 STEPS = {
     "to_final_dump_begun": "warning -> final dump begins (IMDS poll or command)",
     "to_final_dump_command": "warning -> final-dump command",
@@ -109,6 +110,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "throttles": result.throttles,
         "local_aws_queue": {k: round(v, 4) for k, v in result.local_aws_queue.items()},
         "window_cpu_s": round(result.window_cpu_s, 2),
+        "function_cpu": {
+            name: {k: round(v, 4) for k, v in figures.items()} for name, figures in result.function_cpu.items()
+        },
     }
 
 
@@ -170,10 +174,39 @@ def _report(figures: dict[str, Any]) -> list[str]:
             f" {figures['window_cpu_s']:.1f} s of CPU in those {queue['window_s']:g} s: its one interpreter runs one"
             " thread at a time, so at about 1 s a second every request waits for the others"
         )
+    lines += _function_lines(figures)
     lines += _throttle_lines(figures)
     for name in ("failed", "stuck", "live_copies", "leaks", "agent_errors", "without_final_dump"):
         if figures[name]:
             lines.append(f"- {name}: {json.dumps(figures[name])[:2000]}")
+    return lines
+
+
+def _function_lines(figures: dict[str, Any]) -> list[str]:
+    """The Lambda invocations begun in the queue's window, by the CPU they used: what one interpreter had to serve."""
+    used = figures.get("function_cpu") or {}
+    window = (figures.get("local_aws_queue") or {}).get("window_s")
+    if not used or not window:
+        return []
+    lines = [
+        "",
+        f"Lambda invocations begun in the wave's first {window:g} s, by the CPU each used on its thread (its handler,"
+        " and the in-process local AWS serving that handler's requests; each runs in a Lambda environment of its own"
+        " in AWS):",
+        "",
+        "| function | invocations | CPU s | per invocation (p50) |",
+        "|---|---|---|---|",
+    ]
+    for name, row in used.items():
+        lines.append(f"| {name} | {row['invocations']:.0f} | {row['cpu_s']:.2f} | {row['p50_s'] * 1000:.0f} ms |")
+    warning = used.get(WARNING_FUNCTION)
+    if warning:
+        lines += [
+            "",
+            f"- the {warning['invocations']:.0f} warnings' own handlers took {warning['cpu_s']:.1f} s of CPU over"
+            f" the {figures['warned_over_s']:.1f} s the warnings came in ({warning['p50_s'] * 1000:.0f} ms each), on"
+            " the one interpreter that also runs every workflow and serves at most 1 s of CPU a second",
+        ]
     return lines
 
 

@@ -25,7 +25,7 @@ from spotcr_contracts import tags as tag_names
 from spotcr_functions.models import Status
 
 from rehearsal import controlplane, leaks
-from rehearsal.localaws import REGION
+from rehearsal.localaws import REGION, awslambda, wrap
 from rehearsal.localaws import throttle as rate_limits
 from rehearsal.simagent import SimulatedAgents
 
@@ -58,6 +58,9 @@ class WaveResult:
     # CPU seconds this process used over the same window: the local AWS, every handler and every simulated agent
     # share its one interpreter, which runs one thread at a time (about 1 s of CPU a second at most)
     window_cpu_s: float = 0.0
+    # Per function, its invocations begun in that window: how many, and the CPU seconds each used on its own thread
+    # (its handler, and the in-process local AWS serving that handler's requests): {"invocations", "cpu_s", "p50_s"}
+    function_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def clean(self) -> bool:
         """Every job recovered, none failed or stuck, no job with two live copies, nothing leaked."""
@@ -106,10 +109,12 @@ def run_wave(
 
     before = find_leaks()
     waits: list[tuple[float, float]] = []
+    invocations: list[tuple[str, float, float]] = []
     with contextlib.ExitStack() as throttled:
         meter = rate_limits.install(throttled, limits) if limits else None
         controlplane._MOTO.waits = waits
         throttled.callback(setattr, controlplane._MOTO, "waits", None)
+        wrap(throttled, awslambda.Functions, "call", lambda call: _cpu_measured(call, invocations))
         began = time.monotonic()
         start = time.time()
         cpu = [time.process_time()]
@@ -127,6 +132,7 @@ def run_wave(
         agents.events.join()
     result.throttles = meter.report() if meter else {}
     result.local_aws_queue = _queue_figures([w for at, w in waits if at - began <= QUEUE_WINDOW_S])
+    result.function_cpu = _function_cpu([(name, cpu) for name, at, cpu in invocations if at - began <= QUEUE_WINDOW_S])
     window.cancel()
     result.window_cpu_s = cpu[1] - cpu[0] if len(cpu) > 1 else 0.0
     live = _live_instances(plane)
@@ -144,6 +150,29 @@ def run_wave(
     result.leaks = _leaks(plane, instances, before)
     result.agent_errors = agents.events.dropped + agents.errors
     return result
+
+
+def _cpu_measured(call: Any, invocations: list[tuple[str, float, float]]) -> Any:
+    """Functions.call, noting each invocation's (function, when it began, CPU seconds of its thread meanwhile)."""
+
+    def measured(self: awslambda.Functions, name: str, payload: Any) -> Any:
+        began, cpu = time.monotonic(), time.thread_time()
+        try:
+            return call(self, name, payload)
+        finally:
+            invocations.append((name, began, time.thread_time() - cpu))  # list.append: atomic
+
+    return measured
+
+
+def _function_cpu(invocations: list[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    by_function: dict[str, list[float]] = {}
+    for name, cpu in invocations:
+        by_function.setdefault(name, []).append(cpu)
+    return {
+        name: {"invocations": len(cpus), "cpu_s": sum(cpus), "p50_s": statistics.median(cpus)}
+        for name, cpus in sorted(by_function.items(), key=lambda item: -sum(item[1]))
+    }
 
 
 def _queue_figures(waits: list[float]) -> dict[str, float]:
