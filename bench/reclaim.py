@@ -5,7 +5,8 @@ tests' ControlPlane), their VMs played by simulated agents (rehearsal/simagent.p
 backup's boot --boot-s, a restore --restore-s; each agent polls IMDS for the notice as the real one does), warns
 every one within --warn-within-s, and reports per job the warning to the final dump's beginning (the first of the
 agent's IMDS poll and the final-dump command), to the command itself, to the backup's launch, and to the job
-running again (p50, p99, max), then the wave's end state. Writes bench/results/reclaim-<N>.json and .md.
+running again (p50, p99, max), then the wave's end state, the local AWS's own queue, and the CPU each function's
+invocations used on the one interpreter they share. Writes bench/results/reclaim-<N>.json and .md.
 A benchmark, not a test.
 """
 
