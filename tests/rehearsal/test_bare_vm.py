@@ -132,9 +132,12 @@ def test_the_imds_answers_at_its_ec2_address_inside_the_vm_also_after_its_primar
 
 
 def guard_chains():
-    """The source checks of VM links on this machine (rehearsal.vm's ebtables chains)."""
+    """The source checks of the VM links this process made (rehearsal.vm's ebtables chains, named after the link:
+    its maker's PID in hex). Another test run on this machine (`make test`'s other lane) makes and removes its own
+    meanwhile."""
     listed = subprocess.run(["ebtables", "-L"], capture_output=True, text=True, check=True).stdout
-    return {line.split(",")[0] for line in listed.split("Bridge chain: ")[1:] if line.startswith("SCRGUARD-")}
+    mine = f"SCRGUARD-{os.getpid():x}v"
+    return {line.split(",")[0] for line in listed.split("Bridge chain: ")[1:] if line.startswith(mine)}
 
 
 def test_the_network_and_its_links_are_removed(tmp_path):
