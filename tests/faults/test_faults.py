@@ -312,7 +312,7 @@ def test_a_job_that_exits_during_its_final_dump_ends_once(reference, cloud, tmp_
     # is confirmed by a status command on the primary, which must answer before the primary goes: before EC2 takes
     # it, and before the workflow retires it once the final dump failed and the backup is ready. On a loaded 2-core
     # host the agent's start alone takes 1.5 s, and a 6 s notice was sometimes too short; with 15 s the primary was
-    # once retired 6.2 s after the warning (its backup ready at 4.9 s), about 0.5 s before the status command would
+    # once retired 6.2 s after the warning (its backup ready at 4.9 s), about 0.4 s before the status command would
     # have answered (the exit unconfirmed, the job ran again from its periodic checkpoint: exits.py says why that is
     # the fallback). A known race, not yet fixed: the final-dump command's own answer could carry the exit.
     rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE, notice_s=15.0), cloud)
