@@ -146,6 +146,7 @@ def test_the_network_and_its_links_are_removed(tmp_path):
     with VmNetwork.create() as network:
         with bare_vm(tmp_path, network) as vm:
             assert bridge_ports(network).count("\n") == 1
+            assert guard_chains() - chains  # its link's source check, found by the name guard_chains looks for
             init_pid = vm.init_pid
         # When the VM ends, its end of the link goes with its namespace
         assert not Path(f"/proc/{init_pid}").exists()
