@@ -280,6 +280,29 @@ def end_checkpoint_command(
     return command.command_id, command_ended(report.instance_id, command.command_id, str(command.document_name), status)
 
 
+def end_dump_order_with_exit(exited: events.JobExited) -> tuple[str, dict[str, Any]]:
+    """The agent finds the job ended when a dump order comes (a final dump ordered just after the job exited): it
+    answers the newest unanswered checkpoint or final-dump command on its instance with the exit, its result stored
+    or given up (spotcr_agent.cli._checkpoint). Returns SSM's status-change event for it, not delivered."""
+    [*_, (command, invocation)] = _pending_checkpoint(exited.instance_id)
+    parameters = order_parameters(command, exited.instance_id)
+    line = results.CheckpointResult(
+        ok=False,
+        job_id=parameters["JobId"],
+        run_id=exited.run_id or parameters.get("RunId", ""),
+        generation=int(parameters["Generation"]),
+        kind=parameters["Kind"],
+        error=f"the job is not running: it exited with code {exited.exit_code}",
+        exit_code=exited.exit_code,
+        result=exited.result,
+        result_error=exited.result_error or ("" if exited.result else "the test stored no result"),
+        result_missing=exited.result_missing,
+    ).to_line()
+    _answer(command, invocation, "Failed", 1, line)
+    document = str(command.document_name)
+    return command.command_id, command_ended(exited.instance_id, command.command_id, document, "Failed")
+
+
 def order_parameters(command: Any, instance_id: str) -> dict[str, str]:
     """A checkpoint or final-dump command's order to one instance, as the checkpoint document's parameters (a
     final-dump command's own order for that instance: the agent takes that one, spotcr_agent.cli._own_order)."""

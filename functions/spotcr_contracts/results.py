@@ -50,7 +50,8 @@ class CommandFailed:
 class CheckpointResult:
     """The checkpoint command's answer, naming the order (job, run, generation, kind) it answers. `ok`: committed,
     with the dump's figures; else `error`, and whether the job is stopped for good on this VM (a failed final dump)
-    or has ended (`exit_code`)."""
+    or has ended (`exit_code`, with where its result was committed or why it could not be, as the status command
+    says it: an order that finds the job ended answers with its exit, checkpoints.reported_dump)."""
 
     ok: bool
     job_id: str
@@ -75,9 +76,16 @@ class CheckpointResult:
     job_stopped: bool = False
     exit_code: int | None = None  # the job's, when it has ended there
     stale: bool = False
+    result: str = ""
+    result_error: str = ""
+    result_missing: str = ""
 
     def to_line(self) -> str:
         return _line(self.ok, self)
+
+    def settled_exit(self) -> bool:
+        """Whether the job has ended there and its result is stored or given up (StatusResult.settled_exit)."""
+        return self.exit_code is not None and bool(self.result or self.result_error)
 
     def problem(self) -> str | None:
         if self.kind not in KINDS:

@@ -16,6 +16,10 @@ When SSM's answer cannot come:
   (Agent.checkpoint reports a final dump already taken), by the warning or, where SSM throttled it, by the
   workflow's final-dump wait (recovery.order_deferred_final_dump); with no command delivered, it is not recorded and
   the job restores from its newest recorded checkpoint.
+
+An order that finds the job ended answers with its exit, as the status command would: once its result is settled
+that answer ends the job through the same guards (agent_events.end_from_exit). So a job that exits at the warning
+ends once even when its primary is retired before a status command could answer there.
 """
 
 from __future__ import annotations
@@ -121,16 +125,19 @@ def _take(
     if report is None:
         logger.info("the checkpoint command reports no dump of this run", job_id=record.job_id, command_id=command_id)
         return {"action": "ignored", "reason": "no dump of this run reported", "job_id": record.job_id}
+    if isinstance(report, events.JobExited):
+        return {**agent_events.end_from_exit(deps, record, report), "job_id": record.job_id}
     return {**agent_events.take_checkpoint_report(deps, record, report), "job_id": record.job_id}
 
 
 def reported_dump(
     record: JobRecord, command_id: str, instance_id: str, invocation: dict[str, Any], read_at: str
-) -> events.CheckpointCompleted | events.CheckpointFailed | None:
+) -> events.CheckpointCompleted | events.CheckpointFailed | events.JobExited | None:
     """The dump the checkpoint command reported on that instance (spotcr_agent.cli._checkpoint's result line), or
-    None: still running, another job or run, or the job has ended there (its end comes from the status command:
-    exits.on_status_command). A final-dump command that ended with no result at all (the instance went away under
-    it, or the command never ran there) is a failed final dump that stopped nothing."""
+    None: still running, or another job or run. An order that found the job ended there reports its exit once its
+    result is settled, as the status command would (exits.reported_exit), else None (the agent's JobExited asks the
+    status command). A final-dump command that ended with no result at all (the instance went away under it, or the
+    command never ran there) is a failed final dump that stopped nothing."""
     status = str(invocation.get("Status") or "")
     if not status or status in commands.COMMAND_RUNNING:
         return None
@@ -157,7 +164,16 @@ def reported_dump(
             deadline_risk=answer.deadline_risk[:1000],
         )
     if answer.exit_code is not None and answer.exit_code != events.UNKNOWN_EXIT_CODE:
-        return None  # the job ended there: the agent's JobExited asks the status command, whose result ends it
+        if not answer.settled_exit():
+            return None
+        return events.JobExited(
+            *at,
+            run_id=record.run_id,
+            exit_code=answer.exit_code,
+            result=answer.result,
+            result_error=answer.result_error,
+            result_missing=answer.result_missing,
+        )
     reason = (answer.error or f"the checkpoint command ended {status} on {instance_id}")[:1000]
     stopped = answer.job_stopped
     return events.CheckpointFailed(*at, run_id=record.run_id, kind=answer.kind, reason=reason, job_stopped=stopped)

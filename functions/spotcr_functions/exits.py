@@ -3,8 +3,8 @@ have ended it, never the agent's JobExited on the bus (agent_events._job_exited 
 
 Invariant (facts from authenticated sources): a job completes or fails from its exit only on what the status command
 printed on an instance whose exit ends the job as the record stands (spotcr_contracts.protocol.exit_ends_job), read with
-GetCommandInvocation; a JobExited that any VM knowing the run id could put moves nothing
-(tests/workflow/test_authenticated.py).
+GetCommandInvocation, or what a dump order printed there on finding the job ended (checkpoints.reported_dump); a
+JobExited that any VM knowing the run id could put moves nothing (tests/workflow/test_authenticated.py).
 
 When the confirmation cannot come:
 - the instance is gone before the status command runs: nothing ends the job from the claim; EC2's state change

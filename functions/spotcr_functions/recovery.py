@@ -583,8 +583,11 @@ def restore(deps: Deps, job_id: str, generation: int, attempt: str, token: str) 
     backup_instance_id = record.backup_instance_id
     if backup_instance_id is None:
         raise ValueError(f"job {job_id} has no backup instance to restore on")
-    # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed.
+    # A final dump whose answer never arrived is read from SSM first: restored if committed, known if it failed,
+    # and the job's end if the order found it ended there.
     record = checkpoints.settle_final_dump(deps, record)
+    if record.status != Status.RECOVERING:
+        raise StaleGeneration(f"job {job_id} is {record.status.value} before its restore was ordered")
     if record.node_count:
         record = _take_over_nodes(deps, record)
     else:

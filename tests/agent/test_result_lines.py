@@ -54,10 +54,13 @@ def _given_the_vectors_outcome(monkeypatch, config, line: dict) -> None:
     with StateFile(config.state_dir).locked() as state:
         state.run_id = config.run_id
         state.generation = line.get("generation", 1)
-        state.job_status = line.get("job_status", "stopped" if line.get("job_stopped") else "running")
+        ended = "exited" if line.get("exit_code") is not None else "running"
+        state.job_status = line.get("job_status", "stopped" if line.get("job_stopped") else ended)
         state.job_pid = line.get("job_pid", 0)
         state.exit_code = line.get("exit_code")
         state.result = line.get("result", "")
+        state.result_error = line.get("result_error", "")
+        state.result_missing = line.get("result_missing", "")
         state.last_checkpoint = line.get("last_checkpoint")
         if line.get("final_dumps"):
             state.final_dumps = {k: FinalDump(v, 1) for k, v in line["final_dumps"].items()}

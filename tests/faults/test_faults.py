@@ -309,12 +309,11 @@ def test_a_job_that_exits_before_the_warning_is_not_recovered(reference, cloud, 
 @pytest.mark.claim("Exactly one end")
 def test_a_job_that_exits_during_its_final_dump_ends_once(reference, cloud, tmp_path):
     # Given a job told to exit at the moment of the warning: it exits before the freeze, or on the backup. Its exit
-    # is confirmed by a status command on the primary, which must answer before the primary goes: before EC2 takes
-    # it, and before the workflow retires it once the final dump failed and the backup is ready. On a loaded 2-core
-    # host the agent's start alone takes 1.5 s, and a 6 s notice was sometimes too short; with 15 s the primary was
-    # once retired 6.2 s after the warning (its backup ready at 4.9 s), about 0.4 s before the status command would
-    # have answered (the exit unconfirmed, the job ran again from its periodic checkpoint: exits.py says why that is
-    # the fallback). A known race, not yet fixed: the final-dump command's own answer could carry the exit.
+    # is confirmed by SSM's answer on the primary, which must come before the primary goes: the final-dump command's
+    # own answer carries it (checkpoints.reported_dump). Before it did, only a status command confirmed it, and the
+    # primary was once retired 6.2 s after the warning (its backup ready at 4.9 s), about 0.4 s before that command
+    # would have answered: the job ran again from its periodic checkpoint. On a loaded 2-core host the agent's start
+    # alone takes 1.5 s, and a 6 s notice was sometimes too short for either answer.
     rehearsal = FaultRehearsal(options(reference, tmp_path, exit_code=STOPPED_EXIT_CODE, notice_s=15.0), cloud)
 
     def exit_at_warning(number: int, current: str, generation: int) -> tuple[str, int]:

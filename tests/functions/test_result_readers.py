@@ -87,6 +87,21 @@ def test_an_exit_is_read_from_the_status_once_its_result_is_settled() -> None:
     assert exits.reported_exit(_record(), INSTANCE, other, AT) is None
 
 
+def test_an_order_that_found_the_job_ended_reports_its_exit_once_its_result_is_settled() -> None:
+    invocation = _invocation("checkpoint-exited", "Failed")
+    exited = checkpoints.reported_dump(_record(3), "c-1", INSTANCE, invocation, AT)
+    assert isinstance(exited, events.JobExited)
+    assert (exited.exit_code, exited.generation, exited.instance_id) == (3, 3, INSTANCE)
+    assert exited.run_id == "r-00000000000000a1"
+    assert exited.result.endswith("/result/manifest.json")
+    # A result still being committed ends nothing yet: the agent's JobExited asks the status command
+    unsettled = _invocation("checkpoint-exited", "Failed", result="")
+    assert checkpoints.reported_dump(_record(3), "c-1", INSTANCE, unsettled, AT) is None
+    # A result given up is settled: the job ends, its VM kept with the work dir
+    given_up = _invocation("checkpoint-exited", "Failed", result="", result_error="S3 answered 403")
+    assert isinstance(checkpoints.reported_dump(_record(3), "c-1", INSTANCE, given_up, AT), events.JobExited)
+
+
 def test_a_restore_answer_names_its_attempt_only_for_this_run_and_generation() -> None:
     record = dataclasses.replace(_record(3), status=Status.RECOVERING, backup_instance_id=INSTANCE)
     assert recovery._attempt_of(record, "c-1", INSTANCE, _invocation("restore-restored")) == "previous"

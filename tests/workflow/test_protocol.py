@@ -3,6 +3,7 @@ no stack trace in a notification. Real ASL on moto's engine, real handlers in-pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from rehearsal.controlplane import (
     answer_exit,
     checkpoint_id,
     ec2_event,
+    end_dump_order_with_exit,
     finish_checkpoint,
     finish_exit,
     finish_restore,
@@ -126,6 +128,34 @@ def test_an_exit_just_before_the_warning_ends_the_job_and_stops_recovery(
     assert (job.status, job.exit_code) == (status, exit_code)
     # And the tail is not re-run: no restore was ordered, the backup that never ran the job is terminated
     assert plane.sent_commands("restore") == []
+    [instance] = [b for b in plane.backups() if b["InstanceId"] == backup]
+    assert instance["State"]["Name"] in ("shutting-down", "terminated")
+
+
+@pytest.mark.parametrize("event", ["delivered", "lost"])
+def test_a_job_that_exited_at_the_warning_ends_from_its_final_dump_answer(plane: ControlPlane, event: str) -> None:
+    # Given a running job with a periodic checkpoint, warned just as it exits with code 3
+    primary = plane.start_job("exit-1")
+    commit(plane, "exit-1", primary, 0, "periodic")
+    route(ec2_event("spot-interruption-warning", primary))
+    backup = _backup(plane, "exit-1")
+    plane.wait_until(lambda: plane.sent_commands("final-dump"), "the final-dump order")
+
+    # When the final-dump order finds the job ended and answers with its exit, and no status command ever answers
+    # (the primary is retired first: the fault suite's race); SSM's event for that answer delivered, or lost (the
+    # Restore step reads it once the backup is ready)
+    exited = events.JobExited("exit-1", primary, 1, now_iso(), exit_code=3, result="s3://b/exit-1")
+    _, answered = end_dump_order_with_exit(dataclasses.replace(exited, run_id=plane.job("exit-1").run_id))
+    if event == "delivered":
+        route(answered)
+    else:
+        route(agent_event(events.AgentReady("exit-1", backup, 1, now_iso(), mode="restore")))
+
+    # Then the job ends once with its code, from that answer: no status command, no restore, the backup goes
+    assert plane.wait_for_execution()["status"] == "SUCCEEDED"
+    job = plane.job("exit-1")
+    assert (job.status, job.exit_code, job.result) == (Status.FAILED, 3, "s3://b/exit-1")
+    assert plane.sent_commands("status") == [] and plane.sent_commands("restore") == []
     [instance] = [b for b in plane.backups() if b["InstanceId"] == backup]
     assert instance["State"]["Name"] in ("shutting-down", "terminated")
 

@@ -244,13 +244,17 @@ def _checkpoint(agent: Agent, args: argparse.Namespace) -> int:
     except Exception as error:
         state = agent.state.read()
         stale = isinstance(error, StaleGeneration)
+        # A job that has ended is answered with its exit as the status command says it (Agent.watch_job committed
+        # its result or gave it up first), so the control plane may end the job from this answer alone.
+        ended = state.job_status == "exited"
+        exit_fields = ("exit_code", "result", "result_error", "result_missing")
         failed = CheckpointResult(
             ok=False,
             **order,
             error=str(error)[:4000],
             job_stopped=state.job_status == "stopped",
-            exit_code=state.exit_code if state.job_status == "exited" else None,
             stale=stale,
+            **{name: getattr(state, name) for name in exit_fields if ended},
         )
         _say(failed)
         return STALE if stale else FAILED
