@@ -263,7 +263,8 @@ FUNCTIONS: tuple[Function, ...] = (
         name="restore-job",
         handler="spotcr_functions.handlers.workflow.restore",
         description="Recovery step: retire the interrupted instance, order the restore, wait for SSM's result of it.",
-        # A final dump whose answer never arrived is read from SSM before the restore (checkpoints.settle_final_dump).
+        # A final dump whose answer never arrived is read from SSM before the restore (checkpoints.settle_final_dump):
+        # one that found the job ended ends it there, closing its EFS access point as command-result would.
         # A job over several VMs: each recovered node's address (and EBS volume) moves to its backup first.
         capabilities=(
             JOBS_READ,
@@ -275,6 +276,7 @@ FUNCTIONS: tuple[Function, ...] = (
             EC2_ADDRESSES,
             EC2_VOLUMES,
             COMMAND_RESULTS,
+            EFS_ACCESS_POINT_DELETE,
         ),
         workflow_step=True,
     ),

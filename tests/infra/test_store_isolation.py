@@ -276,8 +276,9 @@ def test_only_registering_and_ending_functions_manage_access_points(custom_synth
     creators = {name for name, actions in holders if "elasticfilesystem:CreateAccessPoint" in actions}
     deleters = {name for name, actions in holders if "elasticfilesystem:DeleteAccessPoint" in actions}
     assert creators == {"statechange", "tagchange", "agentevents"}
-    # The scheduler closes the access point of a job it fails for never starting (jobs.time_out_pending), and the
+    # The scheduler closes the access point of a job it fails for never starting (jobs.time_out_pending), the
     # interruption function that of a job over several VMs it fails for a node warned after its restore was ordered
-    # (recovery._nodes_lost)
-    ended = {"failrecovery", "recoveryended", "commandresult", "scheduler", "interruption"}
+    # (recovery._nodes_lost), and the restore step that of a job its final-dump order found ended
+    # (checkpoints.settle_final_dump)
+    ended = {"failrecovery", "recoveryended", "commandresult", "scheduler", "interruption", "restorejob"}
     assert deleters == {"statechange", "tagchange", "agentevents", *ended}

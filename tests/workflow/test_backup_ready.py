@@ -156,9 +156,10 @@ def test_an_early_ready_report_from_another_instance_moves_nothing(
 def test_a_ready_report_whose_answer_to_the_wait_was_lost_moves_the_recovery_on_when_the_wait_runs_out(
     plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a readiness wait of 5 s, and its answer lost once the backup's report is recorded (SendTaskSuccess
-    # throttled past every retry in a wave)
-    monkeypatch.setenv(ENV["backup_ready_wait_s"], "5")
+    # Given a readiness wait of 10 s, and its answer lost once the backup's report is recorded (SendTaskSuccess
+    # throttled past every retry in a wave). With 5 s the wait once ran out before the report was recorded, on a
+    # host loaded by the other lane's VM tests (CI of 4e7b4f0).
+    monkeypatch.setenv(ENV["backup_ready_wait_s"], "10")
     complete, lost = rendezvous._complete, []
 
     def losing(deps: Any, token: str, arrival: Any, *, job_id: str, key: str, how: str) -> None:
