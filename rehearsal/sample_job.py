@@ -5,10 +5,11 @@ earlier ones: any lost, repeated or corrupted step changes the final checksum. `
 between steps to stretch the run (it does not change the result); the uninterrupted reference
 run uses `--pace 0`.
 
-Usage: sample_job.py --mb 256 --steps 3000 [--pace 0.02] [--result result.txt] [--stop-file NAME]
+Usage: sample_job.py --mb 256 --steps 3000 [--pace 0.02] [--result result.txt] [--stop-file NAME] [--hurry-file NAME]
 
 `--stop-file` lets the fault suite end the job at a chosen moment: once that file exists in the work dir, the
-job exits with code 3 (STOPPED_EXIT_CODE) before its next step.
+job exits with code 3 (STOPPED_EXIT_CODE) before its next step. `--hurry-file` lets it end the job sooner once
+nothing is left to test: once that file exists, the job stops pacing (the result is the same).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Stopped(Exception):
     pass
 
 
-def run(mb: int, steps: int, pace: float, stop_file: str = "") -> str:
+def run(mb: int, steps: int, pace: float, stop_file: str = "", hurry_file: str = "") -> str:
     size = mb * (1 << 20)
     state = bytearray(hashlib.shake_256(b"spotcr sample job").digest(size))
     view = memoryview(state)
@@ -47,6 +48,8 @@ def run(mb: int, steps: int, pace: float, stop_file: str = "") -> str:
         chain.update(value)
         if (step + 1) % report_every == 0:
             print(f"step {step + 1}/{steps}", flush=True)
+        if pace and hurry_file and os.path.exists(hurry_file):
+            pace = 0.0
         if pace:
             time.sleep(pace)
     whole = hashlib.blake2b(view, digest_size=DIGEST).hexdigest()
@@ -60,9 +63,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--result", default="", help="also write the result to this file")
     parser.add_argument("--stop-file", default="", help="exit with code 3 once this file exists")
+    parser.add_argument("--hurry-file", default="", help="stop pacing once this file exists")
     args = parser.parse_args(argv)
     try:
-        result = run(args.mb, args.steps, args.pace, args.stop_file)
+        result = run(args.mb, args.steps, args.pace, args.stop_file, args.hurry_file)
     except Stopped as stopped:
         print(stopped, file=sys.stderr, flush=True)
         return STOPPED_EXIT_CODE

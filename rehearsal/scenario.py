@@ -71,6 +71,9 @@ class Options:
     exit_code: int = 0  # the exit code the job must end with (the fault suite makes some jobs fail on purpose)
     timeline_png: bool = True  # draw timeline.png besides timeline.json (the fault suite skips it: matplotlib)
     stop_file: str = ""  # the sample job exits with STOPPED_EXIT_CODE once this file is in its work dir
+    # Once every interruption is over, this file is put in the sample job's work dir: it stops pacing and the run
+    # ends sooner with the same result (the fault suite: nothing is left to test while the job runs on)
+    hurry_file: str = ""
     missed_warning: bool = False  # the notice is lost: no final dump, the backup restores the newest periodic one
     upgrade_at_s: float | None = None  # the stack upgraded (new agent asset and launch template version) at this second
     nodes: int = 1  # > 1: a job over this many VMs (MPI); interruption i hits node i % nodes, node 1 first
@@ -268,6 +271,7 @@ def job_command(options: Options, pace: float | None = None) -> list[str]:
         "--result",
         RESULT_FILE,
         *(["--stop-file", options.stop_file] if options.stop_file else []),
+        *(["--hurry-file", options.hurry_file] if options.hurry_file else []),
     ]
 
 
@@ -500,6 +504,8 @@ class Rehearsal:
         current, generation = instance_id, 0
         for number in range(1, options.interruptions + 1):
             current, generation = self._interruption(number, current, generation)
+        if options.hurry_file and options.command is None and options.interruptions:
+            self._hurry(current)
         exited = self._await_end(options.timeout_s)
         if exited.exit_code != options.exit_code:
             vm = self.cloud.vms[exited.instance_id]
@@ -538,6 +544,15 @@ class Rehearsal:
             raise RehearsalFailed(leaks.describe(left))
         say("leak check: no instance, volume, snapshot, access point or command left but the job's checkpoints")
         return outcome
+
+    def _hurry(self, instance_id: str) -> None:
+        """Every interruption is over: the sample job on the VM it runs on again runs the rest unpaced."""
+        try:
+            (self.cloud.vms[instance_id].host_path(self.workdir) / self.options.hurry_file).write_text("hurry\n")
+        except (KeyError, OSError) as error:
+            self.timeline.say(f"the job on {instance_id} was not hurried ({error}): it runs on at its pace")
+            return
+        self.timeline.say(f"every interruption is over: the job on {instance_id} runs the rest unpaced")
 
     def _end_own_nodes(self) -> None:
         """A job over several VMs ends with the nodes the user launched still running (spotcr terminates only the

@@ -33,8 +33,11 @@ SAMPLE_EVERY_S = 0.05
 JOB_MARKER = b"sample_job.py"
 SETTLE_S = 30.0  # how long the control plane may take to write the job's end after the job exited
 STOP_FILE = "STOP"
+HURRY_FILE = "HURRY"
 
 # A 4 MiB job of about 40 s (paced), checkpointed every 10 s, with a 6 s notice: small enough for ten scenarios.
+# Once its interruptions are over, the job runs the rest unpaced (Options.hurry_file): a scenario that needs the
+# backup to run on (its periodic dumps, its background work) passes hurry_file="".
 OPTIONS = Options(
     storage="s3",
     size_mb=4,
@@ -48,6 +51,7 @@ OPTIONS = Options(
     timeout_s=120.0,
     leak_grace_s=30.0,
     stop_file=STOP_FILE,
+    hurry_file=HURRY_FILE,
     timeline_png=False,
 )
 

@@ -371,7 +371,8 @@ def test_a_job_name_run_again_never_sees_the_earlier_runs_checkpoints(reference,
 
     # When a new run with another command is submitted under the same name, and its instance vanishes before its
     # first checkpoint
-    rehearsal = FaultRehearsal(options(reference, tmp_path / "again"), cloud)
+    # (at its pace: the new run's VM prunes the earlier run in the background while the job runs)
+    rehearsal = FaultRehearsal(options(reference, tmp_path / "again", hurry_file=""), cloud)
     rehearsal.job_id = earlier.job_id
     rehearsal._await_periodic = lambda instance_id, generation, number: None  # type: ignore[method-assign]
     rehearsal._interrupt = lambda instance_id, number: _vanish(rehearsal, instance_id)  # type: ignore[method-assign]
@@ -406,7 +407,8 @@ def test_a_backup_whose_clock_is_120_s_behind_has_its_checkpoints_taken_as_newes
     # namespace restores them), and only in the agent, whose clock names the checkpoints: a sitecustomize on the
     # agent's path, in the backup's own /opt/spotcr, shifts time.time and time.time_ns. (libfaketime, used before,
     # hung the agent's at-freeze handshake with CRIU in about 1 run in 5: that thread vanished with CRIU waiting.)
-    rehearsal = FaultRehearsal(options(reference, tmp_path), cloud)
+    # The job runs on at its pace on the backup, which must checkpoint there.
+    rehearsal = FaultRehearsal(options(reference, tmp_path, hurry_file=""), cloud)
     warn = rehearsal.warn
     behind = (
         "import time\n"
@@ -582,7 +584,8 @@ LAZY_STEPS = 1200  # 24 s of job: one periodic checkpoint, the warning, the lazy
 
 
 def _lazy_options(reference: bytes, runs_dir: Path) -> Any:
-    return options(reference, runs_dir, size_mb=LAZY_MB, steps=LAZY_STEPS, notice_s=20.0)
+    # At its pace: the faults strike while the job runs on, its pages still streaming
+    return options(reference, runs_dir, size_mb=LAZY_MB, steps=LAZY_STEPS, notice_s=20.0, hurry_file="")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The end-to-end tests' rehearsal, in one shape: a paced job checkpointed every 10 s, interrupted with an 8 s
-notice, the scheduler ticking every 2 s, the run in the test's own directory; each test changes what it is about."""
+notice, the scheduler ticking every 2 s, the run in the test's own directory, the sample job unpaced once its
+interruptions are over (Options.hurry_file); each test changes what it is about."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from rehearsal.cloud import LocalCloud
 from rehearsal.scenario import Options, Rehearsal
 from rehearsal.timeline import Timeline
 
-E2E: dict[str, Any] = {"pace_s": 0.015, "notice_s": 8.0, "interval_s": 10, "schedule_every_s": 2.0, "timeout_s": 90.0}
+E2E: dict[str, Any] = {
+    "pace_s": 0.015,
+    "notice_s": 8.0,
+    "interval_s": 10,
+    "schedule_every_s": 2.0,
+    "timeout_s": 90.0,
+    "hurry_file": "HURRY",
+}
 
 
 def e2e_rehearsal(runs_dir: Path, **changes: Any) -> tuple[Rehearsal, list[str]]:
