@@ -135,7 +135,7 @@ def reported_dump(
 ) -> events.CheckpointCompleted | events.CheckpointFailed | events.JobExited | None:
     """The dump the checkpoint command reported on that instance (spotcr_agent.cli._checkpoint's result line), or
     None: still running, or another job or run. An order that found the job ended there reports its exit once its
-    result is settled, as the status command would (exits.reported_exit), else None (the agent's JobExited asks the
+    result is settled, as the status command would (exits.settled_exit), else None (the agent's JobExited asks the
     status command). A final-dump command that ended with no result at all (the instance went away under it, or the
     command never ran there) is a failed final dump that stopped nothing."""
     status = str(invocation.get("Status") or "")
@@ -164,16 +164,7 @@ def reported_dump(
             deadline_risk=answer.deadline_risk[:1000],
         )
     if answer.exit_code is not None and answer.exit_code != events.UNKNOWN_EXIT_CODE:
-        if not answer.settled_exit():
-            return None
-        return events.JobExited(
-            *at,
-            run_id=record.run_id,
-            exit_code=answer.exit_code,
-            result=answer.result,
-            result_error=answer.result_error,
-            result_missing=answer.result_missing,
-        )
+        return exits.settled_exit(record, instance_id, answer, read_at)
     reason = (answer.error or f"the checkpoint command ended {status} on {instance_id}")[:1000]
     stopped = answer.job_stopped
     return events.CheckpointFailed(*at, run_id=record.run_id, kind=answer.kind, reason=reason, job_stopped=stopped)

@@ -56,12 +56,17 @@ def reported_exit(
     if invocation.get("Status") != commands.COMMAND_SUCCEEDED:
         return None
     answer = agent_events.command_result(invocation, results.parse_status)
-    if (
-        not isinstance(answer, results.StatusResult)
-        or (answer.job_id, answer.run_id) != (record.job_id, record.run_id)
-        or answer.exit_code is None
-        or not answer.settled_exit()
-    ):
+    if not isinstance(answer, results.StatusResult) or (answer.job_id, answer.run_id) != (record.job_id, record.run_id):
+        return None
+    return settled_exit(record, instance_id, answer, read_at)
+
+
+def settled_exit(
+    record: JobRecord, instance_id: str, answer: results.StatusResult | results.CheckpointResult, read_at: str
+) -> events.JobExited | None:
+    """The exit an answer of this job's run on that instance reports (the status command's, or a dump order's that
+    found the job ended), once its result is stored or given up; else None."""
+    if answer.exit_code is None or not answer.settled_exit():
         return None
     return events.JobExited(
         job_id=record.job_id,
