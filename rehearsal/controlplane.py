@@ -295,12 +295,18 @@ def end_dump_order_with_exit(exited: events.JobExited) -> tuple[str, dict[str, A
         error=f"the job is not running: it exited with code {exited.exit_code}",
         exit_code=exited.exit_code,
         result=exited.result,
-        result_error=exited.result_error or ("" if exited.result else "the test stored no result"),
+        result_error=_settled_error(exited),
         result_missing=exited.result_missing,
     ).to_line()
     _answer(command, invocation, "Failed", 1, line)
     document = str(command.document_name)
     return command.command_id, command_ended(exited.instance_id, command.command_id, document, "Failed")
+
+
+def _settled_error(exited: events.JobExited) -> str:
+    """The real agent reports an exit only once its result is stored or given up (Agent.watch_job): one is always
+    set, so a test's exit with no result is one given up."""
+    return exited.result_error or ("" if exited.result else "the test stored no result")
 
 
 def order_parameters(command: Any, instance_id: str) -> dict[str, str]:
@@ -361,8 +367,7 @@ def end_status_command(exited: events.JobExited) -> list[tuple[str, dict[str, An
     status-change event for each, not delivered."""
     backend = ssm_backends[ACCOUNT][REGION]
     statuses = [c for c in backend._commands if str(c.document_name).endswith("-status")]
-    # The real agent reports its exit only once the result is stored or given up (Agent.watch_job): one is always set.
-    result_error = exited.result_error or ("" if exited.result else "the test stored no result")
+    result_error = _settled_error(exited)
     line = results.StatusResult(
         job_id=exited.job_id,
         run_id=exited.run_id,
