@@ -12,6 +12,7 @@ import pytest
 from moto import mock_aws
 from spotcr_contracts import events
 from spotcr_functions import recovery
+from spotcr_functions.config import ENV
 from spotcr_functions.models import Status
 from spotcr_functions.registry import Registry
 
@@ -133,8 +134,14 @@ def test_an_exit_just_before_the_warning_ends_the_job_and_stops_recovery(
 
 
 @pytest.mark.parametrize("event", ["delivered", "lost"])
-def test_a_job_that_exited_at_the_warning_ends_from_its_final_dump_answer(plane: ControlPlane, event: str) -> None:
-    # Given a running job with a periodic checkpoint, warned just as it exits with code 3
+def test_a_job_that_exited_at_the_warning_ends_from_its_final_dump_answer(
+    plane: ControlPlane, event: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a running job with a periodic checkpoint, warned just as it exits with code 3; with the answer's event
+    # lost, a short final-dump wait (the Restore step reads the answer once it is over: the plane's 30 s raced the
+    # 30 s this test waits for the workflow)
+    if event == "lost":
+        monkeypatch.setenv(ENV["final_dump_wait_s"], "1")
     primary = plane.start_job("exit-1")
     commit(plane, "exit-1", primary, 0, "periodic")
     route(ec2_event("spot-interruption-warning", primary))
