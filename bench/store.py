@@ -139,8 +139,9 @@ def measure(args: argparse.Namespace, count: Count, direct: str, s3_pid: int | N
     samples: dict[str, list[dict[str, Any]]] = {"after": [], "full_dir": [], "full_s3": []}
     for number in range(1, args.runs + 1):
         samples["after"].append(bench.after(number))
-        samples["full_dir"].append(bench.full_dir(number))
-        store, checkpoint_id = bench.full_s3(number, samples["full_s3"])
+        samples["full_dir"].append(bench.full(number, "dir")[0])
+        full_s3, store, checkpoint_id = bench.full(number, "s3")
+        samples["full_s3"].append(full_s3)
     run = bench.run
     for figure, runs in samples.items():
         run[figure] = min(runs, key=lambda sample: sample["seconds"]) | {"runs": [r["seconds"] for r in runs]}
@@ -188,34 +189,26 @@ class Round:
         print(f"  final: {after['seconds']:.2f} s, {after['bytes_uploaded'] / MiB:.1f} MiB sent")
         return after
 
-    def full_dir(self, number: int) -> dict[str, Any]:
-        work = self.args.work
-        print(f"\n== round {number}: full final dump: directory store ==")
-        workdir, store = work / f"job-dir-{number}", make_store("dir", work, f"store-{number}-full")
+    def full(self, number: int, kind: str) -> tuple[dict[str, Any], Any, str]:
+        """A full final dump into a directory store ("dir") or S3 ("s3"): its figures (for S3 with the requests the
+        endpoint saw, and its CPU seconds), the store and the checkpoint (the restore reads the last round's)."""
+        work, s3 = self.args.work, kind == "s3"
+        print(f"\n== round {number}: full final dump: {'S3' if s3 else 'directory store'} ==")
+        workdir, store = work / f"job-{kind}-{number}", make_store(kind, work, f"store-{number}-full")
+        endpoint = self.s3_pid if s3 else None
         with memory_job(workdir, self.args.gib, 0.0) as job:
             floors(self.run, self.criu, job.pid, self.args)
-            agent = checkpointer(job, workdir, store, work / f"agent-dir-{number}")
-            before = cpu_seconds(None)
-            full = figures(agent.checkpoint("final", 1)) | {"cpu": cpu_used(before, cpu_seconds(None))}
-        print(f"  final: {full['seconds']:.2f} s, CPU seconds {full['cpu']}")
-        return full
-
-    def full_s3(self, number: int, samples: list[dict[str, Any]]) -> tuple[Any, str]:
-        """The full final dump into S3, added to samples; the store and the checkpoint, for the restore."""
-        work = self.args.work
-        print(f"\n== round {number}: full final dump: S3 ==")
-        workdir, store = work / f"job-s3-{number}", make_store("s3", work, f"store-{number}-full")
-        with memory_job(workdir, self.args.gib, 0.0) as job:
-            floors(self.run, self.criu, job.pid, self.args)
-            agent = checkpointer(job, workdir, store, work / f"agent-s3-{number}")
-            self.count.watch(store.backend.client)
-            self.count.take()
-            before = cpu_seconds(self.s3_pid)
+            agent = checkpointer(job, workdir, store, work / f"agent-{kind}-{number}")
+            if s3:
+                self.count.watch(store.backend.client)
+                self.count.take()
+            before = cpu_seconds(endpoint)
             final = agent.checkpoint("final", 1)
-            cpu = cpu_used(before, cpu_seconds(self.s3_pid))
-            samples.append(figures(final) | {"requests": self.count.take().summary(), "cpu": cpu})
-        print(f"  final: {final.seconds:.2f} s, requests {samples[-1]['requests']}, CPU seconds {cpu}")
-        return store, final.checkpoint_id
+            full = figures(final) | {"cpu": cpu_used(before, cpu_seconds(endpoint))}
+            if s3:
+                full["requests"] = self.count.take().summary()
+        print(f"  final: {full['seconds']:.2f} s, CPU seconds {full['cpu']}, requests {full.get('requests', '-')}")
+        return full, store, final.checkpoint_id
 
 
 def floors(run: dict[str, Any], criu: Any, pid: int, args: argparse.Namespace) -> None:
