@@ -166,7 +166,7 @@ def measure(args: argparse.Namespace, count: Count, direct: str, s3_pid: int | N
 
 @dataclass
 class Round:
-    """One round's three figures, each on a job of its own whose floors are measured first (into `run`)."""
+    """The rounds' figures, each on a job of its own whose floors are measured first (into `run`, every round's)."""
 
     args: argparse.Namespace
     criu: Any
