@@ -94,7 +94,7 @@ PROBE_GAIN = 0.9  # the probe must shrink to this share of its size, or the chun
 FAST_LEVEL = -1  # zstd's fast level for such chunks: raw blocks at several GiB/s, yet long runs of zeros still shrink
 # and for every chunk of a final dump, which races the notice: on CRIU's images of a half-random job 2.4x the
 # throughput of level 1 at the same ratio, on a Python heap's 22% more at 4.53x against 4.71x
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # populate: one fault-in per mapping, not per page
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # populate: one fault-in per mapping, not per page
 POLL_SECONDS = 0.02  # how often a file CRIU is still writing is checked for new bytes
 GRACE_SECONDS = 3600.0  # prune never removes what a commit still running (started within this) may use
 SWEEP_LEASE_S = 60.0  # a prune deletes nothing after half of this; a sweep marker this much older is dead
@@ -968,7 +968,7 @@ class _FileTail:
             uploader.read_s += time.perf_counter() - began
             return 0
         start = self.size - self.size % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=_MAP_FLAGS)
+        mapping = mmap.mmap(self._fd, end - start, prot=mmap.PROT_READ, offset=start, flags=MAP_FLAGS)
         chunks = self._feed(uploader, memoryview(mapping)[self.size - start :])
         uploader.read_s += time.perf_counter() - began
         self._hand_over(uploader, chunks)
