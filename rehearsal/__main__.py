@@ -38,6 +38,13 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--steps", type=int, help="sample job: its length in steps (default 3000)")
     parser.add_argument("--pace", type=float, help="sample job: seconds it sleeps per step (default 0.02)")
     parser.add_argument("--interruptions", type=int, default=1, help="successive interruptions (default 1)")
+    parser.add_argument(
+        "--checkpoints-before",
+        type=int,
+        default=1,
+        help="periodic checkpoints of the job's VM before each interruption (default 1: the first, a full dump "
+        "that cannot tell how fast the job changes its memory)",
+    )
     parser.add_argument("--interval", type=int, default=10, help="spotcr:interval, seconds between periodic dumps")
     parser.add_argument("--notice", type=float, default=120.0, help="seconds from warning to termination (AWS: 120)")
     parser.add_argument("--quick", action="store_true", help="a 15 s notice instead of 120 s")
@@ -89,6 +96,8 @@ def parse(argv: list[str]) -> Options:
         parser.error("--result goes with --command (the sample job's result is result.txt)")
     if not 1 <= args.wave <= args.nodes:
         parser.error(f"--wave {args.wave}: from 1 to --nodes ({args.nodes})")
+    if args.checkpoints_before < 1:
+        parser.error(f"--checkpoints-before {args.checkpoints_before}: 1 or more (an interruption needs a checkpoint)")
     if args.upgrade_at is not None and args.upgrade_at < 0:
         parser.error(f"--upgrade-at {args.upgrade_at:g}: seconds after the submission, 0 or more")
     return Options(
@@ -99,6 +108,7 @@ def parse(argv: list[str]) -> Options:
         command=args.command,
         result_file=args.result or RESULT_FILE,
         interruptions=args.interruptions,
+        checkpoints_before_interruption=args.checkpoints_before,
         notice_s=15.0 if args.quick else args.notice,
         interval_s=args.interval,
         schedule_every_s=args.schedule_every,

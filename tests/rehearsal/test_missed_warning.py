@@ -22,6 +22,13 @@ def test_the_option_loses_the_notice():
     assert parse([]).missed_warning is False
 
 
+def test_an_interruption_may_wait_for_more_than_one_periodic_checkpoint():
+    assert parse([]).checkpoints_before_interruption == 1
+    assert parse(["--checkpoints-before", "2"]).checkpoints_before_interruption == 2
+    with pytest.raises(SystemExit):
+        parse(["--checkpoints-before", "0"])
+
+
 @pytest.mark.e2e
 @pytest.mark.criu
 @pytest.mark.timeout(400)
