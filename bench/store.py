@@ -13,6 +13,9 @@ a busy moment of a shared machine weighs on neither side of a ratio more than on
              front of moto's server; bench/s3count.py)
   restore    the store's fetch of the last round's S3 checkpoint, then a plain parallel download (boto3, a thread
              pool as wide as the store's) of the same objects and ranges the fetch asked the endpoint for
+  at least   the least each full final dump could take on these cores: its CRIU's and the endpoint's CPU, plus the
+             store's per-byte work measured alone on one thread on CRIU's images of the first full job
+             (store_work), spread over every core
 
 Writes bench/results/<name>.json and .md with the machine. --record-baseline writes this run's bytes sent after the
 periodic dump, with the commit and the store's tree it came from, as the baseline later runs compare with.
