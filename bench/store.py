@@ -14,8 +14,8 @@ a busy moment of a shared machine weighs on neither side of a ratio more than on
   restore    the store's fetch of the last round's S3 checkpoint, then a plain parallel download (boto3, a thread
              pool as wide as the store's) of the same objects and ranges the fetch asked the endpoint for
   at least   the least each full final dump could take on these cores: its CRIU's and the endpoint's CPU, plus the
-             store's per-byte work measured alone on one thread on CRIU's images of the first full job
-             (store_work), spread over every core
+             store's per-byte work (for S3 with each pack's CRC32) measured alone on one thread on CRIU's images of
+             the first full job (store_work), spread over every core
 
 Writes bench/results/<name>.json and .md with the machine. --record-baseline writes this run's bytes sent after the
 periodic dump, with the commit and the store's tree it came from, as the baseline later runs compare with.
@@ -228,18 +228,20 @@ def floors(run: dict[str, Any], criu: Any, pid: int, args: argparse.Namespace) -
 def store_work(criu: Any, pid: int, mount_at: Path, size: int, passes: int = 2) -> dict[str, float]:
     """The CPU seconds one thread spends on what every byte of a full final dump costs in the store's format,
     however it is pipelined: mapped and cut into chunks, named by its hash (BLAKE3), compressed at the final dump's
-    level (store.FAST_LEVEL). Measured on CRIU's images of the job in a tmpfs mounted as the agent's memory scratch
+    level (store.FAST_LEVEL); and for S3, the CRC32 of the compressed bytes that each pack is sent with
+    (backends.crc32_header). Measured on CRIU's images of the job in a tmpfs mounted as the agent's memory scratch
     is (scratch_floor), mapped as the store maps them; each stage the least of `passes`.
 
     With the CPU that CRIU and the endpoint spent in a dump, it bounds the dump from below on this machine's cores
     (least_seconds): the work could at best be spread over every core, none of it left out."""
     import zstandard
     from spotcr_agent import scratch
+    from spotcr_agent.store.backends import crc32_header
     from spotcr_agent.store.chunking import Chunker, Chunking
     from spotcr_agent.store.manifest import chunk_id
     from spotcr_agent.store.store import FAST_LEVEL, MAP_FLAGS
 
-    best = {"cut": float("inf"), "hash": float("inf"), "compress": float("inf")}
+    best = {"cut": float("inf"), "hash": float("inf"), "compress": float("inf"), "crc": float("inf")}
     disk = mount_at.parent / f"{mount_at.name}-disk"
     disk.mkdir(parents=True, exist_ok=True)
     with scratch.dump_scratch(disk, mount_at, pid, room=lambda _pid, _workdir: size) as (where, kind):
@@ -262,9 +264,12 @@ def store_work(criu: Any, pid: int, mount_at: Path, size: int, passes: int = 2) 
                         began = time.thread_time()
                         chunk_id(chunk)
                         hashed = time.thread_time()
-                        compressor.compress(chunk)
+                        compressed = compressor.compress(chunk)
+                        done = time.thread_time()
+                        crc32_header(compressed)
                         spent["hash"] += hashed - began
-                        spent["compress"] += time.thread_time() - hashed
+                        spent["compress"] += done - hashed
+                        spent["crc"] += time.thread_time() - done
                     del chunks, chunker, mapped  # unmapped once no chunk refers to it
             best = {stage: min(best[stage], spent[stage]) for stage in best}
     shutil.rmtree(disk, ignore_errors=True)
@@ -278,10 +283,15 @@ def store_work(criu: Any, pid: int, mount_at: Path, size: int, passes: int = 2) 
 
 def least_seconds(sample: dict[str, Any], work: dict[str, float], cores: int) -> float:
     """The least a full final dump can take on `cores` cores: the CPU its CRIU and the endpoint spent in it (the
-    endpoint shares the cores when it runs on this machine) and the store's per-byte work (store_work), spread
-    over every core with nothing else left."""
+    endpoint shares the cores when it runs on this machine) and the store's per-byte work (store_work; its packs'
+    CRC32 only where they go to S3, the dump with an endpoint), spread over every core with nothing else left."""
     cpu = sample["cpu"]
-    return (cpu["criu"] + cpu.get("endpoint", 0.0) + work["cut"] + work["hash"] + work["compress"]) / cores
+    return (cpu["criu"] + cpu.get("endpoint", 0.0) + per_byte(work, s3="endpoint" in cpu)) / cores
+
+
+def per_byte(work: dict[str, float], *, s3: bool) -> float:
+    """The store's per-byte CPU seconds (store_work) for a dump into a directory, or into S3."""
+    return work["cut"] + work["hash"] + work["compress"] + (work.get("crc", 0.0) if s3 else 0.0)
 
 
 def cpu_seconds(endpoint_pid: int | None) -> dict[str, float]:
@@ -426,14 +436,15 @@ def least_line(doc: dict[str, Any]) -> str:
             endpoint = f" + the endpoint {cpu['endpoint']:.2f}" if "endpoint" in cpu else ""
             parts.append(
                 f"{where} {bound:.2f} s ({bound / run['floor']:.1f}x: CRIU {cpu['criu']:.2f}{endpoint} + the store's "
-                f"per-byte work {work['cut'] + work['hash'] + work['compress']:.2f} CPU s, over {cores} cores)"
+                f"per-byte work {per_byte(work, s3='endpoint' in cpu):.2f} CPU s, over {cores} cores)"
             )
     return (
         "At least: what each full final dump would take if its CPU were spread over every core with nothing else "
         "left: the CPU its CRIU and the endpoint (on these cores too) spent in the fastest run, and the work every "
         f"byte costs in the store's format, measured alone on one thread on CRIU's images of the job "
         f"({work['bytes'] / GiB:.2f} GiB, the least of two passes): cutting into chunks {work['cut']:.2f}, BLAKE3 "
-        f"{work['hash']:.2f}, zstd at the final dump's level {work['compress']:.2f} CPU s. " + "; ".join(parts) + "."
+        f"{work['hash']:.2f}, zstd at the final dump's level {work['compress']:.2f}, and for S3 the CRC32 each pack "
+        f"is sent with {work.get('crc', 0.0):.2f} CPU s. " + "; ".join(parts) + "."
     )
 
 
