@@ -175,18 +175,26 @@ def floor(criu: Any, pid: int, tmpfs: Path) -> float:
     return round(seconds, 3)
 
 
-def scratch_floor(criu: Any, pid: int, mount_at: Path, size: int) -> float:
-    """CRIU dumping the job to a tmpfs mounted as the agent mounts its memory scratch (spotcr_agent.scratch: large
-    pages where they fit, HUGE_PAGES), sized `size`: the floor with the scratch's own advantage in it."""
+@contextlib.contextmanager
+def agent_scratch(mount_at: Path, pid: int, size: int) -> Iterator[Path]:
+    """A tmpfs mounted at `mount_at` as the agent mounts its memory scratch (spotcr_agent.scratch: large pages where
+    they fit, HUGE_PAGES), sized `size`; unmounted after, and the disk scratch beside it removed."""
     from spotcr_agent import scratch
 
     disk = mount_at.parent / f"{mount_at.name}-disk"
     disk.mkdir(parents=True, exist_ok=True)
     with scratch.dump_scratch(disk, mount_at, pid, room=lambda _pid, _workdir: size) as (where, kind):
         if kind != "memory":
-            raise RuntimeError(f"no tmpfs could be mounted at {mount_at} for the scratch floor")
-        seconds = float(criu.dump(pid, where / "images", where / "logs", leave_running=True))
+            raise RuntimeError(f"no tmpfs could be mounted at {mount_at} as the agent's memory scratch")
+        yield where
     shutil.rmtree(disk, ignore_errors=True)
+
+
+def scratch_floor(criu: Any, pid: int, mount_at: Path, size: int) -> float:
+    """CRIU dumping the job to a tmpfs mounted as the agent mounts its memory scratch (agent_scratch), sized `size`:
+    the floor with the scratch's own advantage in it."""
+    with agent_scratch(mount_at, pid, size) as where:
+        seconds = float(criu.dump(pid, where / "images", where / "logs", leave_running=True))
     print(f"  floor in the agent's scratch tmpfs: CRIU {seconds:.2f} s")
     return round(seconds, 3)
 

@@ -39,7 +39,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bench.checkpoint import CRIU, checkpointer, criu_unusable, dirty, memory_job
-from bench.pipeline import BUCKET, GiB, MiB, describe_machine, figures, floor, make_store, s3_server, scratch_floor
+from bench.pipeline import (
+    BUCKET,
+    GiB,
+    MiB,
+    agent_scratch,
+    describe_machine,
+    figures,
+    floor,
+    make_store,
+    s3_server,
+    scratch_floor,
+)
 from bench.s3count import MinioCount, Request, Tally, counting_proxy
 
 BENCH = Path(__file__).resolve().parent
@@ -203,8 +214,7 @@ class Round:
         with memory_job(workdir, self.args.gib, 0.0) as job:
             floors(self.run, self.criu, job.pid, self.args)
             if "store_work" not in self.run:
-                size = int(self.args.gib * GiB * 1.2) + (64 << 20)  # as floors(): the images with room to spare
-                self.run["store_work"] = store_work(self.criu, job.pid, work / "store-work", size)
+                self.run["store_work"] = store_work(self.criu, job.pid, work / "store-work", scratch_size(self.args))
             agent = checkpointer(job, workdir, store, work / f"agent-{kind}-{number}")
             if s3:
                 self.count.watch(store.backend.client)
@@ -221,8 +231,12 @@ class Round:
 def floors(run: dict[str, Any], criu: Any, pid: int, args: argparse.Namespace) -> None:
     """The job's floor (CRIU to the machine's tmpfs), and CRIU to a tmpfs mounted as the agent's scratch is."""
     run["floors"].append(floor(criu, pid, args.tmpfs))
-    size = int(args.gib * GiB * 1.2) + (64 << 20)  # the job's images with room to spare
-    run["scratch_floors"].append(scratch_floor(criu, pid, args.work / "scratch-floor", size))
+    run["scratch_floors"].append(scratch_floor(criu, pid, args.work / "scratch-floor", scratch_size(args)))
+
+
+def scratch_size(args: argparse.Namespace) -> int:
+    """A tmpfs for the job's images, with room to spare."""
+    return int(args.gib * GiB * 1.2) + (64 << 20)
 
 
 def store_work(criu: Any, pid: int, mount_at: Path, size: int, passes: int = 2) -> dict[str, float]:
@@ -230,23 +244,18 @@ def store_work(criu: Any, pid: int, mount_at: Path, size: int, passes: int = 2) 
     however it is pipelined: mapped and cut into chunks, named by its hash (BLAKE3), compressed at the final dump's
     level (store.FAST_LEVEL); and for S3, the CRC32 of the compressed bytes that each pack is sent with
     (backends.crc32_header). Measured on CRIU's images of the job in a tmpfs mounted as the agent's memory scratch
-    is (scratch_floor), mapped as the store maps them; each stage the least of `passes`.
+    is (agent_scratch), mapped as the store maps them; each stage the least of `passes`.
 
     With the CPU that CRIU and the endpoint spent in a dump, it bounds the dump from below on this machine's cores
     (least_seconds): the work could at best be spread over every core, none of it left out."""
     import zstandard
-    from spotcr_agent import scratch
     from spotcr_agent.store.backends import crc32_header
     from spotcr_agent.store.chunking import Chunker, Chunking
     from spotcr_agent.store.manifest import chunk_id
     from spotcr_agent.store.store import FAST_LEVEL, MAP_FLAGS
 
     best = {"cut": float("inf"), "hash": float("inf"), "compress": float("inf"), "crc": float("inf")}
-    disk = mount_at.parent / f"{mount_at.name}-disk"
-    disk.mkdir(parents=True, exist_ok=True)
-    with scratch.dump_scratch(disk, mount_at, pid, room=lambda _pid, _workdir: size) as (where, kind):
-        if kind != "memory":
-            raise RuntimeError(f"no tmpfs could be mounted at {mount_at} for the store's per-byte work")
+    with agent_scratch(mount_at, pid, size) as where:
         criu.dump(pid, where / "images", where / "logs", leave_running=True)
         files = [p for p in sorted((where / "images").iterdir()) if p.stat().st_size]
         total = sum(p.stat().st_size for p in files)
@@ -272,7 +281,6 @@ def store_work(criu: Any, pid: int, mount_at: Path, size: int, passes: int = 2) 
                         spent["crc"] += time.thread_time() - done
                     del chunks, chunker, mapped  # unmapped once no chunk refers to it
             best = {stage: min(best[stage], spent[stage]) for stage in best}
-    shutil.rmtree(disk, ignore_errors=True)
     print(
         f"  the store's per-byte work on one thread, {total / GiB:.2f} GiB of images: "
         + ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in best.items())
