@@ -32,6 +32,8 @@ def _interrupt_and_restore(bare_vm, storage, kind, megabytes=200, steps=50, agen
     assert primary.agent("status")["job_alive"] == (kind == "periodic")
     if kind == "periodic":
         wait_for(lambda: len(primary.progress()) >= 8, what="progress after the periodic dump")
+        # and its memory was sampled once CRIU let it run again, for a final dump to tell how much changed since
+        assert primary.agent("memory-changed", outcome["checkpoint_id"])["sampled"] == 512
     primary.vm.terminate()
     backup_vm = bare_vm(shared_storage=storage)
     assert backup_vm.address != primary.vm.address

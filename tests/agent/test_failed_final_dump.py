@@ -13,13 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from spotcr_agent import daemon, inflight
+from spotcr_agent import daemon, inflight, memsample
 from spotcr_agent import scratch as scratch_room
 from spotcr_agent.checkpoint import CheckpointError
 from spotcr_agent.criu import Criu, CriuError
@@ -66,9 +67,9 @@ def _store(config: Any, cls: type[CheckpointStore] = CheckpointStore) -> Checkpo
 
 
 def _running(
-    tmp_path: Path, publisher: Any, kind: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, publisher: Any, kind: str, monkeypatch: pytest.MonkeyPatch, command: tuple[str, ...] = TREE_JOB
 ) -> tuple[Any, list[tuple[int, int]]]:
-    config = make_config(tmp_path, command=TREE_JOB)
+    config = make_config(tmp_path, command=command)
     agent = make_agent(config, publisher, _store(config, _UnreachableStore if kind == "store" else CheckpointStore))
     if kind == "scratch":  # no room on the scratch disk, and no memory to spare for a memory scratch
         monkeypatch.setattr(
@@ -83,7 +84,7 @@ def _running(
     agent.ready()
     pid = agent.start_job()
     assert pid
-    wait_for(lambda: len(process_tree(pid)) >= 3, what="the job's child process")
+    wait_for(lambda: len(process_tree(pid)) >= (3 if command == TREE_JOB else 2), what="the job's processes")
     tree = [(member, process_start_time(member) or 0) for member in process_tree(pid)]
     return agent, tree
 
@@ -167,17 +168,26 @@ class _CriuNotToRun(_FailingCriu):
 
 
 def _one_dump_a_minute_ago(
-    tmp_path: Path, publisher: Any, monkeypatch: pytest.MonkeyPatch, *, criu_s: float, upload_s: float
+    tmp_path: Path,
+    publisher: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    criu_s: float,
+    upload_s: float,
+    command: tuple[str, ...] = TREE_JOB,
+    size: Callable[[int], int] = lambda _: 4 * GiB,
 ) -> tuple[Any, list[tuple[int, int]], float, str]:
     """A running job at generation 2, with a CRIU that fails saying so if a final dump begins, whose one periodic
-    dump, a minute ago, took criu_s of CRIU and 60 s of the store for 4 GiB (upload_s of the store's 3 + upload_s
-    busy seconds sending). The agent, the job's tree, now, and that checkpoint."""
-    agent, tree = _running(tmp_path, publisher, "none", monkeypatch)
+    dump, a minute ago, its first (a full dump, without a dirty rate), took criu_s of CRIU and 60 s of the store for
+    4 GiB (or `size` of the job's PID 1; upload_s of the store's 3 + upload_s busy seconds sending). The agent, the
+    job's tree, now, and that checkpoint."""
+    agent, tree = _running(tmp_path, publisher, "none", monkeypatch, command)
     agent.criu = _CriuNotToRun()
     monkeypatch.setattr("spotcr_agent.checkpoint.Checkpointer._carried", lambda *args, **kwargs: {})
     now = time.time()
     parent = f"{int((now - 60) * 1000)}-g2-s1-periodic"
-    sample = Sample(parent, 4 * GiB, 4 * GiB, 4 * GiB, 0.0, criu_s, 60.0, 1.0, 1.0, 1.0, upload_s)
+    total = size(tree[0][0])
+    sample = Sample(parent, total, total, total, 0.0, criu_s, 60.0, 1.0, 1.0, 1.0, upload_s)
     with agent.state.locked() as state:
         state.generation, state.dump_samples, state.last_checkpoint = 2, [sample.to_json()], parent
     return agent, tree, now, parent
@@ -327,6 +337,70 @@ def test_a_final_dump_that_cannot_fit_does_not_wait_for_a_periodic_dump_that_can
             # but a periodic dump that may still commit before the reclaim is waited for
             assert waited >= 1.5
             assert not inflight.abandoned(agent.state.dir, frozen)
+    finally:
+        for pid in _alive(tree):
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+
+
+# PID 1 (the wrapper) and a job holding 32 MiB of memory, which it rewrites once the file `rewrite` appears.
+REWRITING_JOB = (
+    sys.executable,
+    "-c",
+    "import os, pathlib, time\n"
+    "memory = bytearray(os.urandom(32 << 20))\n"
+    "pathlib.Path('filled').touch()\n"
+    "while not pathlib.Path('rewrite').exists(): time.sleep(0.02)\n"
+    "memory[:] = os.urandom(32 << 20)\n"
+    "pathlib.Path('rewritten').touch()\n"
+    "time.sleep(300)\n",
+)
+
+
+def _job_memory(pid: int) -> int:
+    return sum(scratch_room.memory_bytes(member) for member in scratch_room.job_tree(pid))
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_final_dump_that_a_memory_sample_tells_cannot_fit_does_not_wait_for_the_next_dumps_freeze(
+    tmp_path, publisher, monkeypatch, sampled
+):
+    # Given a running job whose one periodic dump, a minute ago, was its first: no dirty rate measured. It took 4 s
+    # of CRIU and 60 s of the store for the job's memory, nearly all of it sending: alone, a final dump's least
+    # time (4 s, if nothing changed) fits a 15 s notice
+    agent, tree, now, parent = _one_dump_a_minute_ago(
+        tmp_path, publisher, monkeypatch, criu_s=4.0, upload_s=57.0, command=REWRITING_JOB, size=_job_memory
+    )
+    work = agent.config.workdir
+    wait_for((work / "filled").exists, what="the job's memory")
+    # And its memory sampled as that dump left it (or, for comparison, not sampled); then the job rewrote it
+    if sampled:
+        memsample.record(agent.state.dir, parent, tree[0][0])
+    (work / "rewrite").touch()
+    wait_for((work / "rewritten").exists, what="the job's memory rewritten")
+    # And the next periodic dump holds the dump lock in its freeze, since 1 s ago and for 3 s more
+    frozen = f"{int((now - 1) * 1000)}-g2-s2-periodic"
+    holder = _periodic_dump_holding_the_lock(agent, frozen, 3.0, took_lock_at=now - 1)
+    notice = _notice(now, seconds_left=15)
+    try:
+        # When the notice comes with 15 s left
+        waited = _noticed(agent, notice)
+        holder.join(5)
+
+        # Then the job stops for the backup to restore that checkpoint
+        [failed] = publisher.of("CheckpointFailed")
+        assert (failed.kind, failed.job_stopped) == ("final", True)
+        assert _alive(tree) == []
+        if sampled:
+            # at once: the sample read again says most of the memory changed, too much to send in time, for a final
+            # dump and for the periodic dump in its freeze, which is told to stop
+            assert waited < 1.5
+            assert inflight.abandoned(agent.state.dir, frozen)
+            assert failed.reason.startswith("the final dump cannot fit the 1")
+        else:
+            # but without it, the final dump waits for the periodic dump to let go of the lock, then begins
+            assert waited >= 2.5
+            assert not inflight.abandoned(agent.state.dir, frozen)
+            assert "CRIU was started" in failed.reason
     finally:
         for pid in _alive(tree):
             subprocess.run(["kill", "-9", str(pid)], check=False)

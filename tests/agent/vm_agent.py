@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from spotcr_agent import agentlog, carry, daemon, nodeport
+from spotcr_agent import agentlog, carry, daemon, memsample, nodeport
 from spotcr_agent.agent import Agent, base_job_env
 from spotcr_agent.config import DEFAULT_CONFIG_PATH, AgentConfig, load
 from spotcr_agent.store import CheckpointStore, DirectoryBackend, StoreError
@@ -130,6 +130,9 @@ def main(op, *args):
         return {"exit_code": None}
     if op == "status":
         return json.loads(agent.status().to_line())
+    if op == "memory-changed":  # memory-changed CHECKPOINT_ID: the job's memory sampled at that dump, read again
+        share = memsample.changed_since(config.state_dir, args[0])
+        return {"sampled": share.sampled, "changed": share.changed} if share else {"sampled": 0}
     if op == "checkpoint-ids":
         return {"ids": agent.store().checkpoint_ids()}
     if op == "two-triggers":

@@ -37,7 +37,7 @@ from spotcr_contracts.commands import checkpoint_id
 from spotcr_contracts.layout import CRIU_LOGS, job_prefix
 from spotcr_contracts.tags import DEFAULT_TCP
 
-from . import aliases, carry, deadline, gpu, inflight, mounts, tracking
+from . import aliases, carry, deadline, gpu, inflight, memsample, mounts, tracking
 from . import scratch as scratch_room
 from .carry import Entry, JobScan, Layout
 from .config import DEFAULT_LOCAL_FILES_LIMIT_MB
@@ -377,6 +377,8 @@ class Checkpointer:
                         raise CheckpointError(why) from error
                 raise CheckpointError.of(error, scratch / "logs" / "dump.log") from error
         # The job runs again; the commit stays under the dump lock so periodic dumps never overlap or reorder.
+        if self._gpus is None:  # what changes from here on, told at a notice (memsample.py)
+            memsample.record(self.state.dir, checkpoint, pid)
         self.on_resumed()
         extra = self._carried(scratch, snapshot, copied=scratch / "carried")
         result = self.store.commit(scratch / "images", meta, extra_files=extra, keep_going=self._in_flight(meta))
@@ -505,7 +507,7 @@ class Checkpointer:
             if base is None and samples and reclaim_at:
                 now = time.time()  # EC2's time by this VM's clock (Amazon Time Sync on EC2)
                 # None left means this clock runs ahead (EC2 would have taken the VM already): begin the dump.
-                seen = _dirtying_seen(inflight.read(self.state.dir), parent)
+                seen = self._dirtying_seen(inflight.read(self.state.dir), parent, samples)
                 if now < reclaim_at and (why_not := _cannot_fit_from(samples, parent, now, reclaim_at, seen)):
                     raise CheckpointError(why_not)
             self._check_checkpointable(pid)  # after the deadline: it scans the job and asks the store
@@ -543,7 +545,7 @@ class Checkpointer:
             parent = state.last_checkpoint
             samples = [deadline.Sample.from_json(sample) for sample in state.dump_samples]
         commit = inflight.in_flight(self.state.dir)
-        seen = _dirtying_seen(commit, parent)
+        seen = self._dirtying_seen(commit, parent, samples)
         now = time.time()
         if now >= reclaim_at or not (why_not := _cannot_fit_from(samples, parent, now, reclaim_at, seen)):
             return ""
@@ -561,6 +563,32 @@ class Checkpointer:
         )
         inflight.abandon(self.state.dir, dump.checkpoint_id)
         return why_not
+
+    def _dirtying_seen(
+        self, commit: inflight.Commit | None, parent: str | None, samples: list[deadline.Sample]
+    ) -> list[float]:
+        """Dirty rates the job showed outside its periodic dumps' samples, since checkpoint `parent`: what a
+        periodic commit on top of it measured before it stopped (inflight.py), and the memory changed or taken since
+        `parent` was dumped here, read from the sample taken then (memsample.py) at its low end, as a share of the
+        checkpoint's bytes, over the time since its freeze."""
+        seen = []
+        if commit is not None and commit.parent == parent and (rate := commit.dirty_per_s()) is not None:
+            seen.append(rate)  # a commit with another parent committed: its sample has the rate
+        share = memsample.changed_since(self.state.dir, parent) if parent and samples else None
+        since = time.time() - deadline.checkpoint_seconds(parent) if parent else 0.0
+        if share is not None and since > 0:
+            log.info(
+                "memory sampled at %s: %d of its %d pages still held, %d of those changed; %.2f of %.2f GiB at least"
+                " changed or new since",
+                parent,
+                share.held,
+                share.sampled,
+                share.changed,
+                share.least_changed() / deadline.GiB,
+                share.memory_now / deadline.GiB,
+            )
+            seen.append(min(1.0, share.least_changed() / max(samples[-1].bytes_total, 1)) / since)
+        return seen
 
     def _commit_in_the_way(self, reclaim_at: float | None) -> Callable[[], None]:
         """While a periodic commit holds the dump lock: asks it to stop once its end, at its rate so far, falls after
@@ -862,14 +890,6 @@ def _cannot_fit_from(
     at `reclaim_at`."""
     since = begun - deadline.checkpoint_seconds(parent) if parent else 0.0
     return deadline.cannot_fit(samples, since, reclaim_at - begun, dirty_seen=seen)
-
-
-def _dirtying_seen(commit: inflight.Commit | None, parent: str | None) -> list[float]:
-    """The dirty rate a periodic commit measured, not committed, on top of the checkpoint a final dump builds on."""
-    if commit is None or commit.parent != parent:  # none, or one that committed: its sample has the rate
-        return []
-    rate = commit.dirty_per_s()
-    return [rate] if rate is not None else []
 
 
 @contextlib.contextmanager

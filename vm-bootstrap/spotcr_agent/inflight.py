@@ -10,7 +10,8 @@ and the backup restored the checkpoint before, at the end of the notice. So:
   the lock at once, and its own deadline decides (deadline.cannot_fit): the dump, or the job stopped for the backup
   to restore the newest committed checkpoint now;
 - what the stopped commit measured of how much of the job's memory changed since its parent counts for that
-  decision (`Commit.dirty_per_s`): the job's own figure, where one full dump alone has none;
+  decision (`Commit.dirty_per_s`): the job's own figure, where one full dump alone has none (as does the job's
+  memory sampled at its parent's dump and read again at the notice: memsample.py);
 - a periodic dump names itself here for as long as it holds the dump lock (`holding`: from before its freeze to its
   commit's end). When neither a final dump begun at the notice nor that periodic dump, from when it took the lock,
   can be durable before the reclaim even at the job's best measured rates, the final dump does not wait for the
