@@ -159,6 +159,25 @@ def test_a_final_dump_is_not_begun_only_when_even_its_least_time_exceeds_what_th
     assert deadline.cannot_fit([], since_freeze_s=0, seconds_left=0) == ""
 
 
+def test_a_dirty_rate_the_job_is_known_to_have_reached_is_not_undercut_by_a_slower_one():
+    # Given the recorded periodic dumps, 8 times the memory, and a notice 10 s after the last freeze with time
+    # left for all but sending: the slowest dirtying they measured changes too little in 10 s to matter
+    samples = scaled(recorded(), 8)
+    memory = samples[-1].bytes_total
+    slowest = min(s.bytes_changed / s.bytes_total / s.since_parent_s for s in samples if s.since_parent_s > 0)
+    send = memory / max(s.bytes_new / s.split_store()[1] for s in samples if s.bytes_new > 0)
+    left = 1.2 * max(memory / max(s.bytes_total / s.criu_s for s in samples), slowest * 10 * send)
+    assert deadline.cannot_fit(samples, since_freeze_s=10, seconds_left=left) == ""
+    # and a stopped commit's rate, slower still, changes nothing
+    assert deadline.cannot_fit(samples, since_freeze_s=10, seconds_left=left, dirty_seen=[slowest / 2]) == ""
+    # When the job is known to have changed all of its memory since (memsample.py: 10 s at 10% a second)
+    why = deadline.cannot_fit(
+        samples, since_freeze_s=10, seconds_left=left, dirty_seen=[slowest / 2], dirty_at_least=0.1
+    )
+    # Then the final dump counts all of it to send, and is not begun
+    assert "sending the 100% changed since the last checkpoint" in why
+
+
 def test_the_largest_memory_that_fits_is_where_the_prediction_meets_the_budget():
     rates = Rates.of(recorded())
     assert rates is not None

@@ -566,11 +566,12 @@ class Checkpointer:
 
     def _dirtying_seen(
         self, commit: inflight.Commit | None, parent: str | None, samples: list[deadline.Sample]
-    ) -> list[float]:
-        """Dirty rates the job showed outside its periodic dumps' samples, since checkpoint `parent`: what a
-        periodic commit on top of it measured before it stopped (inflight.py), and the memory changed or taken since
-        `parent` was dumped here, read from the sample taken then (memsample.py) at its low end, as a share of the
-        checkpoint's bytes, over the time since its freeze."""
+    ) -> tuple[list[float], float]:
+        """How fast the job dirtied its memory since checkpoint `parent`, outside its periodic dumps' samples: the
+        rate a periodic commit on top of it measured before it stopped (inflight.py); and the least rate it is
+        known to have reached, from the memory changed or taken since `parent` was dumped here, read from the
+        sample taken then (memsample.py) at its low end, as a share of the checkpoint's bytes over the time since its
+        freeze (0 without one)."""
         seen = []
         if commit is not None and commit.parent == parent and (rate := commit.dirty_per_s()) is not None:
             seen.append(rate)  # a commit with another parent committed: its sample has the rate
@@ -587,8 +588,8 @@ class Checkpointer:
                 share.least_changed() / deadline.GiB,
                 share.memory_now / deadline.GiB,
             )
-            seen.append(min(1.0, share.least_changed() / max(samples[-1].bytes_total, 1)) / since)
-        return seen
+            return seen, min(1.0, share.least_changed() / max(samples[-1].bytes_total, 1)) / since
+        return seen, 0.0
 
     def _commit_in_the_way(self, reclaim_at: float | None) -> Callable[[], None]:
         """While a periodic commit holds the dump lock: asks it to stop once its end, at its rate so far, falls after
@@ -884,12 +885,13 @@ class Checkpointer:
 
 
 def _cannot_fit_from(
-    samples: list[deadline.Sample], parent: str | None, begun: float, reclaim_at: float, seen: list[float]
+    samples: list[deadline.Sample], parent: str | None, begun: float, reclaim_at: float, seen: tuple[list[float], float]
 ) -> str:
     """deadline.cannot_fit for a full dump begun at `begun` (unix time) on top of `parent`, EC2 reclaiming the VM
-    at `reclaim_at`."""
+    at `reclaim_at`; `seen`: the dirtying the job showed outside its samples (Checkpointer._dirtying_seen)."""
     since = begun - deadline.checkpoint_seconds(parent) if parent else 0.0
-    return deadline.cannot_fit(samples, since, reclaim_at - begun, dirty_seen=seen)
+    rates, at_least = seen
+    return deadline.cannot_fit(samples, since, reclaim_at - begun, dirty_seen=rates, dirty_at_least=at_least)
 
 
 @contextlib.contextmanager

@@ -206,7 +206,11 @@ def _cannot_fit(rates: Rates, memory: float, shortest: int, predicted: float, bu
 
 
 def cannot_fit(
-    samples: Sequence[Sample], since_freeze_s: float, seconds_left: float, dirty_seen: Sequence[float] = ()
+    samples: Sequence[Sample],
+    since_freeze_s: float,
+    seconds_left: float,
+    dirty_seen: Sequence[float] = (),
+    dirty_at_least: float = 0.0,
 ) -> str:
     """Why a final dump begun now cannot be durable in the seconds the notice has left, even at the best this job's
     periodic dumps measured; "" when it may fit, or nothing was measured here yet.
@@ -215,7 +219,8 @@ def cannot_fit(
     overlapped (the slowest alone counts), and the slowest dirtying measured since the last freeze (none when
     not measured). A dump this refuses could not have fitted at any rate the job has shown; one it lets begin may
     still miss. Only for a dump that reads all of memory (no dirty-page tracking). `dirty_seen`: dirty rates the
-    job showed outside the samples (a periodic commit stopped for the final dump: inflight.py)."""
+    job showed outside the samples (a periodic commit stopped for the final dump: inflight.py); `dirty_at_least`: a
+    rate the job is known to have reached since the last freeze (memsample.py), which the slowest cannot undercut."""
     usable = [s for s in samples if s.bytes_total > 0 and s.criu_s > 0 and s.store_s > 0]
     if not usable:
         return ""
@@ -225,7 +230,7 @@ def cannot_fit(
     dirty = [s.bytes_changed / s.bytes_total / s.since_parent_s for s in usable if s.since_parent_s > 0]
     dirty += dirty_seen
     sends = [s.bytes_new / s.split_store()[1] for s in usable if s.bytes_new > 0 and s.split_store()[1] > 0]
-    share = min(1.0, min(dirty) * max(0.0, since_freeze_s)) if dirty else 0.0
+    share = min(1.0, max(min(dirty) if dirty else 0.0, dirty_at_least) * max(0.0, since_freeze_s))
     send_s = memory * share / max(sends) if sends else 0.0
     least = max(criu_s, scan_s, send_s)
     if least <= seconds_left:
