@@ -133,3 +133,13 @@ def test_each_dump_keeps_its_own_sample_and_the_newest_few(tmp_path, job):
 def test_the_bytes_changed_count_at_the_low_end_of_what_the_pages_read_allow(held, changed, now, at_least, at_most):
     share = memsample.Share(512, held, changed, 1 << 30, int(now * (1 << 30)))
     assert at_least <= share.least_changed() / (1 << 30) <= at_most
+
+
+def test_a_sample_that_cannot_be_kept_or_read_fails_nothing(tmp_path, job):
+    # A state dir that cannot be written: the periodic dump goes on without a sample
+    memsample.record(tmp_path / "missing", "c1", job.pid)
+    assert memsample.changed_since(tmp_path / "missing", "c1") is None
+    # A damaged samples file: the final dump decides without it
+    memsample.record(tmp_path, "c1", job.pid)
+    (tmp_path / memsample.SAMPLES).write_text('[{"checkpoint_id": "c1", "pid": "x"}, 3]')
+    assert memsample.changed_since(tmp_path, "c1") is None

@@ -140,8 +140,8 @@ class _Tree:
 
 
 def take(pid: int, pages: int = SAMPLE_PAGES) -> dict[str, Any]:
-    """Up to `pages` pages the job's tree holds, picked at random over its private writable mappings (so uniformly
-    among the pages it holds): each as [pid, address, CRC32]; with each process's start time and the bytes of the
+    """Up to `pages` pages the job's tree holds, picked at random over the mappings CRIU dumps (so uniformly among
+    the pages it holds there): each as [pid, address, CRC32]; with each process's start time and the bytes of the
     job's memory."""
     tree = scratch.job_tree(pid)
     started = {member: runner.process_start_time(member) for member in tree}
@@ -187,39 +187,43 @@ def read_again(sample: dict[str, Any]) -> tuple[int, int]:
 
 def record(state_dir: Path, checkpoint_id: str, pid: int) -> None:
     """Sample the job's memory as of checkpoint `checkpoint_id`, just dumped (the job runs again). Never fails the
-    dump: a sample that cannot be taken is only missing at the notice."""
+    dump: a sample that cannot be taken or kept is only missing at the notice."""
     try:
         sample = take(pid)
-    except OSError as error:
+        if len(sample["pages"]) < LEAST_PAGES:
+            log.info("no memory sample for checkpoint %s: %d pages found", checkpoint_id, len(sample["pages"]))
+            return
+        kept = [s for s in _read(state_dir) if s.get("checkpoint_id") != checkpoint_id][-(KEEP - 1) :]
+        kept.append({"checkpoint_id": checkpoint_id, **sample})
+        tmp = state_dir / f".{SAMPLES}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(kept))
+        tmp.replace(state_dir / SAMPLES)
+    except (OSError, ValueError) as error:
         log.warning("no memory sample for checkpoint %s: %s", checkpoint_id, error)
-        return
-    if len(sample["pages"]) < LEAST_PAGES:
-        log.info("no memory sample for checkpoint %s: %d pages found", checkpoint_id, len(sample["pages"]))
-        return
-    kept = [s for s in _read(state_dir) if s.get("checkpoint_id") != checkpoint_id][-(KEEP - 1) :]
-    kept.append({"checkpoint_id": checkpoint_id, **sample})
-    tmp = state_dir / f".{SAMPLES}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(kept))
-    tmp.replace(state_dir / SAMPLES)
 
 
 def changed_since(state_dir: Path, checkpoint_id: str) -> Share | None:
     """How much of the job's memory changed since checkpoint `checkpoint_id` was dumped here; None without its
-    sample, or once the job is not the one sampled (restarted or restored)."""
+    sample, once the job is not the one sampled (restarted or restored), or when the sample cannot be read: a
+    final dump decides without it then, never fails for it."""
     for sample in _read(state_dir):
         if sample.get("checkpoint_id") == checkpoint_id:
-            pid = int(sample["pid"])
-            if runner.process_start_time(pid) != sample["started"].get(str(pid)):
+            try:
+                pid = int(sample["pid"])
+                if runner.process_start_time(pid) != sample["started"].get(str(pid)):
+                    return None
+                held, changed = read_again(sample)
+                now = sum(scratch.memory_bytes(member) for member in scratch.job_tree(pid))
+                return Share(len(sample["pages"]), held, changed, int(sample["memory"]), now)
+            except (KeyError, TypeError, ValueError, OSError) as error:
+                log.warning("the memory sample of checkpoint %s cannot be read: %s", checkpoint_id, error)
                 return None
-            held, changed = read_again(sample)
-            now = sum(scratch.memory_bytes(member) for member in scratch.job_tree(pid))
-            return Share(len(sample["pages"]), held, changed, int(sample["memory"]), now)
     return None
 
 
 def _read(state_dir: Path) -> list[dict[str, Any]]:
     try:
         samples = json.loads((state_dir / SAMPLES).read_text())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):
         return []
-    return samples if isinstance(samples, list) else []
+    return [s for s in samples if isinstance(s, dict)] if isinstance(samples, list) else []
