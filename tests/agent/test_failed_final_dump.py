@@ -356,10 +356,6 @@ REWRITING_JOB = (
 )
 
 
-def _job_memory(pid: int) -> int:
-    return sum(scratch_room.memory_bytes(member) for member in scratch_room.job_tree(pid))
-
-
 @pytest.mark.parametrize("sampled", [True, False])
 def test_a_final_dump_that_a_memory_sample_tells_cannot_fit_does_not_wait_for_the_next_dumps_freeze(
     tmp_path, publisher, monkeypatch, sampled
@@ -368,7 +364,13 @@ def test_a_final_dump_that_a_memory_sample_tells_cannot_fit_does_not_wait_for_th
     # of CRIU and 60 s of the store for the job's memory, nearly all of it sending: alone, a final dump's least
     # time (4 s, if nothing changed) fits a 15 s notice
     agent, tree, now, parent = _one_dump_a_minute_ago(
-        tmp_path, publisher, monkeypatch, criu_s=4.0, upload_s=57.0, command=REWRITING_JOB, size=_job_memory
+        tmp_path,
+        publisher,
+        monkeypatch,
+        criu_s=4.0,
+        upload_s=57.0,
+        command=REWRITING_JOB,
+        size=lambda pid: scratch_room.tree_memory(scratch_room.job_tree(pid)),
     )
     work = agent.config.workdir
     wait_for((work / "filled").exists, what="the job's memory")

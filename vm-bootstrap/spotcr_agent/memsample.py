@@ -7,16 +7,16 @@ before it could tell that it cannot fit the notice: seconds of the notice, for a
 the backup should have been told at once.
 
 So each periodic dump, once CRIU is done and the job runs again, reads SAMPLE_PAGES pages of the job's memory
-chosen at random among the writable pages its processes hold that CRIU writes (private, or shared of no
-file) and keeps their CRC32s
-under the checkpoint's id. At the notice the same pages are read again: the share that differs is how much of the
-job's memory changed since that checkpoint's freeze, within milliseconds and without the dump lock. The final
-dump's deadline counts it at its lower bound (Wilson, 95%), as a share of the checkpoint's bytes (its work dir
-counted unchanged): it never decides from a share the job may not have reached. A page written between the
-freeze and the sample counts as unchanged, so the share errs low as well. Only pages a process holds are read
-(reading another would fault it in, or wait for a lazy restore to bring it); a process that is gone (or whose
-PID another one has by now) and a page no longer held are not counted, as a final dump would not send them. A
-job with GPUs is not sampled: its device memory is not read here.
+chosen at random among the writable pages its processes hold that CRIU writes (private, or shared of no file),
+and keeps their CRC32s under the checkpoint's id. At the notice the same pages are read again: the changed share
+of what the job still holds of them, and the memory it took since, are how much of its memory the checkpoint does
+not hold as it is now, within milliseconds and without the dump lock. The final dump's deadline counts that at the
+low end of its 95% (Wilson) interval, as a share of the checkpoint's bytes (its work dir counted unchanged), and
+as a floor under the dirtying the job's dumps measured: it never decides from a share the job may not have
+reached. A page written between the freeze and the sample counts as unchanged, so the share errs low as well.
+Only pages a process holds are read (reading another would fault it in, or wait for a lazy restore to bring it);
+a process that is gone (or whose PID another one has by now) and a page no longer held count as nothing to send.
+A job with GPUs is not sampled: its device memory is not read here.
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ class _Tree:
     def page(self, pid: int, address: int) -> bytes | None:
         if pid not in self._open:
             self._open[pid] = None
-            if runner.process_start_time(pid) == self._started.get(pid):
+            started = self._started.get(pid)
+            if started is not None and runner.job_alive(pid, started):
                 with contextlib.suppress(OSError):
                     self._open[pid] = _Process(pid)
         process = self._open[pid]
@@ -167,7 +168,7 @@ def take(pid: int, pages: int = SAMPLE_PAGES) -> dict[str, Any]:
     return {
         "pid": pid,
         "started": {str(member): time for member, time in started.items()},
-        "memory": sum(scratch.memory_bytes(member) for member in tree),
+        "memory": scratch.tree_memory(tree),
         "pages": [[member, address, crc] for (member, address), crc in picked.items()],
     }
 
@@ -210,10 +211,11 @@ def changed_since(state_dir: Path, checkpoint_id: str) -> Share | None:
         if sample.get("checkpoint_id") == checkpoint_id:
             try:
                 pid = int(sample["pid"])
-                if runner.process_start_time(pid) != sample["started"].get(str(pid)):
+                started = sample["started"].get(str(pid))
+                if started is None or not runner.job_alive(pid, started):
                     return None
                 held, changed = read_again(sample)
-                now = sum(scratch.memory_bytes(member) for member in scratch.job_tree(pid))
+                now = scratch.tree_memory(scratch.job_tree(pid))
                 return Share(len(sample["pages"]), held, changed, int(sample["memory"]), now)
             except (KeyError, TypeError, ValueError, OSError) as error:
                 log.warning("the memory sample of checkpoint %s cannot be read: %s", checkpoint_id, error)

@@ -69,6 +69,11 @@ def memory_bytes(pid: int, proc: Path = Path("/proc")) -> int:
     return total
 
 
+def tree_memory(tree: list[int], proc: Path = Path("/proc")) -> int:
+    """What CRIU writes for a process tree (job_tree): memory_bytes of each."""
+    return sum(memory_bytes(member, proc) for member in tree)
+
+
 def tree_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -81,7 +86,7 @@ def tree_bytes(path: Path) -> int:
 
 
 def dump_estimate(pid: int, workdir: Path | None = None, proc: Path = Path("/proc")) -> int:
-    memory = sum(memory_bytes(member, proc) for member in job_tree(pid, proc))
+    memory = tree_memory(job_tree(pid, proc), proc)
     files = tree_bytes(workdir) if workdir is not None else 0
     return int((memory + files) * MARGIN) + OVERHEAD_BYTES
 
